@@ -1,0 +1,143 @@
+"""Hook points: identity modules that name a tensor in the forward pass and let callers read or edit it.
+
+Names come from the module tree (`blocks.3.hook_resid_post`), so nobody types a name twice.
+Hooks are temporary: `HookedRootModule.hooks()` removes everything it added in a `finally`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Sequence, Union
+
+import torch
+from torch import nn
+
+HookFn = Callable[[torch.Tensor, "HookPoint"], Union[torch.Tensor, None]]
+NameOrPredicate = Union[str, Callable[[str], bool]]
+NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
+
+
+class HookPoint(nn.Module):
+    """Identity on its input, except that attached hook functions see it and may replace it.
+
+    A hook is `fn(tensor, hook) -> None | tensor`; returning a tensor replaces the activation.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name: str = ""
+        self._fns: list[HookFn] = []
+
+    def add_hook(self, fn: HookFn) -> Callable[[], None]:
+        """Attach `fn`; returns a function that removes exactly this attachment."""
+        self._fns.append(fn)
+
+        def remove() -> None:
+            for i, f in enumerate(self._fns):
+                if f is fn:
+                    del self._fns[i]
+                    return
+
+        return remove
+
+    def remove_hooks(self) -> None:
+        self._fns.clear()
+
+    def has_hooks(self) -> bool:
+        return bool(self._fns)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for fn in self._fns:
+            out = fn(x, self)
+            if out is not None:
+                if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+                    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                    raise ValueError(f"hook on {self.name} returned {got}; expected a tensor of shape {tuple(x.shape)}")
+                x = out
+        return x
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, hooks={len(self._fns)}"
+
+
+class HookedRootModule(nn.Module):
+    """A module whose `HookPoint`s are named by their place in the tree. Call `setup_hooks()` last in `__init__`."""
+
+    # Hook points computed only when something is attached to them (they cost extra work).
+    ON_REQUEST: tuple[str, ...] = ()
+
+    def setup_hooks(self) -> None:
+        self.hook_dict: dict[str, HookPoint] = {}
+        for name, module in self.named_modules():
+            if isinstance(module, HookPoint):
+                module.name = name
+                self.hook_dict[name] = module
+
+    # ----------------------------------------------------------- name lookup
+    def _unknown(self, name: str) -> KeyError:
+        close = difflib.get_close_matches(name, list(self.hook_dict), n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else "; see model.hook_dict for all names"
+        return KeyError(f"unknown hook name {name!r}{hint}")
+
+    def hook_names(self, names_filter: NamesFilter = None) -> list[str]:
+        """The hook names a filter selects, in forward order.
+
+        `None` selects every hook point except those computed only on request (`hook_result`);
+        a string or list of strings must name existing hook points; a callable is a predicate.
+        """
+        if names_filter is None:
+            return [n for n in self.hook_dict if not n.endswith(self.ON_REQUEST)] if self.ON_REQUEST else list(self.hook_dict)
+        if isinstance(names_filter, str):
+            names_filter = [names_filter]
+        if callable(names_filter):
+            return [n for n in self.hook_dict if names_filter(n)]
+        names = list(names_filter)
+        for n in names:
+            if not isinstance(n, str):
+                raise TypeError(f"names_filter entries must be hook names (str), got {type(n).__name__}")
+            if n not in self.hook_dict:
+                raise self._unknown(n)
+        wanted = set(names)
+        return [n for n in self.hook_dict if n in wanted]
+
+    def _resolve(self, name_or_predicate: NameOrPredicate) -> list[HookPoint]:
+        if isinstance(name_or_predicate, str):
+            if name_or_predicate not in self.hook_dict:
+                raise self._unknown(name_or_predicate)
+            return [self.hook_dict[name_or_predicate]]
+        if callable(name_or_predicate):
+            return [hp for n, hp in self.hook_dict.items() if name_or_predicate(n)]
+        raise TypeError(f"a hook target must be a hook name or a predicate on names, got {type(name_or_predicate).__name__}")
+
+    # ------------------------------------------------------------- attaching
+    @contextmanager
+    def hooks(self, fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = ()) -> Iterator["HookedRootModule"]:
+        """Attach hooks for the body of a `with` block; they are removed on exit, also when it raises.
+
+        >>> with model.hooks([("blocks.0.hook_attn_out", lambda x, hook: x * 0)]):
+        ...     logits = model(tokens)
+        """
+        removers: list[Callable[[], None]] = []
+        try:
+            for target, fn in fwd_hooks:
+                if not callable(fn):
+                    raise TypeError(f"hook for {target!r} is not callable: {fn!r}")
+                for hp in self._resolve(target):
+                    removers.append(hp.add_hook(fn))
+            yield self
+        finally:
+            for remove in reversed(removers):
+                remove()
+
+    def reset_hooks(self) -> None:
+        """Remove every hook from every hook point."""
+        for hp in self.hook_dict.values():
+            hp.remove_hooks()
+
+
+def layer_of(name: str) -> int | None:
+    """The block index in a hook name (`blocks.3.hook_resid_post` -> 3), or None outside the blocks."""
+    m = re.match(r"blocks\.(\d+)\.", name)
+    return int(m.group(1)) if m else None

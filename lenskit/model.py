@@ -1,0 +1,230 @@
+"""HookedGPT2: a GPT-2 whose every write to the residual stream passes a named hook point."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
+
+import torch
+from torch import nn
+
+from .cache import ActivationCache
+from .config import ModelConfig
+from .hooks import HookedRootModule, HookFn, NameOrPredicate, NamesFilter, HookPoint
+from .layers import TransformerBlock, make_norm
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+TokensLike = Union[torch.Tensor, str, Sequence[str]]
+
+
+class HookedGPT2(HookedRootModule):
+    """GPT-2 with TransformerLens-style hook points, numerically equal to `transformers`' GPT-2.
+
+    >>> model = HookedGPT2.from_pretrained(lenskit.DEFAULT_MODEL)
+    >>> logits, cache = model.run_with_cache("def __init__(self")
+    >>> cache["resid_post", 3].shape   # [batch, pos, d_model]
+    """
+
+    ON_REQUEST = ("attn.hook_result",)
+
+    def __init__(self, cfg: ModelConfig, tokenizer: "PreTrainedTokenizerBase | None" = None, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
+        self.pos_embed = nn.Embedding(cfg.n_ctx, cfg.d_model)
+        self.hook_embed = HookPoint()  # [batch, pos, d_model]
+        self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
+        self.dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg, dropout) for _ in range(cfg.n_layers))
+        self.ln_final = make_norm(cfg)
+        self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
+        self.tie_weights()
+        self.setup_hooks()
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.unembed.weight = self.embed.weight
+
+    @torch.no_grad()
+    def init_weights(self, residual_scaling: bool = True) -> None:
+        """GPT-2's init: N(0, 0.02) weights, zero biases, unit norm gains.
+
+        With `residual_scaling`, the two projections that write into the stream in each block
+        (`attn.out`, `mlp.fc_out`) get std 0.02 / sqrt(2 * n_layers), so the stream's variance
+        stays level with depth instead of growing with the number of writes.
+        """
+        if self.embed.weight.is_meta:
+            return
+        std = self.cfg.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif ".ln" in name or name.startswith("ln_final"):
+                nn.init.ones_(p)
+            elif residual_scaling and name.endswith(("attn.out.weight", "mlp.fc_out.weight")):
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layers))
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, tokens: TokensLike, *, stop_at_layer: int | None = None) -> torch.Tensor:
+        """Logits [batch, pos, d_vocab] at every position; with `stop_at_layer=l`, the stream after l blocks."""
+        tokens = self.validate_tokens(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.hook_embed(self.embed(tokens)) + self.hook_pos_embed(self.pos_embed(positions).expand(tokens.shape[0], -1, -1))
+        x = self.dropout(x)
+        for block in self.blocks[:stop_at_layer]:
+            x = block(x)  # [batch, pos, d_model]
+        if stop_at_layer is not None:
+            return x
+        return self.unembed(self.ln_final(x))  # [batch, pos, d_vocab]
+
+    def run_with_hooks(self, tokens: TokensLike, fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (), **kwargs: Any) -> torch.Tensor:
+        """Run with hooks attached for this call only; they are removed even if the call raises."""
+        with self.hooks(fwd_hooks):
+            return self(tokens, **kwargs)
+
+    def run_with_cache(
+        self,
+        tokens: TokensLike,
+        names_filter: NamesFilter = None,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (),
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, ActivationCache]:
+        """Run once and keep the activations `names_filter` selects (see `hook_names`).
+
+        Cached tensors are stored as produced, without copies, unless `device` or `dtype` asks for one.
+        `fwd_hooks` run before caching, so the cache sees their edits.
+        """
+        store: dict[str, torch.Tensor] = {}
+        if device is None and dtype is None:
+            def save(x: torch.Tensor, hook: HookPoint) -> None:
+                store[hook.name] = x.detach()
+        else:
+            def save(x: torch.Tensor, hook: HookPoint) -> None:
+                store[hook.name] = x.detach().to(device=device, dtype=dtype)
+        caching = [(name, save) for name in self.hook_names(names_filter)]
+        with self.hooks([*fwd_hooks, *caching]):
+            out = self(tokens, **kwargs)
+        return out, ActivationCache(store, self.cfg.n_layers)
+
+    @torch.no_grad()
+    def generate(self, tokens: TokensLike, max_new_tokens: int = 20) -> torch.Tensor:
+        """Greedy continuation (no sampling, no KV cache): [batch, pos + max_new_tokens]."""
+        tokens = self.validate_tokens(tokens)
+        for _ in range(max_new_tokens):
+            window = tokens[:, -self.cfg.n_ctx:]
+            next_token = self(window)[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, next_token], dim=1)
+        return tokens
+
+    # --------------------------------------------------------------- tokens
+    def validate_tokens(self, tokens: TokensLike) -> torch.Tensor:
+        """Text becomes tokens; token tensors are checked for dtype, shape, vocabulary and context length."""
+        if isinstance(tokens, str) or (isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], str)):
+            tokens = self.to_tokens(tokens)
+        if not isinstance(tokens, torch.Tensor):
+            raise TypeError(f"expected a LongTensor of token ids or text, got {type(tokens).__name__}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise TypeError(f"token ids must be an integer tensor, got dtype {tokens.dtype}")
+        if tokens.ndim == 1:
+            tokens = tokens.unsqueeze(0)
+        if tokens.ndim != 2 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens must have shape [batch, pos] with pos >= 1, got {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.cfg.n_ctx:
+            raise ValueError(
+                f"the prompt has {tokens.shape[1]} tokens but the model's context is n_ctx={self.cfg.n_ctx}; "
+                f"truncate it (e.g. tokens[:, -{self.cfg.n_ctx}:]) or split it into windows"
+            )
+        bad = (tokens < 0) | (tokens >= self.cfg.d_vocab)
+        if bad.any():
+            b, p = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"token id {int(tokens[b, p])} at [batch {b}, pos {p}] is outside the vocabulary [0, {self.cfg.d_vocab})"
+            )
+        return tokens.to(device=self.embed.weight.device, dtype=torch.long)
+
+    def _need_tokenizer(self) -> "PreTrainedTokenizerBase":
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass token ids, or load from a folder with tokenizer files")
+        return self.tokenizer
+
+    def to_tokens(self, text: str | Sequence[str], prepend_bos: bool = False) -> torch.Tensor:
+        """Token ids [batch, pos]. Several texts are right-padded with the EOS id; causal attention keeps
+        the real positions exact, and positions past a text's end are padding.
+
+        >>> model.to_tokens("Hello world")   # GPT-2's tokenizer: tensor([[15496, 995]])
+        """
+        tok = self._need_tokenizer()
+        texts = [text] if isinstance(text, str) else list(text)
+        ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+        if prepend_bos:
+            bos = tok.bos_token_id if tok.bos_token_id is not None else self.cfg.bos_token_id
+            if bos is None:
+                raise ValueError("prepend_bos=True but neither the tokenizer nor the config defines a BOS token")
+            ids = [[bos, *row] for row in ids]
+        if any(len(row) == 0 for row in ids):
+            raise ValueError("an empty text has no tokens; pass prepend_bos=True or a non-empty string")
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        width = max(len(row) for row in ids)
+        out = torch.full((len(ids), width), pad, dtype=torch.long)
+        for i, row in enumerate(ids):
+            out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return out.to(self.embed.weight.device)
+
+    def to_str_tokens(self, tokens: TokensLike) -> list[str] | list[list[str]]:
+        """Each token as its text: a list for one sequence, a list of lists for a batch."""
+        tok = self._need_tokenizer()
+        if isinstance(tokens, str):
+            tokens = self.to_tokens(tokens)
+        elif isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], str):
+            return [self.to_str_tokens(t) for t in tokens]
+        tokens = torch.as_tensor(tokens)
+        if tokens.ndim == 2 and tokens.shape[0] == 1:
+            tokens = tokens[0]
+        if tokens.ndim == 2:
+            return [self.to_str_tokens(row) for row in tokens]
+        return [tok.decode([int(t)]) for t in tokens]
+
+    def to_string(self, tokens: torch.Tensor) -> str | list[str]:
+        tok = self._need_tokenizer()
+        tokens = torch.as_tensor(tokens)
+        if tokens.ndim == 2:
+            return [tok.decode(row.tolist()) for row in tokens]
+        return tok.decode(tokens.tolist())
+
+    # ------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> "HookedGPT2":
+        """Load a local folder in the Hugging Face GPT-2 layout, or a hub name via the local HF cache."""
+        from .loading import load_pretrained
+
+        return load_pretrained(cls, name_or_path, dtype=dtype, device=device)
+
+    @classmethod
+    def from_hf(cls, hf_model: nn.Module, tokenizer: "PreTrainedTokenizerBase | None" = None) -> "HookedGPT2":
+        """Convert an in-memory `transformers.GPT2LMHeadModel` (or `GPT2Model`)."""
+        from .loading import from_hf
+
+        return from_hf(cls, hf_model, tokenizer)
+
+    def save_pretrained(self, folder: str | os.PathLike) -> None:
+        """Write the Hugging Face GPT-2 layout: config.json, model.safetensors and the tokenizer files."""
+        from .loading import save_pretrained
+
+        save_pretrained(self, folder)
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return (f"name={c.name!r}, n_layers={c.n_layers}, d_model={c.d_model}, n_heads={c.n_heads}, "
+                f"d_mlp={c.d_mlp}, d_vocab={c.d_vocab}, n_ctx={c.n_ctx}")

@@ -1,0 +1,30 @@
+"""The tokenizer comes from the checkpoint's own files: `tokenizer.json`, or GPT-2's `vocab.json` + `merges.txt`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import GPT2Tokenizer, PreTrainedTokenizerBase
+
+
+def has_tokenizer_files(folder: Path) -> bool:
+    return (folder / "tokenizer.json").exists() or ((folder / "vocab.json").exists() and (folder / "merges.txt").exists())
+
+
+def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase | None:
+    """A fast byte-level BPE tokenizer from `folder`, or None when the folder carries no tokenizer files."""
+    folder = Path(folder)
+    if not has_tokenizer_files(folder):
+        return None
+    try:
+        # Name the class: AutoTokenizer would follow whatever tokenizer_config.json says.
+        return GPT2Tokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"the tokenizer files in {folder} could not be read: {e}") from e
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> None:
+    """`tokenizer.json` plus GPT-2's classic `vocab.json` and `merges.txt`, so older readers work too."""
+    tokenizer.save_pretrained(str(folder))
+    if hasattr(tokenizer, "save_vocabulary"):
+        tokenizer.save_vocabulary(str(folder))
