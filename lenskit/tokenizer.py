@@ -26,5 +26,6 @@ def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase | None:
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> None:
     """`tokenizer.json` plus GPT-2's classic `vocab.json` and `merges.txt`, so older readers work too."""
     tokenizer.save_pretrained(str(folder))
-    if hasattr(tokenizer, "save_vocabulary"):
-        tokenizer.save_vocabulary(str(folder))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ == "BPE":
+        backend.model.save(str(folder))

@@ -1,0 +1,32 @@
+"""The `lenskit` command line. Each subcommand lives in its own module with `add_parser` and `run`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand name -> module under lenses.cli
+COMMANDS = {
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lenskit", description="Read GPT-2's residual stream layer by layer.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in COMMANDS.items():
+        importlib.import_module(f"lenses.cli.{module}").add_parser(sub, name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (ValueError, FileNotFoundError, KeyError, OSError) as e:
+        print(f"lenskit {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
