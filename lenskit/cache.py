@@ -52,6 +52,13 @@ class ActivationCache(Mapping):
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             raise KeyError(f"{name!r} is not in this cache ({len(self._store)} entries){hint}") from None
 
+    def __contains__(self, key: object) -> bool:
+        try:
+            self[key]  # type: ignore[index]
+        except (KeyError, IndexError):  # an out-of-range layer is simply not here
+            return False
+        return True
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._store)
 

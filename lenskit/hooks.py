@@ -82,7 +82,7 @@ class HookedRootModule(nn.Module):
         return KeyError(f"unknown hook name {name!r}{hint}")
 
     def hook_names(self, names_filter: NamesFilter = None) -> list[str]:
-        """The hook names a filter selects, in forward order.
+        """The hook names a filter selects, in module order (the order of `hook_dict`).
 
         `None` selects every hook point except those computed only on request (`hook_result`);
         a string or list of strings must name existing hook points; a callable is a predicate.
@@ -121,7 +121,10 @@ class HookedRootModule(nn.Module):
         """
         removers: list[Callable[[], None]] = []
         try:
-            for target, fn in fwd_hooks:
+            for item in fwd_hooks:
+                if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                    raise TypeError(f"fwd_hooks must hold (hook name or predicate, fn) pairs, got {item!r:.80}")
+                target, fn = item
                 if not callable(fn):
                     raise TypeError(f"hook for {target!r} is not callable: {fn!r}")
                 for hp in self._resolve(target):

@@ -194,26 +194,45 @@ def resolve_model_folder(name_or_path: str | os.PathLike) -> Path:
     return _from_hub(text)
 
 
+def _hub_cache_dir() -> str | None:
+    """The hub cache folder, read from the environment now: huggingface_hub reads it once, at import."""
+    env = os.environ
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(var):
+            return os.path.expanduser(env[var])
+    if env.get("HF_HOME"):
+        return os.path.join(os.path.expanduser(env["HF_HOME"]), "hub")
+    return None  # huggingface_hub's default (~/.cache/huggingface/hub)
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
+    return constants.HF_HUB_OFFLINE or any(f.strip().lower() in ("1", "true", "yes", "on") for f in flags)
+
+
 def _from_hub(name: str) -> Path:
     from huggingface_hub import snapshot_download
 
+    cache_dir = _hub_cache_dir()
     candidates = [name] + ([f"openai-community/{name}"] if name in PRESETS else [])
     for repo_id in candidates:
         try:
-            return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
+            return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, cache_dir=cache_dir, local_files_only=True))
         except Exception:  # noqa: BLE001 - not cached under this id; try the next one
             continue
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     reason = "HF_HUB_OFFLINE is set"
-    if not offline:
+    if not _hub_offline():
         try:
-            return Path(snapshot_download(candidates[-1], allow_patterns=HUB_FILES))
+            return Path(snapshot_download(candidates[-1], allow_patterns=HUB_FILES, cache_dir=cache_dir))
         except Exception as e:  # noqa: BLE001 - any network or hub failure gets the same advice
             reason = f"download failed: {type(e).__name__}: {e}"
     raise OSError(
-        f"{name!r} is not in the local Hugging Face cache and could not be fetched ({reason}). "
-        f"On a machine with network, run `hf download {candidates[-1]}` (or save_pretrained a model) and copy "
-        "the folder here, then pass its path: HookedGPT2.from_pretrained('/path/to/folder')"
+        f"{name!r} is not a local folder, and not in the local Hugging Face cache ({cache_dir or 'default location'}); it could not be "
+        f"fetched ({reason}). Pass a local folder instead: on a machine with network, run "
+        f"`hf download {candidates[-1]}` (or save_pretrained a model), copy the folder here, then "
+        "HookedGPT2.from_pretrained('/path/to/folder')"
     )
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from .cache import ActivationCache
 from .config import ModelConfig
-from .hooks import HookedRootModule, HookFn, NameOrPredicate, NamesFilter, HookPoint
+from .hooks import HookedRootModule, HookFn, NameOrPredicate, NamesFilter, HookPoint, layer_of
 from .layers import TransformerBlock, make_norm
 
 if TYPE_CHECKING:
@@ -74,6 +74,9 @@ class HookedGPT2(HookedRootModule):
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: TokensLike, *, stop_at_layer: int | None = None) -> torch.Tensor:
         """Logits [batch, pos, d_vocab] at every position; with `stop_at_layer=l`, the stream after l blocks."""
+        n = self.cfg.n_layers
+        if stop_at_layer is not None and not (isinstance(stop_at_layer, int) and -n <= stop_at_layer <= n):
+            raise ValueError(f"stop_at_layer must be an int in [-{n}, {n}] (streams after 0..{n} blocks), got {stop_at_layer!r}")
         tokens = self.validate_tokens(tokens)
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.hook_embed(self.embed(tokens)) + self.hook_pos_embed(self.pos_embed(positions).expand(tokens.shape[0], -1, -1))
@@ -97,12 +100,18 @@ class HookedGPT2(HookedRootModule):
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (),
+        return_logits: bool = True,
         **kwargs: Any,
-    ) -> tuple[torch.Tensor, ActivationCache]:
+    ) -> tuple[torch.Tensor | None, ActivationCache]:
         """Run once and keep the activations `names_filter` selects (see `hook_names`).
 
         Cached tensors are stored as produced, without copies, unless `device` or `dtype` asks for one.
         `fwd_hooks` run before caching, so the cache sees their edits.
+
+        With `return_logits=False` the run stops after the last block that a cached name or a `fwd_hooks`
+        target lives in, skipping the unembedding, and returns `(None, cache)`:
+
+        >>> _, cache = model.run_with_cache(tokens, ["blocks.2.hook_resid_post"], return_logits=False)  # 3 blocks run
         """
         store: dict[str, torch.Tensor] = {}
         if device is None and dtype is None:
@@ -111,10 +120,40 @@ class HookedGPT2(HookedRootModule):
         else:
             def save(x: torch.Tensor, hook: HookPoint) -> None:
                 store[hook.name] = x.detach().to(device=device, dtype=dtype)
-        caching = [(name, save) for name in self.hook_names(names_filter)]
-        with self.hooks([*fwd_hooks, *caching]):
+        names = self.hook_names(names_filter)
+        fwd_hooks = list(fwd_hooks)
+        stop = kwargs.get("stop_at_layer")
+        if not return_logits:
+            if stop is not None:
+                raise ValueError("pass return_logits=False or stop_at_layer, not both: return_logits=False "
+                                 "already stops after the last block that the cache or fwd_hooks need")
+            targets = [n for item in fwd_hooks if isinstance(item, (tuple, list)) for n in self._names_of(item[0])]
+            kwargs["stop_at_layer"] = self._blocks_needed([*names, *targets])
+        elif isinstance(stop, int) and isinstance(names_filter, (str, list, tuple)):
+            # Names asked for one by one must all arrive; a predicate takes what the shortened run has.
+            stop = stop if stop >= 0 else self.cfg.n_layers + stop
+            late = [n for n in names if (need := self._blocks_needed([n])) is None or need > stop]
+            if late:
+                raise ValueError(f"stop_at_layer={kwargs['stop_at_layer']} ends the run before {late[:3]} fire; "
+                                 "drop those names, raise stop_at_layer, or use return_logits=False")
+        with self.hooks([*fwd_hooks, *((name, save) for name in names)]):
             out = self(tokens, **kwargs)
-        return out, ActivationCache(store, self.cfg.n_layers)
+        return (out if return_logits else None), ActivationCache(store, self.cfg.n_layers)
+
+    def _names_of(self, target: NameOrPredicate) -> list[str]:
+        if isinstance(target, str):
+            return [target]
+        return [n for n in self.hook_dict if target(n)] if callable(target) else []
+
+    def _blocks_needed(self, names: Iterable[str]) -> int | None:
+        """How many blocks must run for every hook in `names` to fire; None when one is past the blocks."""
+        needed = 0
+        for name in names:
+            layer = layer_of(name)
+            if layer is None and name not in ("hook_embed", "hook_pos_embed"):
+                return None  # ln_final and anything else after the blocks: the whole model runs
+            needed = max(needed, 0 if layer is None else layer + 1)
+        return needed
 
     @torch.no_grad()
     def generate(self, tokens: TokensLike, max_new_tokens: int = 20) -> torch.Tensor:
@@ -165,6 +204,8 @@ class HookedGPT2(HookedRootModule):
         """
         tok = self._need_tokenizer()
         texts = [text] if isinstance(text, str) else list(text)
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise ValueError(f"to_tokens needs a string or a non-empty list of strings; got no texts or non-strings: {text!r:.80}")
         ids = [tok.encode(t, add_special_tokens=False) for t in texts]
         if prepend_bos:
             bos = tok.bos_token_id if tok.bos_token_id is not None else self.cfg.bos_token_id

@@ -8,6 +8,11 @@ import sys
 
 # subcommand name -> module under lenses.cli
 COMMANDS = {
+    "lens": "lens",
+    "info": "info",
+    "train-lens": "train_lens",
+    "eval-lens": "eval_lens",
+    "ablate": "ablate",
 }
 
 

@@ -1,0 +1,241 @@
+"""Residual-stream anatomy: the stream as a sum of writes, each write's direct effect on a logit, norms by layer.
+
+A pre-LN GPT-2 only ever adds to its stream, so the stream at any point is exactly
+
+    embed + pos_embed + sum over earlier blocks of (attn_out + mlp_out)
+
+and each attention write is itself the sum of its heads (`attn.hook_result`) plus the output bias.
+`decompose_resid` returns those parts; `direct_logit_attribution` projects each part on an unembedding
+direction through the final norm, linearised; `resid_norms` measures the stream and each write by layer.
+
+>>> logits, cache = model.run_with_cache(tokens, names_filter=lambda name: True)  # includes hook_result
+>>> parts = decompose_resid(cache, model.cfg.n_layers, per_head=True)
+>>> dla = direct_logit_attribution(model, cache, token=" self", per_head=True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import pandas as pd
+import torch
+
+from lenskit import ActivationCache, HookedGPT2
+from lenskit.cache import hook_name
+
+POINTS = ("resid_pre", "resid_mid", "resid_post")
+TokenLike = Union[int, str, torch.Tensor]
+
+
+@dataclass
+class ResidDecomposition:
+    """The parts of one residual-stream point. `components` is [component, batch, pos, d_model];
+    `labels`, `kinds`, `layers` and `heads` describe each component (layer and head are None where
+    they do not apply). Kinds: `embed`, `pos_embed`, `attn`, `mlp`, and with per-head splits `head`
+    and `attn_bias` in place of `attn`."""
+
+    components: torch.Tensor
+    labels: list[str]
+    kinds: list[str]
+    layers: list[int | None]
+    heads: list[int | None]
+    point: str
+    layer: int
+
+    def total(self) -> torch.Tensor:
+        """The sum of the parts: [batch, pos, d_model], equal to the stream up to float rounding."""
+        return self.components.sum(0)
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per (component, batch, position) with the part's L2 norm and RMS (norm / sqrt(d_model))."""
+        norm = self.components.float().norm(dim=-1)  # [component, batch, pos]
+        c, b, p = norm.shape
+        index = pd.MultiIndex.from_product([range(c), range(b), range(p)], names=["c", "batch", "position"])
+        frame = index.to_frame(index=False)
+        which = frame.pop("c").to_numpy()
+        frame["component"] = pd.array(self.labels, dtype=object)[which]
+        frame["kind"] = pd.array(self.kinds, dtype=object)[which]
+        frame["layer"] = pd.array(self.layers, dtype="Int64")[which]
+        frame["head"] = pd.array(self.heads, dtype="Int64")[which]
+        frame["norm"] = norm.flatten().cpu().numpy()
+        frame["rms"] = frame["norm"] / self.components.shape[-1] ** 0.5
+        return frame
+
+
+def _need(cache: ActivationCache, name: str, why: str) -> torch.Tensor:
+    if name not in cache:
+        raise KeyError(
+            f"{why} needs {name!r}, which this cache does not hold; run model.run_with_cache(tokens) without a "
+            "names_filter" + (", or with names_filter=lambda name: True for the per-head hook_result" if "result" in name else "")
+        )
+    return cache[name]
+
+
+def stream_at(cache: ActivationCache, layer: int, point: str = "resid_pre") -> torch.Tensor:
+    """The cached stream [batch, pos, d_model] at `point` of block `layer`; `("resid_pre", n_layers)` is
+    the final block's `resid_post`, following the lens convention (stream after `layer` blocks)."""
+    n = cache.n_layers
+    if point not in POINTS:
+        raise ValueError(f"point must be one of {POINTS}, got {point!r}")
+    top = n if point == "resid_pre" else n - 1
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer <= top:
+        raise IndexError(f"layer {layer!r} is out of range for {point}: expected 0..{top} in a {n}-block model")
+    if point == "resid_pre" and layer == n:
+        return _need(cache, hook_name("resid_post", n - 1), "the final stream")
+    return _need(cache, hook_name(point, layer), f"{point} of block {layer}")
+
+
+def decompose_resid(cache: ActivationCache, layer: int, point: str = "resid_pre", per_head: bool = False) -> ResidDecomposition:
+    """Split the stream at `point` of block `layer` into the embedding, the position embedding and every
+    attention and MLP write before it (layer convention as in `stream_at`).
+
+    With `per_head`, each attention write becomes its heads' writes (`attn.hook_result`) plus an
+    `attn_bias` part, computed as `attn_out - sum(heads)` so the parts still sum exactly to the stream.
+    """
+    stream_at(cache, layer, point)  # validates layer and point
+    parts: list[tuple[torch.Tensor, str, str, int | None, int | None]] = [
+        (_need(cache, "hook_embed", "decompose_resid"), "embed", "embed", None, None),
+        (_need(cache, "hook_pos_embed", "decompose_resid"), "pos_embed", "pos_embed", None, None),
+    ]
+    full_blocks = layer + 1 if point == "resid_post" else layer
+    for i in range(min(full_blocks + (point == "resid_mid"), cache.n_layers)):
+        attn_out = _need(cache, hook_name("attn_out", i), "decompose_resid")
+        if per_head:
+            result = _need(cache, hook_name("result", i), "a per-head decomposition")  # [batch, pos, head, d_model]
+            for h in range(result.shape[2]):
+                parts.append((result[:, :, h], f"L{i}H{h}", "head", i, h))
+            parts.append((attn_out - result.sum(2), f"{i}_attn_bias", "attn_bias", i, None))
+        else:
+            parts.append((attn_out, f"{i}_attn_out", "attn", i, None))
+        if i < full_blocks:
+            parts.append((_need(cache, hook_name("mlp_out", i), "decompose_resid"), f"{i}_mlp_out", "mlp", i, None))
+    pos_embed = parts[1][0].expand_as(parts[0][0])  # the cache may hold it for batch 1 only
+    tensors = [parts[0][0], pos_embed, *(p[0] for p in parts[2:])]
+    return ResidDecomposition(
+        components=torch.stack(tensors),  # [component, batch, pos, d_model]
+        labels=[p[1] for p in parts], kinds=[p[2] for p in parts], layers=[p[3] for p in parts],
+        heads=[p[4] for p in parts], point=point, layer=layer,
+    )
+
+
+# ------------------------------------------------------------------ attribution
+def _token_ids(model: HookedGPT2, token: TokenLike, batch: int) -> torch.Tensor:
+    """[batch] token ids from an id, a single-token string, or a [batch] tensor of ids."""
+    if isinstance(token, str):
+        ids = model.to_tokens(token)[0]
+        if len(ids) != 1:
+            pieces = model.to_str_tokens(ids)
+            raise ValueError(f"{token!r} is {len(ids)} tokens {pieces}; pass a string that is one token, or an id")
+        token = int(ids[0])
+    ids = torch.as_tensor(token, dtype=torch.long).flatten()
+    if ids.numel() == 1:
+        ids = ids.expand(batch)
+    if ids.numel() != batch:
+        raise ValueError(f"expected one target token or one per sequence ({batch}), got {ids.numel()}")
+    if ((ids < 0) | (ids >= model.cfg.d_vocab)).any():
+        raise ValueError(f"target token ids {ids.tolist()} are outside the vocabulary [0, {model.cfg.d_vocab})")
+    return ids
+
+
+def _positions(pos: int | Sequence[int] | torch.Tensor, batch: int, n_pos: int) -> torch.Tensor:
+    p = torch.as_tensor(pos, dtype=torch.long).flatten()
+    p = p.expand(batch) if p.numel() == 1 else p
+    if p.numel() != batch:
+        raise ValueError(f"expected one position or one per sequence ({batch}), got {p.numel()}")
+    if ((p < -n_pos) | (p >= n_pos)).any():
+        raise IndexError(f"positions {p.tolist()} are out of range for sequences of {n_pos} tokens")
+    return p % n_pos
+
+
+@torch.no_grad()
+def direct_logit_attribution(
+    model: HookedGPT2,
+    cache: ActivationCache,
+    token: TokenLike,
+    minus: TokenLike | None = None,
+    *,
+    pos: int | Sequence[int] | torch.Tensor = -1,
+    per_head: bool = False,
+) -> pd.DataFrame:
+    """Each write's direct contribution to the logit of `token` (or to `logit(token) - logit(minus)`).
+
+    The final norm is linearised at the actual final stream `x`: its scale `s = sqrt(var(x) + eps)`
+    (the RMS for RMSNorm) is held fixed, so a part `c` contributes `centre(c) / s * w . u`, with `w` the
+    norm's gain, `centre` the mean subtraction (LayerNorm only) and `u` the unembedding direction
+    (`W_U[token] - W_U[minus]`). The norm's bias contributes its own row, `ln_final.bias`. Because
+    centring and the dot product are linear, the rows sum exactly to the model's logit (difference).
+    The approximation is in reading a row as an effect: removing a part would also change `s`, which
+    this attribution ignores; it measures what each write says directly, not what it causes downstream.
+
+    `pos` is one position, or one per sequence (e.g. each prompt's last real token). Returns one row per
+    (batch, component) with `batch, position, component, kind, layer, head, attribution`; the frame's
+    `attrs["logit"]` holds the target logit (difference) per sequence, computed from the model itself.
+    """
+    final = stream_at(cache, cache.n_layers)  # [batch, pos, d_model]
+    batch, n_pos, d_model = final.shape
+    p = _positions(pos, batch, n_pos)
+    rows = torch.arange(batch)
+    plus_ids = _token_ids(model, token, batch)
+    minus_ids = None if minus is None else _token_ids(model, minus, batch)
+    direction = model.unembed.weight[plus_ids]  # [batch, d_model]
+    if minus_ids is not None:
+        direction = direction - model.unembed.weight[minus_ids]
+
+    parts = decompose_resid(cache, cache.n_layers, per_head=per_head)
+    comps = parts.components[:, rows, p].to(direction.dtype)  # [component, batch, d_model]
+    x = final[rows, p].to(direction.dtype)  # [batch, d_model]
+    ln = model.ln_final
+    if hasattr(ln, "bias"):  # LayerNorm: the mean is subtracted from every part, as it is from their sum
+        comps = comps - comps.mean(-1, keepdim=True)
+        x = x - x.mean(-1, keepdim=True)
+    scale = (x.pow(2).mean(-1, keepdim=True) + ln.eps).sqrt()  # [batch, 1], as the norm computes it
+    attribution = torch.einsum("cbd,bd->cb", comps / scale * ln.weight, direction)  # [component, batch]
+    labels, kinds, layers, heads = list(parts.labels), list(parts.kinds), list(parts.layers), list(parts.heads)
+    if hasattr(ln, "bias"):
+        attribution = torch.cat([attribution, (ln.bias * direction).sum(-1)[None]])
+        labels.append("ln_final.bias"), kinds.append("ln_bias"), layers.append(None), heads.append(None)
+
+    n_comp = attribution.shape[0]
+    frame = pd.DataFrame({
+        "batch": rows.repeat_interleave(n_comp).numpy(),
+        "position": p.repeat_interleave(n_comp).cpu().numpy(),
+        "component": labels * batch,
+        "kind": kinds * batch,
+        "layer": pd.array(layers * batch, dtype="Int64"),
+        "head": pd.array(heads * batch, dtype="Int64"),
+        "attribution": attribution.T.flatten().float().cpu().numpy(),
+    })
+    logits = model.unembed(model.ln_final(final[rows, p]))  # [batch, d_vocab], the model's own answer
+    target = logits.gather(-1, plus_ids[:, None])[:, 0]
+    if minus_ids is not None:
+        target = target - logits.gather(-1, minus_ids[:, None])[:, 0]
+    frame.attrs["logit"] = target.float().cpu().tolist()
+    return frame
+
+
+# ------------------------------------------------------------------------ norms
+def resid_norms(cache: ActivationCache, positions: slice | Sequence[int] | None = None) -> pd.DataFrame:
+    """Norms of the stream after 0..n_layers blocks and of each block's two writes, per sequence.
+
+    One row per (component, layer, batch), `component` in `resid`, `attn_out`, `mlp_out`; `layer` is the
+    stream index for `resid` (0..n_layers) and the block index for the writes, whose output lands in
+    stream `layer + 1`. Columns: `mean_norm` (L2 norm averaged over `positions`) and `rms` (root mean
+    square entry over positions and d_model, i.e. sqrt(mean norm^2 / d_model)). `positions` defaults to
+    all; `slice(1, None)` skips the first token, whose stream is often an outlier. Summarise across
+    sequences with `lenses.metrics.mean_ci(frame, "rms", by=["component", "layer"], unit="batch")`.
+    """
+    sel = slice(None) if positions is None else positions
+    entries = [("resid", l, stream_at(cache, l)) for l in range(cache.n_layers + 1)]
+    for i in range(cache.n_layers):
+        entries.append(("attn_out", i, _need(cache, hook_name("attn_out", i), "resid_norms")))
+        entries.append(("mlp_out", i, _need(cache, hook_name("mlp_out", i), "resid_norms")))
+    frames = []
+    for component, layer, x in entries:
+        x = x[:, sel].float()  # [batch, pos, d_model]
+        frames.append(pd.DataFrame({
+            "component": component, "layer": layer, "batch": range(x.shape[0]),
+            "mean_norm": x.norm(dim=-1).mean(-1).cpu().numpy(),
+            "rms": x.pow(2).mean((-1, -2)).sqrt().cpu().numpy(),
+        }))
+    return pd.concat(frames, ignore_index=True)

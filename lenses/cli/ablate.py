@@ -1,0 +1,148 @@
+"""`lenskit ablate PROMPT (--block L | --attn L | --mlp L | --head L.H)... [--mode zero|mean|resample]`:
+what the model predicts at each position with and without the ablated parts, and what that costs.
+
+Mean and resample ablations need reference text. By default it is `DEFAULT_REFERENCE`: modules of the
+running Python's standard library that the embedded model never trained on (they fall in its held-out
+split, `sha1(path) % 20 == 0` in experiments/train_default_model.py), cut into windows. `--reference`
+takes your own text files, folders or JSONL instead, which is the better choice for a model trained on
+something other than Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import sysconfig
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+import lenskit
+from lenskit.data import load_token_stream, window_order
+from lenskit.interventions import MODES, Attn, Block, Head, Mlp, ablation_hooks
+
+# Held-out files of the embedded model's stdlib split, present in every Python from 3.10 to 3.13.
+DEFAULT_REFERENCE = ("copy.py", "base64.py", "gzip.py", "enum.py")
+REFERENCE_WINDOWS = 32  # reference windows drawn for mean / resample
+MEAN_WINDOW = 128  # tokens per window for mean ablation (resample windows match the prompt's length)
+
+
+def _layer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a layer number, got {text!r}") from None
+
+
+def _head(text: str) -> Head:
+    layer, dot, head = text.partition(".")
+    try:
+        if not dot:
+            raise ValueError
+        return Head(int(layer), int(head))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LAYER.HEAD such as 3.1, got {text!r}") from None
+
+
+def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
+    p = subparsers.add_parser(
+        name, help="ablate blocks, sublayers or heads and compare predictions with the clean run",
+        description="Run PROMPT clean and with the named parts ablated; print, per position, both runs' top "
+                    "token, the loss on the next token and KL(clean || ablated) in nats.",
+        epilog="Mean and resample ablations read reference text: by default held-out standard-library "
+               f"modules ({', '.join(DEFAULT_REFERENCE)}), which the embedded model never saw in training.",
+    )
+    p.add_argument("prompt", help="the text to run")
+    p.add_argument("--model", default=None, help="model folder or hub name (default: the embedded model)")
+    p.add_argument("--block", dest="targets", action="append", type=lambda s: Block(_layer(s)), metavar="L",
+                   help="skip block L (zero mode: the stream passes through unchanged); repeatable")
+    p.add_argument("--attn", dest="targets", action="append", type=lambda s: Attn(_layer(s)), metavar="L",
+                   help="ablate the attention write of block L; repeatable")
+    p.add_argument("--mlp", dest="targets", action="append", type=lambda s: Mlp(_layer(s)), metavar="L",
+                   help="ablate the MLP write of block L; repeatable")
+    p.add_argument("--head", dest="targets", action="append", type=_head, metavar="L.H",
+                   help="ablate head H of block L (through its z); repeatable")
+    p.add_argument("--mode", choices=MODES, default="zero",
+                   help="zero; mean over the reference tokens; or resample from a reference window (default: zero)")
+    p.add_argument("--reference", nargs="+", default=None, metavar="PATH",
+                   help="text files, folders or .jsonl for mean/resample (default: held-out stdlib modules)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the reference windows and resampling (default 0)")
+    p.add_argument("--color", choices=["prob", "kl"], default="prob",
+                   help="figure colour: change in the next token's probability, or KL(clean || ablated)")
+    p.add_argument("--csv", default=None, help="write one row per position that has a next token")
+    p.add_argument("--out", default=None, help="write the layer-by-position difference heatmap (.html/.png/.svg/.pdf)")
+    p.set_defaults(run=run)
+
+
+def reference_windows(model: lenskit.HookedGPT2, paths: list[str] | None, length: int, seed: int) -> torch.Tensor:
+    """[REFERENCE_WINDOWS or fewer, length] token windows from the reference text, in a seeded order."""
+    if paths is None:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        paths = [str(root / name) for name in DEFAULT_REFERENCE if (root / name).is_file()]
+        if not paths:
+            raise FileNotFoundError(f"none of the default reference modules {DEFAULT_REFERENCE} is in {root}; "
+                                    "pass --reference with some text")
+    stream = load_token_stream(paths, model.tokenizer)
+    windows = stream.windows(length)
+    return windows[window_order(len(windows), seed)[:REFERENCE_WINDOWS]]
+
+
+def run(args: argparse.Namespace) -> int:
+    from lenses.compare import compare_runs, output_summary
+
+    if not args.targets:
+        raise ValueError("nothing to ablate: give at least one of --block L, --attn L, --mlp L, --head L.H")
+    model = lenskit.HookedGPT2.from_pretrained(args.model or lenskit.DEFAULT_MODEL)
+    if model.tokenizer is None:
+        raise ValueError(f"the model at {args.model} has no tokenizer files; lenskit ablate needs one to read PROMPT")
+    tokens = model.to_tokens(args.prompt)
+    reference = None
+    if args.mode != "zero":
+        length = tokens.shape[1] if args.mode == "resample" else min(MEAN_WINDOW, model.cfg.n_ctx)
+        reference = reference_windows(model, args.reference, length, args.seed)
+    try:
+        hooks = ablation_hooks(model, args.targets, args.mode, reference=reference, seed=args.seed)
+    except IndexError as e:  # an out-of-range layer or head: a user error, reported like the others
+        raise ValueError(str(e)) from None
+    frame = compare_runs(model, tokens, hooks)
+    summary = output_summary(frame)
+
+    names = ", ".join(_describe(t) for t in args.targets)
+    ref = "" if reference is None else f" over {len(reference)} reference windows of {reference.shape[1]} tokens"
+    print(f"ablated {names} ({args.mode}{ref}) in {model.cfg.name}, {tokens.shape[1]} tokens")
+    if summary.empty:
+        print("the prompt has one token, so no position has a next token to score; give a longer prompt")
+    else:
+        _print_table(summary)
+        clean, ablated = summary["clean_loss"].mean(), summary["ablated_loss"].mean()
+        print(f"mean loss {clean:.3f} -> {ablated:.3f} nats/token ({ablated - clean:+.3f}); "
+              f"mean KL(clean || ablated) {summary['kl'].mean():.3f} nats")
+    if args.csv:
+        summary.to_csv(args.csv, index=False)
+        print(f"wrote {args.csv}")
+    if args.out:
+        from lenses import plots
+
+        value = "delta_target_prob" if args.color == "prob" else "kl"
+        fig = plots.difference_heatmap(frame, value, title=f"{names} ablated ({args.mode})")
+        plots.save_figure(fig, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _describe(target) -> str:
+    if isinstance(target, Head):
+        return f"head {target.layer}.{target.heads[0]}"
+    return f"{type(target).__name__.lower()} {target.layer}"
+
+
+def _print_table(summary: pd.DataFrame) -> None:
+    show = lambda t: repr(str(t))[1:-1][:14]  # noqa: E731 - escapes newlines and tabs, keeps the table on one line
+    table = pd.DataFrame({
+        "pos": summary["position"], "input": summary["input_token"].map(show), "next": summary["target_token"].map(show),
+        "clean top": summary["clean_top_token"].map(show), "ablated top": summary["ablated_top_token"].map(show),
+        "clean loss": summary["clean_loss"].map("{:.3f}".format), "ablated loss": summary["ablated_loss"].map("{:.3f}".format),
+        "Δ loss": summary["delta_loss"].map("{:+.3f}".format), "KL": summary["kl"].map("{:.3f}".format),
+    })
+    sys.stdout.write(table.to_string(index=False) + "\n")

@@ -1,0 +1,50 @@
+"""`lenskit eval-lens`: the logit lens and a tuned lens side by side, per layer, on held-out text."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import lenskit
+
+
+def add_parser(subparsers, name: str) -> None:
+    p = subparsers.add_parser(name, help="evaluate a tuned lens against the logit lens, per layer", description=__doc__)
+    p.add_argument("--model", default=lenskit.DEFAULT_MODEL, help="model folder or hub name (default: the embedded model)")
+    p.add_argument("--lens", required=True, metavar="FOLDER", help="a tuned-lens folder (lenskit's, or tuned-lens' params.pt)")
+    p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="held-out text files, folders or .jsonl")
+    p.add_argument("--tokens", type=int, default=None, help="evaluate the first N tokens (default: all)")
+    p.add_argument("--ctx", type=int, default=None, help="window length (default: the model's n_ctx)")
+    p.add_argument("--csv", default=None, metavar="FILE", help="write the per-layer table (nats per token and bits per byte)")
+    p.add_argument("--text-field", default="text", help="the JSONL field that holds the text")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from lenskit.data import load_token_stream
+
+    from ..evaluation import evaluate
+    from ..logit import LogitLens
+    from ..tuned import TunedLens
+
+    model = lenskit.HookedGPT2.from_pretrained(args.model)
+    if model.tokenizer is None:
+        raise ValueError(f"the model at {args.model} has no tokenizer files; eval-lens needs one to read text")
+    tuned = TunedLens.load(args.lens, model)
+    stream = load_token_stream(args.data, model.tokenizer, text_field=args.text_field)
+    table = evaluate(model, {"logit": LogitLens(model), "tuned": tuned}, stream, tokens=args.tokens, ctx=args.ctx,
+                     progress=not args.quiet)
+    shown = ["layer", "kl_logit", "kl_tuned", "ce_logit", "ce_tuned", "kl_logit_bpb", "kl_tuned_bpb"]
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(table[shown].to_string(index=False, float_format=lambda x: f"{x:.4f}"))
+    depth = table.attrs["prediction_depth"]
+    print(f"{table.attrs['n_tokens']:,} tokens in {table.attrs['n_windows']} windows; nats per token, *_bpb bits per byte; "
+          f"mean prediction depth: logit {depth['logit']:.2f}, tuned {depth['tuned']:.2f} layers")
+    if args.csv:
+        Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
+        table.to_csv(args.csv, index=False)
+        print(f"wrote {args.csv}")
+    return 0

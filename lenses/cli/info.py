@@ -1,0 +1,93 @@
+"""`lenskit info [--model M]`: parameter counts, the per-block split and FLOPs per token of a model."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+
+import lenskit
+from lenskit import accounting
+from lenskit.config import PRESETS, ModelConfig
+
+
+def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
+    p = subparsers.add_parser(
+        name, help="parameter and FLOP accounting of a model",
+        description="Print a model's parameter counts (per block: attention, MLP, norms; weights and biases "
+                    "apart), its non-embedding total and FLOPs per token. Reads only the config, never the weights.",
+    )
+    p.add_argument("--model", default=None,
+                   help="a model folder, a preset name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a hub name "
+                        "in the local Hugging Face cache; default: the embedded model")
+    p.add_argument("--n-ctx", type=int, default=None, help="context length for the FLOP count (default: the model's)")
+    p.add_argument("--tokens", type=float, default=None, help="also print the training compute 6ND for this many tokens")
+    p.add_argument("--csv", default=None, help="write the per-component parameter table to this CSV file")
+    p.set_defaults(run=run)
+
+
+def resolve_config(model: str | None) -> tuple[ModelConfig, str]:
+    """The config of `model` and where it came from, reading config.json rather than the weights."""
+    path = Path(lenskit.DEFAULT_MODEL if model is None else model)
+    if (path / "config.json").is_file():
+        return ModelConfig.from_json(path / "config.json", name=path.name), f"{path}/config.json"
+    if model is None:
+        raise FileNotFoundError(f"the embedded model is missing at {path}; reinstall lenskit or pass --model")
+    if model.split("/")[-1] in PRESETS:
+        return ModelConfig.from_name(model), "preset shapes (no weights needed)"
+    if path.exists():
+        raise FileNotFoundError(f"{path} has no config.json; expected a Hugging Face GPT-2 folder or a preset name")
+    # A hub name: the loader resolves it through the local Hugging Face cache and explains failures.
+    return lenskit.HookedGPT2.from_pretrained(model).cfg, f"{model} (Hugging Face cache)"
+
+
+def _count(x: float) -> str:
+    return f"{int(x):,}"
+
+
+def _human(x: float) -> str:
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= size:
+            return f"{x / size:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg, source = resolve_config(args.model)
+    summary = accounting.param_summary(cfg)
+    block = accounting.block_params(cfg)
+    flops = accounting.flops_per_token(cfg, args.n_ctx)
+    n_ctx = args.n_ctx or cfg.n_ctx
+
+    print(f"model {cfg.name}  from {source}")
+    print(f"  n_layers={cfg.n_layers} d_model={cfg.d_model} n_heads={cfg.n_heads} d_head={cfg.d_head} "
+          f"d_mlp={cfg.d_mlp} d_vocab={cfg.d_vocab} n_ctx={cfg.n_ctx} norm={cfg.norm} mlp={cfg.mlp}")
+
+    print("\nparameters")
+    shown = summary.copy()
+    shown["value"] = [f"{v:.4f}" if isinstance(v, float) else _count(v) for v in shown["value"]]
+    shown["human"] = [_human(v) if not isinstance(v, float) else "" for v in summary["value"]]
+    print(shown[["value", "human", "note"]].to_string())
+
+    print(f"\nper block (x{cfg.n_layers})")
+    per_block = pd.concat([block, block.sum().to_frame("total").T])
+    per_block["share"] = per_block["params"] / block["params"].sum()
+    print(per_block.to_string(formatters={"weights": _count, "biases": _count, "params": _count,
+                                          "share": "{:.1%}".format}))
+
+    print(f"\nFLOPs per token at n_ctx={n_ctx} (matmuls only; training = 3 x forward)")
+    print(flops.to_string(formatters={"forward": _human, "training": _human, "share": "{:.1%}".format}))
+    total = float(summary.loc["total", "value"])
+    non_emb = float(summary.loc["non_embedding", "value"])
+    core = float(flops.loc["attn_core", "forward"])
+    print(f"  forward / params = {flops.loc['total', 'forward'] / total:.2f} "
+          f"({(flops.loc['total', 'forward'] - core) / total:.2f} without the attention core); "
+          f"attention core = {core / (2 * non_emb):.1%} of 2N (N non-embedding), {core / (2 * total):.1%} of 2N (N all)")
+    if args.tokens is not None:
+        print(f"\ntraining compute 6ND for D={args.tokens:.3g} tokens: "
+              f"{accounting.six_nd(cfg, args.tokens):.3g} FLOPs (N non-embedding)")
+    if args.csv:
+        accounting.param_table(cfg).to_csv(args.csv, index=False)
+        print(f"\nwrote {args.csv}")
+    return 0

@@ -1,0 +1,120 @@
+"""`lenskit lens PROMPT`: the top-1 token of every layer at every position, as a table, a CSV and a figure.
+
+    lenskit lens "def add(a, b):\\n    return" --out lens.png --csv lens.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import lenskit
+
+OUT_SUFFIXES = (".html", ".png", ".svg", ".pdf")
+COLORS = ("prob", "entropy", "kl", "rank")
+
+
+def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
+    p = subparsers.add_parser(
+        name, help="show what each layer predicts for a prompt (logit or tuned lens)",
+        description="Read a prompt's residual stream after every block through a lens and show each layer's "
+                    "top-1 next-token prediction at every position.",
+    )
+    p.add_argument("prompt", metavar="PROMPT", help=r"the text to read; write a newline as \n in the shell with $'...'")
+    p.add_argument("--model", default=lenskit.DEFAULT_MODEL,
+                   help="model folder (Hugging Face GPT-2 layout) or hub name; default: the embedded model")
+    p.add_argument("--lens", default="logit", metavar="logit|FOLDER",
+                   help="'logit' for the logit lens, or a folder saved by TunedLens.save (default: logit)")
+    p.add_argument("--top-k", type=int, default=5, metavar="K", help="top-k tokens kept per cell for the CSV and hover (default 5)")
+    p.add_argument("--out", metavar="FILE", help="write the heatmap to FILE.html, .png, .svg or .pdf")
+    p.add_argument("--csv", metavar="FILE", help="write one row per (layer, position) to FILE")
+    p.add_argument("--color", choices=COLORS, default="prob",
+                   help="heatmap colour: top-1 prob, entropy, KL(final||lens) or rank of the next token (default prob)")
+    p.set_defaults(run=run)
+
+
+def load_lens(spec: str, model: lenskit.HookedGPT2):
+    """'logit' -> LogitLens; a folder -> TunedLens.load(folder, model)."""
+    if spec == "logit":
+        from lenses.logit import LogitLens
+
+        return LogitLens(model)
+    folder = Path(spec)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--lens {spec!r} is neither 'logit' nor a folder; pass 'logit' or a folder written by TunedLens.save")
+    try:
+        from lenses.tuned import TunedLens
+    except ImportError as e:
+        raise ValueError(f"--lens {spec} needs lenses.TunedLens (lenses/tuned.py), which could not be imported: {e}") from e
+    return TunedLens.load(folder, model)
+
+
+def format_table(frame, max_chars: int = 8, width: int | None = None) -> str:
+    """Layers (rows, 0 = the embeddings) by positions (columns) of top-1 tokens, wrapped to the terminal's width."""
+    from lenses.trajectory import show_token
+
+    positions = sorted(frame["position"].unique())
+    layers = sorted(frame["layer"].unique())
+    top = frame.pivot(index="layer", columns="position", values="top_token")
+    inputs = frame[frame["layer"] == layers[0]].set_index("position")["input_token"]
+    cols = {p: [show_token(str(inputs[p]), max_chars)] + [show_token(str(top.loc[l, p]), max_chars) for l in layers] for p in positions}
+    widths = {p: max(len(c) for c in cols[p]) for p in positions}
+    labels = ["input"] + [f"layer {l}" for l in layers]
+    label_w = max(len(s) for s in labels)
+    width = width or shutil.get_terminal_size((120, 24)).columns
+    blocks, current, used = [], [], label_w
+    for p in positions:  # wrap the positions into blocks that fit the width
+        if current and used + 2 + widths[p] > width:
+            blocks.append(current)
+            current, used = [], label_w
+        current.append(p)
+        used += 2 + widths[p]
+    blocks.append(current)
+    lines = []
+    for block in blocks:
+        for row, label in enumerate(labels):
+            lines.append(label.rjust(label_w) + "".join("  " + cols[p][row].ljust(widths[p]) for p in block).rstrip())
+            if row == 0:
+                lines.append("-" * min(width, label_w + sum(2 + widths[p] for p in block)))
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from lenses.trajectory import Trajectory
+
+    if args.out and Path(args.out).suffix.lower() not in OUT_SUFFIXES:
+        raise ValueError(f"--out {args.out!r}: expected a file name ending in {', '.join(OUT_SUFFIXES)}")
+    if args.top_k < 1:
+        raise ValueError(f"--top-k must be at least 1, got {args.top_k}")
+    if args.model == lenskit.DEFAULT_MODEL and not (Path(args.model) / "config.json").exists():
+        raise FileNotFoundError(f"the embedded model is missing at {args.model}; reinstall lenskit or pass --model FOLDER")
+    model = lenskit.HookedGPT2.from_pretrained(args.model)
+    if model.tokenizer is None:
+        raise ValueError(f"the model at {args.model} has no tokenizer files, so PROMPT cannot be tokenized")
+    lens = load_lens(args.lens, model)
+    with torch.no_grad():
+        traj = Trajectory.from_prompt(model, lens, args.prompt, top_k=min(args.top_k, model.cfg.d_vocab))
+    frame = traj.to_frame()
+    print(f"{traj.lens_name} lens, {Path(args.model).name or args.model}: top-1 prediction after each block "
+          f"(layer 0 = embeddings, layer {traj.n_layers} = the model's output)")
+    print(format_table(frame))
+    if args.csv:
+        Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
+        frame.to_csv(args.csv, index=False)
+        print(f"wrote {args.csv} ({len(frame)} rows)")
+    if args.out:
+        from lenses import plots
+
+        fig = plots.logit_lens_heatmap(frame, color=args.color, title=f"{traj.lens_name} lens")
+        try:
+            plots.save_figure(fig, args.out)
+        except RuntimeError as e:  # e.g. no Chrome for static export
+            print(f"lenskit lens: error: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.out}")
+    return 0

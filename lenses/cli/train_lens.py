@@ -1,0 +1,66 @@
+"""`lenskit train-lens`: train a tuned lens on text files, folders or JSONL; resumes from --out.
+
+Under torchrun the same command trains with DistributedDataParallel (NCCL on GPUs, gloo on CPU):
+
+    torchrun --nproc-per-node 2 -m lenses.cli train-lens --data corpus/ --out my_lens
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import lenskit
+
+
+def add_parser(subparsers, name: str) -> None:
+    p = subparsers.add_parser(name, help="train a tuned lens (resumes from --out)", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=lenskit.DEFAULT_MODEL, help="model folder or hub name (default: the embedded model)")
+    p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="text files, folders (.py/.txt/.md/... inside) or .jsonl")
+    p.add_argument("--out", required=True, metavar="FOLDER", help="where checkpoints and the finished lens go")
+    p.add_argument("--steps", type=int, default=250, help="optimiser steps (default 250, as tuned-lens)")
+    p.add_argument("--tokens-per-step", type=int, default=None,
+                   help="tokens per step (default: min(2**18, data tokens / steps), a multiple of --ctx)")
+    p.add_argument("--seed", type=int, default=0, help="decides the order of the data windows")
+    p.add_argument("--ctx", type=int, default=None, help="window length in tokens (default: the model's n_ctx)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="sgd: Nesterov momentum (default); adam: AMSGrad")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.1 for sgd, 1e-3 for adam)")
+    p.add_argument("--weight-decay", type=float, default=1e-3, help="decay of the translators toward the identity")
+    p.add_argument("--resid-mid", action="store_true", help="also train translators for each block's resid_mid")
+    p.add_argument("--ckpt-every", type=int, default=10, help="steps between checkpoints")
+    p.add_argument("--text-field", default="text", help="the JSONL field that holds the text")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lenskit.data import load_token_stream
+
+    from ..training import Recipe, init_distributed, train
+    from ..tuned import TunedLens
+
+    rank, world, device = init_distributed()
+    model = lenskit.HookedGPT2.from_pretrained(args.model, device=device or ("cpu"))
+    if model.tokenizer is None:
+        raise ValueError(f"the model at {args.model} has no tokenizer files; train-lens needs one to read text")
+    stream = load_token_stream(args.data, model.tokenizer, text_field=args.text_field)
+    recipe = Recipe(steps=args.steps, tokens_per_step=args.tokens_per_step, seed=args.seed, ctx=args.ctx,
+                    optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, ckpt_every=args.ckpt_every)
+    if rank == 0:
+        print(f"data: {stream.provenance['n_files']} files, {len(stream):,} tokens; model: {model.cfg.name} "
+              f"({model.cfg.n_layers} layers); processes: {world}")
+    try:
+        lens = train(TunedLens(model, resid_mid=args.resid_mid), stream, recipe, out=args.out, progress=not args.quiet)
+    except FloatingPointError as e:  # a diverged run: say so plainly, the checkpoint is kept
+        print(f"lenskit train-lens: error: {e}", file=sys.stderr)
+        return 3
+    if rank == 0:
+        last = lens.info.get("loss_history", [[]])[-1]
+        print(f"wrote {args.out}: {lens.info.get('steps_done')} steps, {lens.info.get('tokens_seen', 0):,} tokens; "
+              f"final KL per stream (nats): {' '.join(f'{x:.4f}' for x in last)}")
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    return 0

@@ -1,0 +1,130 @@
+"""Per-layer evaluation of lenses on held-out text: KL to the final output, cross-entropy, entropy, prediction depth.
+
+Two levels, so that figures can carry confidence bands and tables stay small:
+
+- `evaluate_windows`: tidy rows, one per (lens, layer, window), each the mean over that window's tokens.
+  Tokens inside one window are correlated, so windows are the unit of the confidence intervals.
+- `per_layer` / `evaluate`: one row per layer, lenses side by side (`kl_logit, kl_tuned, ce_logit, ...`),
+  in nats per token with bits-per-byte twins (`*_bpb`).
+
+>>> table = evaluate(model, {"logit": LogitLens(model), "tuned": tuned}, heldout_stream, tokens=2**15)
+>>> table[["layer", "kl_logit", "kl_tuned"]]
+>>> table.attrs["prediction_depth"]     # {"logit": 3.1, "tuned": 2.2}: mean over tokens, in layers
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from lenskit import HookedGPT2
+from lenskit.data import TokenStream
+
+from . import metrics
+from .base import Lens
+from .logit import point_names
+
+METRICS = ("kl", "ce", "entropy", "top1_agree", "settled")
+
+
+def _named(lenses: Mapping[str, Lens] | Sequence[Lens]) -> dict[str, Lens]:
+    if isinstance(lenses, Mapping):
+        return dict(lenses)
+    named = {getattr(lens, "name", type(lens).__name__.lower()): lens for lens in lenses}
+    if len(named) != len(lenses):
+        raise ValueError("two lenses share a name; pass a dict {name: lens} instead")
+    return named
+
+
+@torch.no_grad()
+def evaluate_windows(model: HookedGPT2, lenses: Mapping[str, Lens] | Sequence[Lens], windows: torch.Tensor,
+                     batch: int = 8, progress: bool = True) -> pd.DataFrame:
+    """windows [n_windows, ctx] -> tidy DataFrame, one row per (lens, layer, window):
+
+    - kl: KL(final || lens), nats, mean over the window's ctx positions;
+    - ce: cross-entropy of the lens against the next token, nats, mean over the first ctx - 1 positions;
+    - entropy: entropy of the lens's distribution, nats;
+    - top1_agree: fraction of positions where the lens's top-1 equals the final top-1;
+    - settled: fraction of positions whose prediction depth is <= layer. The prediction depth of a token
+      is the first layer from which the lens's top-1 stays equal to the final top-1 through the last layer.
+    """
+    lenses = _named(lenses)
+    for name, lens in lenses.items():
+        if lens.model is not model:
+            raise ValueError(f"lens {name!r} was built for another model object; build it on the model being evaluated")
+    if windows.ndim != 2 or windows.shape[1] < 2:
+        raise ValueError(f"windows must be [n_windows, ctx] with ctx >= 2, got shape {tuple(windows.shape)}")
+    names = point_names("resid_pre", model.cfg.n_layers)  # streams 0..n_layers
+    rows = []
+    for start in tqdm(range(0, len(windows), batch), desc="evaluate", disable=not progress):
+        tokens = windows[start: start + batch].to(model.embed.weight.device)
+        final, cache = model.run_with_cache(tokens, names_filter=names)
+        final_top = final.argmax(-1)  # [batch, pos]
+        for name, lens in lenses.items():
+            stats = {k: [] for k in METRICS}
+            agree = []
+            for layer, hook in enumerate(names):
+                logits = lens(cache[hook], layer)  # [batch, pos, d_vocab]
+                stats["kl"].append(metrics.forward_kl(final, logits).mean(-1))
+                stats["ce"].append(metrics.cross_entropy(logits[:, :-1], tokens[:, 1:]).mean(-1))
+                stats["entropy"].append(metrics.entropy(logits).mean(-1))
+                agree.append(logits.argmax(-1) == final_top)
+            agree = torch.stack(agree)  # [layer, batch, pos]
+            # settled at l: agrees at every layer from l to the last (a reverse running AND).
+            settled = agree.flip(0).to(torch.int8).cumprod(0).flip(0).bool()
+            stats["top1_agree"] = list(agree.float().mean(-1))
+            stats["settled"] = list(settled.float().mean(-1))
+            for layer in range(len(names)):
+                for b in range(tokens.shape[0]):
+                    rows.append({"lens": name, "layer": layer, "window": start + b,
+                                 **{k: float(stats[k][layer][b]) for k in METRICS}})
+    return pd.DataFrame(rows)
+
+
+def per_layer(tidy: pd.DataFrame, n_tokens: int | None = None, n_bytes: int | None = None) -> pd.DataFrame:
+    """Tidy rows -> one row per layer with lenses side by side: `kl_<lens>, ce_<lens>, entropy_<lens>,
+    top1_agree_<lens>, settled_<lens>`, plus `<col>_bpb` bits-per-byte twins of the kl/ce/entropy columns
+    when `n_tokens` and `n_bytes` (the text the tokens encode) are given."""
+    means = tidy.groupby(["lens", "layer"], sort=False)[list(METRICS)].mean()
+    wide = means.unstack("lens")
+    order = list(dict.fromkeys(tidy["lens"]))
+    wide.columns = [f"{metric}_{lens}" for metric, lens in wide.columns]
+    cols = [f"{m}_{lens}" for m in METRICS for lens in order]
+    table = wide[cols].reset_index().sort_values("layer", ignore_index=True)
+    if n_tokens is not None and n_bytes is not None:
+        nats = [f"{m}_{lens}" for m in ("kl", "ce", "entropy") for lens in order]
+        table = metrics.with_bits_per_byte(table, n_tokens, n_bytes, columns=nats)
+    table.attrs["prediction_depth"] = prediction_depth(tidy)
+    return table
+
+
+def prediction_depth(tidy: pd.DataFrame) -> dict[str, float]:
+    """Mean prediction depth per lens, in layers: E[depth] = sum over l < n_layers of P(depth > l) = sum (1 - settled_l)."""
+    means = tidy.groupby(["lens", "layer"], sort=False)["settled"].mean()
+    out = {}
+    for lens in dict.fromkeys(tidy["lens"]):
+        settled = means[lens].sort_index()
+        out[lens] = float((1 - settled.iloc[:-1]).sum())
+    return out
+
+
+def evaluate(model: HookedGPT2, lenses: Mapping[str, Lens] | Sequence[Lens], stream: TokenStream,
+             tokens: int | None = None, ctx: int | None = None, batch: int = 8, progress: bool = True) -> pd.DataFrame:
+    """The per-layer table for the first `tokens` tokens of `stream` (all of it by default), cut into
+    non-overlapping windows of `ctx` (default the model's n_ctx). Bits per byte use the stream's bytes per token.
+
+    `.attrs` holds `prediction_depth` ({lens: mean layers}), `n_tokens` and `n_windows`.
+    """
+    ctx = ctx or model.cfg.n_ctx
+    windows = stream.windows(ctx)
+    if tokens is not None:
+        if tokens < ctx:
+            raise ValueError(f"--tokens {tokens} is less than one window of {ctx} tokens")
+        windows = windows[: tokens // ctx]
+    tidy = evaluate_windows(model, lenses, windows, batch=batch, progress=progress)
+    table = per_layer(tidy, n_tokens=len(stream), n_bytes=stream.n_bytes)
+    table.attrs.update(n_tokens=int(windows.numel()), n_windows=len(windows))
+    return table

@@ -1,0 +1,326 @@
+"""Training a tuned lens: KL(final || lens) against the model's own output, resumable, optionally distributed.
+
+The default recipe is tuned-lens': SGD with Nesterov momentum 0.9, learning rate 1 x (1 - momentum)
+decayed linearly to zero, weight decay 1e-3 on (A_l, b_l) (toward the identity, since translators are
+residual), gradient norm clipped at 1. Adam (AMSGrad, lr 1e-3, warmup) is an option.
+
+Exactness: the windows of step s are a pure function of (seed, s), the learning rate is a function of s,
+and a checkpoint holds the translators and the optimiser state, so a run killed at any point and
+resumed ends with the same weights as one that never stopped (on the same machine and thread count).
+
+>>> stream = lenskit.data.load_token_stream(["corpus/"], model.tokenizer)
+>>> lens = train(TunedLens(model), stream, Recipe(steps=100), out="my_lens")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from lenskit.data import TokenStream, window_order
+
+from .metrics import forward_kl
+from .tuned import CONFIG_FILE, TunedLens, read_config, write_atomic
+
+CHECKPOINT_FILE = "checkpoint.safetensors"
+MAX_TOKENS_PER_STEP = 2**18  # tuned-lens' step size; smaller data gets smaller steps (see Recipe)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to train. `None` fields are resolved from the data and model by `resolve`.
+
+    tokens_per_step=None takes min(2**18, the tokens the data holds / steps): the paper's batch where the
+    data allows it, otherwise one pass over the data, never repeating a window.
+    """
+
+    steps: int = 250
+    tokens_per_step: int | None = None
+    ctx: int | None = None  # window length; default the model's n_ctx
+    optimizer: str = "sgd"  # "sgd" (Nesterov) or "adam"
+    lr: float | None = None  # sgd: 1.0 * (1 - momentum); adam: 1e-3
+    momentum: float = 0.9  # SGD momentum, or Adam's beta1
+    weight_decay: float = 1e-3
+    warmup_steps: int | None = None  # sgd: 0; adam: min(1000, steps // 5)
+    clip_grad_norm: float = 1.0
+    seed: int = 0
+    micro_batch_tokens: int = 2048  # tokens per forward; bounds memory (d_vocab floats per token per layer)
+    ckpt_every: int = 10
+
+    def resolve(self, n_tokens: int, n_ctx: int, world_size: int = 1) -> "Recipe":
+        """Fill in the defaults, and raise before any training if the data cannot supply the steps."""
+        if self.steps < 1:
+            raise ValueError(f"steps must be at least 1, got {self.steps}")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
+        ctx = self.ctx or n_ctx
+        if not 2 <= ctx <= n_ctx:
+            raise ValueError(f"ctx={ctx} must be between 2 and the model's n_ctx={n_ctx}")
+        n_windows = n_tokens // ctx
+        if self.tokens_per_step is None:
+            per_step = min(MAX_TOKENS_PER_STEP // ctx, n_windows // self.steps)
+            per_step -= per_step % world_size
+            if per_step < world_size:
+                raise ValueError(
+                    f"too few tokens: {self.steps} steps need at least {self.steps * world_size} windows of {ctx} tokens "
+                    f"({self.steps * world_size * ctx:,} tokens), but the data has {n_tokens:,}; add data or use fewer --steps"
+                )
+            tokens_per_step = per_step * ctx
+        else:
+            tokens_per_step = self.tokens_per_step
+            if tokens_per_step % ctx or (tokens_per_step // ctx) % world_size:
+                raise ValueError(f"tokens_per_step={tokens_per_step} must be a multiple of ctx x processes = {ctx} x {world_size}")
+            need = self.steps * tokens_per_step
+            if need > n_windows * ctx:
+                raise ValueError(
+                    f"too few tokens: {self.steps} steps x {tokens_per_step:,} tokens per step = {need:,} tokens, but the data "
+                    f"has {n_windows:,} whole windows of {ctx} = {n_windows * ctx:,} tokens; add data, or lower --steps "
+                    f"or --tokens-per-step"
+                )
+        lr = self.lr if self.lr is not None else (1.0 * (1 - self.momentum) if self.optimizer == "sgd" else 1e-3)
+        warmup = self.warmup_steps if self.warmup_steps is not None else (min(1000, self.steps // 5) if self.optimizer == "adam" else 0)
+        return dataclasses.replace(self, ctx=ctx, tokens_per_step=tokens_per_step, lr=lr, warmup_steps=warmup)
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup (if any), then linear decay to zero at `steps`."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        return self.lr * max(0.0, (self.steps - step) / max(1, self.steps - self.warmup_steps))
+
+    def identity(self) -> dict:
+        """The fields that decide the result (a resumed run must match them)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "ckpt_every"}
+
+
+def make_optimizer(params: list[nn.Parameter], recipe: Recipe) -> torch.optim.Optimizer:
+    if recipe.optimizer == "sgd":
+        # PyTorch's momentum amplifies the step by 1 / (1 - momentum); lr = 1 - momentum undoes that (tuned-lens).
+        return torch.optim.SGD(params, lr=recipe.lr, momentum=recipe.momentum, nesterov=True, weight_decay=recipe.weight_decay)
+    return torch.optim.Adam(params, lr=recipe.lr, betas=(recipe.momentum, 0.999), amsgrad=True, weight_decay=recipe.weight_decay)
+
+
+class LensLoss(nn.Module):
+    """The training objective as one module (what DistributedDataParallel wraps): per-stream KL(final || lens)."""
+
+    def __init__(self, lens: TunedLens) -> None:
+        super().__init__()
+        self.lens = lens
+
+    def forward(self, streams: list[tuple[int, bool, torch.Tensor]], final_logits: torch.Tensor) -> torch.Tensor:
+        """streams [(l, mid, h [batch, pos, d_model])], final logits [batch, pos, d_vocab] -> summed KL per stream [n]."""
+        return torch.stack([forward_kl(final_logits, self.lens(h, l, mid=mid)).sum() for l, mid, h in streams])
+
+
+def stream_names(lens: TunedLens) -> list[tuple[str, int, bool]]:
+    """(label, l, mid) of every trained stream, in depth order: 0, 0.mid, 1, 1.mid, ..."""
+    out = []
+    for l in range(lens.n_layers):
+        out.append((str(l), l, False))
+        if lens.has_mid:
+            out.append((f"{l}.mid", l, True))
+    return out
+
+
+def collect_streams(lens: TunedLens, tokens: torch.Tensor) -> tuple[list[tuple[int, bool, torch.Tensor]], torch.Tensor]:
+    """Run the model once without gradients: the streams the lens trains on and the final logits."""
+    names = {}
+    for label, l, mid in stream_names(lens):
+        names[f"blocks.{l}.hook_resid_{'mid' if mid else 'pre'}"] = (l, mid)
+    with torch.no_grad():
+        logits, cache = lens.model.run_with_cache(tokens, names_filter=list(names))
+    return [(l, mid, cache[name]) for name, (l, mid) in names.items()], logits
+
+
+def distributed() -> tuple[int, int]:
+    """(rank, world size): (0, 1) unless torch.distributed is initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_distributed() -> tuple[int, int, torch.device | None]:
+    """Under torchrun (WORLD_SIZE > 1 in the environment): join the group with NCCL on GPUs, gloo on CPU.
+
+    Returns (rank, world size, the device this rank should use, or None to keep the model's).
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        rank, world = distributed()
+        return rank, world, None
+    cuda = torch.cuda.is_available()
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    device = None
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+# ------------------------------------------------------------- checkpoints
+def save_checkpoint(path: Path, lens: TunedLens, opt: torch.optim.Optimizer, meta: dict) -> None:
+    tensors = {f"lens.{k}": v.detach().cpu().contiguous() for k, v in lens.state_dict().items()}
+    scalars = []
+    for i, p in enumerate(lens.parameters()):
+        for key, value in opt.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                if value.ndim == 0:
+                    scalars.append(f"opt.{i}.{key}")
+                tensors[f"opt.{i}.{key}"] = value.detach().cpu().reshape(-1) if value.ndim == 0 else value.detach().cpu().contiguous()
+    meta = {**meta, "scalars": scalars}
+    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"meta": json.dumps(meta)}))
+
+
+def load_checkpoint(path: Path, lens: TunedLens, opt: torch.optim.Optimizer) -> dict:
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["meta"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    device = next(lens.parameters()).device
+    lens.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("lens.")})
+    for i, p in enumerate(lens.parameters()):
+        state = {}
+        for name, value in tensors.items():
+            prefix = f"opt.{i}."
+            if name.startswith(prefix):
+                value = value.reshape(()) if name in meta["scalars"] else value
+                # Adam keeps its step count on the CPU; moment buffers live with the parameter.
+                state[name[len(prefix):]] = value if value.ndim == 0 else value.to(device)
+        if state:
+            opt.state[p] = state
+    return meta
+
+
+# ------------------------------------------------------------------ train
+def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: str | os.PathLike | None = None,
+          progress: bool = True) -> TunedLens:
+    """Train `lens` in place on `stream` and return it; with `out`, checkpoint there, resume from there,
+    and save the finished lens there (config.json + lens.safetensors).
+
+    Under torch.distributed (e.g. torchrun) every rank calls this with the same data; each takes its share
+    of every step's windows, DistributedDataParallel averages the gradients, and rank 0 writes the files.
+    Raises FloatingPointError on a NaN or inf loss, leaving the last checkpoint as it was.
+    """
+    rank, world = distributed()
+    model = lens.model
+    recipe = recipe.resolve(len(stream), model.cfg.n_ctx, world)
+    windows = stream.windows(recipe.ctx)  # [n_windows, ctx]
+    per_step = recipe.tokens_per_step // recipe.ctx
+    order = window_order(len(windows), recipe.seed)
+    labels = [label for label, _, _ in stream_names(lens)]
+    identity = {"recipe": recipe.identity(), "data_sha256": stream.provenance.get("sha256"), "model_fingerprint": lens.fingerprint,
+                "resid_mid": lens.has_mid, "world_size": world}
+
+    out = Path(out) if out is not None else None
+    ckpt = out / CHECKPOINT_FILE if out is not None else None
+    opt = make_optimizer(list(lens.parameters()), recipe)
+    step, history = 0, []
+    if out is not None and ckpt.exists():
+        meta = load_checkpoint(ckpt, lens, opt)
+        check_same_run(meta["identity"], identity, ckpt)
+        step, history = meta["step"], meta["history"]
+        if rank == 0:
+            print(f"resuming from step {step} of {recipe.steps} ({ckpt})", flush=True)
+    elif out is not None and (out / CONFIG_FILE).exists():
+        done = read_config(out)
+        check_same_run(done.get("run_identity", {}), identity, out / CONFIG_FILE)
+        if rank == 0:
+            print(f"{out} already holds the finished lens ({done.get('steps_done')} steps); nothing to do")
+        return TunedLens.load(out, model)
+
+    if out is not None and rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    device = next(lens.parameters()).device
+    objective = LensLoss(lens)
+    if world > 1:
+        # gloo wants no device_ids; NCCL wants this rank's GPU.
+        objective = nn.parallel.DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None)
+    micro = max(1, recipe.micro_batch_tokens // recipe.ctx)
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    bar = tqdm(total=recipe.steps, initial=step, desc="tuned lens", dynamic_ncols=True, disable=not progress or rank != 0)
+    was_training = model.training
+    model.eval()
+    try:
+        for p in frozen:  # the model is only read: no gradients for its weights (the unembedding would get some)
+            p.requires_grad_(False)
+        while step < recipe.steps:
+            ids = order[step * per_step: (step + 1) * per_step][rank::world]  # this rank's share of the step
+            step_loss = torch.zeros(len(labels), dtype=torch.float64)
+            chunks = ids.split(micro)
+            for i, chunk in enumerate(chunks):
+                tokens = windows[chunk].to(device)
+                streams, final = collect_streams(lens, tokens)
+                per_stream = objective(streams, final)  # [n_streams] summed nats
+                # Each rank divides by the step's total tokens and DDP averages over ranks, so the gradient is
+                # the mean over every token of the step: identical maths to one process doing all of it.
+                loss = per_stream.sum() * world / recipe.tokens_per_step
+                # The per-stream sums, then the count of non-finite final logits (a NaN target can hide in a KL).
+                logged = torch.cat([per_stream.detach().double(), (~torch.isfinite(final)).sum().double().reshape(1)])
+                if world > 1:
+                    dist.all_reduce(logged)  # every rank sees a NaN anywhere, so all stop together
+                if logged[-1] > 0:
+                    raise FloatingPointError(non_finite_message("model's own output", step, ["final"], ckpt))
+                if not torch.isfinite(logged).all():
+                    bad = [labels[j] for j in range(len(labels)) if not torch.isfinite(logged[j])]
+                    raise FloatingPointError(non_finite_message("loss", step, bad, ckpt))
+                step_loss += logged[:-1].cpu()
+                if world > 1 and i < len(chunks) - 1:
+                    with objective.no_sync():
+                        loss.backward()
+                else:
+                    loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(lens.parameters(), recipe.clip_grad_norm)
+            if not torch.isfinite(norm):
+                raise FloatingPointError(non_finite_message("gradient norm", step, labels, ckpt))
+            for group in opt.param_groups:
+                group["lr"] = recipe.lr_at(step)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            history.append([round(float(x), 6) for x in step_loss / recipe.tokens_per_step])
+            bar.update(1)
+            bar.set_postfix_str("KL/layer " + " ".join(f"{x:.3g}" for x in history[-1]))
+            if ckpt is not None and (step % recipe.ckpt_every == 0 or step == recipe.steps):
+                if rank == 0:
+                    meta = {"step": step, "history": history, "identity": identity}
+                    save_checkpoint(ckpt, lens, opt, meta)
+                if world > 1:
+                    dist.barrier()
+    finally:
+        bar.close()
+        for p in frozen:
+            p.requires_grad_(True)
+        model.train(was_training)
+
+    lens.info = {
+        "recipe": recipe.identity(), "steps_done": step, "tokens_seen": step * recipe.tokens_per_step,
+        "stream_labels": labels, "loss_history": history, "data": stream.provenance, "run_identity": identity,
+    }
+    if out is not None and rank == 0:
+        lens.save(out)
+        ckpt.unlink(missing_ok=True)  # the finished lens replaces it; the folder is config.json + one .safetensors
+    if world > 1:
+        dist.barrier()
+    return lens
+
+
+def check_same_run(saved: dict, current: dict, where: Path) -> None:
+    diff = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
+    if diff:
+        detail = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+        raise ValueError(f"{where} belongs to a different run ({detail}); rerun with the same settings to resume, "
+                         "or pass another --out")
+
+
+def non_finite_message(what: str, step: int, streams: list[str], ckpt: Path | None) -> str:
+    kept = f"the last good checkpoint in {ckpt} is intact" if ckpt is not None and ckpt.exists() else "no checkpoint was written"
+    return (f"the {what} is NaN or inf at step {step} (streams {', '.join(streams)}); training stopped and {kept}. "
+            "Try a lower learning rate or check the data and the model's dtype")

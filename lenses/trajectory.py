@@ -1,0 +1,268 @@
+"""Trajectory: what a lens reads at every stream 0..n_layers for every position of a prompt, as small tensors.
+
+A trajectory keeps summaries, never distributions: for each (layer, batch, pos) the top-k tokens and
+probabilities, the entropy, KL(final || lens), and the rank and probability of a target token. It is
+computed one layer at a time on chunks of positions, so it never holds `(n_layers + 1) x pos x d_vocab`
+logits, nor even one layer's full logits when the prompt is long.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from lenskit import HookedGPT2
+
+from . import metrics
+from .base import Lens
+from .logit import point_names
+
+NO_TARGET = -1
+
+
+@dataclass
+class Trajectory:
+    """Per-layer summaries of a lens's predictions. Axes: layer = stream 0..n_layers (after that many blocks).
+
+    tokens       [batch, pos]                 input ids
+    lengths      [batch]                      real (unpadded) length of each sequence
+    top_ids      [layer, batch, pos, k]       the lens's k most likely next tokens
+    top_probs    [layer, batch, pos, k]
+    entropy      [layer, batch, pos]          H(lens), nats
+    kl_to_final  [layer, batch, pos]          KL(final || lens), nats: 0 at layer n_layers
+    targets      [batch, pos]                 target id per position, NO_TARGET (-1) where none
+    target_rank  [layer, batch, pos]          0 = the lens's top-1; -1 where there is no target
+    target_prob  [layer, batch, pos]          nan where there is no target
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    top_ids: torch.Tensor
+    top_probs: torch.Tensor
+    entropy: torch.Tensor
+    kl_to_final: torch.Tensor
+    targets: torch.Tensor
+    target_rank: torch.Tensor
+    target_prob: torch.Tensor
+    lens_name: str = "lens"
+    tokenizer: object | None = field(default=None, repr=False)
+
+    @property
+    def n_layers(self) -> int:
+        return self.entropy.shape[0] - 1
+
+    @property
+    def top_k(self) -> int:
+        return self.top_ids.shape[-1]
+
+    # ------------------------------------------------------------ building
+    @classmethod
+    @torch.no_grad()
+    def from_prompt(
+        cls,
+        model: HookedGPT2,
+        lens: Lens,
+        prompt_or_tokens: str | Sequence[str] | torch.Tensor,
+        top_k: int = 5,
+        target: int | str | torch.Tensor | None = None,
+        chunk_size: int | None = None,
+        progress: bool = False,
+    ) -> "Trajectory":
+        """Run `prompt_or_tokens` once and read every stream 0..n_layers through `lens`.
+
+        `lens` is any `lenses.Lens` (`LogitLens(model)`, a `TunedLens`, ...). `target` picks the token
+        whose rank and probability are tracked: None = the next input token (none at a sequence's last
+        position), an int id or a one-token string = that token everywhere, or ids [batch, pos]
+        (or [pos]) with -1 for "no target". `chunk_size` = positions decoded at once (default: enough
+        for ~4M logits, 16 MB in float32); lower it to save memory, raise it for speed.
+
+        >>> traj = Trajectory.from_prompt(model, LogitLens(model), "def add(a, b):\\n    return", top_k=5)
+        >>> traj.to_frame().query("layer == 6")[["position", "input_token", "top_token", "top_prob"]]
+        """
+        if lens.model is not model:
+            raise ValueError("the lens was built for a different model object; build it with this model, e.g. LogitLens(model)")
+        if not isinstance(top_k, int) or not 1 <= top_k <= model.cfg.d_vocab:
+            raise ValueError(f"top_k must be an int in 1..d_vocab={model.cfg.d_vocab}, got {top_k!r}")
+        tokens, lengths = _tokens_and_lengths(model, prompt_or_tokens)
+        targets = _targets(model, target, tokens, lengths)
+        n_layers = model.cfg.n_layers
+        names = point_names("resid_pre", n_layers)
+        # The streams are small (layer x pos x d_model); the final logits are recomputed per chunk below
+        # from the last stream instead of being taken from the forward, which would materialise them whole.
+        _, cache = model.run_with_cache(tokens, names_filter=names, stop_at_layer=n_layers)
+        batch, pos = tokens.shape
+        rows = batch * pos  # decode (batch, pos) rows in flat chunks
+        flat_streams = [cache[n].reshape(rows, -1) for n in names]  # each [batch*pos, d_model]
+        flat_targets = targets.reshape(rows).to(flat_streams[0].device)
+        has_target = flat_targets != NO_TARGET
+        safe_targets = flat_targets.clamp(min=0)
+        chunk = chunk_size or max(1, (1 << 22) // model.cfg.d_vocab)
+
+        L = n_layers + 1
+        top_ids = torch.empty(L, rows, top_k, dtype=torch.long)
+        top_probs = torch.empty(L, rows, top_k)
+        ent = torch.empty(L, rows)
+        kl = torch.empty(L, rows)
+        rank = torch.empty(L, rows, dtype=torch.long)
+        tprob = torch.empty(L, rows)
+        starts = range(0, rows, chunk)
+        for start in tqdm(starts, desc=f"trajectory ({lens.name if hasattr(lens, 'name') else 'lens'})", disable=not progress):
+            sl = slice(start, start + chunk)
+            final_logp = metrics.log_probs(model.unembed(model.ln_final(flat_streams[n_layers][sl])))  # [chunk, d_vocab]
+            tgt = safe_targets[sl]
+            for layer in range(L):  # one layer's [chunk, d_vocab] logits alive at a time
+                logp = metrics.log_probs(lens(flat_streams[layer][sl], layer))
+                p, ids = logp.topk(top_k, dim=-1)
+                top_ids[layer, sl] = ids.cpu()
+                top_probs[layer, sl] = p.exp().cpu()
+                ent[layer, sl] = metrics.entropy(logp).cpu()
+                kl[layer, sl] = metrics.kl_divergence(final_logp, logp).cpu()
+                rank[layer, sl] = metrics.target_rank(logp, tgt).cpu()
+                tprob[layer, sl] = logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1).exp().cpu()
+                del logp
+        no_tgt = ~has_target.cpu()
+        rank[:, no_tgt] = NO_TARGET
+        tprob[:, no_tgt] = float("nan")
+        shape = (L, batch, pos)
+        return cls(
+            tokens=tokens.cpu(), lengths=lengths, top_ids=top_ids.view(*shape, top_k), top_probs=top_probs.view(*shape, top_k),
+            entropy=ent.view(shape), kl_to_final=kl.view(shape), targets=targets.cpu(),
+            target_rank=rank.view(shape), target_prob=tprob.view(shape),
+            lens_name=getattr(lens, "name", type(lens).__name__), tokenizer=model.tokenizer,
+        )
+
+    # ------------------------------------------------------------- reading
+    def token_str(self, ids: np.ndarray | Sequence[int]) -> list[str]:
+        """Decoded text of each id (e.g. ' def', '\\n'), or '<id>' when there is no tokenizer."""
+        ids = [int(i) for i in np.asarray(ids).ravel()]
+        if self.tokenizer is None:
+            return [f"<{i}>" for i in ids]
+        cache = {i: _decode_one(self.tokenizer, i) for i in set(ids)}
+        return [cache[i] for i in ids]
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per (layer, position) (and per sequence, in a `batch` column, when there are several).
+
+        Columns: [batch,] layer, position, input_token, input_token_id, top_token, top_token_id, top_prob,
+        entropy, kl_to_final (nats, KL(final || lens)), target_token, target_token_id, target_rank,
+        target_prob, then top{i}_token, top{i}_token_id, top{i}_prob for i = 1..k. Padding positions
+        (past a sequence's length) are left out.
+        """
+        L, B, P = self.entropy.shape
+        layer, b, pos = np.meshgrid(np.arange(L), np.arange(B), np.arange(P), indexing="ij")
+        keep = (pos < self.lengths.numpy()[b]).ravel()  # drop padding
+        layer, b, pos = layer.ravel()[keep], b.ravel()[keep], pos.ravel()[keep]
+        flat = lambda t: t.reshape(L * B * P, *t.shape[3:]).numpy()[keep]  # noqa: E731
+        tokens = self.tokens.numpy()[b, pos]
+        targets = self.targets.numpy()[b, pos]
+        top_ids, top_probs = flat(self.top_ids), flat(self.top_probs)
+        cols: dict[str, object] = {}
+        if B > 1:
+            cols["batch"] = b
+        cols |= {
+            "layer": layer, "position": pos,
+            "input_token": self.token_str(tokens), "input_token_id": tokens,
+            "top_token": self.token_str(top_ids[:, 0]), "top_token_id": top_ids[:, 0], "top_prob": top_probs[:, 0],
+            "entropy": flat(self.entropy), "kl_to_final": flat(self.kl_to_final),
+            "target_token": [s if t != NO_TARGET else None for s, t in zip(self.token_str(np.maximum(targets, 0)), targets)],
+            "target_token_id": targets, "target_rank": flat(self.target_rank), "target_prob": flat(self.target_prob),
+        }
+        for i in range(self.top_k):
+            cols[f"top{i + 1}_token"] = self.token_str(top_ids[:, i])
+            cols[f"top{i + 1}_token_id"] = top_ids[:, i]
+            cols[f"top{i + 1}_prob"] = top_probs[:, i]
+        frame = pd.DataFrame(cols)
+        frame.attrs["lens"] = self.lens_name
+        return frame
+
+
+# Escapes that make whitespace and control characters visible in tables and figures.
+_SHOWN = {"\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r", " ": "·"}
+
+
+def show_token(text: str, max_chars: int | None = None) -> str:
+    """A token as a reader should see it: spaces as '·', newlines and tabs as '\\n' and '\\t', other
+    control characters as '\\x..', the empty string as '∅', cut to `max_chars` with '…'.
+
+    >>> show_token("    return")
+    '····return'
+    """
+    shown = "".join(_SHOWN.get(ch) or (ch if unicodedata.category(ch)[0] != "C" else f"\\x{ord(ch):02x}") for ch in text)
+    if shown == "":
+        shown = "∅"
+    if max_chars is not None and len(shown) > max_chars:
+        shown = shown[: max_chars - 1] + "…"
+    return shown
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the printable character standing for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:  # the unprintable bytes are moved, in order, to code points 256 and up
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTES = _byte_decoder()
+
+
+def _decode_one(tokenizer, token_id: int) -> str:
+    """A token's text; a token that is part of a multi-byte character shows its bytes, e.g. '\\xe2\\x80'."""
+    text = tokenizer.decode([token_id])
+    if "\ufffd" not in text:
+        return text
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str) or any(ch not in _BYTES for ch in piece):
+        return text  # not a byte-level BPE token: keep the decoder's answer
+    return bytes(_BYTES[ch] for ch in piece).decode("utf-8", errors="backslashreplace")
+
+
+def _tokens_and_lengths(model: HookedGPT2, prompt: str | Sequence[str] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [batch, pos] and the real length of each row (texts are right-padded by to_tokens)."""
+    if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], str)):
+        texts = [prompt] if isinstance(prompt, str) else list(prompt)
+        tokens = model.validate_tokens(model.to_tokens(texts))
+        lengths = torch.tensor([len(model.tokenizer.encode(t, add_special_tokens=False)) for t in texts])
+        return tokens, lengths
+    tokens = model.validate_tokens(prompt)
+    return tokens, torch.full((tokens.shape[0],), tokens.shape[1])
+
+
+def _targets(model: HookedGPT2, target: int | str | torch.Tensor | None, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Target id per (batch, pos), NO_TARGET where there is none."""
+    batch, pos = tokens.shape
+    if target is None:  # the next input token, where the sequence has one
+        out = torch.full((batch, pos), NO_TARGET, dtype=torch.long)
+        out[:, :-1] = tokens[:, 1:].cpu()
+        out[torch.arange(pos)[None, :] >= (lengths[:, None] - 1)] = NO_TARGET
+        return out
+    if isinstance(target, str):
+        if model.tokenizer is None:
+            raise ValueError("a text target needs the model's tokenizer; pass the target as a token id instead")
+        ids = model.tokenizer.encode(target, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"target {target!r} is {len(ids)} tokens {ids}; pass text that is exactly one token, or an id")
+        target = ids[0]
+    if isinstance(target, int) and not isinstance(target, bool):
+        target = torch.full((batch, pos), target, dtype=torch.long)
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be None, an int id, one-token text or a tensor of ids, got {type(target).__name__}")
+    target = target.long().cpu()
+    if target.shape == (pos,):
+        target = target.expand(batch, pos)
+    if target.shape != (batch, pos):
+        raise ValueError(f"target ids must have shape [batch, pos]={batch, pos} or [pos]={pos}, got {tuple(target.shape)}")
+    if ((target != NO_TARGET) & ((target < 0) | (target >= model.cfg.d_vocab))).any():
+        raise ValueError(f"target ids must be in [0, {model.cfg.d_vocab}) or {NO_TARGET} for none")
+    return target.clone()

@@ -1,0 +1,222 @@
+"""Parameter and FLOP accounting for a GPT-2-family config, computed from the shapes alone.
+
+Everything here is arithmetic on a `ModelConfig` (a model, a config, or a preset name), so
+`accounting.param_summary("gpt2-xl")` costs nothing and needs no weights. The tests check each count
+against `sum(p.numel())` of a real `HookedGPT2` and the GPT-2 numbers against hand arithmetic.
+
+Conventions (the ones of Kaplan et al., 2020, "Scaling Laws for Neural Language Models"):
+
+- *Non-embedding* parameters exclude the token embedding, the position embedding and an untied
+  unembedding; they include every block and the final norm. A tied unembedding shares the
+  embedding's matrix and is counted once, in the embedding row.
+- A matmul with a weight of `n` entries costs `2 n` FLOPs per token (one multiply, one add). Norms,
+  biases, GELU and softmax are elementwise and left out, as Kaplan et al. leave them out.
+- The attention core is the two matmuls that mix positions: scores `Q K^T` and the weighted sum
+  `pattern V`. Each costs `2 * n_keys * d_attn` per token per layer, so the core is
+  `4 * n_layers * n_keys * d_attn` FLOPs per token forward, with `d_attn = n_heads * d_head` and
+  `n_keys = n_ctx` (the full score matrix, as dense kernels compute it). `causal=True` counts only the
+  keys a query can see: `(n_ctx + 1) / 2` on average. Kaplan et al.'s own `2 n_layer n_ctx d_attn`
+  counts one of the two matmuls; multiply ours by 1/2 to compare.
+- Training costs 3x the forward pass (the backward pass is about twice the forward): `6 N` per token,
+  so `C = 6 N D` for `D` tokens with `N` the non-embedding parameters.
+
+>>> param_summary("gpt2").loc["non_embedding", "value"]   # 85,056,000
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Union
+
+import pandas as pd
+
+from .config import ModelConfig
+
+ConfigLike = Union[ModelConfig, str, Any]  # a ModelConfig, a preset name, or anything with a .cfg
+
+
+def as_config(model_or_cfg: ConfigLike) -> ModelConfig:
+    """A `ModelConfig` from a config, a preset name (`"gpt2"`), or a model carrying `.cfg`."""
+    if isinstance(model_or_cfg, ModelConfig):
+        return model_or_cfg
+    if isinstance(model_or_cfg, str):
+        return ModelConfig.from_name(model_or_cfg)
+    cfg = getattr(model_or_cfg, "cfg", None)
+    if isinstance(cfg, ModelConfig):
+        return cfg
+    raise TypeError(
+        f"expected a ModelConfig, a preset name or a HookedGPT2, got {type(model_or_cfg).__name__}; "
+        "build a config with lenskit.ModelConfig(...) or ModelConfig.from_name('gpt2')"
+    )
+
+
+def _d_attn(cfg: ModelConfig) -> int:
+    return cfg.n_heads * cfg.d_head
+
+
+# ---------------------------------------------------------------- parameters
+def block_params(model_or_cfg: ConfigLike) -> pd.DataFrame:
+    """One block's parameters: rows `attn`, `mlp`, `norms`; columns `weights`, `biases`, `params`.
+
+    Norm gains count as weights and norm shifts as biases. For GPT-2 shapes
+    (`d_attn = d_model`, `d_mlp = 4 d_model`) a block holds `12 d^2` weights in its matmuls
+    (attention 4 d^2, MLP 8 d^2) and `13 d` biases and gains.
+    """
+    cfg = as_config(model_or_cfg)
+    d, a, m = cfg.d_model, _d_attn(cfg), cfg.d_mlp
+    attn_w, attn_b = d * 3 * a + a * d, 3 * a + d  # qkv then out
+    if cfg.mlp == "gelu":
+        mlp_w, mlp_b = 2 * d * m, m + d  # fc_in, fc_out
+    else:
+        mlp_w, mlp_b = 3 * d * m, 0  # gate, fc_in, fc_out, without biases
+    norm_w, norm_b = 2 * d, (2 * d if cfg.norm == "layernorm" else 0)  # ln1, ln2
+    rows = {"attn": (attn_w, attn_b), "mlp": (mlp_w, mlp_b), "norms": (norm_w, norm_b)}
+    frame = pd.DataFrame.from_dict(rows, orient="index", columns=["weights", "biases"])
+    frame["params"] = frame["weights"] + frame["biases"]
+    frame.index.name = "component"
+    return frame
+
+
+def param_table(model_or_cfg: ConfigLike) -> pd.DataFrame:
+    """Every parameter of the model, once: one row per (layer, component), in forward order.
+
+    Columns: `layer` (block index, or <NA> outside the blocks), `component` (`embed`, `pos_embed`,
+    `attn`, `mlp`, `norms`, `ln_final`, `unembed`), `weights`, `biases`, `params`, `embedding` (True for
+    the rows that are not counted as non-embedding), `note`. `table.params.sum()` is the model's size.
+    """
+    cfg = as_config(model_or_cfg)
+    d, v = cfg.d_model, cfg.d_vocab
+    rows: list[dict[str, Any]] = [
+        dict(layer=None, component="embed", weights=v * d, biases=0, embedding=True,
+             note="token embedding" + (", shared with the unembedding" if cfg.tie_word_embeddings else "")),
+        dict(layer=None, component="pos_embed", weights=cfg.n_ctx * d, biases=0, embedding=True,
+             note="learned position embedding"),
+    ]
+    block = block_params(cfg)
+    for layer in range(cfg.n_layers):
+        for component, row in block.iterrows():
+            rows.append(dict(layer=layer, component=component, weights=int(row.weights), biases=int(row.biases),
+                             embedding=False, note=""))
+    rows.append(dict(layer=None, component="ln_final", weights=d, biases=d if cfg.norm == "layernorm" else 0,
+                     embedding=False, note="final norm"))
+    if cfg.tie_word_embeddings:
+        rows.append(dict(layer=None, component="unembed", weights=0, biases=0, embedding=True,
+                         note=f"tied to embed: its {v * d:,} weights are counted once, in the embed row"))
+    else:
+        rows.append(dict(layer=None, component="unembed", weights=v * d, biases=0, embedding=True,
+                         note="untied unembedding"))
+    frame = pd.DataFrame(rows)
+    frame["layer"] = frame["layer"].astype("Int64")
+    frame["params"] = frame["weights"] + frame["biases"]
+    return frame[["layer", "component", "weights", "biases", "params", "embedding", "note"]]
+
+
+def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
+    """The headline counts, indexed by quantity, with columns `value` and `note`.
+
+    Quantities: `total`, `embed`, `pos_embed`, `unembed` (0 when tied), `non_embedding`, `blocks`,
+    `per_block`, `per_block_attn`, `per_block_mlp`, `per_block_norms`, `weights`, `biases`,
+    `mlp_share_of_block`, `attn_share_of_block`, `per_block_over_d2` (GPT-2: 12 + 13/d).
+    """
+    cfg = as_config(model_or_cfg)
+    table, block = param_table(cfg), block_params(cfg)
+    by = table.groupby("component", sort=False)["params"].sum()
+    per_block = int(block.params.sum())
+    non_embedding = int(table.loc[~table.embedding, "params"].sum())
+    values: dict[str, tuple[float, str]] = {
+        "total": (int(table.params.sum()), "every parameter once (a tied unembedding is not counted twice)"),
+        "embed": (int(by["embed"]), "d_vocab * d_model"),
+        "pos_embed": (int(by["pos_embed"]), "n_ctx * d_model"),
+        "unembed": (int(by["unembed"]), "tied to embed, counted once" if cfg.tie_word_embeddings else "d_model * d_vocab"),
+        "non_embedding": (non_embedding, "blocks + final norm (Kaplan et al.'s N)"),
+        "blocks": (per_block * cfg.n_layers, "n_layers * per_block"),
+        "per_block": (per_block, "12 d^2 + 13 d for GPT-2 shapes" if cfg.is_gpt2 and cfg.d_mlp == 4 * cfg.d_model else ""),
+        "per_block_attn": (int(block.loc["attn", "params"]), "qkv and out projections with biases"),
+        "per_block_mlp": (int(block.loc["mlp", "params"]), "fc_in and fc_out with biases" if cfg.mlp == "gelu" else "gate, fc_in, fc_out"),
+        "per_block_norms": (int(block.loc["norms", "params"]), "ln1 and ln2"),
+        "weights": (int(table.weights.sum()), "matrices, embeddings and norm gains"),
+        "biases": (int(table.biases.sum()), "linear biases and norm shifts"),
+        "mlp_share_of_block": (float(block.loc["mlp", "params"] / per_block), "GPT-2: 2/3"),
+        "attn_share_of_block": (float(block.loc["attn", "params"] / per_block), "GPT-2: 1/3"),
+        "per_block_over_d2": (per_block / cfg.d_model**2, "GPT-2: 12 + 13/d"),
+    }
+    # object dtype keeps counts as exact ints beside the float shares
+    frame = pd.DataFrame({"value": pd.Series({k: v for k, (v, _) in values.items()}, dtype=object),
+                          "note": pd.Series({k: n for k, (_, n) in values.items()}, dtype=object)})
+    frame.index.name = "quantity"
+    return frame
+
+
+# -------------------------------------------------------------------- FLOPs
+def flops_per_token(model_or_cfg: ConfigLike, n_ctx: int | None = None, causal: bool = False) -> pd.DataFrame:
+    """Matmul FLOPs per token at context length `n_ctx` (default: the model's), by component.
+
+    Rows: `attn_proj` (qkv and out), `attn_core` (`Q K^T` and `pattern V`), `mlp`, `unembed`, `total`.
+    Columns: `forward`, `training` (3 x forward), `share` (of the forward total). See the module
+    docstring for the conventions; the attention core is the only term that grows with `n_ctx`.
+    """
+    cfg = as_config(model_or_cfg)
+    n_ctx = cfg.n_ctx if n_ctx is None else n_ctx
+    if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx <= 0:
+        raise ValueError(f"n_ctx must be a positive int (tokens of context), got {n_ctx!r}")
+    block = block_params(cfg)
+    n_keys = (n_ctx + 1) / 2 if causal else n_ctx  # mean number of keys a query attends to
+    forward = {
+        "attn_proj": 2 * cfg.n_layers * int(block.loc["attn", "weights"]),
+        "attn_core": 2 * 2 * cfg.n_layers * n_keys * _d_attn(cfg),
+        "mlp": 2 * cfg.n_layers * int(block.loc["mlp", "weights"]),
+        "unembed": 2 * cfg.d_model * cfg.d_vocab,
+    }
+    forward["total"] = sum(forward.values())
+    frame = pd.DataFrame({"forward": pd.Series(forward, dtype="float64")})
+    frame["training"] = 3 * frame["forward"]
+    frame["share"] = frame["forward"] / forward["total"]
+    frame.index.name = "component"
+    return frame
+
+
+def six_nd(model_or_cfg: ConfigLike, n_tokens: float, non_embedding: bool = True) -> float:
+    """Training compute `C = 6 N D` in FLOPs for `n_tokens` tokens (Kaplan et al.: N without embeddings).
+
+    >>> six_nd("gpt2", 1e9)   # ~5.1e17
+    """
+    if not n_tokens >= 0:
+        raise ValueError(f"n_tokens must be a non-negative number of tokens, got {n_tokens!r}")
+    summary = param_summary(model_or_cfg)
+    n = summary.loc["non_embedding" if non_embedding else "total", "value"]
+    return 6.0 * float(n) * float(n_tokens)
+
+
+# --------------------------------------------------------------- comparison
+def accounting_row(model_or_cfg: ConfigLike, n_ctx: int | None = None, name: str | None = None) -> dict[str, Any]:
+    """The headline numbers of one model as a flat dict (one row of `compare`)."""
+    cfg = as_config(model_or_cfg)
+    n_ctx = cfg.n_ctx if n_ctx is None else n_ctx
+    s = param_summary(cfg)["value"]
+    f = flops_per_token(cfg, n_ctx)["forward"]
+    non_emb = float(s["non_embedding"])
+    return {
+        "model": name or cfg.name,
+        "n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads, "d_mlp": cfg.d_mlp,
+        "d_vocab": cfg.d_vocab, "n_ctx": n_ctx,
+        "params": int(s["total"]), "embedding": int(s["total"]) - int(non_emb), "non_embedding": int(non_emb),
+        "per_block": int(s["per_block"]), "per_block_over_d2": float(s["per_block_over_d2"]),
+        "mlp_share_of_block": float(s["mlp_share_of_block"]),
+        "forward_flops_per_token": float(f["total"]),
+        "forward_flops_over_params": float(f["total"]) / float(s["total"]),
+        # without the context-dependent term: the "2 FLOPs per parameter per token" rule
+        "dense_flops_over_params": float(f["total"] - f["attn_core"]) / float(s["total"]),
+        "attn_core_flops_per_token": float(f["attn_core"]),
+        # Kaplan et al. compare the context-dependent term with 2N, N non-embedding.
+        "attn_core_over_2n_nonembed": float(f["attn_core"]) / (2 * non_emb),
+        "attn_core_over_2n_total": float(f["attn_core"]) / (2 * float(s["total"])),
+        "training_flops_per_token": 3 * float(f["total"]),
+    }
+
+
+def compare(models: Mapping[str, ConfigLike] | Iterable[ConfigLike], n_ctx: int | None = None) -> pd.DataFrame:
+    """One row per model (see `accounting_row`); `models` is a mapping name -> config, or configs/preset names.
+
+    >>> compare(["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"], n_ctx=1024)
+    """
+    items = models.items() if isinstance(models, Mapping) else ((None, m) for m in models)
+    return pd.DataFrame([accounting_row(m, n_ctx, name) for name, m in items])

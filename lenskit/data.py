@@ -1,0 +1,159 @@
+"""Token data: text files, folders and JSONL read into one token stream, cut into fixed windows.
+
+Everything here is a pure function of the inputs, so a training run can name its data exactly
+(`TokenStream.provenance`: every file's path, size and sha256) and pick its batches as a function
+of (seed, step) alone, which is what lets a killed run resume bit-for-bit.
+
+>>> stream = load_token_stream(["notes.txt", "src/"], model.tokenizer)
+>>> windows = stream.windows(256)            # [n_windows, 256], non-overlapping, in stream order
+>>> order = window_order(len(windows), seed=0)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Inside a folder, these are read as text (a file given by name is read whatever its suffix).
+TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".text")
+
+
+@dataclass(frozen=True)
+class Document:
+    source: str  # file path, or "path:line" for a JSONL record
+    text: str
+
+
+@dataclass
+class TokenStream:
+    """Documents tokenized and joined, each followed by the end-of-text token.
+
+    `n_bytes` counts the UTF-8 bytes of the texts (for bits per byte); `provenance` names every file read.
+    """
+
+    tokens: torch.Tensor  # [n_tokens] int64
+    n_bytes: int
+    provenance: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.n_bytes / max(1, len(self.tokens))
+
+    def windows(self, ctx: int) -> torch.Tensor:
+        """Non-overlapping windows [n_windows, ctx] in stream order; the tail shorter than ctx is dropped."""
+        if ctx < 2:
+            raise ValueError(f"a window needs at least 2 tokens, got ctx={ctx}")
+        n = len(self.tokens) // ctx
+        if n == 0:
+            raise ValueError(f"the data has {len(self.tokens)} tokens, fewer than one window of {ctx}; add more text")
+        return self.tokens[: n * ctx].view(n, ctx)
+
+
+def window_order(n_windows: int, seed: int) -> torch.Tensor:
+    """A permutation of range(n_windows) that depends only on (n_windows, seed), on any machine."""
+    return torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed))
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def list_files(paths: Sequence[str | Path]) -> list[Path]:
+    """Expand the inputs: a file is itself; a folder is every text file below it (TEXT_SUFFIXES and
+    .jsonl, hidden entries skipped) in sorted order of the relative path."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_file():
+            files.append(p)
+        elif p.is_dir():
+            found = sorted(
+                (f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in (*TEXT_SUFFIXES, ".jsonl")
+                 and not any(part.startswith(".") for part in f.relative_to(p).parts)),
+                key=lambda f: f.relative_to(p).as_posix(),
+            )
+            if not found:
+                raise FileNotFoundError(f"folder {p} holds no text files (looked for {', '.join(TEXT_SUFFIXES)}, .jsonl)")
+            files.extend(found)
+        else:
+            raise FileNotFoundError(f"data path {p} does not exist; pass text files, folders or .jsonl files")
+    if not files:
+        raise ValueError("no data paths given; pass at least one text file, folder or .jsonl file")
+    return files
+
+
+def read_documents(paths: Sequence[str | Path], text_field: str = "text") -> tuple[list[Document], dict]:
+    """Read every file (see `list_files`) into documents; JSONL gives one document per record's `text_field`.
+
+    Returns the documents and the provenance: each file's path, size and sha256, plus one sha256
+    over all of them in order, which identifies the data as a whole.
+    """
+    docs: list[Document] = []
+    records = []
+    for f in list_files(paths):
+        raw = f.read_bytes()
+        records.append({"path": f.as_posix(), "bytes": len(raw), "sha256": _sha256(raw)})
+        if f.suffix.lower() == ".jsonl":
+            for i, line in enumerate(raw.decode("utf-8").splitlines(), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{f}:{i} is not valid JSON ({e.msg}); expected one JSON object per line") from None
+                if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+                    raise ValueError(f"{f}:{i} has no string field {text_field!r}; expected records like "
+                                     f'{{"{text_field}": "..."}}')
+                docs.append(Document(f"{f.as_posix()}:{i}", obj[text_field]))
+        else:
+            # Undecodable bytes become U+FFFD rather than aborting a large folder; the hash is of the raw bytes.
+            docs.append(Document(f.as_posix(), raw.decode("utf-8", errors="replace")))
+    combined = _sha256("\n".join(f"{r['path']} {r['sha256']}" for r in records).encode())
+    provenance = {
+        "inputs": [Path(p).as_posix() for p in paths],
+        "n_files": len(records),
+        "bytes": sum(r["bytes"] for r in records),
+        "sha256": combined,
+        "files": records,
+    }
+    return docs, provenance
+
+
+def eos_id(tokenizer: "PreTrainedTokenizerBase") -> int:
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no end-of-text token to separate documents; set tokenizer.eos_token")
+    return int(eos)
+
+
+def tokenize_documents(docs: Iterable[Document], tokenizer: "PreTrainedTokenizerBase", batch: int = 256) -> torch.Tensor:
+    """Token ids [n_tokens] of all documents, each followed by the end-of-text token."""
+    eos = eos_id(tokenizer)
+    docs = list(docs)
+    ids: list[int] = []
+    for i in range(0, len(docs), batch):
+        for row in tokenizer([d.text for d in docs[i: i + batch]], add_special_tokens=False)["input_ids"]:
+            ids.extend(row)
+            ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def load_token_stream(paths: Sequence[str | Path], tokenizer: "PreTrainedTokenizerBase", text_field: str = "text") -> TokenStream:
+    """Read, tokenize and join: the whole data pipeline from paths to one stream with its provenance."""
+    docs, provenance = read_documents(paths, text_field)
+    tokens = tokenize_documents(docs, tokenizer)
+    n_bytes = sum(len(d.text.encode("utf-8")) for d in docs)
+    provenance = {**provenance, "n_documents": len(docs), "n_tokens": len(tokens), "text_bytes": n_bytes}
+    return TokenStream(tokens, n_bytes, provenance)

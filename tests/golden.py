@@ -1,0 +1,70 @@
+"""The reference side of the golden tests: what `transformers`' GPT-2 computes, read with torch hooks.
+
+Shared by test_model.py and test_loading.py (pytest puts tests/ on sys.path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import lenskit
+
+ATOL = 1e-4
+STREAM_HOOKS = ("hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post")
+
+
+@torch.no_grad()
+def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits and, per block i, `blocks.{i}.hook_resid_pre / attn_out / mlp_out / resid_post` from transformers.
+
+    resid_pre is the input of `h[i]`, attn_out the first output of `h[i].attn`, mlp_out the output of
+    `h[i].mlp`, resid_post the output of `h[i]` (before `ln_f` for the last block).
+    """
+    acts: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def first(x):
+        return x[0] if isinstance(x, tuple) else x
+
+    def save_out(name):
+        return lambda mod, args, out: acts.__setitem__(name, first(out).detach().clone())
+
+    def save_in(name):
+        def pre(mod, args, kwargs):
+            acts[name] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
+        return pre
+
+    try:
+        for i, block in enumerate(hf.transformer.h):
+            handles.append(block.register_forward_pre_hook(save_in(f"blocks.{i}.hook_resid_pre"), with_kwargs=True))
+            handles.append(block.attn.register_forward_hook(save_out(f"blocks.{i}.hook_attn_out")))
+            handles.append(block.mlp.register_forward_hook(save_out(f"blocks.{i}.hook_mlp_out")))
+            handles.append(block.register_forward_hook(save_out(f"blocks.{i}.hook_resid_post")))
+        logits = hf(tokens).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, acts
+
+
+def stream_names(n_layers: int) -> list[str]:
+    return [f"blocks.{i}.{h}" for i in range(n_layers) for h in STREAM_HOOKS]
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def assert_golden(model: lenskit.HookedGPT2, hf, tokens: torch.Tensor, atol: float = ATOL, **run_kwargs) -> float:
+    """Logits and every stream hook of `model` match transformers within `atol`; returns the largest gap."""
+    ref_logits, ref = hf_reference(hf, tokens)
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(tokens, names_filter=stream_names(model.cfg.n_layers), **run_kwargs)
+    assert logits.shape == ref_logits.shape
+    worst = max_diff(logits, ref_logits)
+    assert worst <= atol, f"logits differ by {worst:.3g}"
+    for name, want in ref.items():
+        gap = max_diff(cache[name], want)
+        assert gap <= atol, f"{name} differs from transformers by {gap:.3g}"
+        worst = max(worst, gap)
+    return worst

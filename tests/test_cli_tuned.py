@@ -1,0 +1,70 @@
+"""`lenskit train-lens` and `lenskit eval-lens`, run in-process through the console entry point."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from lens_fixtures import write_text_folder, write_tiny_model
+from lenses.cli import main
+from lenses.tuned import model_fingerprint
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    write_tiny_model(root / "model")
+    write_text_folder(root / "train", n=60, seed=0)
+    write_text_folder(root / "heldout", n=20, seed=1)
+    return root
+
+
+def test_train_then_eval_writes_a_lens_and_a_per_layer_csv(files, tmp_path, capsys):
+    out = tmp_path / "lens"
+    args = ["train-lens", "--model", str(files / "model"), "--data", str(files / "train"), "--out", str(out),
+            "--steps", "10", "--tokens-per-step", "128", "--ctx", "16", "--seed", "1", "--quiet"]
+    assert main(args) == 0
+    assert "wrote" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["tokens_seen"] == 10 * 128 and config["recipe"]["seed"] == 1 and config["recipe"]["optimizer"] == "sgd"
+    assert config["data"]["n_files"] == 60 and len(config["data"]["files"]) == 60
+    assert config["data"]["files"][0]["path"].endswith("snippet_000.py")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "lens.safetensors"]
+
+    assert main(args) == 0  # rerun on a finished folder: nothing to do
+    assert "nothing to do" in capsys.readouterr().out
+
+    csv = tmp_path / "eval.csv"
+    assert main(["eval-lens", "--model", str(files / "model"), "--lens", str(out), "--data", str(files / "heldout"),
+                 "--tokens", "320", "--ctx", "16", "--csv", str(csv), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "kl_tuned" in printed and "prediction depth" in printed
+    table = pd.read_csv(csv)
+    for col in ("layer", "kl_logit", "kl_tuned", "ce_logit", "ce_tuned", "kl_logit_bpb", "kl_tuned_bpb"):
+        assert col in table.columns
+    assert table["layer"].tolist() == [0, 1, 2, 3]
+    assert (table["kl_tuned"][:-1] < table["kl_logit"][:-1]).all()
+
+
+def test_too_few_tokens_fails_before_training(files, tmp_path, capsys):
+    code = main(["train-lens", "--model", str(files / "model"), "--data", str(files / "heldout"), "--out", str(tmp_path / "x"),
+                 "--steps", "1000", "--tokens-per-step", "64", "--ctx", "16", "--quiet"])
+    assert code == 2
+    assert "too few tokens" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_eval_with_a_lens_for_another_model_names_both_fingerprints(files, tmp_path, capsys):
+    import lenskit
+
+    out = tmp_path / "lens"
+    assert main(["train-lens", "--model", str(files / "model"), "--data", str(files / "train"), "--out", str(out),
+                 "--steps", "2", "--tokens-per-step", "32", "--ctx", "16", "--quiet"]) == 0
+    other = write_tiny_model(tmp_path / "other", seed=5)
+    code = main(["eval-lens", "--model", str(other), "--lens", str(out), "--data", str(files / "heldout"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert model_fingerprint(lenskit.HookedGPT2.from_pretrained(other)) in err
+    assert json.loads((out / "config.json").read_text())["model_fingerprint"] in err

@@ -1,0 +1,155 @@
+"""ModelConfig: presets, conversion from Hugging Face configs, and refusal of what lenskit does not implement."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import transformers
+
+from lenskit import PRESETS, ModelConfig
+
+# Published shapes of the four GPT-2 sizes (Radford et al. 2019, and the HF config.json files).
+GPT2_SIZES = {
+    "gpt2": (12, 768, 12),
+    "gpt2-medium": (24, 1024, 16),
+    "gpt2-large": (36, 1280, 20),
+    "gpt2-xl": (48, 1600, 25),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GPT2_SIZES))
+def test_presets_match_published_shapes(name):
+    cfg = ModelConfig.from_name(name)
+    n_layers, d_model, n_heads = GPT2_SIZES[name]
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads) == (n_layers, d_model, n_heads)
+    assert cfg.d_head == 64  # every GPT-2 size uses 64-dimensional heads
+    assert cfg.d_mlp == 4 * d_model
+    assert (cfg.d_vocab, cfg.n_ctx) == (50257, 1024)
+    assert cfg.activation == "gelu_new" and cfg.gelu_approximate == "tanh"
+    assert cfg.norm == "layernorm" and cfg.mlp == "gelu" and cfg.tie_word_embeddings
+    assert cfg.is_gpt2
+    assert ModelConfig.from_name(f"openai-community/{name}") == cfg
+
+
+def test_preset_matches_transformers_default_config():
+    # transformers' GPT2Config() defaults are the 124M gpt2 model.
+    assert ModelConfig.from_hf_config(transformers.GPT2Config(), name="gpt2") == PRESETS["gpt2"]
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(KeyError, match="gpt2-medium"):
+        ModelConfig.from_name("gpt3")
+
+
+def test_config_is_frozen():
+    cfg = ModelConfig.from_name("gpt2")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.n_layers = 3  # type: ignore[misc]
+
+
+def test_derived_fields():
+    cfg = ModelConfig(n_layers=2, d_model=48, n_heads=3, d_vocab=10, n_ctx=8)
+    assert cfg.d_head == 16 and cfg.d_mlp == 192
+    explicit = ModelConfig(n_layers=2, d_model=48, n_heads=4, d_vocab=10, n_ctx=8, d_head=8, d_mlp=7)
+    assert explicit.d_head == 8 and explicit.d_mlp == 7 and not explicit.is_gpt2
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(d_model=50, n_heads=3), "n_heads"),
+        (dict(n_layers=0), "n_layers"),
+        (dict(d_vocab=-1), "d_vocab"),
+        (dict(n_ctx=2.5), "n_ctx"),
+        (dict(activation="relu"), "activation"),
+        (dict(norm="batchnorm"), "norm"),
+        (dict(mlp="moe"), "mlp"),
+    ],
+)
+def test_bad_fields_raise_naming_the_field(kwargs, field):
+    base = dict(n_layers=2, d_model=48, n_heads=3, d_vocab=10, n_ctx=8)
+    with pytest.raises(ValueError, match=field):
+        ModelConfig(**{**base, **kwargs})
+
+
+def test_from_hf_config_small():
+    hf = transformers.GPT2Config(n_layer=3, n_embd=40, n_head=5, vocab_size=77, n_positions=33,
+                                 n_inner=100, layer_norm_epsilon=1e-6, activation_function="gelu",
+                                 tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    cfg = ModelConfig.from_hf_config(hf)
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_head) == (3, 40, 5, 8)
+    assert (cfg.d_vocab, cfg.n_ctx, cfg.d_mlp) == (77, 33, 100)
+    assert cfg.norm_eps == 1e-6
+    assert cfg.activation == "gelu" and cfg.gelu_approximate == "none"  # HF's "gelu" is the exact erf GELU
+    assert not cfg.tie_word_embeddings
+    assert (cfg.bos_token_id, cfg.eos_token_id) == (1, 2)
+    # A dict (config.json contents) gives the same result as the config object.
+    assert ModelConfig.from_hf_config(hf.to_dict()) == cfg
+
+
+def test_to_hf_dict_round_trips_through_transformers(tmp_path):
+    cfg = ModelConfig(n_layers=2, d_model=24, n_heads=3, d_vocab=50, n_ctx=16, d_mlp=60, norm_eps=1e-6,
+                      tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    hf = transformers.GPT2Config.from_pretrained(str(tmp_path))
+    assert (hf.n_layer, hf.n_embd, hf.n_head, hf.vocab_size, hf.n_positions, hf.n_inner) == (2, 24, 3, 50, 16, 60)
+    assert ModelConfig.from_json(tmp_path / "config.json") == cfg
+    assert ModelConfig.from_hf_config(hf) == cfg
+
+
+def test_to_hf_dict_refuses_non_gpt2_architectures():
+    cfg = ModelConfig(n_layers=1, d_model=8, n_heads=2, d_vocab=5, n_ctx=4, norm="rmsnorm")
+    with pytest.raises(ValueError, match="rmsnorm"):
+        cfg.to_hf_dict()
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"model_type": "llama"}, "model_type"),
+        ({"activation_function": "relu"}, "activation_function"),
+        ({"add_cross_attention": True}, "add_cross_attention"),
+        ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+        ({"reorder_and_upcast_attn": True}, "reorder_and_upcast_attn"),
+        ({"scale_attn_weights": False}, "scale_attn_weights"),
+    ],
+)
+def test_unsupported_hf_values_raise_naming_the_field(change, field):
+    d = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2).to_dict()
+    d.update(change)
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf_config(d)
+
+
+def test_missing_model_type_and_fields_raise():
+    d = transformers.GPT2Config().to_dict()
+    with pytest.raises(ValueError, match="model_type"):
+        ModelConfig.from_hf_config({k: v for k, v in d.items() if k != "model_type"})
+    with pytest.raises(ValueError, match="n_head"):
+        ModelConfig.from_hf_config({k: v for k, v in d.items() if k != "n_head"})
+
+
+def test_from_json_errors(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ModelConfig.from_json(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        ModelConfig.from_json(bad)
+    with pytest.raises(FileNotFoundError):
+        ModelConfig.from_json(tmp_path / "absent.json")
+
+
+def test_replace_recomputes_derived_fields():
+    cfg = ModelConfig.from_name("gpt2")
+    small = cfg.replace(d_model=128, n_heads=4)
+    assert small.d_head == 32 and small.d_mlp == 512
+    assert small.n_layers == 12 and cfg.d_model == 768  # the original is untouched
+    assert cfg.replace(n_heads=24).d_head == 32
+    assert cfg.replace(d_model=128, n_heads=4, d_mlp=100).d_mlp == 100
+    assert cfg.replace(n_layers=2).d_mlp == 3072  # fields not touched by the change stay
+    with pytest.raises(ValueError, match="activation"):
+        cfg.replace(activation="relu")

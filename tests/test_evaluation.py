@@ -1,0 +1,103 @@
+"""Per-layer evaluation against an independent full-vocabulary computation from transformers' hidden states."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lenses import LogitLens, TunedLens
+from lenses.evaluation import evaluate, evaluate_windows, per_layer
+from lenskit.data import TokenStream
+
+
+@pytest.fixture
+def windows():
+    return torch.randint(0, 101, (5, 12), generator=torch.Generator().manual_seed(7))
+
+
+def tuned_lens(model, seed=0):
+    lens = TunedLens(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lens.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return lens
+
+
+def reference(hf_model, lens, windows):
+    """Per (layer, window): KL(final||lens), CE, entropy, top-1 agreement and prediction depth, written out
+    longhand with torch.nn.functional on transformers' hidden states."""
+    out = hf_model(windows, output_hidden_states=True)
+    final = out.logits.log_softmax(-1)
+    n = hf_model.config.n_layer
+    hidden = list(out.hidden_states[:n])
+    per_layer_logp, rows = [], {}
+    for l in range(n + 1):
+        if l == n:
+            logp = final
+        else:
+            t = lens.translators[l]
+            h = hidden[l] + hidden[l] @ t.weight.T + t.bias
+            logp = hf_model.lm_head(hf_model.transformer.ln_f(h)).log_softmax(-1)
+        per_layer_logp.append(logp)
+        kl = F.kl_div(logp, final, log_target=True, reduction="none").sum(-1)  # KL(final || lens)
+        ce = F.cross_entropy(logp[:, :-1].transpose(1, 2), windows[:, 1:], reduction="none")
+        ent = torch.distributions.Categorical(logits=logp).entropy()
+        agree = (logp.argmax(-1) == final.argmax(-1)).float()
+        rows[l] = dict(kl=kl.mean(1), ce=ce.mean(1), entropy=ent.mean(1), top1_agree=agree.mean(1))
+    # prediction depth per token, by brute force
+    tops = torch.stack([lp.argmax(-1) for lp in per_layer_logp])  # [layer, batch, pos]
+    depth = torch.full(tops.shape[1:], n)
+    for l in range(n, -1, -1):
+        ok = (tops[l:] == tops[n]).all(0)
+        depth = torch.where(ok, torch.full_like(depth, l), depth)
+    return rows, depth
+
+
+def test_every_metric_matches_a_longhand_reference(model, hf_model, windows):
+    tuned = tuned_lens(model)
+    tidy = evaluate_windows(model, {"logit": LogitLens(model), "tuned": tuned}, windows, batch=2, progress=False)
+    n = model.cfg.n_layers
+    assert len(tidy) == 2 * (n + 1) * len(windows)
+    logit_as_tuned = TunedLens(model)  # zero translators: the reference's logit lens
+    for name, lens in (("tuned", tuned), ("logit", logit_as_tuned)):
+        ref, depth = reference(hf_model, lens, windows)
+        got = tidy[tidy.lens == name]
+        for l in range(n + 1):
+            rows = got[got.layer == l].sort_values("window")
+            for metric, values in ref[l].items():
+                torch.testing.assert_close(torch.tensor(rows[metric].values, dtype=torch.float32), values.float(),
+                                           atol=2e-5, rtol=1e-4, msg=f"{name} {metric} layer {l}")
+            settled = (depth <= l).float().mean(1)
+            torch.testing.assert_close(torch.tensor(rows["settled"].values, dtype=torch.float32), settled)
+        table = per_layer(tidy)
+        assert table.attrs["prediction_depth"][name] == pytest.approx(depth.float().mean().item(), abs=1e-6)
+
+
+def test_table_columns_final_row_and_bits_per_byte(model, hf_model, windows):
+    stream = TokenStream(windows.flatten(), n_bytes=150, provenance={})
+    table = evaluate(model, [LogitLens(model), tuned_lens(model)], stream, ctx=12, progress=False)
+    for col in ("layer", "kl_logit", "kl_tuned", "ce_logit", "ce_tuned", "entropy_logit", "entropy_tuned",
+                "kl_logit_bpb", "ce_tuned_bpb", "settled_tuned", "top1_agree_logit"):
+        assert col in table.columns
+    assert table["layer"].tolist() == list(range(model.cfg.n_layers + 1))
+    last = table.iloc[-1]
+    assert last["kl_logit"] == pytest.approx(0, abs=1e-6) and last["kl_tuned"] == pytest.approx(0, abs=1e-6)
+    logits = hf_model(windows).logits
+    model_ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), windows[:, 1:].flatten()).item()
+    assert last["ce_logit"] == pytest.approx(model_ce, rel=1e-5) and last["settled_tuned"] == 1.0
+    # bits per byte: nats/token x tokens / (bytes x ln 2), with this stream's 60 tokens over 150 bytes
+    assert table["ce_tuned_bpb"].tolist() == pytest.approx((table["ce_tuned"] * 60 / (150 * math.log(2))).tolist())
+    assert table.attrs["n_tokens"] == 60 and table.attrs["n_windows"] == 5
+
+
+def test_refuses_a_lens_built_for_another_model(model, windows):
+    import lenskit
+    from conftest import make_hf_gpt2
+
+    other = lenskit.HookedGPT2.from_hf(make_hf_gpt2(seed=2))
+    with pytest.raises(ValueError, match="another model object"):
+        evaluate_windows(model, [LogitLens(other)], windows, progress=False)

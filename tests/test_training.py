@@ -1,0 +1,183 @@
+"""Tuned-lens training: the recipe, determinism, the loss going down, NaN handling, checkpoints, kill and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import lenskit
+from lens_fixtures import write_text_folder, write_tiny_model
+from lenses import LogitLens, TunedLens
+from lenses.evaluation import evaluate
+from lenses.training import CHECKPOINT_FILE, Recipe, train
+from lenskit.data import TokenStream, load_token_stream
+
+CTX = 16
+SMALL = dict(steps=12, ctx=CTX, tokens_per_step=4 * CTX, ckpt_every=4)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    model = lenskit.HookedGPT2.from_pretrained(write_tiny_model(root / "model"))
+    data = write_text_folder(root / "data", n=120)
+    return model, load_token_stream([data], model.tokenizer), root
+
+
+def weights(lens):
+    return {k: v.clone() for k, v in lens.state_dict().items()}
+
+
+def test_recipe_defaults_follow_tuned_lens_and_scale_to_the_data():
+    r = Recipe(steps=100).resolve(n_tokens=10_000, n_ctx=16)
+    assert r.optimizer == "sgd" and r.lr == pytest.approx(0.1) and r.momentum == 0.9 and r.weight_decay == 1e-3
+    assert r.warmup_steps == 0 and r.clip_grad_norm == 1.0
+    assert r.tokens_per_step == (10_000 // 16 // 100) * 16  # one pass over the data
+    big = Recipe(steps=10).resolve(n_tokens=10**8, n_ctx=256)
+    assert big.tokens_per_step == 2**18  # the paper's step where the data allows it
+    assert [r.lr_at(s) for s in (0, 50, 99)] == pytest.approx([0.1, 0.05, 0.001])  # linear decay to zero
+    adam = Recipe(steps=100, optimizer="adam").resolve(10_000, 16)
+    assert adam.lr == 1e-3 and adam.warmup_steps == 20 and adam.lr_at(0) == pytest.approx(1e-3 / 20)
+
+
+def test_too_few_tokens_is_refused_before_training(tiny, tmp_path):
+    model, stream, _ = tiny
+    lens = TunedLens(model)
+    with pytest.raises(ValueError, match=rf"too few tokens: 1000 steps x 64 tokens per step = 64,000 tokens, but the data has"):
+        train(lens, stream, Recipe(steps=1000, ctx=CTX, tokens_per_step=64), out=tmp_path / "out", progress=False)
+    with pytest.raises(ValueError, match="too few tokens"):
+        train(lens, stream, Recipe(steps=10**6, ctx=CTX), progress=False)
+    assert not (tmp_path / "out").exists()
+    assert all(float(p.abs().max()) == 0 for p in lens.parameters())
+
+
+def test_training_lowers_kl_below_the_logit_lens_and_leaves_the_model_alone(tiny):
+    model, stream, _ = tiny
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lens = train(TunedLens(model), stream, Recipe(steps=30, ctx=CTX, tokens_per_step=8 * CTX, lr=0.5), progress=False)
+    history = lens.info["loss_history"]
+    assert len(history) == 30 and len(history[0]) == model.cfg.n_layers
+    assert all(late < early for early, late in zip(history[0], history[-1]))
+    table = evaluate(model, [LogitLens(model), lens], stream, ctx=CTX, progress=False)
+    assert (table["kl_tuned"][:-1] < table["kl_logit"][:-1]).all()
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())
+    assert lens.info["tokens_seen"] == 30 * 8 * CTX
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tiny):
+    model, stream, _ = tiny
+    runs = [weights(train(TunedLens(model), stream, Recipe(**SMALL, seed=s), progress=False)) for s in (0, 0, 1)]
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+    assert not all(torch.equal(runs[0][k], runs[2][k]) for k in runs[0])
+
+
+def test_adam_and_resid_mid_translators_train(tiny):
+    model, stream, _ = tiny
+    lens = train(TunedLens(model, resid_mid=True), stream, Recipe(**{**SMALL, "steps": 20}, optimizer="adam", lr=1e-2),
+                 progress=False)
+    assert lens.info["stream_labels"] == ["0", "0.mid", "1", "1.mid", "2", "2.mid"]
+    history = lens.info["loss_history"]
+    assert all(late < early for early, late in zip(history[0], history[-1]))
+    assert all(float(t.weight.detach().abs().max()) > 0 for t in lens.mid_translators)
+
+
+def test_weight_decay_applies_to_A_and_b(tiny):
+    from lenses.training import make_optimizer
+
+    model, _, _ = tiny
+    lens = TunedLens(model)
+    opt = make_optimizer(list(lens.parameters()), Recipe().resolve(10_000, 16))
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert decayed == {id(p) for p in lens.parameters()}  # decay toward zero A, b = toward the identity map
+    assert opt.defaults["nesterov"] and opt.defaults["momentum"] == 0.9
+
+
+def test_finished_run_is_saved_and_a_rerun_does_nothing(tiny, tmp_path):
+    model, stream, _ = tiny
+    lens = train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "lens.safetensors"]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["steps_done"] == 12 and config["tokens_seen"] == 12 * 4 * CTX
+    assert config["recipe"]["tokens_per_step"] == 4 * CTX and config["data"]["sha256"] == stream.provenance["sha256"]
+    again = train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), lens.state_dict().values()))
+    with pytest.raises(ValueError, match="belongs to a different run"):
+        train(TunedLens(model), stream, Recipe(**{**SMALL, "steps": 13}), out=tmp_path / "out", progress=False)
+
+
+def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(tiny, tmp_path):
+    model, stream, _ = tiny
+    calls = {"n": 0}
+
+    def poison(x, hook):  # every step runs the model once (4 windows <= one micro-batch); step 6 gets NaN
+        calls["n"] += 1
+        if calls["n"] == 7:
+            x = x.clone()
+            x[0, 3] = float("nan")  # one position of one window
+            return x
+
+    with model.hooks([("blocks.1.hook_resid_pre", poison)]):
+        with pytest.raises(FloatingPointError, match=r"NaN or inf at step 6 .*last good checkpoint .* is intact"):
+            train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
+    ckpt = tmp_path / "out" / CHECKPOINT_FILE
+    with safe_open(str(ckpt), "pt") as f:
+        assert json.loads(f.metadata()["meta"])["step"] == 4
+    saved = {k[5:]: v for k, v in load_file(str(ckpt)).items() if k.startswith("lens.")}
+    clean = weights(train(TunedLens(model), stream, Recipe(**{**SMALL, "steps": 12}), progress=False))
+    assert set(saved) == set(clean)
+    assert all(torch.isfinite(v).all() for v in saved.values())
+    assert not model.hook_dict["blocks.1.hook_resid_pre"].has_hooks()
+    # The checkpoint resumes to the same result as a clean run.
+    resumed = train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
+    assert all(torch.equal(resumed.state_dict()[k], clean[k]) for k in clean)
+
+
+def cli(*args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return [sys.executable, "-m", "lenses.cli", *args], env
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_gives_the_same_weights_as_an_uninterrupted_run(tiny, tmp_path):
+    """Kill a training process with SIGKILL right after a checkpoint lands, rerun the same command, and
+    compare with a run that was never interrupted: every weight must be bit-identical on this CPU."""
+    _, _, root = tiny
+    args = ["train-lens", "--model", str(root / "model"), "--data", str(root / "data"), "--steps", "150",
+            "--tokens-per-step", str(2 * CTX), "--ctx", str(CTX), "--seed", "5", "--quiet"]
+    cmd, env = cli(*args, "--out", str(tmp_path / "straight"), "--ckpt-every", "150")
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+
+    cmd, env = cli(*args, "--out", str(tmp_path / "killed"), "--ckpt-every", "7")
+    ckpt = tmp_path / "killed" / CHECKPOINT_FILE
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed; make it longer"
+    with safe_open(str(ckpt), "pt") as f:
+        step = json.loads(f.metadata()["meta"])["step"]
+    assert 0 < step < 150
+    assert not (tmp_path / "killed" / "config.json").exists()
+
+    done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    assert f"resuming from step {step}" in done.stdout + done.stderr
+    a = load_file(str(tmp_path / "straight" / "lens.safetensors"))
+    b = load_file(str(tmp_path / "killed" / "lens.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "killed" / "config.json").read_text())["steps_done"] == 150

@@ -1,0 +1,192 @@
+"""TunedLens: identity at init, the translator maths, save/load, fingerprints, and tuned-lens import."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lenskit
+from conftest import make_hf_gpt2
+from lenses import LogitLens, TunedLens
+from lenses.tuned import model_fingerprint
+
+
+def hf_decode(hf_model, h):
+    """The reference decoder: transformers' own final LayerNorm and LM head."""
+    return hf_model.lm_head(hf_model.transformer.ln_f(h))
+
+
+def randomize(lens: TunedLens, seed: int = 0) -> TunedLens:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lens.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return lens
+
+
+@pytest.fixture
+def streams(model, tokens):
+    _, cache = model.run_with_cache(tokens)
+    return cache
+
+
+def test_untrained_tuned_lens_is_the_logit_lens_at_every_layer(model, hf_model, tokens, streams):
+    tuned, logit = TunedLens(model), LogitLens(model)
+    hidden = hf_model(tokens, output_hidden_states=True).hidden_states  # embeddings, block 0..n-1 outputs
+    for l in range(model.cfg.n_layers + 1):
+        h = streams.accumulated_resid()[l]
+        assert torch.equal(tuned(h, l), logit(h, l))
+        if l < model.cfg.n_layers:  # HF's last hidden state already has ln_f applied
+            torch.testing.assert_close(tuned(h, l), hf_decode(hf_model, hidden[l]), atol=1e-5, rtol=1e-5)
+
+
+def test_translator_is_residual_affine_and_absent_at_the_last_layer(model, hf_model, tokens, streams):
+    tuned = randomize(TunedLens(model))
+    n = model.cfg.n_layers
+    assert len(tuned.translators) == n and tuned.translator(n) is None
+    for l in range(n):
+        h = streams.accumulated_resid()[l]
+        A, b = tuned.translators[l].weight, tuned.translators[l].bias
+        expected = hf_decode(hf_model, h + h @ A.T + b)
+        torch.testing.assert_close(tuned(h, l), expected, atol=1e-5, rtol=1e-5)
+    # Stream n_layers is the model's own output, whatever the translators hold.
+    logits = hf_model(tokens).logits
+    torch.testing.assert_close(tuned(streams.accumulated_resid()[n], n), logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(IndexError, match="out of range"):
+        tuned(streams.accumulated_resid()[0], n + 1)
+
+
+def test_resid_mid_translators(model, streams):
+    plain = TunedLens(model)
+    with pytest.raises(ValueError, match="no resid_mid translators"):
+        plain(streams["resid_mid", 0], 0, mid=True)
+    tuned = randomize(TunedLens(model, resid_mid=True))
+    h = streams["resid_mid", 1]
+    t = tuned.mid_translators[1]
+    torch.testing.assert_close(tuned(h, 1, mid=True), LogitLens(model)(h + t(h), 1))
+    torch.testing.assert_close(tuned.decode(streams, 1, "resid_mid"), tuned(h, 1, mid=True))
+    with pytest.raises(IndexError):
+        tuned(h, model.cfg.n_layers, mid=True)  # there is no resid_mid after the last block
+    assert len(list(tuned.parameters())) == 4 * model.cfg.n_layers
+
+
+def test_save_load_gives_identical_outputs_and_no_pickle(model, streams, tmp_path):
+    tuned = randomize(TunedLens(model, resid_mid=True))
+    tuned.info = {"tokens_seen": 123}
+    tuned.save(tmp_path / "lens")
+    assert sorted(p.name for p in (tmp_path / "lens").iterdir()) == ["config.json", "lens.safetensors"]
+    raw = (tmp_path / "lens" / "lens.safetensors").read_bytes()
+    assert not raw.startswith(b"\x80")  # not a pickle; safetensors starts with its header length
+    header_len = int.from_bytes(raw[:8], "little")
+    assert json.loads(raw[8: 8 + header_len])  # a JSON header, as safetensors defines
+    config = json.loads((tmp_path / "lens" / "config.json").read_text())
+    assert config["n_layers"] == model.cfg.n_layers and config["d_model"] == model.cfg.d_model
+    assert config["model_fingerprint"] == model_fingerprint(model) and config["tokens_seen"] == 123
+    loaded = TunedLens.load(tmp_path / "lens", model)
+    assert loaded.has_mid and loaded.info["tokens_seen"] == 123
+    for l in range(model.cfg.n_layers + 1):
+        h = streams.accumulated_resid()[l]
+        assert torch.equal(loaded(h, l), tuned(h, l))
+    assert torch.equal(loaded(streams["resid_mid", 0], 0, mid=True), tuned(streams["resid_mid", 0], 0, mid=True))
+
+
+def test_loading_onto_a_model_with_another_fingerprint_is_refused(model, tmp_path):
+    TunedLens(model).save(tmp_path / "lens")
+    other = lenskit.HookedGPT2.from_hf(make_hf_gpt2(seed=1))  # same shapes, different weights
+    with pytest.raises(ValueError) as err:
+        TunedLens.load(tmp_path / "lens", other)
+    assert model_fingerprint(model) in str(err.value) and model_fingerprint(other) in str(err.value)
+    bigger = lenskit.HookedGPT2.from_hf(make_hf_gpt2(n_layer=4))
+    with pytest.raises(ValueError, match="n_layers=3 but the model has n_layers=4"):
+        TunedLens.load(tmp_path / "lens", bigger)
+
+
+@pytest.mark.slow  # starts a fresh Python process
+def test_fingerprint_is_a_hash_of_the_values_alone(model, hf_model, tmp_path):
+    # Independent recomputation with hashlib and numpy, straight from transformers' tensors.
+    digest = hashlib.sha256()
+    for name, t in [("ln_final.bias", hf_model.transformer.ln_f.bias), ("ln_final.weight", hf_model.transformer.ln_f.weight),
+                    ("unembed.weight", hf_model.lm_head.weight)]:
+        arr = t.detach().numpy().astype("<f4")
+        digest.update(f"{name}:{list(arr.shape)}\n".encode() + arr.tobytes())
+    assert model_fingerprint(model) == "sha256:" + digest.hexdigest()
+    # Same after a round trip through files, in a fresh process.
+    model.save_pretrained(tmp_path / "m")
+    code = ("import lenskit; from lenses.tuned import model_fingerprint; "
+            f"print(model_fingerprint(lenskit.HookedGPT2.from_pretrained({str(tmp_path / 'm')!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == model_fingerprint(model)
+    # One ulp in the final norm changes it.
+    moved = lenskit.HookedGPT2.from_pretrained(tmp_path / "m")
+    with torch.no_grad():
+        moved.ln_final.weight[0] = torch.nextafter(moved.ln_final.weight[0], torch.tensor(10.0))
+    assert model_fingerprint(moved) != out
+
+
+def write_tuned_lens_package_folder(folder, state, n_layers, d_model, bias=True):
+    """The tuned-lens package's layout: config.json (TunedLensConfig) + params.pt (a torch.save'd state dict)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"base_model_name_or_path": "tiny", "d_model": d_model, "num_hidden_layers": n_layers, "bias": bias,
+              "base_model_revision": None, "unembed_hash": "abc", "lens_type": "linear_tuned_lens"}
+    (folder / "config.json").write_text(json.dumps(config))
+    torch.save(state, folder / "params.pt")
+
+
+@pytest.mark.parametrize("prefix", ["", "layer_translators."])
+def test_import_a_lens_saved_by_the_tuned_lens_package(model, streams, tmp_path, prefix):
+    n, d = model.cfg.n_layers, model.cfg.d_model
+    g = torch.Generator().manual_seed(3)
+    state = {}
+    for i in range(n):
+        state[f"{prefix}{i}.weight"] = torch.randn(d, d, generator=g) * 0.1
+        state[f"{prefix}{i}.bias"] = torch.randn(d, generator=g) * 0.1
+    write_tuned_lens_package_folder(tmp_path / "tl", state, n, d)
+    lens = TunedLens.load(tmp_path / "tl", model)
+    for l in range(n):
+        h = streams.accumulated_resid()[l]
+        W, b = state[f"{prefix}{l}.weight"], state[f"{prefix}{l}.bias"]
+        torch.testing.assert_close(lens(h, l), LogitLens(model)(h + h @ W.T + b, l))
+    assert lens.info["imported_from"]["format"] == "tuned-lens"
+    # Converted, it saves as a lenskit folder and loads back the same.
+    lens.save(tmp_path / "converted")
+    again = TunedLens.load(tmp_path / "converted", model)
+    assert torch.equal(again(streams["resid_pre", 1], 1), lens(streams["resid_pre", 1], 1))
+
+
+class NotATensor:
+    pass
+
+
+def test_tuned_lens_import_never_unpickles_objects_and_checks_shapes(model, tmp_path):
+    n, d = model.cfg.n_layers, model.cfg.d_model
+    state = {f"{i}.{k}": torch.zeros(d, d) if k == "weight" else torch.zeros(d) for i in range(n) for k in ("weight", "bias")}
+    state["0.weight"] = NotATensor()  # a pickled custom class: weights_only refuses it
+    write_tuned_lens_package_folder(tmp_path / "evil", state, n, d)
+    with pytest.raises(pickle.UnpicklingError):
+        TunedLens.load(tmp_path / "evil", model)
+    state["0.weight"] = torch.zeros(d, d + 1)
+    write_tuned_lens_package_folder(tmp_path / "bad", state, n, d)
+    with pytest.raises(ValueError, match=r"translators\.0\.weight has shape \(32, 33\), expected \(32, 32\)"):
+        TunedLens.load(tmp_path / "bad", model)
+    write_tuned_lens_package_folder(tmp_path / "deep", state, n + 1, d)
+    with pytest.raises(ValueError, match="n_layers=4 but the model has n_layers=3"):
+        TunedLens.load(tmp_path / "deep", model)
+
+
+def test_not_a_lens_folder(model, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        TunedLens.load(tmp_path, model)
+    (tmp_path / "config.json").write_text(json.dumps({"n_layer": 3}))
+    with pytest.raises(ValueError, match="not a lenskit tuned lens"):
+        TunedLens.load(tmp_path, model)
+
+
+def test_fingerprint_uses_float32_bytes_whatever_the_storage(model):
+    wide = lenskit.HookedGPT2.from_hf(make_hf_gpt2()).to(torch.float64)
+    assert model_fingerprint(wide) == model_fingerprint(model)  # float64 copies of the same float32 values
