@@ -28,7 +28,7 @@ from lenskit.hooks import HookFn, NameOrPredicate
 from . import metrics
 from .base import Lens
 from .logit import LogitLens, point_names
-from .trajectory import NO_TARGET, _targets, _tokens_and_lengths
+from .trajectory import NO_TARGET, _decode_one, _targets, _tokens_and_lengths
 
 COLUMNS = [
     "layer", "position", "input_token", "input_token_id", "target_token", "target_token_id",
@@ -55,6 +55,7 @@ def compare_runs(
     text = that token everywhere, or ids [batch, pos] with -1 for none (as in `Trajectory.from_prompt`).
     Columns: see `COLUMNS`; probabilities in [0, 1], losses and `kl` (KL(clean || ablated)) in nats,
     `delta_*` = ablated - clean. Rows without a target have NaN target columns; padding is left out.
+    The hooks act during the forward pass only, so edits at or after the final norm do not reach the lens.
     """
     lens = LogitLens(model) if lens is None else lens
     if lens.model is not model:
@@ -121,7 +122,7 @@ def _decoder(model: HookedGPT2):
         ids = [int(i) for i in np.asarray(ids).ravel()]
         if tok is None:
             return [f"<{i}>" for i in ids]
-        memo = {i: tok.decode([i]) for i in set(ids)}
+        memo = {i: _decode_one(tok, i) for i in set(ids)}  # as Trajectory shows them
         return [memo[i] for i in ids]
 
     return decode

@@ -9,8 +9,9 @@ from __future__ import annotations
 import html
 import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -71,6 +72,41 @@ def save_figure(fig: go.Figure, path: str | os.PathLike, *, width: int | None = 
     return path
 
 
+_sessions = 0
+
+
+@contextmanager
+def export_session() -> Iterator[None]:
+    """Reuse one headless Chrome for every static export in the block (otherwise each export starts its own).
+
+    >>> with export_session():
+    ...     for suffix in (".png", ".svg", ".pdf"):
+    ...         save_figure(fig, "figures/lens" + suffix)
+    """
+    import kaleido
+    from kaleido.errors import ChromeNotFoundError
+
+    global _sessions
+    if _sessions == 0:
+        try:
+            kaleido.start_sync_server(mathjax=False, timeout=EXPORT_TIMEOUT_S, silence_warnings=True)
+        except ChromeNotFoundError:
+            raise RuntimeError(_no_chrome_message("static export")) from None
+    _sessions += 1
+    try:
+        yield
+    finally:
+        _sessions -= 1
+        if _sessions == 0:
+            kaleido.stop_sync_server(silence_warnings=True)
+
+
+def _no_chrome_message(what: str) -> str:
+    hint = f" (BROWSER_PATH={os.environ['BROWSER_PATH']!r} is set; is it an executable Chrome?)" if "BROWSER_PATH" in os.environ else ""
+    return (f"{what} needs Chrome or Chromium, and none was found{hint}. Install one (`apt-get install chromium`, "
+            "as scripts/install.sh does) or point BROWSER_PATH at it; or save as .html, which needs no browser.")
+
+
 def _render_static(fig: go.Figure, fmt: str, width: int | None, height: int | None, scale: float | None) -> bytes:
     import kaleido
     from kaleido.errors import ChromeNotFoundError
@@ -81,14 +117,10 @@ def _render_static(fig: go.Figure, fmt: str, width: int | None, height: int | No
     try:
         # mathjax=False: kaleido otherwise loads MathJax from a CDN, which hangs or fails offline.
         # timeout: seconds per image; kaleido's default of 90 is too short on a busy 2-core CI machine.
-        return kaleido.calc_fig_sync(fig.to_dict(), opts=opts, kopts=dict(mathjax=False, timeout=EXPORT_TIMEOUT_S))
+        kopts = None if _sessions else dict(mathjax=False, timeout=EXPORT_TIMEOUT_S)  # a session was started with these
+        return kaleido.calc_fig_sync(fig.to_dict(), opts=opts, kopts=kopts)
     except ChromeNotFoundError:
-        hint = f" (BROWSER_PATH={os.environ['BROWSER_PATH']!r} is set; is it an executable Chrome?)" if "BROWSER_PATH" in os.environ else ""
-        raise RuntimeError(
-            f"exporting {fmt.upper()} needs Chrome or Chromium, and none was found{hint}. Install one "
-            "(`apt-get install chromium`, as scripts/install.sh does) or point BROWSER_PATH at it; "
-            "or save as .html, which needs no browser."
-        ) from None
+        raise RuntimeError(_no_chrome_message(f"exporting {fmt.upper()}")) from None
 
 
 # ===================================================== logit-lens heatmap
@@ -401,7 +433,8 @@ def difference_heatmap(frame: pd.DataFrame, value: str = "delta_target_prob", *,
         z=z, x=positions, y=layers, **color, text=text, texttemplate="%{text}" if cell_text else None,
         textfont=dict(family=MONO, size=11), customdata=hover.to_numpy().tolist(),
         hovertemplate="%{customdata}<extra></extra>", xgap=1, ygap=1,
-        colorbar=dict(title=dict(text=titles[value], side="right"), thickness=14, outlinewidth=0, ticks="outside"),
+        colorbar=dict(title=dict(text=titles[value], side="right"), thickness=14, outlinewidth=0, ticks="outside",
+                      tickformat=".2~g"),
     ))
     ticks = _token_ticks(frame, positions, max_chars)
     n_pos = len(positions)

@@ -183,7 +183,8 @@ class Trajectory:
 
 
 # Escapes that make whitespace and control characters visible in tables and figures.
-_SHOWN = {"\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r", " ": "·"}
+# Backslashes are left alone, so a partial UTF-8 byte shown as '\\xe2' (see `_decode_one`) reads as such.
+_SHOWN = {"\n": "\\n", "\t": "\\t", "\r": "\\r", " ": "·"}
 
 
 def show_token(text: str, max_chars: int | None = None) -> str:

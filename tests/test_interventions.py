@@ -147,6 +147,17 @@ def test_per_position_mean_of_neurons_matches_hf(model, hf_model, tokens):
         model.run_with_hooks(torch.zeros(1, 21, dtype=torch.long), fwd_hooks=hooks)
 
 
+def test_per_position_mean_over_sequences_of_different_lengths(model, hf_model):
+    g = torch.Generator().manual_seed(9)
+    dataset = [torch.randint(0, 101, (2, 12), generator=g), torch.randint(0, 101, (20,), generator=g)]
+    attn = hf_model.transformer.h[1].attn
+    outs = [hf_capture(hf_model, r.reshape(-1, r.shape[-1]), attn, "out") for r in dataset]  # [b, pos, d_model]
+    expected = torch.stack([torch.cat([o[:, p] for o in outs if o.shape[1] > p]).mean(0) for p in range(20)])
+    got = mean_activations(model, ["blocks.1.hook_attn_out"], dataset, per_position=True)["blocks.1.hook_attn_out"]
+    assert got.shape == (20, model.cfg.d_model)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("target", [Block(1), Attn(0), Mlp(2), Head(1, [0, 3]), Neurons(2, [1, 2, 3])])
 def test_mean_over_the_input_itself_is_a_no_op(model, tokens, target):
     one = tokens[:1]

@@ -147,3 +147,17 @@ def test_broken_tokenizer_files_raise(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{broken")
     with pytest.raises(ValueError, match="tokenizer files"):
         load_tokenizer(tmp_path)
+
+
+def test_default_model_tokenizer(default_model):
+    """The embedded model's own byte-level BPE: ids stay inside its vocabulary and text round-trips."""
+    tok, cfg = default_model.tokenizer, default_model.cfg
+    assert tok is not None
+    assert len(tok) == cfg.d_vocab  # no special token was appended past the embedding matrix
+    assert cfg.bos_token_id is not None and 0 <= cfg.bos_token_id < cfg.d_vocab
+    text = "def __init__(self, name):\n    self.name = name  # é\n"
+    tokens = default_model.to_tokens(text, prepend_bos=True)
+    assert tokens[0, 0] == cfg.bos_token_id
+    assert int(tokens.max()) < cfg.d_vocab
+    assert default_model.to_string(tokens[0, 1:]) == text
+    assert "".join(default_model.to_str_tokens(tokens[0, 1:])) == text

@@ -138,7 +138,9 @@ def _describe(target) -> str:
 
 
 def _print_table(summary: pd.DataFrame) -> None:
-    show = lambda t: repr(str(t))[1:-1][:14]  # noqa: E731 - escapes newlines and tabs, keeps the table on one line
+    from lenses.trajectory import show_token
+
+    show = lambda t: show_token(str(t), 14)  # noqa: E731 - visible whitespace keeps the table on one line
     table = pd.DataFrame({
         "pos": summary["position"], "input": summary["input_token"].map(show), "next": summary["target_token"].map(show),
         "clean top": summary["clean_top_token"].map(show), "ablated top": summary["ablated_top_token"].map(show),
