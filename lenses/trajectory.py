@@ -80,7 +80,7 @@ class Trajectory:
         whose rank and probability are tracked: None = the next input token (none at a sequence's last
         position), an int id or a one-token string = that token everywhere, or ids [batch, pos]
         (or [pos]) with -1 for "no target". `chunk_size` = positions decoded at once (default: enough
-        for ~4M logits, 16 MB in float32); lower it to save memory, raise it for speed.
+        for ~2M logits, 8 MB in float32); lower it to save memory, raise it for speed.
 
         >>> traj = Trajectory.from_prompt(model, LogitLens(model), "def add(a, b):\\n    return", top_k=5)
         >>> traj.to_frame().query("layer == 6")[["position", "input_token", "top_token", "top_prob"]]
@@ -102,7 +102,7 @@ class Trajectory:
         flat_targets = targets.reshape(rows).to(flat_streams[0].device)
         has_target = flat_targets != NO_TARGET
         safe_targets = flat_targets.clamp(min=0)
-        chunk = chunk_size or max(1, (1 << 22) // model.cfg.d_vocab)
+        chunk = chunk_size or max(1, (1 << 21) // model.cfg.d_vocab)
 
         L = n_layers + 1
         top_ids = torch.empty(L, rows, top_k, dtype=torch.long)

@@ -68,3 +68,24 @@ def test_eval_with_a_lens_for_another_model_names_both_fingerprints(files, tmp_p
     assert code == 2
     assert model_fingerprint(lenskit.HookedGPT2.from_pretrained(other)) in err
     assert json.loads((out / "config.json").read_text())["model_fingerprint"] in err
+
+
+def test_lens_command_reads_a_trained_tuned_lens_folder(files, tmp_path, capsys):
+    import lenskit
+    from lenses import TunedLens
+    from lenses.metrics import forward_kl
+
+    out = tmp_path / "lens"
+    assert main(["train-lens", "--model", str(files / "model"), "--data", str(files / "train"), "--out", str(out),
+                 "--steps", "4", "--tokens-per-step", "64", "--ctx", "16", "--quiet"]) == 0
+    csv = tmp_path / "traj.csv"
+    prompt = "def f1(alpha, beta):\n    alpha = beta + 1"
+    assert main(["lens", prompt, "--model", str(files / "model"), "--lens", str(out), "--csv", str(csv)]) == 0
+    rows = pd.read_csv(csv)
+    model = lenskit.HookedGPT2.from_pretrained(files / "model")
+    tuned = TunedLens.load(out, model)
+    logits, cache = model.run_with_cache(prompt)
+    for l in range(model.cfg.n_layers):  # the CSV's KL is the tuned lens's, not the logit lens's
+        expected = forward_kl(logits, tuned(cache["resid_pre", l], l))[0].detach()
+        got = rows[rows.layer == l].sort_values("position")["kl_to_final"].to_numpy()
+        assert got == pytest.approx(expected.numpy(), abs=1e-5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def write_config(hf_model, folder: Path) -> None:
 def bare_state(hf_model) -> dict[str, torch.Tensor]:
     """GPT2Model's own keys (no `transformer.` prefix), contiguous copies ready for save_file."""
     return {k: v.detach().clone().contiguous() for k, v in hf_model.transformer.state_dict().items()
-            if not k.endswith(("attn.bias", "attn.masked_bias")) or "c_" in k}
+            if not re.fullmatch(r"h\.\d+\.attn\.(bias|masked_bias)", k)}  # layout (3) adds these on purpose
 
 
 def layout_prefixed_with_lm_head(hf_model, folder: Path) -> Path:

@@ -1,0 +1,114 @@
+"""What is compared: the shared weights folder, the three models loaded from it, and the calls timed."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything loads from the local folder; never download
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch
+
+from lenskit import HookedGPT2, ModelConfig
+
+RESID_WRITES = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
+MATMUL_N = 2048  # the peak: an [N, N] @ [N, N] fp32 matmul, 2 N^3 FLOPs
+
+
+def resid_names(n_layers: int) -> list[str]:
+    """Every residual write: the five stream hooks of every block."""
+    return [f"blocks.{i}.{h}" for i in range(n_layers) for h in RESID_WRITES]
+
+
+# ------------------------------------------------------------------ the weights
+def ensure_model_folder(folder: Path, seed: int) -> Path:
+    """The gpt2 preset with GPT-2's random init, saved once in the Hugging Face layout."""
+    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+        return folder
+    torch.manual_seed(seed)
+    HookedGPT2(ModelConfig.from_name("gpt2")).save_pretrained(folder)
+    return folder
+
+
+def load_lenskit(folder: Path) -> HookedGPT2:
+    return HookedGPT2.from_pretrained(folder).eval()
+
+
+def load_transformers(folder: Path):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    # The default attention implementation (no attn_implementation argument): what a user gets.
+    return transformers.GPT2LMHeadModel.from_pretrained(str(folder)).eval()
+
+
+def load_transformer_lens(folder: Path):
+    """TransformerLens' TransformerBridge over the same folder, or the reason it cannot be had."""
+    try:
+        from transformer_lens.model_bridge import TransformerBridge
+    except ImportError as e:
+        return None, f"transformer-lens is not installed ({e}); `pip install -e .[bench]`"
+    import logging
+
+    logging.getLogger("transformer_lens").setLevel(logging.ERROR)
+    try:
+        return TransformerBridge.boot_transformers(str(folder), device="cpu").eval(), ""
+    except Exception as e:  # noqa: BLE001 - any failure to boot is reported, not fatal to the benchmark
+        return None, f"TransformerBridge.boot_transformers failed offline: {type(e).__name__}: {e}"
+
+
+def make_tokens(batch: int, pos: int, d_vocab: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, d_vocab, (batch, pos), generator=torch.Generator().manual_seed(seed))
+
+
+# -------------------------------------------------------------------- the work
+def contenders(lk, hf, tl, tokens: torch.Tensor, n_layers: int) -> dict[str, Callable[[], object]]:
+    """What is timed, by name, for the models given (None skips one); each returns what a caller keeps."""
+    names = resid_names(n_layers)
+    wanted = set(names)
+    cases: dict[str, Callable[[], object]] = {}
+    if hf is not None:
+        cases["transformers_forward"] = lambda: hf(tokens).logits
+    if lk is not None:
+        cases["lenskit_forward"] = lambda: lk(tokens)
+        cases["lenskit_cache"] = lambda: lk.run_with_cache(tokens, names_filter=names)
+    if tl is not None:
+        cases["tl_forward"] = lambda: tl(tokens)
+        cases["tl_cache"] = lambda: tl.run_with_cache(tokens, names_filter=lambda n: n in wanted)
+    return cases
+
+
+def timed(fn: Callable[[], object]) -> float:
+    gc.collect()
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = fn()
+        seconds = time.perf_counter() - start
+    del out
+    return seconds
+
+
+def matmul_case(n: int = MATMUL_N) -> Callable[[], object]:
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0))
+    b = torch.randn(n, n, generator=torch.Generator().manual_seed(1))
+    return lambda: a @ b
+
+
+def forward_flops(cfg: ModelConfig, batch: int, pos: int, causal: bool = False) -> float:
+    """Matmul FLOPs of one forward, counted as lenskit.accounting does (Kaplan et al.'s conventions).
+
+    2 FLOPs per multiplied weight per token (qkv, out, fc_in, fc_out, unembed), plus the attention core
+    (`Q K^T` and `pattern V`): 4 * n_layers * n_keys * d_attn per token, with n_keys = pos for the full
+    score matrix, or the causal mean (pos + 1) / 2 when `causal`.
+    """
+    d, d_attn = cfg.d_model, cfg.n_heads * cfg.d_head
+    weights_per_block = d * 3 * d_attn + d_attn * d + 2 * d * cfg.d_mlp
+    dense = 2 * (cfg.n_layers * weights_per_block + d * cfg.d_vocab)
+    n_keys = (pos + 1) / 2 if causal else pos
+    return batch * pos * (dense + 4 * cfg.n_layers * n_keys * d_attn)
+
+
