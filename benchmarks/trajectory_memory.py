@@ -80,19 +80,19 @@ def child(what: str) -> None:
     tokens = torch.randint(0, cfg.d_vocab, (1, N_POS))
     lens = LogitLens(model)
 
-    if what == "trajectory":
-        fn = lambda: Trajectory.from_prompt(model, lens, tokens, top_k=5)  # noqa: E731
-    elif what == "forward":  # the model's own forward: it materialises the final layer's logits
-        fn = lambda: model(tokens)  # noqa: E731
-    elif what == "naive":  # every stream's full logits at once, as a logit lens without care would
-        def fn():
+    def run(tokens: torch.Tensor):
+        if what == "trajectory":
+            return Trajectory.from_prompt(model, lens, tokens, top_k=5)
+        if what == "forward":  # the model's own forward: it materialises the final layer's logits
+            return model(tokens)
+        if what == "naive":  # every stream's full logits at once, as a logit lens without care would
             _, cache = model.run_with_cache(tokens, names_filter=lambda n: "resid" in n)
             return torch.stack([lens(h, l) for l, h in enumerate(cache.accumulated_resid())])
-    else:
         raise ValueError(what)
+
     with torch.no_grad():
-        fn()  # warm-up: one-off allocations (thread pools, kernels) are not the trajectory's
-        result = measure(fn)
+        run(tokens[:, :32])  # warm-up on a short prompt: one-off allocations (thread pools, kernels) are not the call's
+        result = measure(lambda: run(tokens))
     print(json.dumps(dict(what=what, model_bytes=model_bytes, logits_bytes=N_POS * cfg.d_vocab * 4,
                           n_layers=cfg.n_layers, **result)))
 

@@ -60,7 +60,7 @@ useful code model.
 | init | GPT-2's: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layers) |
 | training | AdamW (lr {lr}, betas 0.9/0.95, weight decay 0.1), warmup then cosine decay, batch {batch} x {ctx} tokens, {steps} steps, seed {seed} |
 | tokens seen | {tokens_seen:,} |
-| wall time | {minutes:.0f} minutes on 2 CPU cores |
+| wall time | {minutes:.0f} minutes of training steps on 2 CPU cores (for about a quarter of the run the cores were shared with other work, so an idle machine is faster) |
 | train loss (last 50 steps) | {final_train_loss:.3f} nats/token |
 | held-out loss | **{heldout_loss:.4f} nats/token** ({heldout_bits_per_byte:.3f} bits/byte) over {heldout_tokens:,} held-out tokens |
 | held-out unigram entropy | {unigram_entropy:.4f} nats/token |

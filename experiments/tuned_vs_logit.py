@@ -77,9 +77,10 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "tuned_vs_logit.csv", index=False, float_format="%.6g")
-    fig = plots.layer_curves(tidy, "kl", series="lens", unit="window", log_y=True,
+    # The last stream is the model's own output (KL 0 for both lenses), which a log axis cannot show.
+    fig = plots.layer_curves(tidy[tidy.layer < model.cfg.n_layers], "kl", series="lens", unit="window", log_y=True,
                              ylabel="KL(final || lens), nats per token",
-                             title=f"Logit vs tuned lens, held-out stdlib ({len(windows) * ctx:,} tokens, 95% CI)")
+                             title=f"Held-out stdlib, {len(windows) * ctx:,} tokens (95% CI over windows)")
     for fmt in args.formats:
         plots.save_figure(fig, out / f"tuned_vs_logit.{fmt}")
 

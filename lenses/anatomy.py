@@ -98,8 +98,9 @@ def decompose_resid(cache: ActivationCache, layer: int, point: str = "resid_pre"
         (_need(cache, "hook_embed", "decompose_resid"), "embed", "embed", None, None),
         (_need(cache, "hook_pos_embed", "decompose_resid"), "pos_embed", "pos_embed", None, None),
     ]
-    full_blocks = layer + 1 if point == "resid_post" else layer
-    for i in range(min(full_blocks + (point == "resid_mid"), cache.n_layers)):
+    n_attn = layer + 1 if point in ("resid_mid", "resid_post") else layer  # blocks whose attention wrote already
+    n_mlp = layer + 1 if point == "resid_post" else layer  # blocks whose MLP wrote already
+    for i in range(n_attn):
         attn_out = _need(cache, hook_name("attn_out", i), "decompose_resid")
         if per_head:
             result = _need(cache, hook_name("result", i), "a per-head decomposition")  # [batch, pos, head, d_model]
@@ -108,9 +109,9 @@ def decompose_resid(cache: ActivationCache, layer: int, point: str = "resid_pre"
             parts.append((attn_out - result.sum(2), f"{i}_attn_bias", "attn_bias", i, None))
         else:
             parts.append((attn_out, f"{i}_attn_out", "attn", i, None))
-        if i < full_blocks:
+        if i < n_mlp:
             parts.append((_need(cache, hook_name("mlp_out", i), "decompose_resid"), f"{i}_mlp_out", "mlp", i, None))
-    pos_embed = parts[1][0].expand_as(parts[0][0])  # the cache may hold it for batch 1 only
+    pos_embed = parts[1][0].expand_as(parts[0][0])  # position embeddings are the same for every sequence
     tensors = [parts[0][0], pos_embed, *(p[0] for p in parts[2:])]
     return ResidDecomposition(
         components=torch.stack(tensors),  # [component, batch, pos, d_model]

@@ -107,6 +107,14 @@ def _no_chrome_message(what: str) -> str:
             "as scripts/install.sh does) or point BROWSER_PATH at it; or save as .html, which needs no browser.")
 
 
+def check_static_export() -> None:
+    """Render a one-point figure to PNG; raise RuntimeError saying what is missing if that fails."""
+    png = _render_static(go.Figure(go.Scatter(x=[0], y=[0])), "png", 100, 100, 1)
+    if png[:8] != b"\x89PNG\r\n\x1a\n":
+        raise RuntimeError(f"static export returned {len(png)} bytes that are not a PNG")
+    print("static figure export works (kaleido + headless Chrome)")
+
+
 def _render_static(fig: go.Figure, fmt: str, width: int | None, height: int | None, scale: float | None) -> bytes:
     import kaleido
     from kaleido.errors import ChromeNotFoundError

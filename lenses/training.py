@@ -14,6 +14,7 @@ resumed ends with the same weights as one that never stopped (on the same machin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -88,7 +89,7 @@ class Recipe:
                     f"has {n_windows:,} whole windows of {ctx} = {n_windows * ctx:,} tokens; add data, or lower --steps "
                     f"or --tokens-per-step"
                 )
-        lr = self.lr if self.lr is not None else (1.0 * (1 - self.momentum) if self.optimizer == "sgd" else 1e-3)
+        lr = self.lr if self.lr is not None else (round(1.0 * (1 - self.momentum), 12) if self.optimizer == "sgd" else 1e-3)
         warmup = self.warmup_steps if self.warmup_steps is not None else (min(1000, self.steps // 5) if self.optimizer == "adam" else 0)
         return dataclasses.replace(self, ctx=ctx, tokens_per_step=tokens_per_step, lr=lr, warmup_steps=warmup)
 
@@ -258,25 +259,14 @@ def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: 
             for i, chunk in enumerate(chunks):
                 tokens = windows[chunk].to(device)
                 streams, final = collect_streams(lens, tokens)
-                per_stream = objective(streams, final)  # [n_streams] summed nats
-                # Each rank divides by the step's total tokens and DDP averages over ranks, so the gradient is
-                # the mean over every token of the step: identical maths to one process doing all of it.
-                loss = per_stream.sum() * world / recipe.tokens_per_step
-                # The per-stream sums, then the count of non-finite final logits (a NaN target can hide in a KL).
-                logged = torch.cat([per_stream.detach().double(), (~torch.isfinite(final)).sum().double().reshape(1)])
-                if world > 1:
-                    dist.all_reduce(logged)  # every rank sees a NaN anywhere, so all stop together
-                if logged[-1] > 0:
-                    raise FloatingPointError(non_finite_message("model's own output", step, ["final"], ckpt))
-                if not torch.isfinite(logged).all():
-                    bad = [labels[j] for j in range(len(labels)) if not torch.isfinite(logged[j])]
-                    raise FloatingPointError(non_finite_message("loss", step, bad, ckpt))
-                step_loss += logged[:-1].cpu()
-                if world > 1 and i < len(chunks) - 1:
-                    with objective.no_sync():
-                        loss.backward()
-                else:
-                    loss.backward()
+                # DDP all-reduces gradients on the last micro-batch only; no_sync must cover forward and backward.
+                accumulate = world > 1 and i < len(chunks) - 1
+                with objective.no_sync() if accumulate else contextlib.nullcontext():
+                    per_stream = objective(streams, final)  # [n_streams] summed nats
+                    step_loss += check_finite(per_stream, final, labels, world, step, ckpt)
+                    # Each rank divides by the step's total tokens and DDP averages over ranks, so the gradient is
+                    # the mean over every token of the step: identical maths to one process doing all of it.
+                    (per_stream.sum() * world / recipe.tokens_per_step).backward()
             norm = torch.nn.utils.clip_grad_norm_(lens.parameters(), recipe.clip_grad_norm)
             if not torch.isfinite(norm):
                 raise FloatingPointError(non_finite_message("gradient norm", step, labels, ckpt))
@@ -310,6 +300,21 @@ def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: 
     if world > 1:
         dist.barrier()
     return lens
+
+
+def check_finite(per_stream: torch.Tensor, final: torch.Tensor, labels: list[str], world: int, step: int,
+                 ckpt: Path | None) -> torch.Tensor:
+    """The per-stream loss sums [n] (summed over ranks), or FloatingPointError on every rank if any is NaN/inf."""
+    # The sums, then the count of non-finite final logits (a NaN target can hide inside a KL).
+    logged = torch.cat([per_stream.detach().double(), (~torch.isfinite(final)).sum().double().reshape(1)])
+    if world > 1:
+        dist.all_reduce(logged)  # every rank sees a NaN anywhere, so all stop together
+    if logged[-1] > 0:
+        raise FloatingPointError(non_finite_message("model's own output", step, ["final"], ckpt))
+    if not torch.isfinite(logged).all():
+        bad = [labels[j] for j in range(len(labels)) if not torch.isfinite(logged[j])]
+        raise FloatingPointError(non_finite_message("loss", step, bad, ckpt))
+    return logged[:-1].cpu()
 
 
 def check_same_run(saved: dict, current: dict, where: Path) -> None:

@@ -30,7 +30,8 @@ def test_torchrun_two_processes_match_one_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "lenses.cli", "train-lens", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "ddp"),
-           "--steps", str(steps), "--ctx", str(ctx), "--tokens-per-step", str(per_step), "--seed", "3", "--quiet"]
+           "--steps", str(steps), "--ctx", str(ctx), "--tokens-per-step", str(per_step), "--seed", "3", "--quiet",
+           "--micro-batch-tokens", "32"]  # 2 micro-batches per rank per step: DDP's no_sync path too
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "processes: 2" in done.stdout
@@ -39,7 +40,8 @@ def test_torchrun_two_processes_match_one_process(tmp_path):
 
     model = lenskit.HookedGPT2.from_pretrained(model_dir)
     stream = load_token_stream([data], model.tokenizer)
-    single = train(TunedLens(model), stream, Recipe(steps=steps, ctx=ctx, tokens_per_step=per_step, seed=3), progress=False)
+    single = train(TunedLens(model), stream, Recipe(steps=steps, ctx=ctx, tokens_per_step=per_step, seed=3,
+                                                        micro_batch_tokens=32), progress=False)
     ddp = load_file(str(tmp_path / "ddp" / "lens.safetensors"))
     moved = 0.0
     for k, v in single.state_dict().items():

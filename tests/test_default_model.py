@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import platform
+import textwrap
 import sys
 from pathlib import Path
 
@@ -34,13 +35,23 @@ def test_transformers_and_lenskit_agree(default_model, default_model_path):
 
 
 def test_greedy_generation_is_plausible_python(default_model):
+    # In the stdlib, `def __init__(self` sits inside a class body, so the model sees it indented.
+    out = default_model.to_string(default_model.generate("    def __init__(self", max_new_tokens=24))[0]
+    signature, body = out.split("\n", 1)
+    # The model closes the signature itself, and the body it starts is indented deeper and uses self.
+    assert signature.rstrip().endswith("):"), out
+    ast.parse(textwrap.dedent(signature) + "\n    pass\n")
+    assert body.startswith(" " * 8) and "self" in body, out
+
+
+def test_greedy_generation_from_a_bare_prompt_is_a_parameter_list(default_model):
     prompt = "def __init__(self"
-    out = default_model.to_string(default_model.generate(prompt, max_new_tokens=24))[0]
-    signature = out.split("\n", 1)[0]
-    # The model must close the signature itself; the completed def, given a body, must parse as Python.
-    assert signature.startswith(prompt) and signature.rstrip().endswith(":"), out
-    ast.parse(signature + "\n    pass\n")
-    assert "self" in out[len(signature):], f"no use of self in the body: {out!r}"
+    out = default_model.to_string(default_model.generate(prompt, max_new_tokens=12))[0]
+    continuation = out[len(prompt):].split("\n", 1)[0]
+    # Whatever the model writes next is more parameters: cut at the last comma, close the signature, parse.
+    head = prompt + continuation[: continuation.rfind(",")] if "," in continuation else out.split("\n", 1)[0]
+    assert continuation.startswith((",", ")")), out
+    ast.parse((head if head.rstrip().endswith(":") else head + "):") + "\n    pass\n")
 
 
 @pytest.mark.slow

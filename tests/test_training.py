@@ -181,3 +181,11 @@ def test_sigkill_then_resume_gives_the_same_weights_as_an_uninterrupted_run(tiny
     b = load_file(str(tmp_path / "killed" / "lens.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((tmp_path / "killed" / "config.json").read_text())["steps_done"] == 150
+
+
+def test_micro_batches_change_memory_not_the_result(tiny):
+    model, stream, _ = tiny
+    whole = weights(train(TunedLens(model), stream, Recipe(**SMALL), progress=False))
+    split = weights(train(TunedLens(model), stream, Recipe(**SMALL, micro_batch_tokens=CTX), progress=False))  # 4 passes
+    for k in whole:
+        torch.testing.assert_close(split[k], whole[k], atol=1e-6, rtol=1e-5)

@@ -30,6 +30,7 @@ def add_parser(subparsers, name: str) -> None:
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.1 for sgd, 1e-3 for adam)")
     p.add_argument("--weight-decay", type=float, default=1e-3, help="decay of the translators toward the identity")
     p.add_argument("--resid-mid", action="store_true", help="also train translators for each block's resid_mid")
+    p.add_argument("--micro-batch-tokens", type=int, default=2048, help="tokens per forward pass (memory, not maths)")
     p.add_argument("--ckpt-every", type=int, default=10, help="steps between checkpoints")
     p.add_argument("--text-field", default="text", help="the JSONL field that holds the text")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -48,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"the model at {args.model} has no tokenizer files; train-lens needs one to read text")
     stream = load_token_stream(args.data, model.tokenizer, text_field=args.text_field)
     recipe = Recipe(steps=args.steps, tokens_per_step=args.tokens_per_step, seed=args.seed, ctx=args.ctx,
-                    optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, ckpt_every=args.ckpt_every)
+                    optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, ckpt_every=args.ckpt_every,
+                    micro_batch_tokens=args.micro_batch_tokens)
     if rank == 0:
         print(f"data: {stream.provenance['n_files']} files, {len(stream):,} tokens; model: {model.cfg.name} "
               f"({model.cfg.n_layers} layers); processes: {world}")
