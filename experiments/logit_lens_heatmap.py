@@ -28,7 +28,7 @@ import lenskit  # noqa: E402
 from lenses import LogitLens, Trajectory, metrics, plots  # noqa: E402
 from lenses.cli.lens import format_table  # noqa: E402
 
-PROMPT = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return f.readlines()\n"
+PROMPT = "    def __init__(self, name, value):\n        self.name = name\n        self.value = value\n"
 
 
 def prompt_figure(model, lens, prompt: str, out: Path, formats: list[str]) -> pd.DataFrame:

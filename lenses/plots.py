@@ -507,7 +507,8 @@ def patching_heatmap(df: pd.DataFrame, site: str | None = None, *, value: str = 
     ))
     fig.update_layout(
         template=PAPER, title=dict(text=title, x=0.0, xref="paper", xanchor="left") if title else None,
-        width=int(min(2400, 200 + 48 * len(x))), height=int(min(1600, 170 + 28 * len(grid.index))),
+        width=int(min(2400, 200 + max(48, 10 * max(len(t) for t in ticktext)) * len(x))),
+        height=int(min(1600, 170 + 28 * len(grid.index))),
         xaxis=dict(title=dict(text=xlabel), type="category", tickmode="array", tickvals=x, ticktext=ticktext,
                    tickfont=dict(family=MONO, size=12), tickangle=-45 if len(x) > 12 else 0, showline=False, ticks=""),
         yaxis=dict(title=dict(text=ylabel), type="category", showline=False, ticks=""),

@@ -143,7 +143,7 @@ class Trajectory:
         ids = [int(i) for i in np.asarray(ids).ravel()]
         if self.tokenizer is None:
             return [f"<{i}>" for i in ids]
-        cache = {i: _decode_one(self.tokenizer, i) for i in set(ids)}
+        cache = {i: decode_token(self.tokenizer, i) for i in set(ids)}
         return [cache[i] for i in ids]
 
     def to_frame(self) -> pd.DataFrame:
@@ -183,7 +183,7 @@ class Trajectory:
 
 
 # Escapes that make whitespace and control characters visible in tables and figures.
-# Backslashes are left alone, so a partial UTF-8 byte shown as '\\xe2' (see `_decode_one`) reads as such.
+# Backslashes are left alone, so a partial UTF-8 byte shown as '\\xe2' (see `decode_token`) reads as such.
 _SHOWN = {"\n": "\\n", "\t": "\\t", "\r": "\\r", " ": "·"}
 
 
@@ -218,7 +218,7 @@ def _byte_decoder() -> dict[str, int]:
 _BYTES = _byte_decoder()
 
 
-def _decode_one(tokenizer, token_id: int) -> str:
+def decode_token(tokenizer, token_id: int) -> str:
     """A token's text; a token that is part of a multi-byte character shows its bytes, e.g. '\\xe2\\x80'."""
     text = tokenizer.decode([token_id])
     if "\ufffd" not in text:

@@ -268,5 +268,7 @@ def save_pretrained(model: "HookedGPT2", folder: str | os.PathLike) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(model.cfg.to_hf_dict(), indent=2) + "\n", encoding="utf-8")
     save_file(to_hf_state_dict(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    # A stale shard index would take precedence over the file just written.
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
     if model.tokenizer is not None:
         save_tokenizer(model.tokenizer, folder)

@@ -102,3 +102,13 @@ def test_errors(folder, capsys):
     with pytest.raises(SystemExit):
         main(["ablate", PROMPT, "--model", str(folder), "--head", "1"])
     assert "LAYER.HEAD" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_mean_mode_on_the_embedded_model_reads_the_default_reference(default_model_path, tmp_path, capsys):
+    csv = tmp_path / "mean.csv"
+    assert main(["ablate", "import os\nos.path.join(a, b)\n", "--block", "3", "--mode", "mean", "--csv", str(csv)]) == 0
+    out = capsys.readouterr().out
+    assert "mean over 32 reference windows of 128 tokens" in out
+    table = pd.read_csv(csv)
+    assert (table["kl"] >= 0).all() and (table["kl"] > 0).any()
