@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,13 +37,14 @@ from bench_report import profile_case, summarize, write_report
 HERE = Path(__file__).resolve().parent
 
 
-def run_timings(lk, hf, tl, shapes, repeats: int, warmup: int, seed: int) -> pd.DataFrame:
+def run_timings(lk, hf, tl, shapes, repeats: int, warmup: int, seed: int, time_tl_forward: bool) -> pd.DataFrame:
     """Interleaved rounds: each round runs every case once, in an order rotated round by round."""
     cases: list[tuple[str, str, Callable[[], object]]] = [("-", "matmul_peak", matmul_case())]
     for batch, pos in shapes:
         tokens = make_tokens(batch, pos, lk.cfg.d_vocab, seed)
         for name, fn in contenders(lk, hf, tl, tokens, lk.cfg.n_layers).items():
-            cases.append((f"{batch}x{pos}", name, fn))
+            if name != "tl_forward" or time_tl_forward:  # TL's plain forward is context, not a target
+                cases.append((f"{batch}x{pos}", name, fn))
     for _, _, fn in tqdm(cases, desc="warm-up", leave=False):
         for _ in range(warmup):
             timed(fn)
@@ -75,12 +77,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the random gpt2-shaped weights are written once (default ~/.cache/lenskit/bench)")
     p.add_argument("--out-dir", type=Path, default=HERE, help="where results.md/.csv go (default benchmarks/)")
     p.add_argument("--no-tl", action="store_true", help="leave TransformerLens out")
+    p.add_argument("--tl-forward", action="store_true", help="also time TransformerLens' plain forward")
+    p.add_argument("--tl-memory", action="store_true", help="also measure TransformerLens' cache memory")
     p.add_argument("--no-profile", action="store_true")
     args = p.parse_args(argv)
     args.model_dir = args.model_dir or Path.home() / ".cache" / "lenskit" / "bench" / f"gpt2-random-seed{args.seed}"
     args.command = "python benchmarks/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     args.command = args.command.strip()
     started = time.strftime("%Y-%m-%d %H:%M")
+    args.load = [os.getloadavg()[0]]  # the report says how busy the machine was
     args.out_dir.mkdir(parents=True, exist_ok=True)
     shapes = parse_shapes(args.shapes)
     folder = ensure_model_folder(args.model_dir, args.seed)
@@ -102,20 +107,22 @@ def main(argv: list[str] | None = None) -> int:
     del logits, cache
     print("parity:", parity)
 
-    t = run_timings(lk, hf, tl, shapes, args.repeats, args.warmup, args.seed)
+    t = run_timings(lk, hf, tl, shapes, args.repeats, args.warmup, args.seed, args.tl_forward)
     profiles = {}
     if not args.no_profile:
         for b, s in shapes:
             cases = contenders(lk, hf, None, make_tokens(b, s, lk.cfg.d_vocab, args.seed), lk.cfg.n_layers)
             for case in ("lenskit_forward", "lenskit_cache", "transformers_forward"):
                 profiles[f"{case}@{b}x{s}"] = profile_case(cases[case])
+        pd.concat([p.assign(run=k) for k, p in profiles.items()]).to_csv(args.out_dir / "profile.csv", index=False)
     mem = None
     if args.memory_repeats > 0:
-        mem_cases = ["lenskit_forward", "lenskit_cache"] + (["tl_forward", "tl_cache"] if tl is not None else [])
+        mem_cases = ["lenskit_forward", "lenskit_cache"] + (["tl_forward", "tl_cache"] if tl is not None and args.tl_memory else [])
         del lk, hf, tl
         gc.collect()
         mem = run_memory(mem_cases, shapes, folder, args.seed, args.memory_repeats)
         mem.to_csv(args.out_dir / "memory.csv", index=False)
+    args.load.append(os.getloadavg()[0])
     summary = summarize(t, mem, ModelConfig.from_name("gpt2"), shapes)
     write_report(args.out_dir, args, t, summary, profiles, parity, tl_note, hf_attn,
                  ModelConfig.from_name("gpt2"), shapes, started)

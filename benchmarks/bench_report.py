@@ -23,7 +23,8 @@ OP_GROUPS = {  # aten op -> what it is, for the "where the time goes" summary
     "aten::embedding": "embedding", "aten::index_select": "embedding",
     "aten::softmax": "attention core (eager)", "aten::_softmax": "attention core (eager)",
     "aten::masked_fill": "attention core (eager)", "aten::where": "attention core (eager)",
-    "aten::copy_": "copies", "aten::clone": "copies", "aten::contiguous": "copies",
+    # addmm first fills its output with the broadcast bias (a copy_), then accumulates the product into it
+    "aten::copy_": "copies (bias fill, reshapes)", "aten::clone": "copies (bias fill, reshapes)",
 }
 
 
@@ -179,7 +180,8 @@ Produced by `{args.command}` ({started} to {time.strftime('%Y-%m-%d %H:%M')}, {a
 Machine: {_cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads,
 transformers {transformers.__version__} (GPT2LMHeadModel, default attention implementation: `{hf_attn}`),
 transformer-lens {tl_version} (TransformerBridge; it forces `eager` attention so hooks can see patterns),
-lenskit {lenskit.__version__}. Weights: the `gpt2` preset with random init, one local folder that all three load
+lenskit {lenskit.__version__}. One-minute load average {args.load[0]:.1f} at the start and {args.load[-1]:.1f} at the end
+(the machine has {os.cpu_count()} cores; anything above that means other work shared them, so timings are noisy). Weights: the `gpt2` preset with random init, one local folder that all three load
 (`{args.model_dir}`). fp32, CPU, `torch.inference_mode()` for every call. Tokens: random ids, batch x pos as shown.
 {tl_note}
 Same weights, same numbers: {', '.join(f'{k} {v:.1e}' for k, v in parity.items())}.

@@ -16,7 +16,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 from tqdm import tqdm
@@ -28,7 +27,7 @@ import lenskit  # noqa: E402
 from lenses import LogitLens, Trajectory, metrics, plots  # noqa: E402
 from lenses.cli.lens import format_table  # noqa: E402
 
-PROMPT = "    def __init__(self, name, value):\n        self.name = name\n        self.value = value\n"
+PROMPT = "def __init__(self, name):\n    self.name = name\n"
 
 
 def prompt_figure(model, lens, prompt: str, out: Path, formats: list[str]) -> pd.DataFrame:
@@ -50,7 +49,7 @@ def layer_stats(model, lens, windows: torch.Tensor) -> pd.DataFrame:
         final = frame[frame.layer == frame.layer.max()].set_index("position")["top_token_id"]
         frame["agrees_with_final"] = (frame["top_token_id"].to_numpy() == final.loc[frame["position"]].to_numpy()).astype(float)
         frame = frame[frame.target_rank >= 0]  # the last position has no next token
-        frame["ce_next_token"] = -np.log(frame["target_prob"].clip(lower=1e-30))
+        frame["ce_next_token"] = -frame["target_logprob"]
         per_layer = frame.groupby("layer")[["kl_to_final", "entropy", "agrees_with_final", "ce_next_token"]].mean()
         rows.append(per_layer.reset_index().assign(window=w))
     return pd.concat(rows, ignore_index=True)

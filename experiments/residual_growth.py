@@ -101,13 +101,13 @@ def main() -> None:
     print(table.pivot(index="n_layers", columns="init", values=["rms_final", "growth"]).round(4).to_string())
     summary = metrics.mean_ci(trained, "rms", by=["component", "layer"], unit="batch")
     resid = summary[summary.component == "resid"][["layer", "mean", "lo", "hi"]]
-    print(f"\n{model.cfg.name}, trained: stream RMS by layer (mean and 95% CI over {args.windows} windows of {windows.shape[1]} tokens)")
+    print(f"\nthe embedded model ({Path(args.model).name}), trained: stream RMS by layer (mean and 95% CI over {args.windows} windows of {windows.shape[1]} tokens)")
     print(resid.round(4).to_string(index=False))
 
     fig = plots.growth_curves(random, "rms", x="depth", group="n_layers", style="init", unit="seed",
                               title="Stream RMS at init, with and without the 1/sqrt(2N) scaling")
     fig.update_layout(xaxis_title="depth (stream index / n_layers)", yaxis_title="stream RMS per entry")
-    trained_fig = plots.resid_norm_curves(trained, "rms", title=f"{Path(model.cfg.name).name}, trained: stream and writes by layer", log_y=True)
+    trained_fig = plots.resid_norm_curves(trained, "rms", title="The embedded model, trained: stream and writes by layer", log_y=True)
     for fmt in args.formats.split(","):
         plots.save_figure(fig, out / f"residual_growth.{fmt}")
         plots.save_figure(trained_fig, out / f"residual_growth_trained.{fmt}")

@@ -28,7 +28,7 @@ from lenskit.hooks import HookFn, NameOrPredicate
 from . import metrics
 from .base import Lens
 from .logit import LogitLens, point_names
-from .trajectory import NO_TARGET, _decode_one, _targets, _tokens_and_lengths
+from .trajectory import NO_TARGET, _targets, _tokens_and_lengths, decode_token
 
 COLUMNS = [
     "layer", "position", "input_token", "input_token_id", "target_token", "target_token_id",
@@ -122,7 +122,7 @@ def _decoder(model: HookedGPT2):
         ids = [int(i) for i in np.asarray(ids).ravel()]
         if tok is None:
             return [f"<{i}>" for i in ids]
-        memo = {i: _decode_one(tok, i) for i in set(ids)}  # as Trajectory shows them
+        memo = {i: decode_token(tok, i) for i in set(ids)}  # as Trajectory shows them
         return [memo[i] for i in ids]
 
     return decode

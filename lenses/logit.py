@@ -56,7 +56,7 @@ class LogitLens(Lens):
     """`unembed(ln_final(h))` for the stream after any number of blocks, with no trained parameters.
 
     The final norm's scale is recomputed on every `h` it reads. (Reusing the last layer's cached
-    scale, as TransformerLens' `apply_ln_to_stack` does by default, mis-scales earlier layers.)
+    scale, a bug TransformerLens once shipped, mis-scales every earlier layer.)
 
     >>> lens = LogitLens(model)
     >>> logits, cache = model.run_with_cache(tokens)

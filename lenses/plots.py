@@ -152,8 +152,11 @@ def _as_frame(data: Any, batch: int) -> pd.DataFrame:
     return frame
 
 
+HEATMAP_CELL = (72, 44)  # px per position and per layer: room for 6 characters of 16 px monospace
+
+
 def logit_lens_heatmap(data: Any, color: str = "prob", *, batch: int = 0, title: str | None = None,
-                       cell_text: bool | None = None, max_chars: int = 8) -> go.Figure:
+                       cell_text: bool | None = None, max_chars: int = 6) -> go.Figure:
     """Layers (rows, stream 0 at the bottom) by positions (columns), each cell the lens's top-1 token.
 
     `data` is a `Trajectory` or its `to_frame()`. `color` is one of 'prob' (top-1 probability),
@@ -195,20 +198,25 @@ def logit_lens_heatmap(data: Any, color: str = "prob", *, batch: int = 0, title:
 
     fig = go.Figure(go.Heatmap(
         z=z, x=positions, y=layers, colorscale=scale, reversescale=reverse, zmin=zmin, zmax=zmax,
-        text=text, texttemplate="%{text}" if cell_text else None, textfont=dict(family=MONO, size=11),
+        text=text, texttemplate="%{text}" if cell_text else None, textfont=dict(family=MONO, size=16),
         customdata=hover, hovertemplate="%{customdata}<extra></extra>", colorbar=colorbar, xgap=1, ygap=1,
     ))
     xticks = [display_token(str(t), max_chars) for t in inputs["input_token"]]
     n_pos, n_layers = len(positions), len(layers)
     # Both x axes get the same fixed range (`matches` with `overlaying` breaks plotly.js's static export).
     xrange = [float(positions[0]) - 0.5, float(positions[-1]) + 0.5]
+    cell_w, cell_h = HEATMAP_CELL
+    # Labels stay horizontal while the longest fits its column (16 px monospace is ~9.6 px a character).
+    angle = 0 if max(len(html.unescape(t)) for t in xticks) * 9.6 <= cell_w - 6 else -45
     fig.update_layout(
-        template=PAPER, title=dict(text=title, x=0.0, xref="paper", xanchor="left") if title else None,
-        width=int(min(2400, 150 + 62 * n_pos)), height=int(min(1400, 190 + 30 * n_layers)),
-        margin=dict(l=70, r=20, t=90 if title else 60, b=80),
+        template=PAPER, title=dict(text=title, x=0.0, xref="paper", xanchor="left", font=dict(size=20)) if title else None,
+        width=int(min(3000, 170 + cell_w * n_pos)), height=int(min(1600, (210 if angle else 170) + cell_h * n_layers)),
+        margin=dict(l=70, r=20, t=(110 if angle else 80) if title else (80 if angle else 50), b=80 if angle else 60),
+        font=dict(size=18),
         xaxis=dict(title=dict(text="input token"), range=xrange, tickmode="array", tickvals=positions, ticktext=xticks,
-                   tickfont=dict(family=MONO, size=12), tickangle=-45 if n_pos > 12 else 0, showline=False, ticks=""),
-        yaxis=dict(title=dict(text="layer"), tickmode="array", tickvals=layers, dtick=1, showline=False, ticks=""),
+                   tickfont=dict(family=MONO, size=16), tickangle=angle, showline=False, ticks=""),
+        yaxis=dict(title=dict(text="layer"), tickmode="array", tickvals=layers, dtick=1, showline=False, ticks="",
+                   tickfont=dict(size=16)),
     )
     if "target_token" in frame.columns:
         targets = ["" if t is None or (isinstance(t, float) and np.isnan(t)) else display_token(str(t), max_chars)
@@ -217,9 +225,9 @@ def logit_lens_heatmap(data: Any, color: str = "prob", *, batch: int = 0, title:
         fig.add_trace(go.Scatter(x=positions, y=[layers[0]] * n_pos, xaxis="x2", mode="markers",
                                  marker=dict(opacity=0), hoverinfo="skip", showlegend=False))
         fig.update_layout(xaxis2=dict(overlaying="x", side="top", range=xrange, tickmode="array", tickvals=positions,
-                                      ticktext=targets, tickfont=dict(family=MONO, size=12, color="#555555"),
-                                      tickangle=-45 if n_pos > 12 else 0, showline=False, ticks="", showgrid=False,
-                                      title=dict(text="target", font=dict(color="#555555", size=12), standoff=4)))
+                                      ticktext=targets, tickfont=dict(family=MONO, size=16, color="#555555"),
+                                      tickangle=angle, showline=False, ticks="", showgrid=False,
+                                      title=dict(text="next token", font=dict(color="#555555", size=16), standoff=4)))
     return fig
 
 
@@ -518,10 +526,11 @@ def patching_heatmap(df: pd.DataFrame, site: str | None = None, *, value: str = 
 
 def grouped_bars(frame: pd.DataFrame, x: str, y: str, group: str, *, pattern: str | None = None, error: str | None = None,
                  baseline: float | None = None, xlabel: str | None = None, ylabel: str | None = None,
-                 title: str | None = None) -> go.Figure:
+                 title: str | None = None, log_y: bool = False) -> go.Figure:
     """One bar per row: `x` categories along the axis, one colour per `group` value and, with `pattern`, a fill
     pattern per value of that column (solid for the first, hatched for the next). `error` names a column of
-    95% half-widths for error bars; `baseline` draws a dashed reference line (e.g. the intact model's value)."""
+    95% half-widths for error bars; `baseline` draws a dashed reference line (e.g. the intact model's value);
+    `log_y` suits effects of very different sizes, when every value is positive."""
     fig = go.Figure()
     groups = list(dict.fromkeys(frame[group]))
     patterns = list(dict.fromkeys(frame[pattern])) if pattern else [None]
@@ -544,6 +553,6 @@ def grouped_bars(frame: pd.DataFrame, x: str, y: str, group: str, *, pattern: st
     fig.update_layout(template=PAPER, barmode="group", width=int(max(640, 330 + 80 * frame[x].nunique())), height=420,
                       title=dict(text=title, x=0.0, xanchor="left") if title else None,
                       xaxis=dict(title=dict(text=xlabel or x), type="category"),
-                      yaxis=dict(title=dict(text=ylabel or y)),
+                      yaxis=dict(title=dict(text=ylabel or y), type="log" if log_y else None),
                       legend=dict(x=1.02, xanchor="left", y=1.0, yanchor="top", font=dict(size=12)))
     return fig

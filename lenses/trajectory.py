@@ -38,7 +38,7 @@ class Trajectory:
     kl_to_final  [layer, batch, pos]          KL(final || lens), nats: 0 at layer n_layers
     targets      [batch, pos]                 target id per position, NO_TARGET (-1) where none
     target_rank  [layer, batch, pos]          0 = the lens's top-1; -1 where there is no target
-    target_prob  [layer, batch, pos]          nan where there is no target
+    target_logprob [layer, batch, pos]        log-probability of the target (nats); nan where there is no target
     """
 
     tokens: torch.Tensor
@@ -49,7 +49,7 @@ class Trajectory:
     kl_to_final: torch.Tensor
     targets: torch.Tensor
     target_rank: torch.Tensor
-    target_prob: torch.Tensor
+    target_logprob: torch.Tensor
     lens_name: str = "lens"
     tokenizer: object | None = field(default=None, repr=False)
 
@@ -60,6 +60,11 @@ class Trajectory:
     @property
     def top_k(self) -> int:
         return self.top_ids.shape[-1]
+
+    @property
+    def target_prob(self) -> torch.Tensor:
+        """[layer, batch, pos] probability of the target; nan where there is no target."""
+        return self.target_logprob.exp()
 
     # ------------------------------------------------------------ building
     @classmethod
@@ -79,8 +84,8 @@ class Trajectory:
         `lens` is any `lenses.Lens` (`LogitLens(model)`, a `TunedLens`, ...). `target` picks the token
         whose rank and probability are tracked: None = the next input token (none at a sequence's last
         position), an int id or a one-token string = that token everywhere, or ids [batch, pos]
-        (or [pos]) with -1 for "no target". `chunk_size` = positions decoded at once (default: enough
-        for ~2M logits, 8 MB in float32); lower it to save memory, raise it for speed.
+        (or [pos]) with -1 for "no target". `chunk_size` = (batch, position) rows decoded at once (default:
+        ~2M logits, 8 MB in float32, e.g. 41 rows for GPT-2's vocabulary); lower it to save memory.
 
         >>> traj = Trajectory.from_prompt(model, LogitLens(model), "def add(a, b):\\n    return", top_k=5)
         >>> traj.to_frame().query("layer == 6")[["position", "input_token", "top_token", "top_prob"]]
@@ -110,9 +115,9 @@ class Trajectory:
         ent = torch.empty(L, rows)
         kl = torch.empty(L, rows)
         rank = torch.empty(L, rows, dtype=torch.long)
-        tprob = torch.empty(L, rows)
+        tlogp = torch.empty(L, rows)
         starts = range(0, rows, chunk)
-        for start in tqdm(starts, desc=f"trajectory ({lens.name if hasattr(lens, 'name') else 'lens'})", disable=not progress):
+        for start in tqdm(starts, desc=f"trajectory ({getattr(lens, 'name', 'lens')} lens)", disable=not progress):
             sl = slice(start, start + chunk)
             final_logp = metrics.log_probs(model.unembed(model.ln_final(flat_streams[n_layers][sl])))  # [chunk, d_vocab]
             tgt = safe_targets[sl]
@@ -124,16 +129,16 @@ class Trajectory:
                 ent[layer, sl] = metrics.entropy(logp).cpu()
                 kl[layer, sl] = metrics.kl_divergence(final_logp, logp).cpu()
                 rank[layer, sl] = metrics.target_rank(logp, tgt).cpu()
-                tprob[layer, sl] = logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1).exp().cpu()
+                tlogp[layer, sl] = logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1).cpu()  # kept as a log: exp underflows
                 del logp
         no_tgt = ~has_target.cpu()
         rank[:, no_tgt] = NO_TARGET
-        tprob[:, no_tgt] = float("nan")
+        tlogp[:, no_tgt] = float("nan")
         shape = (L, batch, pos)
         return cls(
             tokens=tokens.cpu(), lengths=lengths, top_ids=top_ids.view(*shape, top_k), top_probs=top_probs.view(*shape, top_k),
             entropy=ent.view(shape), kl_to_final=kl.view(shape), targets=targets.cpu(),
-            target_rank=rank.view(shape), target_prob=tprob.view(shape),
+            target_rank=rank.view(shape), target_logprob=tlogp.view(shape),
             lens_name=getattr(lens, "name", type(lens).__name__), tokenizer=model.tokenizer,
         )
 
@@ -151,7 +156,7 @@ class Trajectory:
 
         Columns: [batch,] layer, position, input_token, input_token_id, top_token, top_token_id, top_prob,
         entropy, kl_to_final (nats, KL(final || lens)), target_token, target_token_id, target_rank,
-        target_prob, then top{i}_token, top{i}_token_id, top{i}_prob for i = 1..k. Padding positions
+        target_prob, target_logprob (nats), then top{i}_token, top{i}_token_id, top{i}_prob for i = 1..k. Padding positions
         (past a sequence's length) are left out.
         """
         L, B, P = self.entropy.shape
@@ -172,6 +177,7 @@ class Trajectory:
             "entropy": flat(self.entropy), "kl_to_final": flat(self.kl_to_final),
             "target_token": [s if t != NO_TARGET else None for s, t in zip(self.token_str(np.maximum(targets, 0)), targets)],
             "target_token_id": targets, "target_rank": flat(self.target_rank), "target_prob": flat(self.target_prob),
+            "target_logprob": flat(self.target_logprob),
         }
         for i in range(self.top_k):
             cols[f"top{i + 1}_token"] = self.token_str(top_ids[:, i])

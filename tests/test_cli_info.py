@@ -36,3 +36,10 @@ def test_info_errors_say_what_to_do(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["info", "--model", str(tmp_path / "empty")]) == 2
     assert "has no config.json" in capsys.readouterr().err
+
+
+def test_info_defaults_to_the_embedded_model(default_model, capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"{sum(p.numel() for p in default_model.parameters()):,}" in out
+    assert f"n_layers={default_model.cfg.n_layers} d_model={default_model.cfg.d_model}" in out

@@ -79,3 +79,22 @@ def test_default_model_pdf_and_csv(default_model_path, tmp_path, capsys):
     assert last.top_token_id.tolist() == logits.argmax(-1).tolist()  # the last layer is the model's own prediction
     assert (last.kl_to_final.abs() < 1e-4).all()
     assert "logit lens" in capsys.readouterr().out
+
+
+def test_tuned_lens_folder(tiny_folder, tmp_path):
+    from lenses import TunedLens
+
+    model = lenskit.HookedGPT2.from_pretrained(tiny_folder)
+    tuned = TunedLens(model)
+    with torch.no_grad():  # a non-trivial lens, so the CLI's output cannot pass for the logit lens's
+        for p in tuned.parameters():
+            p.normal_(0, 0.3, generator=torch.Generator().manual_seed(p.numel()))
+    tuned.save(tmp_path / "lens")
+    csv = tmp_path / "tuned.csv"
+    assert main(["lens", PROMPT, "--model", str(tiny_folder), "--lens", str(tmp_path / "lens"), "--csv", str(csv)]) == 0
+    df = pd.read_csv(csv, keep_default_na=False)
+    want = Trajectory.from_prompt(model, tuned, PROMPT).to_frame()
+    logit = Trajectory.from_prompt(model, LogitLens(model), PROMPT).to_frame()
+    assert df.top_token_id.tolist() == want.top_token_id.tolist()
+    assert df.kl_to_final.to_numpy() == pytest.approx(want.kl_to_final.to_numpy(), abs=1e-5)
+    assert not (df.kl_to_final.to_numpy() == pytest.approx(logit.kl_to_final.to_numpy(), abs=1e-3))

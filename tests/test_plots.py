@@ -1,12 +1,9 @@
 """Figures hold the numbers they are given; export writes real HTML/PNG/SVG/PDF files offline."""
 
-import math
-
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import pytest
-import torch
 
 from lenses import LogitLens, Trajectory, metrics, plots
 from tiny_tokenizer import make_model_with_tokenizer
@@ -44,12 +41,12 @@ def test_heatmap_cells_hold_the_trajectory(traj, color):
     # cell text is the top-1 token, hover lists the top-k with probabilities
     l, p = 2, 3
     row = one[(one.layer == l) & (one.position == p)].iloc[0]
-    assert heat.text[l][p] == plots.display_token(row.top_token, 8)
+    assert heat.text[l][p] == plots.display_token(row.top_token, 6)
     hover = heat.customdata[l][p]
     for i in (1, 2, 3):
         assert f"{i}. {plots.display_token(row[f'top{i}_token'])}  {row[f'top{i}_prob']:.3f}" in hover
     # bottom axis: input tokens; top axis: the next token each position predicts
-    assert list(fig.layout.xaxis.ticktext) == [plots.display_token(t, 8) for t in one[one.layer == 0].input_token]
+    assert list(fig.layout.xaxis.ticktext) == [plots.display_token(t, 6) for t in one[one.layer == 0].input_token]
     assert list(fig.layout.xaxis2.ticktext)[:-1] == list(fig.layout.xaxis.ticktext)[1:]
 
 

@@ -49,6 +49,7 @@ def test_rows_agree_with_full_vocab_reference(model, hf_model, tokens):
             assert row.target_token_id == t
             assert row.target_rank == (order == t).nonzero().item()
             assert row.target_prob == pytest.approx(lp[t].exp().item(), abs=1e-5)
+            assert row.target_logprob == pytest.approx(lp[t].item(), abs=1e-4)
         else:
             assert row.target_token_id == -1 and row.target_rank == -1 and np.isnan(row.target_prob)
     assert (df.loc[df.layer == L - 1, "kl_to_final"].abs() < 1e-5).all()
@@ -59,7 +60,7 @@ def test_chunking_does_not_change_results(model, tokens):
     a = Trajectory.from_prompt(model, lens, tokens, top_k=4, chunk_size=1)
     b = Trajectory.from_prompt(model, lens, tokens, top_k=4, chunk_size=1000)
     assert torch.equal(a.top_ids, b.top_ids)
-    for name in ("top_probs", "entropy", "kl_to_final", "target_prob"):
+    for name in ("top_probs", "entropy", "kl_to_final", "target_logprob"):
         torch.testing.assert_close(getattr(a, name), getattr(b, name), equal_nan=True)
     assert a.entropy.shape == (model.cfg.n_layers + 1, 2, 9) and a.top_ids.shape == (model.cfg.n_layers + 1, 2, 9, 4)
 
@@ -122,3 +123,15 @@ def test_text_batches_drop_padding_and_decode_tokens():
     assert (one.target_token == "os").all()
     with pytest.raises(ValueError, match="exactly one token"):
         Trajectory.from_prompt(model, LogitLens(model), texts[1], target="return a + b")
+
+
+def test_partial_utf8_tokens_show_their_bytes():
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from lenses.trajectory import _BYTES, decode_token
+
+    assert _BYTES == {ch: b for b, ch in bytes_to_unicode().items()}  # GPT-2's byte alphabet, reversed
+    tok = make_model_with_tokenizer().tokenizer
+    byte_e2 = tok.convert_tokens_to_ids(bytes_to_unicode()[0xE2])  # first byte of '→', alone not valid UTF-8
+    assert tok.decode([byte_e2]) == "\ufffd" and decode_token(tok, byte_e2) == "\\xe2"
+    assert decode_token(tok, tok.encode(" add")[0]) == tok.decode(tok.encode(" add")[:1])
