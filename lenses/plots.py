@@ -216,7 +216,7 @@ def logit_lens_heatmap(data: Any, color: str = "prob", *, batch: int = 0, title:
         xaxis=dict(title=dict(text="input token"), range=xrange, tickmode="array", tickvals=positions, ticktext=xticks,
                    tickfont=dict(family=MONO, size=16), tickangle=angle, showline=False, ticks=""),
         yaxis=dict(title=dict(text="layer"), tickmode="array", tickvals=layers, dtick=1, showline=False, ticks="",
-                   tickfont=dict(size=16)),
+                   tickfont=dict(size=16), ticklabelstandoff=6),
     )
     if "target_token" in frame.columns:
         targets = ["" if t is None or (isinstance(t, float) and np.isnan(t)) else display_token(str(t), max_chars)
@@ -524,6 +524,16 @@ def patching_heatmap(df: pd.DataFrame, site: str | None = None, *, value: str = 
     return fig
 
 
+def _log_ticks(values: pd.Series) -> dict:
+    """Ticks at 1, 2 and 5 times the powers of ten that the positive values span (plotly's own are crowded)."""
+    pos = values[values > 0]
+    if pos.empty:
+        return {}
+    lo, hi = math.floor(math.log10(pos.min())), math.ceil(math.log10(pos.max()))
+    ticks = [m * 10.0 ** e for e in range(lo, hi + 1) for m in (1, 2, 5) if pos.min() / 2 <= m * 10.0 ** e <= pos.max() * 2]
+    return dict(tickvals=ticks, ticktext=[f"{t:g}" for t in ticks])
+
+
 def grouped_bars(frame: pd.DataFrame, x: str, y: str, group: str, *, pattern: str | None = None, error: str | None = None,
                  baseline: float | None = None, xlabel: str | None = None, ylabel: str | None = None,
                  title: str | None = None, log_y: bool = False) -> go.Figure:
@@ -553,6 +563,7 @@ def grouped_bars(frame: pd.DataFrame, x: str, y: str, group: str, *, pattern: st
     fig.update_layout(template=PAPER, barmode="group", width=int(max(640, 330 + 80 * frame[x].nunique())), height=420,
                       title=dict(text=title, x=0.0, xanchor="left") if title else None,
                       xaxis=dict(title=dict(text=xlabel or x), type="category"),
-                      yaxis=dict(title=dict(text=ylabel or y), type="log" if log_y else None),
+                      yaxis=dict(title=dict(text=ylabel or y), type="log" if log_y else None,
+                                 **(_log_ticks(frame[y]) if log_y else {})),
                       legend=dict(x=1.02, xanchor="left", y=1.0, yanchor="top", font=dict(size=12)))
     return fig

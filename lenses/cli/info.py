@@ -31,7 +31,8 @@ def resolve_config(model: str | None) -> tuple[ModelConfig, str]:
     """The config of `model` and where it came from, reading config.json rather than the weights."""
     path = Path(lenskit.DEFAULT_MODEL if model is None else model)
     if (path / "config.json").is_file():
-        return ModelConfig.from_json(path / "config.json", name=path.name), f"{path}/config.json"
+        name = "the embedded model" if model is None else path.name
+        return ModelConfig.from_json(path / "config.json", name=name), f"{path}/config.json"
     if model is None:
         raise FileNotFoundError(f"the embedded model is missing at {path}; reinstall lenskit or pass --model")
     if model.split("/")[-1] in PRESETS:
