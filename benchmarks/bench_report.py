@@ -63,7 +63,7 @@ def summarize(t: pd.DataFrame, mem: pd.DataFrame | None, cfg: ModelConfig, shape
                          met=None if ok is None or value != value else bool(ok), note=note))
 
     peak = 2 * MATMUL_N**3 / _median(t, "-", "matmul_peak")
-    add("matmul_peak_gflops", "-", peak / 1e9, note=f"[{MATMUL_N}x{MATMUL_N}] @ [{MATMUL_N}x{MATMUL_N}] fp32")
+    add("d.matmul_peak_gflops", "-", peak / 1e9, note=f"[{MATMUL_N}x{MATMUL_N}] @ [{MATMUL_N}x{MATMUL_N}] fp32")
     for batch, pos in shapes:
         sh = f"{batch}x{pos}"
         for case in sorted(t[t["shape"] == sh].case.unique()):
@@ -133,7 +133,7 @@ def markdown_table(frame: pd.DataFrame) -> str:
 
 def profile_summary(profiles: dict[str, pd.DataFrame], summary: pd.DataFrame, cfg: ModelConfig, shapes) -> str:
     out = []
-    peak = summary.loc[summary.metric == "matmul_peak_gflops", "value"].iloc[0]
+    peak = summary.loc[summary.metric == "d.matmul_peak_gflops", "value"].iloc[0]  # GFLOP/s
     for key, prof in profiles.items():
         case, sh = key.split("@")
         batch, pos = (int(s) for s in sh.split("x"))

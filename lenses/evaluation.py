@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 
 from lenskit import HookedGPT2
 from lenskit.data import TokenStream
@@ -122,7 +122,7 @@ def evaluate(model: HookedGPT2, lenses: Mapping[str, Lens] | Sequence[Lens], str
     windows = stream.windows(ctx)
     if tokens is not None:
         if tokens < ctx:
-            raise ValueError(f"--tokens {tokens} is less than one window of {ctx} tokens")
+            raise ValueError(f"tokens={tokens} is less than one window of {ctx} tokens; ask for at least {ctx}")
         windows = windows[: tokens // ctx]
     tidy = evaluate_windows(model, lenses, windows, batch=batch, progress=progress)
     table = per_layer(tidy, n_tokens=len(stream), n_bytes=stream.n_bytes)

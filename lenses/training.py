@@ -27,7 +27,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from tqdm.auto import tqdm
+from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 
 from lenskit.data import TokenStream, window_order
 
