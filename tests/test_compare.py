@@ -111,18 +111,3 @@ def test_plots_draw_the_frame(model, tokens):
     assert np.nanmax(np.array(kl.data[0].z, dtype=float)) == pytest.approx(frame["kl"].max())
     with pytest.raises(ValueError, match="value="):
         plots.difference_heatmap(frame, "entropy")
-
-
-@pytest.mark.slow
-def test_notebook_03_executes(default_model_path):
-    import nbformat
-    from nbclient import NotebookClient
-
-    root = Path(__file__).resolve().parents[1]
-    nb = nbformat.read(root / "notebooks" / "03_ablation.ipynb", as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(root)}}).execute()
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
-    assert not errors
-    # the block-deletion cell ends with a table of one row per block
-    last = nb.cells[-1].outputs[-1]["data"]["text/plain"]
-    assert "deleted" in last and "mean-ablated" in last
