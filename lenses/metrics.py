@@ -37,9 +37,10 @@ def _pair(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def _expect(logp: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    """sum_v p(v) f(v) with the convention 0 * f = 0, so a token of zero mass never gives 0 * inf = nan."""
+    """sum_v p(v) f(v) with the convention 0 * f = 0, so a token of zero mass never gives 0 * inf = nan.
+    NaN probabilities stay NaN: a broken distribution must not come out as a finite number."""
     p = logp.exp()
-    return torch.where(p > 0, p * f, torch.zeros((), dtype=f.dtype, device=f.device)).sum(-1)
+    return torch.where(p == 0, torch.zeros((), dtype=f.dtype, device=f.device), p * f).sum(-1)
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

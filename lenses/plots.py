@@ -308,15 +308,8 @@ def resid_norm_curves(norms: pd.DataFrame, y: str = "rms", *, title: str | None 
     fig = layer_curves(frame, y, series="component", unit="batch", ylabel=label, title=title, log_y=log_y)
     fig.update_layout(width=700, legend=dict(x=1.02, xanchor="left", y=1.0, yanchor="top"))
     if log_y:
-        fig.update_yaxes(tickvals=_log_ticks(frame[y]))
+        fig.update_yaxes(**_log_ticks(frame[y]))
     return fig
-
-
-def _log_ticks(values: pd.Series) -> list[float]:
-    """1-2-5 ticks covering the positive values: readable labels on a log axis."""
-    lo, hi = float(values[values > 0].min()), float(values.max())
-    decades = range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
-    return [m * 10.0**e for e in decades for m in (1, 2, 5) if lo / 2 <= m * 10.0**e <= hi * 2]
 
 
 def attribution_bars(dla: pd.DataFrame, *, batch: int = 0, title: str | None = None) -> go.Figure:
@@ -372,7 +365,7 @@ def growth_curves(frame: pd.DataFrame, y: str = "rms", *, group: str = "n_layers
                                  line=dict(color=c, width=2, dash=dashes[s])))
     fig.update_layout(template=PAPER, width=700, height=440, title=dict(text=title, x=0.0, xref="paper", xanchor="left") if title else None,
                       xaxis=dict(title=dict(text=x)), yaxis=dict(title=dict(text=y), type="log" if log_y else None,
-                                                                 tickvals=_log_ticks(frame[y]) if log_y else None),
+                                                                 **(_log_ticks(frame[y]) if log_y else {})),
                       legend=dict(x=1.02, xanchor="left", y=1.0, yanchor="top", font=dict(size=12)))
     return fig
 

@@ -123,3 +123,12 @@ def test_mean_ci_averages_within_units_first():
     assert pooled["n"].item() == 4 and pooled["mean"].item() == pytest.approx(3.5)
     with pytest.raises(KeyError, match="nope"):
         metrics.mean_ci(df, "nope")
+
+
+def test_nan_logits_stay_nan():
+    # A broken distribution must surface as NaN, never as a finite entropy or KL.
+    bad = torch.tensor([[float("nan"), 0.0, 1.0]])
+    good = torch.tensor([[0.0, 0.5, 1.0]])
+    assert torch.isnan(metrics.entropy(bad)).all()
+    assert torch.isnan(metrics.forward_kl(bad, good)).all()
+    assert torch.isnan(metrics.forward_kl(good, bad)).all()
