@@ -1,0 +1,38 @@
+"""Figures for papers and notebooks. The only place that imports plotly; every function returns a `go.Figure`
+and none calls `.show()`. Statistics are computed elsewhere (`Trajectory`, `metrics`, `anatomy`); this
+package only draws.
+
+Modules: `style` (fonts, colours, token labels), `export` (`save_figure` to .html/.png/.svg/.pdf),
+`lens` (logit-lens heatmap, per-layer curves), `anatomy`, `interventions`.
+"""
+
+from .style import COLORS, FONT, MONO, PAPER, display_token
+from .export import EXPORT_TIMEOUT_S, STATIC_FORMATS, check_static_export, export_session, save_figure
+from .lens import HEATMAP_CELL, HEATMAP_COLORS, layer_curves, logit_lens_heatmap
+from .anatomy import attribution_bars, growth_curves, head_attribution_heatmap, resid_norm_curves, share_bars
+from .interventions import difference_heatmap, grouped_bars, patching_heatmap
+
+__all__ = [
+    "COLORS",
+    "EXPORT_TIMEOUT_S",
+    "FONT",
+    "HEATMAP_CELL",
+    "HEATMAP_COLORS",
+    "MONO",
+    "PAPER",
+    "STATIC_FORMATS",
+    "attribution_bars",
+    "check_static_export",
+    "difference_heatmap",
+    "display_token",
+    "export_session",
+    "grouped_bars",
+    "growth_curves",
+    "head_attribution_heatmap",
+    "layer_curves",
+    "logit_lens_heatmap",
+    "patching_heatmap",
+    "resid_norm_curves",
+    "save_figure",
+    "share_bars",
+]

@@ -1,0 +1,92 @@
+"""Writing figures: self-contained HTML, and PNG/SVG/PDF through kaleido and a headless Chromium."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import plotly.graph_objects as go
+
+STATIC_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+EXPORT_TIMEOUT_S = 600
+
+
+def save_figure(fig: go.Figure, path: str | os.PathLike, *, width: int | None = None, height: int | None = None,
+                scale: float | None = None) -> Path:
+    """Write `fig` by the path's suffix: .html (self-contained, plotly.js inlined, opens offline), .png, .svg, .pdf.
+
+    Static formats are drawn by kaleido 1.x in a headless Chrome/Chromium (Debian's `chromium` package,
+    which scripts/install.sh installs; set BROWSER_PATH to use another). MathJax is switched off, so
+    nothing is fetched from the network. PNGs default to scale 2 (print resolution).
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".html", *STATIC_FORMATS):
+        raise ValueError(f"cannot tell the format of {str(path)!r}: expected a name ending in .html, .png, .svg or .pdf")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if suffix == ".html":
+        fig.write_html(path, include_plotlyjs=True, full_html=True, config={"displaylogo": False})
+        return path
+    path.write_bytes(_render_static(fig, STATIC_FORMATS[suffix], width, height, scale))
+    return path
+
+
+_sessions = 0
+
+
+@contextmanager
+def export_session() -> Iterator[None]:
+    """Reuse one headless Chrome for every static export in the block (otherwise each export starts its own).
+
+    >>> with export_session():
+    ...     for suffix in (".png", ".svg", ".pdf"):
+    ...         save_figure(fig, "figures/lens" + suffix)
+    """
+    import kaleido
+    from kaleido.errors import ChromeNotFoundError
+
+    global _sessions
+    if _sessions == 0:
+        try:
+            kaleido.start_sync_server(mathjax=False, timeout=EXPORT_TIMEOUT_S, silence_warnings=True)
+        except ChromeNotFoundError:
+            raise RuntimeError(_no_chrome_message("static export")) from None
+    _sessions += 1
+    try:
+        yield
+    finally:
+        _sessions -= 1
+        if _sessions == 0:
+            kaleido.stop_sync_server(silence_warnings=True)
+
+
+def _no_chrome_message(what: str) -> str:
+    hint = f" (BROWSER_PATH={os.environ['BROWSER_PATH']!r} is set; is it an executable Chrome?)" if "BROWSER_PATH" in os.environ else ""
+    return (f"{what} needs Chrome or Chromium, and none was found{hint}. Install one (`apt-get install chromium`, "
+            "as scripts/install.sh does) or point BROWSER_PATH at it; or save as .html, which needs no browser.")
+
+
+def check_static_export() -> None:
+    """Render a one-point figure to PNG; raise RuntimeError saying what is missing if that fails."""
+    png = _render_static(go.Figure(go.Scatter(x=[0], y=[0])), "png", 100, 100, 1)
+    if png[:8] != b"\x89PNG\r\n\x1a\n":
+        raise RuntimeError(f"static export returned {len(png)} bytes that are not a PNG")
+    print("static figure export works (kaleido + headless Chrome)")
+
+
+def _render_static(fig: go.Figure, fmt: str, width: int | None, height: int | None, scale: float | None) -> bytes:
+    import kaleido
+    from kaleido.errors import ChromeNotFoundError
+
+    layout = fig.layout
+    opts = dict(format=fmt, width=width or layout.width or 900, height=height or layout.height or 500,
+                scale=scale or (2 if fmt == "png" else 1))
+    try:
+        # mathjax=False: kaleido otherwise loads MathJax from a CDN, which hangs or fails offline.
+        # timeout: seconds per image; kaleido's default of 90 is too short on a busy 2-core CI machine.
+        kopts = None if _sessions else dict(mathjax=False, timeout=EXPORT_TIMEOUT_S)  # a session was started with these
+        return kaleido.calc_fig_sync(fig.to_dict(), opts=opts, kopts=kopts)
+    except ChromeNotFoundError:
+        raise RuntimeError(_no_chrome_message(f"exporting {fmt.upper()}")) from None
