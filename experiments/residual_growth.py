@@ -91,7 +91,7 @@ def main() -> None:
 
     random = random_models(args.depths, args.seeds, args.d_model, args.heads, windows[:, : args.ctx], model.cfg.d_vocab)
     random.to_csv(out / "residual_growth.csv", index=False)
-    trained = stream_rms(model, windows).assign(model=model.cfg.name)
+    trained = stream_rms(model, windows).assign(model=Path(model.cfg.name).name)  # not a machine-specific path
     trained.to_csv(out / "residual_growth_trained.csv", index=False)
 
     table = growth_table(random)

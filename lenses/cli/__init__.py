@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand name -> module under lenses.cli
@@ -28,8 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
+    except BrokenPipeError:
+        # The reader went away (`lenskit lens ... | head`); that is not an error of ours.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
-        print(f"lenskit {args.command}: error: {e}", file=sys.stderr)
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"lenskit {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 
