@@ -100,13 +100,10 @@ def run(args: argparse.Namespace) -> int:
     with torch.no_grad():
         traj = Trajectory.from_prompt(model, lens, args.prompt, top_k=min(args.top_k, model.cfg.d_vocab))
     frame = traj.to_frame()
-    print(f"{traj.lens_name} lens, {Path(args.model).name or args.model}: top-1 prediction after each block "
-          f"(layer 0 = embeddings, layer {traj.n_layers} = the model's output)")
-    print(format_table(frame))
+    # Files first, so that `lenskit lens ... | head` still writes them.
     if args.csv:
         Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
         frame.to_csv(args.csv, index=False)
-        print(f"wrote {args.csv} ({len(frame)} rows)")
     if args.out:
         from lenses import plots
 
@@ -116,5 +113,11 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as e:  # e.g. no Chrome for static export
             print(f"lenskit lens: error: {e}", file=sys.stderr)
             return 2
+    print(f"{traj.lens_name} lens, {Path(args.model).name or args.model}: top-1 prediction after each block "
+          f"(layer 0 = embeddings, layer {traj.n_layers} = the model's output)")
+    print(format_table(frame))
+    if args.csv:
+        print(f"wrote {args.csv} ({len(frame)} rows)")
+    if args.out:
         print(f"wrote {args.out}")
     return 0
