@@ -1,4 +1,4 @@
-"""HookedGPT2 against transformers' GPT-2 (golden parity), the DESIGN.md identities, hooks and init.
+"""HookedGPT2 against transformers' GPT-2 (golden parity), the DESIGN.md identities, and hooks.
 
 The golden tests never skip: they build small random GPT-2s with transformers, so no download is needed.
 """
@@ -11,10 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import lenskit
 from conftest import make_hf_gpt2
-from golden import ATOL, assert_golden, hf_reference, max_diff
-from lenskit import HookedGPT2, ModelConfig
+from golden import ATOL, assert_golden, max_diff
+from lenskit import HookedGPT2
 
 CONFIGS = {
     "default": dict(),
@@ -341,82 +340,3 @@ def test_run_with_cache_device_and_dtype(model, tokens, device, dtype):
 def test_cache_does_not_keep_graph(model, tokens):
     _, cache = model.run_with_cache(tokens, names_filter="blocks.0.hook_resid_post")
     assert not cache["resid_post", 0].requires_grad
-
-
-# ---------------------------------------------------------------------- init
-def test_fresh_model_uses_gpt2_init():
-    torch.manual_seed(0)
-    cfg = ModelConfig(n_layers=4, d_model=128, n_heads=4, d_vocab=512, n_ctx=128)
-    model = HookedGPT2(cfg)
-    resid_std = 0.02 / math.sqrt(2 * cfg.n_layers)
-    checked = 0
-    for name, p in model.named_parameters():
-        p = p.detach()
-        if name.endswith("bias"):
-            assert torch.count_nonzero(p) == 0, name
-        elif ".ln" in name or name.startswith("ln_final"):
-            assert torch.equal(p, torch.ones_like(p)), name
-        else:
-            want = resid_std if name.endswith(("attn.out.weight", "mlp.fc_out.weight")) else 0.02
-            # The sample std of n >= 16k normal draws is within ~1% of the truth; allow 5%.
-            assert abs(p.std().item() / want - 1) < 0.05, (name, p.std().item(), want)
-            assert abs(p.mean().item()) < 0.1 * want, name
-            checked += 1
-    assert checked == 2 + 4 * cfg.n_layers  # embed, pos_embed (unembed is tied), qkv/out/fc_in/fc_out per block
-    assert model.unembed.weight is model.embed.weight
-    model.init_weights(residual_scaling=False)
-    assert abs(model.blocks[0].attn.out.weight.std().item() / 0.02 - 1) < 0.05
-
-
-def test_dropout_defaults_to_zero(model):
-    rates = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
-    assert rates and all(r == 0.0 for r in rates)
-
-
-# --------------------------------------------------------- other architectures
-@pytest.fixture(scope="module")
-def rms_swiglu():
-    torch.manual_seed(0)
-    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=61, n_ctx=32, d_mlp=48, norm="rmsnorm",
-                      mlp="swiglu", norm_eps=1e-6)
-    model = HookedGPT2(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("ln1.weight") or name.endswith("ln2.weight") or name.startswith("ln_final"):
-                p.add_(torch.randn_like(p) * 0.3)  # gains away from 1, so a missing weight shows
-    return model
-
-
-def test_rmsnorm_swiglu_model_runs(rms_swiglu):
-    model = rms_swiglu
-    tokens = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        plain = model(tokens)
-        logits, cache = model.run_with_cache(tokens)
-    assert plain.shape == (2, 9, 61) and torch.isfinite(plain).all()
-    assert max_diff(plain, logits) <= 1e-5
-    eps = model.cfg.norm_eps
-    for i in range(model.cfg.n_layers):
-        block = model.blocks[i]
-        assert max_diff(cache["resid_post", i], cache["resid_pre", i] + cache["attn_out", i] + cache["mlp_out", i]) <= 1e-5
-        x = cache["resid_mid", i].double()
-        scale = (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()  # no centring in RMSNorm
-        assert max_diff(cache[f"blocks.{i}.ln2.hook_scale"], scale) <= 1e-6
-        normed = x / scale * block.ln2.weight.detach().double()
-        assert max_diff(cache[f"blocks.{i}.ln2.hook_normalized"], normed) <= 1e-5
-        with torch.no_grad():
-            h = cache[f"blocks.{i}.ln2.hook_normalized"]
-            mlp = block.mlp
-            want = (F.silu(h @ mlp.gate.weight.T) * (h @ mlp.fc_in.weight.T)) @ mlp.fc_out.weight.T
-        assert max_diff(cache["mlp_out", i], want) <= 1e-5
-    assert not hasattr(model.ln_final, "bias")
-
-
-def test_rmsnorm_model_cannot_be_saved_in_hf_layout(rms_swiglu, tmp_path):
-    with pytest.raises(ValueError, match="rmsnorm"):
-        rms_swiglu.save_pretrained(tmp_path)
-
-
-def test_public_api_names():
-    for name in ("HookedGPT2", "ModelConfig", "ActivationCache", "HookPoint", "CheckpointError", "DEFAULT_MODEL"):
-        assert hasattr(lenskit, name)
