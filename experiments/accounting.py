@@ -75,9 +75,7 @@ def main() -> None:
                                   title="Where the parameters are")
     flops_fig = plots.share_bars(flops, ["attention projections", "attention core", "MLP", "unembedding"],
                                  xlabel="share of forward FLOPs per token", title="Where the forward FLOPs go")
-    for fmt in args.formats.split(","):
-        plots.save_figure(params_fig, out / f"accounting_params.{fmt}")
-        plots.save_figure(flops_fig, out / f"accounting_flops.{fmt}")
+    plots.save_figures({"accounting_params": params_fig, "accounting_flops": flops_fig}, out, args.formats)
     print(f"\nwrote {out}/accounting.csv and figures ({args.formats})")
 
 

@@ -69,9 +69,7 @@ def main() -> None:
 
     bars = plots.attribution_bars(per_write, title=f"Direct logit attribution of {target}")
     grid = plots.head_attribution_heatmap(per_head, title=f"Per head: {target}")
-    for fmt in args.formats.split(","):
-        plots.save_figure(bars, out / f"attribution.{fmt}")
-        plots.save_figure(grid, out / f"attribution_heads.{fmt}")
+    plots.save_figures({"attribution": bars, "attribution_heads": grid}, out, args.formats)
     print(f"\nwrote {out}/attribution.csv and figures ({args.formats})")
 
 

@@ -139,8 +139,7 @@ def main() -> None:
     fig = plots.grouped_bars(bars, x="layer", y="delta", group="part", pattern="mode", error="half", xlabel="block",
                              ylabel="Δ held-out loss (nats/token)", log_y=bool((bars["delta"] > 0).all()),
                              title=f"One part removed (intact {intact:.2f}, unigram {unigram:.2f} nats/token)")
-    for fmt in args.formats.split(","):
-        plots.save_figure(fig, out / f"block_deletion.{fmt}")
+    plots.save_figures({"block_deletion": fig}, out, args.formats)
     print(f"\nwrote {out}/block_deletion.csv and block_deletion.{{{args.formats}}}")
 
 

@@ -34,9 +34,7 @@ def prompt_figure(model, lens, prompt: str, out: Path, formats: list[str]) -> pd
     frame = Trajectory.from_prompt(model, lens, prompt, top_k=5).to_frame()
     frame.to_csv(out / "logit_lens_heatmap.csv", index=False)
     fig = plots.logit_lens_heatmap(frame, color="prob")
-    with plots.export_session():
-        for fmt in formats:
-            plots.save_figure(fig, out / f"logit_lens_heatmap.{fmt}")
+    plots.save_figures({"logit_lens_heatmap": fig}, out, formats)
     print(format_table(frame, width=160))
     return frame
 
@@ -91,9 +89,7 @@ def main() -> None:
         {"kl_to_final": "KL(final ‖ lens)", "ce_next_token": "cross-entropy of next token"})
     fig = plots.layer_curves(nats, series="statistic", ylabel="nats per token",
                              title="Logit lens on held-out stdlib code")
-    with plots.export_session():
-        for fmt in args.formats:
-            plots.save_figure(fig, out / f"logit_lens_layers.{fmt}")
+    plots.save_figures({"logit_lens_layers": fig}, out, args.formats)
     print(f"\nwrote {out}/logit_lens_heatmap.{{csv,{','.join(args.formats)}}} and logit_lens_layers.{{csv,{','.join(args.formats)}}}")
 
 

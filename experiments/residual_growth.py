@@ -108,9 +108,7 @@ def main() -> None:
                               title="Stream RMS at init, with and without the 1/sqrt(2N) scaling")
     fig.update_layout(xaxis_title="depth (stream index / n_layers)", yaxis_title="stream RMS per entry")
     trained_fig = plots.resid_norm_curves(trained, "rms", title="The embedded model, trained: stream and writes by layer", log_y=True)
-    for fmt in args.formats.split(","):
-        plots.save_figure(fig, out / f"residual_growth.{fmt}")
-        plots.save_figure(trained_fig, out / f"residual_growth_trained.{fmt}")
+    plots.save_figures({"residual_growth": fig, "residual_growth_trained": trained_fig}, out, args.formats)
     print(f"\nwrote {out}/residual_growth.csv, residual_growth_trained.csv and figures ({args.formats})")
 
 

@@ -81,8 +81,7 @@ def main() -> None:
     fig = plots.layer_curves(tidy[tidy.layer < model.cfg.n_layers], "kl", series="lens", unit="window", log_y=True,
                              ylabel="KL(final || lens), nats per token",
                              title=f"Held-out stdlib, {len(windows) * ctx:,} tokens (95% CI over windows)")
-    for fmt in args.formats:
-        plots.save_figure(fig, out / f"tuned_vs_logit.{fmt}")
+    plots.save_figures({"tuned_vs_logit": fig}, out, args.formats)
 
     shown = ["layer", "kl_logit", "kl_tuned", "ce_logit", "ce_tuned", "kl_logit_bpb", "kl_tuned_bpb", "ce_logit_bpb",
              "ce_tuned_bpb"]

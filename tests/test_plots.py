@@ -108,3 +108,14 @@ def test_static_export_writes_real_files(tmp_path, traj):
     assert (w, h) == (2 * fig.layout.width, 2 * fig.layout.height)  # scale 2 by default
     assert svg.read_text().lstrip().startswith("<svg") and "·add" in svg.read_text()
     assert pdf.read_bytes()[:5] == b"%PDF-" and pdf.stat().st_size > 5_000
+
+
+def test_save_figures_writes_every_name_and_format(tmp_path):
+    import plotly.graph_objects as go
+
+    figs = {"a": go.Figure(go.Scatter(x=[0, 1], y=[1, 0])), "b": go.Figure(go.Bar(x=[1], y=[2]))}
+    paths = plots.save_figures(figs, tmp_path, "png, svg,html")
+    assert sorted(p.name for p in paths) == ["a.html", "a.png", "a.svg", "b.html", "b.png", "b.svg"]
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert b"<svg" in (tmp_path / "b.svg").read_bytes()[:400]
+    assert plots.save_figures(figs, tmp_path / "h", ["html"]) == [tmp_path / "h" / "a.html", tmp_path / "h" / "b.html"]

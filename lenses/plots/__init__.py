@@ -7,7 +7,7 @@ Modules: `style` (fonts, colours, token labels), `export` (`save_figure` to .htm
 """
 
 from .style import COLORS, FONT, MONO, PAPER, display_token
-from .export import EXPORT_TIMEOUT_S, STATIC_FORMATS, check_static_export, export_session, save_figure
+from .export import EXPORT_TIMEOUT_S, STATIC_FORMATS, check_static_export, export_session, save_figure, save_figures
 from .lens import HEATMAP_CELL, HEATMAP_COLORS, layer_curves, logit_lens_heatmap
 from .anatomy import attribution_bars, growth_curves, head_attribution_heatmap, resid_norm_curves, share_bars
 from .interventions import difference_heatmap, grouped_bars, patching_heatmap
@@ -34,5 +34,6 @@ __all__ = [
     "patching_heatmap",
     "resid_norm_curves",
     "save_figure",
+    "save_figures",
     "share_bars",
 ]

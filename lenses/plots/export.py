@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import plotly.graph_objects as go
 
@@ -90,3 +90,14 @@ def _render_static(fig: go.Figure, fmt: str, width: int | None, height: int | No
         return kaleido.calc_fig_sync(fig.to_dict(), opts=opts, kopts=kopts)
     except ChromeNotFoundError:
         raise RuntimeError(_no_chrome_message(f"exporting {fmt.upper()}")) from None
+
+
+def save_figures(figures: dict[str, go.Figure], folder: str | os.PathLike, formats: str | Sequence[str]) -> list[Path]:
+    """Write each figure as `folder/<name>.<fmt>` for every format, starting the browser once for all of them.
+
+    >>> save_figures({"lens": fig}, "docs/figures", "png,svg")   # or formats=["png", "pdf"]
+    """
+    fmts = [f.strip().lstrip(".") for f in (formats.split(",") if isinstance(formats, str) else formats) if f.strip()]
+    folder = Path(folder)
+    with export_session() if any("." + f in STATIC_FORMATS for f in fmts) else nullcontext():
+        return [save_figure(fig, folder / f"{name}.{fmt}") for name, fig in figures.items() for fmt in fmts]
