@@ -13,7 +13,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 
-from lenskit import HookedGPT2, ModelConfig
+from lenskit import HookedTransformer, ModelConfig
 
 RESID_WRITES = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
 MATMUL_N = 2048  # the peak: an [N, N] @ [N, N] fp32 matmul, 2 N^3 FLOPs
@@ -30,12 +30,12 @@ def ensure_model_folder(folder: Path, seed: int) -> Path:
     if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
         return folder
     torch.manual_seed(seed)
-    HookedGPT2(ModelConfig.from_name("gpt2")).save_pretrained(folder)
+    HookedTransformer(ModelConfig.from_name("gpt2")).save_pretrained(folder)
     return folder
 
 
-def load_lenskit(folder: Path) -> HookedGPT2:
-    return HookedGPT2.from_pretrained(folder).eval()
+def load_lenskit(folder: Path) -> HookedTransformer:
+    return HookedTransformer.from_pretrained(folder).eval()
 
 
 def load_transformers(folder: Path):

@@ -75,7 +75,7 @@ def child(what: str) -> None:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     cfg = lenskit.ModelConfig.from_name("gpt2")
-    model = lenskit.HookedGPT2(cfg).eval()  # random init; the weights do not change memory
+    model = lenskit.HookedTransformer(cfg).eval()  # random init; the weights do not change memory
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     tokens = torch.randint(0, cfg.d_vocab, (1, N_POS))
     lens = LogitLens(model)

@@ -41,7 +41,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    model = lenskit.HookedGPT2.from_pretrained(args.model).eval()
+    model = lenskit.HookedTransformer.from_pretrained(args.model).eval()
     tokens = model.to_tokens(args.prompt)
     with torch.no_grad():
         logits, cache = model.run_with_cache(tokens, names_filter=lambda name: True)  # includes hook_result

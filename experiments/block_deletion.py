@@ -44,7 +44,7 @@ LABELS = {"block": "block deleted", "attn": "attention write", "mlp": "MLP write
 
 
 @torch.no_grad()
-def window_losses(model: lenskit.HookedGPT2, windows: torch.Tensor, hooks=(), batch: int = 16) -> torch.Tensor:
+def window_losses(model: lenskit.HookedTransformer, windows: torch.Tensor, hooks=(), batch: int = 16) -> torch.Tensor:
     """Mean next-token cross-entropy (nats) of each window [n_windows, ctx] -> [n_windows]."""
     out = []
     with model.hooks(hooks):
@@ -55,7 +55,7 @@ def window_losses(model: lenskit.HookedGPT2, windows: torch.Tensor, hooks=(), ba
     return torch.cat(out)
 
 
-def run(model: lenskit.HookedGPT2, windows: torch.Tensor, reference: torch.Tensor) -> pd.DataFrame:
+def run(model: lenskit.HookedTransformer, windows: torch.Tensor, reference: torch.Tensor) -> pd.DataFrame:
     """Per-window losses, long format: config, kind, mode, layer, window, loss, delta (vs intact)."""
     n_layers = model.cfg.n_layers
     configs = [("intact", None, None, [])]
@@ -107,7 +107,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    model = lenskit.HookedGPT2.from_pretrained(args.model).eval()
+    model = lenskit.HookedTransformer.from_pretrained(args.model).eval()
     both = heldout_windows(model.tokenizer, args.windows + args.reference_windows, model.cfg.n_ctx, seed=0)
     order = torch.randperm(len(both), generator=torch.Generator().manual_seed(1))
     windows, reference = both[order[: args.windows]], both[order[args.windows:]]

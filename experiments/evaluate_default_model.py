@@ -25,7 +25,7 @@ from train_default_model import encode, heldout_loss, split_corpus  # noqa: E402
 
 
 def measure(model_dir: str | Path, max_windows: int | None = None) -> dict:
-    model = lenskit.HookedGPT2.from_pretrained(model_dir)
+    model = lenskit.HookedTransformer.from_pretrained(model_dir)
     _, heldout_text, corpus = split_corpus()
     tokens = encode(model.tokenizer, heldout_text)
     counts = torch.bincount(tokens.long(), minlength=model.cfg.d_vocab).double()

@@ -67,7 +67,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = lenskit.HookedGPT2.from_pretrained(args.model).eval()
+    model = lenskit.HookedTransformer.from_pretrained(args.model).eval()
     lens = LogitLens(model)
 
     print(f"== logit lens on {args.prompt!r}")

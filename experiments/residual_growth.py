@@ -37,7 +37,7 @@ RESID = lambda name: name.endswith(("hook_resid_pre", "hook_resid_post", "hook_a
 
 
 @torch.no_grad()
-def stream_rms(model: lenskit.HookedGPT2, tokens: torch.Tensor) -> pd.DataFrame:
+def stream_rms(model: lenskit.HookedTransformer, tokens: torch.Tensor) -> pd.DataFrame:
     """Per-window rows of `anatomy.resid_norms` for one model."""
     _, cache = model.run_with_cache(tokens, names_filter=RESID)
     return resid_norms(cache)
@@ -49,7 +49,7 @@ def random_models(depths: list[int], seeds: int, d_model: int, n_heads: int, tok
     for n_layers, scaled, seed in tqdm(runs, desc="random models"):
         cfg = lenskit.ModelConfig(n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_vocab=d_vocab,
                                   n_ctx=tokens.shape[1], name=f"random-{n_layers}")
-        model = lenskit.HookedGPT2(cfg).eval()
+        model = lenskit.HookedTransformer(cfg).eval()
         torch.manual_seed(seed)  # the same weights up to the scaling, so the two inits are paired
         model.init_weights(residual_scaling=scaled)
         rows = stream_rms(model, tokens)
@@ -86,7 +86,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    model = lenskit.HookedGPT2.from_pretrained(args.model).eval()
+    model = lenskit.HookedTransformer.from_pretrained(args.model).eval()
     windows = heldout_windows(model.tokenizer, args.windows, model.cfg.n_ctx, seed=0)
 
     random = random_models(args.depths, args.seeds, args.d_model, args.heads, windows[:, : args.ctx], model.cfg.d_vocab)

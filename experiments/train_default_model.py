@@ -104,7 +104,7 @@ def batch_at(tokens: torch.Tensor, step: int, seed: int, batch: int, ctx: int) -
 
 
 @torch.no_grad()
-def heldout_loss(model: lenskit.HookedGPT2, tokens: torch.Tensor, ctx: int, max_windows: int | None = None) -> float:
+def heldout_loss(model: lenskit.HookedTransformer, tokens: torch.Tensor, ctx: int, max_windows: int | None = None) -> float:
     """Mean next-token cross-entropy (nats) over non-overlapping ctx-token windows of the held-out stream."""
     model.eval()
     n = (len(tokens) - 1) // ctx
@@ -175,7 +175,7 @@ def main() -> None:
         bos_token_id=eot, eos_token_id=eot, name="lenskit-stdlib-gpt2",
     )
     torch.manual_seed(args.seed)
-    model = lenskit.HookedGPT2(cfg, tokenizer=tokenizer)  # GPT-2 init, 1/sqrt(2N) residual scaling
+    model = lenskit.HookedTransformer(cfg, tokenizer=tokenizer)  # GPT-2 init, 1/sqrt(2N) residual scaling
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],

@@ -53,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    model = lenskit.HookedGPT2.from_pretrained(args.model)
+    model = lenskit.HookedTransformer.from_pretrained(args.model)
     train_paths, heldout_paths = split_paths(args.stride)
     t0 = time.time()
     train_stream = load_token_stream(train_paths, model.tokenizer)

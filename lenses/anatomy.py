@@ -21,7 +21,7 @@ from typing import Sequence, Union
 import pandas as pd
 import torch
 
-from lenskit import ActivationCache, HookedGPT2
+from lenskit import ActivationCache, HookedTransformer
 from lenskit.cache import hook_name
 
 POINTS = ("resid_pre", "resid_mid", "resid_post")
@@ -121,7 +121,7 @@ def decompose_resid(cache: ActivationCache, layer: int, point: str = "resid_pre"
 
 
 # ------------------------------------------------------------------ attribution
-def _token_ids(model: HookedGPT2, token: TokenLike, batch: int) -> torch.Tensor:
+def _token_ids(model: HookedTransformer, token: TokenLike, batch: int) -> torch.Tensor:
     """[batch] token ids from an id, a single-token string, or a [batch] tensor of ids."""
     if isinstance(token, str):
         ids = model.to_tokens(token)[0]
@@ -151,7 +151,7 @@ def _positions(pos: int | Sequence[int] | torch.Tensor, batch: int, n_pos: int) 
 
 @torch.no_grad()
 def direct_logit_attribution(
-    model: HookedGPT2,
+    model: HookedTransformer,
     cache: ActivationCache,
     token: TokenLike,
     minus: TokenLike | None = None,
@@ -207,7 +207,7 @@ def direct_logit_attribution(
         "head": pd.array(heads * batch, dtype="Int64"),
         "attribution": attribution.T.flatten().float().cpu().numpy(),
     })
-    logits = model.unembed(model.ln_final(final[rows, p]))  # [batch, d_vocab], the model's own answer
+    logits = model.readout(final[rows, p])  # [batch, d_vocab], the model's own answer
     target = logits.gather(-1, plus_ids[:, None])[:, 0]
     if minus_ids is not None:
         target = target - logits.gather(-1, minus_ids[:, None])[:, 0]

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from lenskit import HookedGPT2
+from lenskit import HookedTransformer
 
 
 class Lens(nn.Module, ABC):
@@ -17,7 +17,7 @@ class Lens(nn.Module, ABC):
     is always the model's own final norm, recomputed on the transformed stream, then the unembedding.
     """
 
-    def __init__(self, model: HookedGPT2) -> None:
+    def __init__(self, model: HookedTransformer) -> None:
         super().__init__()
         # Stored outside the module tree so that lens state dicts and .parameters() hold the lens alone.
         object.__setattr__(self, "model", model)
@@ -37,7 +37,7 @@ class Lens(nn.Module, ABC):
 
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
         """[..., d_model] -> [..., d_vocab]: final norm (its scale computed on this h) then unembedding."""
-        return self.model.unembed(self.model.ln_final(h))
+        return self.model.readout(h)
 
     def forward(self, h: torch.Tensor, l: int) -> torch.Tensor:
         if h.shape[-1] != self.model.cfg.d_model:

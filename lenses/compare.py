@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lenskit import HookedGPT2
+from lenskit import HookedTransformer
 from lenskit.hooks import HookFn, NameOrPredicate
 
 from . import metrics
@@ -41,7 +41,7 @@ COLUMNS = [
 
 @torch.no_grad()
 def compare_runs(
-    model: HookedGPT2,
+    model: HookedTransformer,
     prompt: str | Sequence[str] | torch.Tensor,
     fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]],
     *,
@@ -86,7 +86,7 @@ def compare_runs(
     return _to_frame(model, tokens.cpu(), lengths, targets, has_target, stacked)
 
 
-def _to_frame(model: HookedGPT2, tokens: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor,
+def _to_frame(model: HookedTransformer, tokens: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor,
               has_target: torch.Tensor, stacked: dict[str, torch.Tensor]) -> pd.DataFrame:
     L, B, P = stacked["kl"].shape
     layer, b, pos = np.meshgrid(np.arange(L), np.arange(B), np.arange(P), indexing="ij")
@@ -115,7 +115,7 @@ def _to_frame(model: HookedGPT2, tokens: torch.Tensor, lengths: torch.Tensor, ta
     return pd.DataFrame(cols)
 
 
-def _decoder(model: HookedGPT2):
+def _decoder(model: HookedTransformer):
     tok = model.tokenizer
 
     def decode(ids: np.ndarray) -> list[str]:

@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 
-from lenskit import HookedGPT2
+from lenskit import HookedTransformer
 from lenskit.data import TokenStream
 
 from . import metrics
@@ -40,7 +40,7 @@ def _named(lenses: Mapping[str, Lens] | Sequence[Lens]) -> dict[str, Lens]:
 
 
 @torch.no_grad()
-def evaluate_windows(model: HookedGPT2, lenses: Mapping[str, Lens] | Sequence[Lens], windows: torch.Tensor,
+def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequence[Lens], windows: torch.Tensor,
                      batch: int = 8, progress: bool = True) -> pd.DataFrame:
     """windows [n_windows, ctx] -> tidy DataFrame, one row per (lens, layer, window):
 
@@ -111,7 +111,7 @@ def prediction_depth(tidy: pd.DataFrame) -> dict[str, float]:
     return out
 
 
-def evaluate(model: HookedGPT2, lenses: Mapping[str, Lens] | Sequence[Lens], stream: TokenStream,
+def evaluate(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequence[Lens], stream: TokenStream,
              tokens: int | None = None, ctx: int | None = None, batch: int = 8, progress: bool = True) -> pd.DataFrame:
     """The per-layer table for the first `tokens` tokens of `stream` (all of it by default), cut into
     non-overlapping windows of `ctx` (default the model's n_ctx). Bits per byte use the stream's bytes per token.

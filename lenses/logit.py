@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from lenskit import ActivationCache, HookedGPT2
+from lenskit import ActivationCache, HookedTransformer
 from lenskit.cache import hook_name
 
 from .base import Lens
@@ -66,7 +66,7 @@ class LogitLens(Lens):
 
     name = "logit"
 
-    def __init__(self, model: HookedGPT2) -> None:
+    def __init__(self, model: HookedTransformer) -> None:
         super().__init__(model)
 
     def transform_hidden(self, h: torch.Tensor, l: int) -> torch.Tensor:

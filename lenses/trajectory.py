@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from lenskit import HookedGPT2
+from lenskit import HookedTransformer
 
 from . import metrics
 from .base import Lens
@@ -71,7 +71,7 @@ class Trajectory:
     @torch.no_grad()
     def from_prompt(
         cls,
-        model: HookedGPT2,
+        model: HookedTransformer,
         lens: Lens,
         prompt_or_tokens: str | Sequence[str] | torch.Tensor,
         top_k: int = 5,
@@ -119,7 +119,7 @@ class Trajectory:
         starts = range(0, rows, chunk)
         for start in tqdm(starts, desc=f"trajectory ({getattr(lens, 'name', 'lens')} lens)", disable=not progress):
             sl = slice(start, start + chunk)
-            final_logp = metrics.log_probs(model.unembed(model.ln_final(flat_streams[n_layers][sl])))  # [chunk, d_vocab]
+            final_logp = metrics.log_probs(model.readout(flat_streams[n_layers][sl]))  # [chunk, d_vocab]
             tgt = safe_targets[sl]
             for layer in range(L):  # one layer's [chunk, d_vocab] logits alive at a time
                 logp = metrics.log_probs(lens(flat_streams[layer][sl], layer))
@@ -235,7 +235,7 @@ def decode_token(tokenizer, token_id: int) -> str:
     return bytes(_BYTES[ch] for ch in piece).decode("utf-8", errors="backslashreplace")
 
 
-def _tokens_and_lengths(model: HookedGPT2, prompt: str | Sequence[str] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _tokens_and_lengths(model: HookedTransformer, prompt: str | Sequence[str] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids [batch, pos] and the real length of each row (texts are right-padded by to_tokens)."""
     if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], str)):
         texts = [prompt] if isinstance(prompt, str) else list(prompt)
@@ -246,7 +246,7 @@ def _tokens_and_lengths(model: HookedGPT2, prompt: str | Sequence[str] | torch.T
     return tokens, torch.full((tokens.shape[0],), tokens.shape[1])
 
 
-def _targets(model: HookedGPT2, target: int | str | torch.Tensor | None, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def _targets(model: HookedTransformer, target: int | str | torch.Tensor | None, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Target id per (batch, pos), NO_TARGET where there is none."""
     batch, pos = tokens.shape
     if target is None:  # the next input token, where the sequence has one

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lenskit import ActivationCache, HookedGPT2
+from lenskit import ActivationCache, HookedTransformer
 
 from .base import Lens
 from .logit import resid_hook_name
@@ -35,7 +35,7 @@ STRUCTURE_KEYS = ("format", "format_version", "model_fingerprint", "model_name",
                   "resid_mid", "weights")
 
 
-def model_fingerprint(model: HookedGPT2) -> str:
+def model_fingerprint(model: HookedTransformer) -> str:
     """sha256 of the final norm and unembedding, the part of the model a lens decodes through.
 
     Each parameter is hashed as its name, its shape, then its values as little-endian float32 in
@@ -62,7 +62,7 @@ class TunedLens(Lens):
 
     name = "tuned"
 
-    def __init__(self, model: HookedGPT2, resid_mid: bool = False) -> None:
+    def __init__(self, model: HookedTransformer, resid_mid: bool = False) -> None:
         super().__init__(model)
         d_model, n = model.cfg.d_model, model.cfg.n_layers
         param = model.unembed.weight
@@ -138,7 +138,7 @@ class TunedLens(Lens):
         return folder
 
     @classmethod
-    def load(cls, folder: str | os.PathLike, model: HookedGPT2) -> "TunedLens":
+    def load(cls, folder: str | os.PathLike, model: HookedTransformer) -> "TunedLens":
         """Load a lens saved by `save` (or by the tuned-lens package: config.json + params.pt) onto `model`.
 
         Refused when the lens was trained for a model whose final norm and unembedding differ.
@@ -183,7 +183,7 @@ def read_config(folder: Path) -> dict[str, Any]:
     return json.loads((folder / CONFIG_FILE).read_text())
 
 
-def check_shape(config: dict, model: HookedGPT2, folder: Path) -> None:
+def check_shape(config: dict, model: HookedTransformer, folder: Path) -> None:
     for key, ours in (("n_layers", model.cfg.n_layers), ("d_model", model.cfg.d_model)):
         if config.get(key) != ours:
             raise ValueError(f"the lens in {folder} has {key}={config.get(key)} but the model has {key}={ours}; "
@@ -202,7 +202,7 @@ def checked_state(lens: TunedLens, state: dict[str, torch.Tensor], source: Path)
     return {k: v.to(expected[k]) for k, v in state.items()}
 
 
-def import_tuned_lens_package(folder: str | os.PathLike, model: HookedGPT2) -> TunedLens:
+def import_tuned_lens_package(folder: str | os.PathLike, model: HookedTransformer) -> TunedLens:
     """Convert a lens saved by the tuned-lens package (`config.json` + `params.pt`).
 
     params.pt is read with `torch.load(weights_only=True)`, which accepts plain tensors only, never

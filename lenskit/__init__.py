@@ -6,10 +6,10 @@ from .cache import ActivationCache
 from .config import PRESETS, ModelConfig
 from .hooks import HookPoint
 from .loading import CheckpointError
-from .model import HookedGPT2
+from .model import HookedTransformer
 
 DEFAULT_MODEL: str = str(Path(__file__).parent / "default_model")
 """Filesystem path of the small GPT-2 that ships with lenskit (trained on the Python standard library)."""
 
-__all__ = ["ActivationCache", "CheckpointError", "DEFAULT_MODEL", "HookPoint", "HookedGPT2", "ModelConfig", "PRESETS"]
+__all__ = ["ActivationCache", "CheckpointError", "DEFAULT_MODEL", "HookPoint", "HookedTransformer", "ModelConfig", "PRESETS"]
 __version__ = "0.1.0"

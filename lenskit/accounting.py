@@ -2,7 +2,7 @@
 
 Everything here is arithmetic on a `ModelConfig` (a model, a config, or a preset name), so
 `accounting.param_summary("gpt2-xl")` costs nothing and needs no weights. The tests check each count
-against `sum(p.numel())` of a real `HookedGPT2` and the GPT-2 numbers against hand arithmetic.
+against `sum(p.numel())` of a real `HookedTransformer` and the GPT-2 numbers against hand arithmetic.
 
 Conventions (the ones of Kaplan et al., 2020, "Scaling Laws for Neural Language Models"):
 
@@ -44,7 +44,7 @@ def as_config(model_or_cfg: ConfigLike) -> ModelConfig:
     if isinstance(cfg, ModelConfig):
         return cfg
     raise TypeError(
-        f"expected a ModelConfig, a preset name or a HookedGPT2, got {type(model_or_cfg).__name__}; "
+        f"expected a ModelConfig, a preset name or a HookedTransformer, got {type(model_or_cfg).__name__}; "
         "build a config with lenskit.ModelConfig(...) or ModelConfig.from_name('gpt2')"
     )
 

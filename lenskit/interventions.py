@@ -41,7 +41,7 @@ import torch
 
 from .cache import hook_name
 from .hooks import HookFn
-from .model import HookedGPT2
+from .model import HookedTransformer
 
 MODES = ("zero", "mean", "resample")
 TokensRef = Union[torch.Tensor, Iterable[torch.Tensor]]
@@ -133,7 +133,7 @@ def _check_units(target: Target, units: tuple[int, ...], size: int, what: str) -
     return tuple(sorted({u % size for u in units}))
 
 
-def target_sites(model: HookedGPT2, target: Target) -> list[Site]:
+def target_sites(model: HookedTransformer, target: Target) -> list[Site]:
     """The hook points (and slices) an ablation of `target` replaces, after checking it against the model."""
     cfg = model.cfg
     if not isinstance(target, (Block, Attn, Mlp, Head, Neurons)):
@@ -187,7 +187,7 @@ def _reference_batches(reference: TokensRef, batch_size: int) -> Iterator[torch.
 
 
 @torch.no_grad()
-def mean_activations(model: HookedGPT2, names: Sequence[str], reference: TokensRef, *, per_position: bool = False,
+def mean_activations(model: HookedTransformer, names: Sequence[str], reference: TokensRef, *, per_position: bool = False,
                      batch_size: int = 16) -> dict[str, torch.Tensor]:
     """Mean of each named activation over the reference tokens.
 
@@ -226,7 +226,7 @@ def resample_indices(n_reference: int, batch: int, seed: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _reference_cache(model: HookedGPT2, names: Sequence[str], reference: TokensRef) -> dict[str, torch.Tensor]:
+def _reference_cache(model: HookedTransformer, names: Sequence[str], reference: TokensRef) -> dict[str, torch.Tensor]:
     if isinstance(reference, torch.Tensor):
         ref = reference.unsqueeze(0) if reference.ndim == 1 else reference
     else:
@@ -271,7 +271,7 @@ def _replace(site: Site, positions: tuple[int, ...] | None, value_for) -> HookFn
 
 
 def ablation_hooks(
-    model: HookedGPT2,
+    model: HookedTransformer,
     targets: Target | Sequence[Target],
     mode: str = "zero",
     *,

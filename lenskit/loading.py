@@ -22,7 +22,7 @@ from .config import PRESETS, ModelConfig
 from .tokenizer import load_tokenizer, save_tokenizer
 
 if TYPE_CHECKING:
-    from .model import HookedGPT2
+    from .model import HookedTransformer
 
 # HF name (inside `h.{i}.`) -> our name (inside `blocks.{i}.`).
 BLOCK_NAME_MAP = {
@@ -74,10 +74,10 @@ def _is_transposed(hf_name: str) -> bool:
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our parameter shapes, from a model built on the meta device (no memory, no init)."""
-    from .model import HookedGPT2
+    from .model import HookedTransformer
 
     with torch.device("meta"):
-        model = HookedGPT2(cfg)
+        model = HookedTransformer(cfg)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
@@ -123,7 +123,7 @@ def convert_hf_state_dict(raw: Mapping[str, torch.Tensor], cfg: ModelConfig) -> 
     return state
 
 
-def to_hf_state_dict(model: "HookedGPT2") -> dict[str, torch.Tensor]:
+def to_hf_state_dict(model: "HookedTransformer") -> dict[str, torch.Tensor]:
     """The inverse of `convert_hf_state_dict`, with GPT2LMHeadModel's `transformer.` prefix."""
     ours = model.state_dict()
     out = {}
@@ -232,12 +232,12 @@ def _from_hub(name: str) -> Path:
         f"{name!r} is not a local folder, and not in the local Hugging Face cache ({cache_dir or 'default location'}); it could not be "
         f"fetched ({reason}). Pass a local folder instead: on a machine with network, run "
         f"`hf download {candidates[-1]}` (or save_pretrained a model), copy the folder here, then "
-        "HookedGPT2.from_pretrained('/path/to/folder')"
+        "HookedTransformer.from_pretrained('/path/to/folder')"
     )
 
 
-def load_pretrained(cls: type["HookedGPT2"], name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> "HookedGPT2":
+def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> "HookedTransformer":
     folder = resolve_model_folder(name_or_path)
     config_file = folder / "config.json"
     if not config_file.exists():
@@ -247,14 +247,14 @@ def load_pretrained(cls: type["HookedGPT2"], name_or_path: str | os.PathLike, dt
     return _assemble(cls, cfg, state, load_tokenizer(folder), dtype, device)
 
 
-def from_hf(cls: type["HookedGPT2"], hf_model: torch.nn.Module, tokenizer=None) -> "HookedGPT2":
+def from_hf(cls: type["HookedTransformer"], hf_model: torch.nn.Module, tokenizer=None) -> "HookedTransformer":
     cfg = ModelConfig.from_hf_config(hf_model.config, name=getattr(hf_model.config, "name_or_path", "") or "custom")
     param = next(hf_model.parameters())
     state = convert_hf_state_dict({k: v.detach() for k, v in hf_model.state_dict().items()}, cfg)
     return _assemble(cls, cfg, state, tokenizer, param.dtype, param.device)
 
 
-def _assemble(cls, cfg, state, tokenizer, dtype, device) -> "HookedGPT2":
+def _assemble(cls, cfg, state, tokenizer, dtype, device) -> "HookedTransformer":
     with torch.device("meta"):
         model = cls(cfg, tokenizer=tokenizer)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
@@ -263,7 +263,7 @@ def _assemble(cls, cfg, state, tokenizer, dtype, device) -> "HookedGPT2":
     return model.eval()
 
 
-def save_pretrained(model: "HookedGPT2", folder: str | os.PathLike) -> None:
+def save_pretrained(model: "HookedTransformer", folder: str | os.PathLike) -> None:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(model.cfg.to_hf_dict(), indent=2) + "\n", encoding="utf-8")

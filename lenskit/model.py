@@ -1,4 +1,4 @@
-"""HookedGPT2: a GPT-2 whose every write to the residual stream passes a named hook point."""
+"""HookedTransformer: a GPT-2 whose every write to the residual stream passes a named hook point."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ if TYPE_CHECKING:
 TokensLike = Union[torch.Tensor, str, Sequence[str]]
 
 
-class HookedGPT2(HookedRootModule):
+class HookedTransformer(HookedRootModule):
     """GPT-2 with TransformerLens-style hook points, numerically equal to `transformers`' GPT-2.
 
-    >>> model = HookedGPT2.from_pretrained(lenskit.DEFAULT_MODEL)
+    >>> model = HookedTransformer.from_pretrained(lenskit.DEFAULT_MODEL)
     >>> logits, cache = model.run_with_cache("def __init__(self")
     >>> cache["resid_post", 3].shape   # [batch, pos, d_model]
     """
@@ -85,7 +85,12 @@ class HookedGPT2(HookedRootModule):
             x = block(x)  # [batch, pos, d_model]
         if stop_at_layer is not None:
             return x
-        return self.unembed(self.ln_final(x))  # [batch, pos, d_vocab]
+        return self.readout(x)  # [batch, pos, d_vocab]
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's whole readout, [..., d_model] -> [..., d_vocab]: final norm (its scale computed on
+        this `h`), then the unembedding, then any final soft-cap. Every lens decodes through this."""
+        return self.unembed(self.ln_final(h))
 
     def run_with_hooks(self, tokens: TokensLike, fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (), **kwargs: Any) -> torch.Tensor:
         """Run with hooks attached for this call only; they are removed even if the call raises."""
@@ -246,14 +251,14 @@ class HookedGPT2(HookedRootModule):
     @classmethod
     def from_pretrained(
         cls, name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-    ) -> "HookedGPT2":
+    ) -> "HookedTransformer":
         """Load a local folder in the Hugging Face GPT-2 layout, or a hub name via the local HF cache."""
         from .loading import load_pretrained
 
         return load_pretrained(cls, name_or_path, dtype=dtype, device=device)
 
     @classmethod
-    def from_hf(cls, hf_model: nn.Module, tokenizer: "PreTrainedTokenizerBase | None" = None) -> "HookedGPT2":
+    def from_hf(cls, hf_model: nn.Module, tokenizer: "PreTrainedTokenizerBase | None" = None) -> "HookedTransformer":
         """Convert an in-memory `transformers.GPT2LMHeadModel` (or `GPT2Model`)."""
         from .loading import from_hf
 

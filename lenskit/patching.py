@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from .cache import ActivationCache, hook_name
 from .hooks import HookFn
-from .model import HookedGPT2, TokensLike
+from .model import HookedTransformer, TokensLike
 
 Metric = Callable[[torch.Tensor], Union[torch.Tensor, float]]  # logits [batch, pos, d_vocab] -> scalar
 SITES = {"resid_pre": "resid_pre", "resid_mid": "resid_mid", "resid_post": "resid_post",
@@ -61,7 +61,7 @@ def next_token_loss(tokens: torch.Tensor) -> Metric:
 
 # -------------------------------------------------------------------------------------------- hooks
 def patching_hooks(
-    model: HookedGPT2,
+    model: HookedTransformer,
     source: ActivationCache,
     site: str,
     layer: int,
@@ -114,7 +114,7 @@ def patching_hooks(
 # ---------------------------------------------------------------------------------------- the sweep
 @torch.no_grad()
 def activation_patching(
-    model: HookedGPT2,
+    model: HookedTransformer,
     clean: TokensLike,
     corrupted: TokensLike,
     metric: Metric | str,

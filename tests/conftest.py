@@ -40,8 +40,8 @@ def hf_model() -> transformers.GPT2LMHeadModel:
 
 
 @pytest.fixture(scope="session")
-def model(hf_model) -> lenskit.HookedGPT2:
-    return lenskit.HookedGPT2.from_hf(hf_model)
+def model(hf_model) -> lenskit.HookedTransformer:
+    return lenskit.HookedTransformer.from_hf(hf_model)
 
 
 @pytest.fixture
@@ -58,5 +58,5 @@ def default_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def default_model(default_model_path) -> lenskit.HookedGPT2:
-    return lenskit.HookedGPT2.from_pretrained(default_model_path)
+def default_model(default_model_path) -> lenskit.HookedTransformer:
+    return lenskit.HookedTransformer.from_pretrained(default_model_path)

@@ -55,7 +55,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def assert_golden(model: lenskit.HookedGPT2, hf, tokens: torch.Tensor, atol: float = ATOL, **run_kwargs) -> float:
+def assert_golden(model: lenskit.HookedTransformer, hf, tokens: torch.Tensor, atol: float = ATOL, **run_kwargs) -> float:
     """Logits and every stream hook of `model` match transformers within `atol`; returns the largest gap."""
     ref_logits, ref = hf_reference(hf, tokens)
     with torch.no_grad():

@@ -47,7 +47,7 @@ def write_tiny_model(folder: Path, seed: int = 0, n_layer: int = 3, n_embd: int 
     """A random 3-layer GPT-2 with a 300-entry tokenizer, saved in the Hugging Face layout."""
     tokenizer = tiny_tokenizer(folder / "_tok", sample_texts())
     hf = make_hf_gpt2(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=len(tokenizer), n_positions=64, seed=seed)
-    model = lenskit.HookedGPT2.from_hf(hf, tokenizer=tokenizer)
+    model = lenskit.HookedTransformer.from_hf(hf, tokenizer=tokenizer)
     model.save_pretrained(folder)
     return folder
 

@@ -15,9 +15,9 @@ def numel(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # .parameters() yields a tied weight once
 
 
-def meta_model(cfg: ModelConfig) -> lenskit.HookedGPT2:
+def meta_model(cfg: ModelConfig) -> lenskit.HookedTransformer:
     with torch.device("meta"):  # shapes only: gpt2-xl without 6 GB of memory
-        return lenskit.HookedGPT2(cfg)
+        return lenskit.HookedTransformer(cfg)
 
 
 # hand arithmetic: per block 12 d^2 + 13 d; embeddings V d + n_ctx d; final norm 2 d; tied unembedding
@@ -80,7 +80,7 @@ def test_gpt2_flops_by_hand():
 ])
 def test_counts_equal_a_real_models_parameters(changes):
     cfg = ModelConfig(n_layers=3, d_model=32, n_heads=4, d_vocab=101, n_ctx=64).replace(**changes)
-    model = lenskit.HookedGPT2(cfg)
+    model = lenskit.HookedTransformer(cfg)
     table = accounting.param_table(model)
     assert table.params.sum() == numel(model)
     assert accounting.param_summary(cfg).loc["total", "value"] == numel(model)
@@ -96,7 +96,7 @@ def test_counts_equal_a_real_models_parameters(changes):
 
 def test_flops_equal_torchs_flop_counter_on_a_real_forward():
     cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=101, n_ctx=16)
-    model = lenskit.HookedGPT2(cfg).eval()
+    model = lenskit.HookedTransformer(cfg).eval()
     tokens = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(0))
     # a no-op hook on the pattern selects the eager attention path, whose matmuls the counter sees
     eager = [(f"blocks.{i}.attn.hook_pattern", lambda x, hook: None) for i in range(cfg.n_layers)]

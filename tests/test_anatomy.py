@@ -96,7 +96,7 @@ def test_attribution_sums_to_the_logit_and_matches_transformers(hf_model, model,
 def test_attribution_with_rmsnorm_and_per_sequence_positions(tokens):
     torch.manual_seed(0)
     cfg = lenskit.ModelConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=101, n_ctx=64, norm="rmsnorm")
-    model = lenskit.HookedGPT2(cfg).eval()
+    model = lenskit.HookedTransformer(cfg).eval()
     with torch.no_grad():
         model.ln_final.weight.add_(torch.randn(32) * 0.3)
     logits, cache = model.run_with_cache(tokens)

@@ -25,7 +25,7 @@ def test_info_on_a_model_folder_matches_its_weights(tmp_path, model, capsys):
     csv = tmp_path / "params.csv"
     assert main(["info", "--model", str(folder), "--n-ctx", "32", "--csv", str(csv)]) == 0
     out = capsys.readouterr().out
-    total = sum(p.numel() for p in lenskit.HookedGPT2.from_pretrained(folder).parameters())
+    total = sum(p.numel() for p in lenskit.HookedTransformer.from_pretrained(folder).parameters())
     assert f"{total:,}" in out and "n_ctx=32" in out
     table = pd.read_csv(csv)
     assert table.params.sum() == total

@@ -24,7 +24,7 @@ def test_csv_and_html(tiny_folder, tmp_path, capsys):
     assert main(["lens", PROMPT, "--model", str(tiny_folder), "--top-k", "3", "--csv", str(csv), "--out", str(html)]) == 0
     out = capsys.readouterr().out
     df = pd.read_csv(csv, keep_default_na=False)
-    model = lenskit.HookedGPT2.from_pretrained(tiny_folder)
+    model = lenskit.HookedTransformer.from_pretrained(tiny_folder)
     n_pos, n_layers = len(model.to_tokens(PROMPT)[0]), model.cfg.n_layers
     assert list(df.columns[:8]) == ["layer", "position", "input_token", "input_token_id", "top_token", "top_token_id", "top_prob", "entropy"]
     assert set(COLUMNS) <= set(df.columns) and "top3_prob" in df.columns and "top4_prob" not in df.columns
@@ -72,7 +72,7 @@ def test_default_model_pdf_and_csv(default_model_path, tmp_path, capsys):
     assert main(["lens", "import os\nimport sys\n\n\ndef main(", "--out", str(pdf), "--csv", str(csv)]) == 0  # --model defaults
     assert pdf.read_bytes()[:5] == b"%PDF-" and pdf.stat().st_size > 10_000
     df = pd.read_csv(csv, keep_default_na=False)
-    model = lenskit.HookedGPT2.from_pretrained(default_model_path)
+    model = lenskit.HookedTransformer.from_pretrained(default_model_path)
     last = df[df.layer == model.cfg.n_layers].sort_values("position")
     with torch.no_grad():
         logits = model(model.to_tokens("import os\nimport sys\n\n\ndef main("))[0]
@@ -84,7 +84,7 @@ def test_default_model_pdf_and_csv(default_model_path, tmp_path, capsys):
 def test_tuned_lens_folder(tiny_folder, tmp_path):
     from lenses import TunedLens
 
-    model = lenskit.HookedGPT2.from_pretrained(tiny_folder)
+    model = lenskit.HookedTransformer.from_pretrained(tiny_folder)
     tuned = TunedLens(model)
     with torch.no_grad():  # a non-trivial lens, so the CLI's output cannot pass for the logit lens's
         for p in tuned.parameters():

@@ -66,7 +66,7 @@ def test_eval_with_a_lens_for_another_model_names_both_fingerprints(files, tmp_p
     code = main(["eval-lens", "--model", str(other), "--lens", str(out), "--data", str(files / "heldout"), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2
-    assert model_fingerprint(lenskit.HookedGPT2.from_pretrained(other)) in err
+    assert model_fingerprint(lenskit.HookedTransformer.from_pretrained(other)) in err
     assert json.loads((out / "config.json").read_text())["model_fingerprint"] in err
 
 
@@ -82,7 +82,7 @@ def test_lens_command_reads_a_trained_tuned_lens_folder(files, tmp_path, capsys)
     prompt = "def f1(alpha, beta):\n    alpha = beta + 1"
     assert main(["lens", prompt, "--model", str(files / "model"), "--lens", str(out), "--csv", str(csv)]) == 0
     rows = pd.read_csv(csv)
-    model = lenskit.HookedGPT2.from_pretrained(files / "model")
+    model = lenskit.HookedTransformer.from_pretrained(files / "model")
     tuned = TunedLens.load(out, model)
     logits, cache = model.run_with_cache(prompt)
     for l in range(model.cfg.n_layers):  # the CSV's KL is the tuned lens's, not the logit lens's

@@ -38,7 +38,7 @@ def test_torchrun_two_processes_match_one_process(tmp_path):
     config = json.loads((tmp_path / "ddp" / "config.json").read_text())
     assert config["run_identity"]["world_size"] == 2 and config["tokens_seen"] == steps * per_step
 
-    model = lenskit.HookedGPT2.from_pretrained(model_dir)
+    model = lenskit.HookedTransformer.from_pretrained(model_dir)
     stream = load_token_stream([data], model.tokenizer)
     single = train(TunedLens(model), stream, Recipe(steps=steps, ctx=ctx, tokens_per_step=per_step, seed=3,
                                                         micro_batch_tokens=32), progress=False)

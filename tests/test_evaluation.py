@@ -98,6 +98,6 @@ def test_refuses_a_lens_built_for_another_model(model, windows):
     import lenskit
     from conftest import make_hf_gpt2
 
-    other = lenskit.HookedGPT2.from_hf(make_hf_gpt2(seed=2))
+    other = lenskit.HookedTransformer.from_hf(make_hf_gpt2(seed=2))
     with pytest.raises(ValueError, match="another model object"):
         evaluate_windows(model, [LogitLens(other)], windows, progress=False)

@@ -12,12 +12,12 @@ import torch.nn.functional as F
 
 from conftest import make_hf_gpt2
 from golden import ATOL, hf_reference, max_diff
-from lenskit import HookedGPT2
+from lenskit import HookedTransformer
 
 RESID_WRITES = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
 
 
-def resid_names(model: HookedGPT2) -> list[str]:
+def resid_names(model: HookedTransformer) -> list[str]:
     return [f"blocks.{i}.{h}" for i in range(model.cfg.n_layers) for h in RESID_WRITES]
 
 
@@ -28,7 +28,7 @@ def noop(x, hook):
 @pytest.fixture(scope="module")
 def pair():
     hf = make_hf_gpt2(n_layer=4, n_embd=32, n_head=4, vocab_size=101, n_positions=64, seed=5)
-    return hf, HookedGPT2.from_hf(hf)
+    return hf, HookedTransformer.from_hf(hf)
 
 
 @pytest.fixture
@@ -164,7 +164,7 @@ def test_cache_to_the_meta_device_keeps_shapes(pair, batch):
 
 
 # ------------------------------------------------ early stopping from names
-def count_blocks(model: HookedGPT2) -> tuple[list[int], list]:
+def count_blocks(model: HookedTransformer) -> tuple[list[int], list]:
     ran: list[int] = []
     handles = [b.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, b in enumerate(model.blocks)]
     handles.append(model.unembed.register_forward_hook(lambda m, a, o: ran.append(-1)))

@@ -9,7 +9,7 @@ import torch
 
 from conftest import make_hf_gpt2
 from golden import assert_golden
-from lenskit import HookedGPT2
+from lenskit import HookedTransformer
 from test_loading import layout_bare_tied
 
 
@@ -64,7 +64,7 @@ def test_hub_name_resolves_from_local_cache(hf, tmp_path, offline, name, env, ba
     cache = root / "hub" if env == "HF_HOME" else root
     fake_hub_cache(hf, cache)
     monkeypatch.setenv(env, str(root))
-    model = HookedGPT2.from_pretrained(name)
+    model = HookedTransformer.from_pretrained(name)
     assert calls and model.cfg.d_model == 32
     assert_golden(model, hf, batch)
 
@@ -73,7 +73,7 @@ def test_uncached_hub_name_offline_says_pass_a_folder(tmp_path, offline):
     monkeypatch, calls = offline
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     with pytest.raises(OSError, match=r"gpt2-medium.*not a local folder.*not in the local Hugging Face cache.*Pass a local folder"):
-        HookedGPT2.from_pretrained("gpt2-medium")
+        HookedTransformer.from_pretrained("gpt2-medium")
     assert calls and all(c.get("local_files_only") for c in calls)
     with pytest.raises(OSError, match="HF_HUB_OFFLINE"):
-        HookedGPT2.from_pretrained("someone/some-model")
+        HookedTransformer.from_pretrained("someone/some-model")

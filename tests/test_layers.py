@@ -10,14 +10,14 @@ import torch.nn.functional as F
 
 import lenskit
 from golden import max_diff
-from lenskit import HookedGPT2, ModelConfig
+from lenskit import HookedTransformer, ModelConfig
 
 
 # ---------------------------------------------------------------------- init
 def test_fresh_model_uses_gpt2_init():
     torch.manual_seed(0)
     cfg = ModelConfig(n_layers=4, d_model=128, n_heads=4, d_vocab=512, n_ctx=128)
-    model = HookedGPT2(cfg)
+    model = HookedTransformer(cfg)
     resid_std = 0.02 / math.sqrt(2 * cfg.n_layers)
     checked = 0
     for name, p in model.named_parameters():
@@ -49,7 +49,7 @@ def rms_swiglu():
     torch.manual_seed(0)
     cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=61, n_ctx=32, d_mlp=48, norm="rmsnorm",
                       mlp="swiglu", norm_eps=1e-6)
-    model = HookedGPT2(cfg).eval()
+    model = HookedTransformer(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("ln1.weight") or name.endswith("ln2.weight") or name.startswith("ln_final"):
@@ -88,5 +88,5 @@ def test_rmsnorm_model_cannot_be_saved_in_hf_layout(rms_swiglu, tmp_path):
 
 
 def test_public_api_names():
-    for name in ("HookedGPT2", "ModelConfig", "ActivationCache", "HookPoint", "CheckpointError", "DEFAULT_MODEL"):
+    for name in ("HookedTransformer", "ModelConfig", "ActivationCache", "HookPoint", "CheckpointError", "DEFAULT_MODEL"):
         assert hasattr(lenskit, name)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_hf_gpt2
 from golden import ATOL, assert_golden, max_diff
-from lenskit import CheckpointError, HookedGPT2
+from lenskit import CheckpointError, HookedTransformer
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_every_layout_loads_with_golden_parity(hf, tmp_path, layout, batch):
     folder = LAYOUTS[layout](hf, tmp_path / layout)
-    model = HookedGPT2.from_pretrained(folder)
+    model = HookedTransformer.from_pretrained(folder)
     assert model.cfg.n_layers == 3 and model.cfg.d_vocab == 101
     assert model.unembed.weight is model.embed.weight  # tied, whatever the file held
     assert not model.training
@@ -121,7 +121,7 @@ def test_every_layout_loads_with_golden_parity(hf, tmp_path, layout, batch):
 @pytest.mark.parametrize("layout", ["prefixed+lm_head", "sharded"])
 def test_untied_layouts_load_with_golden_parity(hf_untied, tmp_path, layout, batch):
     folder = LAYOUTS[layout](hf_untied, tmp_path / layout)
-    model = HookedGPT2.from_pretrained(folder)
+    model = HookedTransformer.from_pretrained(folder)
     assert not model.cfg.tie_word_embeddings
     assert model.unembed.weight is not model.embed.weight
     assert torch.equal(model.unembed.weight, hf_untied.lm_head.weight)
@@ -129,15 +129,15 @@ def test_untied_layouts_load_with_golden_parity(hf_untied, tmp_path, layout, bat
 
 
 def test_shard_count_does_not_matter(hf, tmp_path, batch):
-    two = HookedGPT2.from_pretrained(layout_sharded(hf, tmp_path / "two", n_shards=2))
-    three = HookedGPT2.from_pretrained(layout_sharded(hf, tmp_path / "three", n_shards=3))
+    two = HookedTransformer.from_pretrained(layout_sharded(hf, tmp_path / "two", n_shards=2))
+    three = HookedTransformer.from_pretrained(layout_sharded(hf, tmp_path / "three", n_shards=3))
     with torch.no_grad():
         assert torch.equal(two(batch), three(batch))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_dtype_is_honoured(hf, tmp_path, dtype, batch):
-    model = HookedGPT2.from_pretrained(layout_bare_tied(hf, tmp_path / "m"), dtype=dtype)
+    model = HookedTransformer.from_pretrained(layout_bare_tied(hf, tmp_path / "m"), dtype=dtype)
     assert {p.dtype for p in model.parameters()} == {dtype}
     with torch.no_grad():
         logits = model(batch)
@@ -152,13 +152,13 @@ def test_dtype_is_honoured(hf, tmp_path, dtype, batch):
 
 def test_device_is_honoured(hf, tmp_path):
     folder = layout_bare_tied(hf, tmp_path / "m")
-    model = HookedGPT2.from_pretrained(folder, device=torch.device("cpu"))
+    model = HookedTransformer.from_pretrained(folder, device=torch.device("cpu"))
     assert {p.device.type for p in model.parameters()} == {"cpu"}
-    meta = HookedGPT2.from_pretrained(folder, device="meta")  # a device other than the file's, no GPU needed
+    meta = HookedTransformer.from_pretrained(folder, device="meta")  # a device other than the file's, no GPU needed
     assert {p.device.type for p in meta.parameters()} == {"meta"}
     assert meta.unembed.weight is meta.embed.weight
     if torch.cuda.is_available():
-        cuda = HookedGPT2.from_pretrained(folder, device="cuda")
+        cuda = HookedTransformer.from_pretrained(folder, device="cuda")
         assert {p.device.type for p in cuda.parameters()} == {"cuda"}
         tokens = torch.randint(0, 101, (2, 9))
         with torch.no_grad():
@@ -168,13 +168,13 @@ def test_device_is_honoured(hf, tmp_path):
 @pytest.mark.parametrize("which", ["tied", "untied"])
 def test_our_save_loads_in_transformers(hf, hf_untied, tmp_path, which, batch):
     source = hf if which == "tied" else hf_untied
-    ours = HookedGPT2.from_hf(source)
+    ours = HookedTransformer.from_hf(source)
     ours.save_pretrained(tmp_path / "saved")
     theirs = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "saved"), attn_implementation="eager").eval()
     with torch.no_grad():
         assert max_diff(theirs(batch).logits, ours(batch)) <= ATOL
         assert max_diff(theirs(batch).logits, source(batch).logits) <= ATOL
-    again = HookedGPT2.from_pretrained(tmp_path / "saved")
+    again = HookedTransformer.from_pretrained(tmp_path / "saved")
     with torch.no_grad():
         assert torch.equal(again(batch), ours(batch))
     assert again.cfg.replace(name="x") == ours.cfg.replace(name="x")
@@ -182,7 +182,7 @@ def test_our_save_loads_in_transformers(hf, hf_untied, tmp_path, which, batch):
 
 def test_from_hf_accepts_gpt2model(hf, batch):
     # A bare GPT2Model (no LM head) converts too; its logits come from the tied embedding.
-    model = HookedGPT2.from_hf(hf.transformer)
+    model = HookedTransformer.from_hf(hf.transformer)
     with torch.no_grad():
         assert max_diff(model(batch), hf(batch).logits) <= ATOL
 
@@ -208,7 +208,7 @@ def no_pickle(monkeypatch):
 
 @pytest.fixture(scope="module")
 def good_model(hf):
-    return HookedGPT2.from_hf(hf)
+    return HookedTransformer.from_hf(hf)
 
 
 @pytest.fixture
@@ -229,7 +229,7 @@ def test_pickle_only_folder_is_refused_without_unpickling(hf, tmp_path, no_pickl
     with open(folder / "pytorch_model.bin", "wb") as f:  # writing a pickle is harmless; reading one is not
         pickle.dump({"wte.weight": [0.0]}, f)
     with pytest.raises(CheckpointError, match=r"pytorch_model\.bin.*refuses to unpickle"):
-        HookedGPT2.from_pretrained(folder)
+        HookedTransformer.from_pretrained(folder)
     assert no_pickle == []
 
 
@@ -257,14 +257,14 @@ def _edited(hf, folder: Path, edit) -> Path:
 def test_mismatched_checkpoints_name_the_key(hf, tmp_path, edit, match, no_pickle, still_usable):
     folder = _edited(hf, tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=match):
-        HookedGPT2.from_pretrained(folder)
+        HookedTransformer.from_pretrained(folder)
     assert no_pickle == []
 
 
 def test_prefixed_and_bare_duplicate_keys_are_refused(hf, tmp_path):
     folder = _edited(hf, tmp_path / "dup", lambda s: s.__setitem__("transformer.wte.weight", s["wte.weight"].clone()))
     with pytest.raises(CheckpointError, match="wte.weight"):
-        HookedGPT2.from_pretrained(folder)
+        HookedTransformer.from_pretrained(folder)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "pickle-renamed"])
@@ -281,7 +281,7 @@ def test_corrupt_safetensors(hf, tmp_path, damage, no_pickle, still_usable):
     else:  # a pickle under the safetensors name must be rejected by the header check, never unpickled
         file.write_bytes(pickle.dumps({"wte.weight": list(range(100))}))
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):
-        HookedGPT2.from_pretrained(folder)
+        HookedTransformer.from_pretrained(folder)
     assert no_pickle == []
 
 
@@ -298,7 +298,7 @@ def test_bad_shard_index(hf, tmp_path, shard, match, no_pickle):
     index["weight_map"][first] = shard
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=match):
-        HookedGPT2.from_pretrained(folder)
+        HookedTransformer.from_pretrained(folder)
     assert no_pickle == []
 
 
@@ -308,26 +308,26 @@ def test_malformed_index_and_missing_listed_tensor(hf, tmp_path):
     good = json.loads(index_file.read_text())
     index_file.write_text("{}")
     with pytest.raises(CheckpointError, match="weight_map"):
-        HookedGPT2.from_pretrained(folder)
+        HookedTransformer.from_pretrained(folder)
     good["weight_map"]["h.9.ghost.weight"] = "model-00001-of-00003.safetensors"
     index_file.write_text(json.dumps(good))
     with pytest.raises(CheckpointError, match=r"h\.9\.ghost\.weight"):
-        HookedGPT2.from_pretrained(folder)
+        HookedTransformer.from_pretrained(folder)
 
 
 def test_missing_paths(tmp_path, hf):
     with pytest.raises(FileNotFoundError, match="no folder at"):
-        HookedGPT2.from_pretrained(tmp_path / "does" / "not" / "exist")
+        HookedTransformer.from_pretrained(tmp_path / "does" / "not" / "exist")
     (tmp_path / "file.safetensors").write_bytes(b"x")
     with pytest.raises(NotADirectoryError, match="is a file"):
-        HookedGPT2.from_pretrained(tmp_path / "file.safetensors")
+        HookedTransformer.from_pretrained(tmp_path / "file.safetensors")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="config.json"):
-        HookedGPT2.from_pretrained(empty)
+        HookedTransformer.from_pretrained(empty)
     write_config(hf, empty)
     with pytest.raises(CheckpointError, match="no model.safetensors"):
-        HookedGPT2.from_pretrained(empty)
+        HookedTransformer.from_pretrained(empty)
 
 
 def test_non_gpt2_config_is_refused(hf, tmp_path):
@@ -336,7 +336,7 @@ def test_non_gpt2_config_is_refused(hf, tmp_path):
     cfg["activation_function"] = "relu"
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="activation_function"):
-        HookedGPT2.from_pretrained(folder)
+        HookedTransformer.from_pretrained(folder)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""HookedGPT2 against transformers' GPT-2 (golden parity), the DESIGN.md identities, and hooks.
+"""HookedTransformer against transformers' GPT-2 (golden parity), the DESIGN.md identities, and hooks.
 
 The golden tests never skip: they build small random GPT-2s with transformers, so no download is needed.
 """
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from conftest import make_hf_gpt2
 from golden import ATOL, assert_golden, max_diff
-from lenskit import HookedGPT2
+from lenskit import HookedTransformer
 
 CONFIGS = {
     "default": dict(),
@@ -29,7 +29,7 @@ def noop(x, hook):
     return None
 
 
-def no_hooks_left(model: HookedGPT2) -> bool:
+def no_hooks_left(model: HookedTransformer) -> bool:
     return not any(hp.has_hooks() for hp in model.hook_dict.values())
 
 
@@ -48,10 +48,10 @@ def count_sdpa(monkeypatch) -> list[int]:
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def pair(request):
     hf = make_hf_gpt2(**CONFIGS[request.param])
-    return hf, HookedGPT2.from_hf(hf)
+    return hf, HookedTransformer.from_hf(hf)
 
 
-def batch_for(model: HookedGPT2, seed: int = 3) -> torch.Tensor:
+def batch_for(model: HookedTransformer, seed: int = 3) -> torch.Tensor:
     return torch.randint(0, model.cfg.d_vocab, (3, 19), generator=torch.Generator().manual_seed(seed))
 
 

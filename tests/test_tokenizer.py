@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import make_hf_gpt2
-from lenskit import HookedGPT2
+from lenskit import HookedTransformer
 from lenskit.tokenizer import load_tokenizer
 
 EOS = 50256  # <|endoftext|>
@@ -41,8 +41,8 @@ def folder(hf_full_vocab, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model(folder) -> HookedGPT2:
-    return HookedGPT2.from_pretrained(folder)
+def model(folder) -> HookedTransformer:
+    return HookedTransformer.from_pretrained(folder)
 
 
 def test_hello_world_is_15496_995(model):
@@ -122,7 +122,7 @@ def test_tokenizer_json_only_folder(model, folder, tmp_path):
     # A whole model folder with only tokenizer.json for its tokenizer.
     for f in ("config.json", "model.safetensors"):
         shutil.copy(folder / f, only / f)
-    loaded = HookedGPT2.from_pretrained(only)
+    loaded = HookedTransformer.from_pretrained(only)
     assert loaded.to_tokens("Hello world").tolist() == [[15496, 995]]
 
 
@@ -130,7 +130,7 @@ def test_save_pretrained_writes_tokenizer_files(model, tmp_path):
     model.save_pretrained(tmp_path / "saved")
     names = {f.name for f in (tmp_path / "saved").iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "vocab.json", "merges.txt"} <= names
-    again = HookedGPT2.from_pretrained(tmp_path / "saved")
+    again = HookedTransformer.from_pretrained(tmp_path / "saved")
     assert again.to_tokens("Hello world").tolist() == [[15496, 995]]
     # The classic files alone still give the same tokenizer.
     (tmp_path / "saved" / "tokenizer.json").unlink()

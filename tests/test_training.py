@@ -28,7 +28,7 @@ SMALL = dict(steps=12, ctx=CTX, tokens_per_step=4 * CTX, ckpt_every=4)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    model = lenskit.HookedGPT2.from_pretrained(write_tiny_model(root / "model"))
+    model = lenskit.HookedTransformer.from_pretrained(write_tiny_model(root / "model"))
     data = write_text_folder(root / "data", n=120)
     return model, load_token_stream([data], model.tokenizer), root
 

@@ -98,11 +98,11 @@ def test_save_load_gives_identical_outputs_and_no_pickle(model, streams, tmp_pat
 
 def test_loading_onto_a_model_with_another_fingerprint_is_refused(model, tmp_path):
     TunedLens(model).save(tmp_path / "lens")
-    other = lenskit.HookedGPT2.from_hf(make_hf_gpt2(seed=1))  # same shapes, different weights
+    other = lenskit.HookedTransformer.from_hf(make_hf_gpt2(seed=1))  # same shapes, different weights
     with pytest.raises(ValueError) as err:
         TunedLens.load(tmp_path / "lens", other)
     assert model_fingerprint(model) in str(err.value) and model_fingerprint(other) in str(err.value)
-    bigger = lenskit.HookedGPT2.from_hf(make_hf_gpt2(n_layer=4))
+    bigger = lenskit.HookedTransformer.from_hf(make_hf_gpt2(n_layer=4))
     with pytest.raises(ValueError, match="n_layers=3 but the model has n_layers=4"):
         TunedLens.load(tmp_path / "lens", bigger)
 
@@ -119,11 +119,11 @@ def test_fingerprint_is_a_hash_of_the_values_alone(model, hf_model, tmp_path):
     # Same after a round trip through files, in a fresh process.
     model.save_pretrained(tmp_path / "m")
     code = ("import lenskit; from lenses.tuned import model_fingerprint; "
-            f"print(model_fingerprint(lenskit.HookedGPT2.from_pretrained({str(tmp_path / 'm')!r})))")
+            f"print(model_fingerprint(lenskit.HookedTransformer.from_pretrained({str(tmp_path / 'm')!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == model_fingerprint(model)
     # One ulp in the final norm changes it.
-    moved = lenskit.HookedGPT2.from_pretrained(tmp_path / "m")
+    moved = lenskit.HookedTransformer.from_pretrained(tmp_path / "m")
     with torch.no_grad():
         moved.ln_final.weight[0] = torch.nextafter(moved.ln_final.weight[0], torch.tensor(10.0))
     assert model_fingerprint(moved) != out
@@ -188,5 +188,5 @@ def test_not_a_lens_folder(model, tmp_path):
 
 
 def test_fingerprint_uses_float32_bytes_whatever_the_storage(model):
-    wide = lenskit.HookedGPT2.from_hf(make_hf_gpt2()).to(torch.float64)
+    wide = lenskit.HookedTransformer.from_hf(make_hf_gpt2()).to(torch.float64)
     assert model_fingerprint(wide) == model_fingerprint(model)  # float64 copies of the same float32 values

@@ -28,10 +28,10 @@ def make_tokenizer(vocab_size: int = VOCAB) -> transformers.PreTrainedTokenizerB
                                       unk_token="<|endoftext|>")
 
 
-def make_model_with_tokenizer(seed: int = 0) -> lenskit.HookedGPT2:
+def make_model_with_tokenizer(seed: int = 0) -> lenskit.HookedTransformer:
     from conftest import make_hf_gpt2
 
-    return lenskit.HookedGPT2.from_hf(make_hf_gpt2(vocab_size=VOCAB, seed=seed), tokenizer=make_tokenizer())
+    return lenskit.HookedTransformer.from_hf(make_hf_gpt2(vocab_size=VOCAB, seed=seed), tokenizer=make_tokenizer())
 
 
 def save_tiny_model(folder: Path) -> Path:

@@ -75,7 +75,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.set_defaults(run=run)
 
 
-def reference_windows(model: lenskit.HookedGPT2, paths: list[str] | None, length: int, seed: int) -> torch.Tensor:
+def reference_windows(model: lenskit.HookedTransformer, paths: list[str] | None, length: int, seed: int) -> torch.Tensor:
     """[REFERENCE_WINDOWS or fewer, length] token windows from the reference text, in a seeded order."""
     if paths is None:
         root = Path(sysconfig.get_paths()["stdlib"])
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.targets:
         raise ValueError("nothing to ablate: give at least one of --block L, --attn L, --mlp L, --head L.H")
-    model = lenskit.HookedGPT2.from_pretrained(args.model or lenskit.DEFAULT_MODEL)
+    model = lenskit.HookedTransformer.from_pretrained(args.model or lenskit.DEFAULT_MODEL)
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files; lenskit ablate needs one to read PROMPT")
     tokens = model.to_tokens(args.prompt)

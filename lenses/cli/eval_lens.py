@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from ..logit import LogitLens
     from ..tuned import TunedLens
 
-    model = lenskit.HookedGPT2.from_pretrained(args.model)
+    model = lenskit.HookedTransformer.from_pretrained(args.model)
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files; eval-lens needs one to read text")
     tuned = TunedLens.load(args.lens, model)

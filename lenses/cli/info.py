@@ -40,7 +40,7 @@ def resolve_config(model: str | None) -> tuple[ModelConfig, str]:
     if path.exists():
         raise FileNotFoundError(f"{path} has no config.json; expected a Hugging Face GPT-2 folder or a preset name")
     # A hub name: the loader resolves it through the local Hugging Face cache and explains failures.
-    return lenskit.HookedGPT2.from_pretrained(model).cfg, f"{model} (Hugging Face cache)"
+    return lenskit.HookedTransformer.from_pretrained(model).cfg, f"{model} (Hugging Face cache)"
 
 
 def _count(x: float) -> str:

@@ -35,7 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.set_defaults(run=run)
 
 
-def load_lens(spec: str, model: lenskit.HookedGPT2):
+def load_lens(spec: str, model: lenskit.HookedTransformer):
     """'logit' -> LogitLens; a folder -> TunedLens.load(folder, model)."""
     if spec == "logit":
         from lenses.logit import LogitLens
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--top-k must be at least 1, got {args.top_k}")
     if args.model == lenskit.DEFAULT_MODEL and not (Path(args.model) / "config.json").exists():
         raise FileNotFoundError(f"the embedded model is missing at {args.model}; reinstall lenskit or pass --model FOLDER")
-    model = lenskit.HookedGPT2.from_pretrained(args.model)
+    model = lenskit.HookedTransformer.from_pretrained(args.model)
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files, so PROMPT cannot be tokenized")
     lens = load_lens(args.lens, model)

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from ..tuned import TunedLens
 
     rank, world, device = init_distributed()
-    model = lenskit.HookedGPT2.from_pretrained(args.model, device=device or ("cpu"))
+    model = lenskit.HookedTransformer.from_pretrained(args.model, device=device or ("cpu"))
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files; train-lens needs one to read text")
     stream = load_token_stream(args.data, model.tokenizer, text_field=args.text_field)
