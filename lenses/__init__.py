@@ -1,7 +1,7 @@
 """lenses: analysis that reads lenskit's residual stream (logit lens, tuned lens, trajectories, plots).
 
 >>> from lenses import LogitLens, Trajectory
->>> traj = Trajectory.from_prompt(model, LogitLens(model), "import os\\nos.path.")
+>>> traj = Trajectory.from_prompt(LogitLens(model), "import os\\nos.path.")
 >>> from lenses import plots; plots.save_figure(plots.logit_lens_heatmap(traj), "lens.png")
 """
 
@@ -12,17 +12,14 @@ from . import metrics
 from .base import Lens
 from .logit import POINTS, LogitLens
 from .trajectory import Trajectory
-
-# Imported on first use: `plots` pulls in plotly, and `TunedLens` lives in its own, heavier module.
-_LAZY = {"TunedLens": ("lenses.tuned", "TunedLens"), "plots": ("lenses.plots", None)}
+from .tuned import TunedLens  # about 3 ms on top of the 2-3 s that torch takes: not worth a lazy import
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
+    # `plots` is imported on first use: it pulls in plotly, which analysis without figures never needs.
+    if name != "plots":
         raise AttributeError(f"module 'lenses' has no attribute {name!r}")
-    module_name, attr = _LAZY[name]
-    module = import_module(module_name)
-    return module if attr is None else getattr(module, attr)
+    return import_module("lenses.plots")
 
 
 __all__ = ["Lens", "LogitLens", "POINTS", "Trajectory", "TunedLens", "metrics", "plots"]

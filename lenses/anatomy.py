@@ -21,10 +21,14 @@ from typing import Sequence, Union
 import pandas as pd
 import torch
 
-from lenskit import ActivationCache, HookedTransformer
+from lenskit import ActivationCache, HookedTransformer, Stream
 from lenskit.cache import hook_name
+from lenskit.stream import POINTS as STREAM_POINTS
+from lenskit.stream import as_stream
+from lenskit.text import single_token_id
 
-POINTS = ("resid_pre", "resid_mid", "resid_post")
+# The points that are the stream itself (the others are writes into it); the stream is a sum of parts there.
+POINTS = tuple(p for p in STREAM_POINTS if p.startswith("resid_"))
 TokenLike = Union[int, str, torch.Tensor]
 
 
@@ -72,28 +76,29 @@ def _need(cache: ActivationCache, name: str, why: str) -> torch.Tensor:
     return cache[name]
 
 
-def stream_at(cache: ActivationCache, layer: int, point: str = "resid_pre") -> torch.Tensor:
-    """The cached stream [batch, pos, d_model] at `point` of block `layer`; `("resid_pre", n_layers)` is
-    the final block's `resid_post`, following the lens convention (stream after `layer` blocks)."""
-    n = cache.n_layers
-    if point not in POINTS:
-        raise ValueError(f"point must be one of {POINTS}, got {point!r}")
-    top = n if point == "resid_pre" else n - 1
-    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer <= top:
-        raise IndexError(f"layer {layer!r} is out of range for {point}: expected 0..{top} in a {n}-block model")
-    if point == "resid_pre" and layer == n:
-        return _need(cache, hook_name("resid_post", n - 1), "the final stream")
-    return _need(cache, hook_name(point, layer), f"{point} of block {layer}")
+def stream_in(cache: ActivationCache, s: Stream, why: str) -> torch.Tensor:
+    """The cached stream [batch, pos, d_model] at `s`, or a KeyError that says how to cache it."""
+    return _need(cache, s.hook_name(cache.n_layers), why)
 
 
-def decompose_resid(cache: ActivationCache, layer: int, point: str = "resid_pre", per_head: bool = False) -> ResidDecomposition:
-    """Split the stream at `point` of block `layer` into the embedding, the position embedding and every
-    attention and MLP write before it (layer convention as in `stream_at`).
+def location(s: int | str | Stream, point: str | None, n_layers: int) -> Stream:
+    """`s` (and `point`) as a resolved Stream at one of `POINTS`, where the stream is a sum of parts."""
+    s = as_stream(s, point).resolve(n_layers)
+    if s.point not in POINTS:
+        raise ValueError(f"{s.point} is a write into the stream, not the stream; point must be one of {', '.join(POINTS)}")
+    return s
+
+
+def decompose_resid(cache: ActivationCache, stream: int | str | Stream, point: str | None = None,
+                    per_head: bool = False) -> ResidDecomposition:
+    """Split the stream at `stream` (a `Stream`, or a layer with `point`, default resid_pre; an int l alone is
+    the stream after l blocks) into the embedding, the position embedding and every attention and MLP write before it.
 
     With `per_head`, each attention write becomes its heads' writes (`attn.hook_result`) plus an
     `attn_bias` part, computed as `attn_out - sum(heads)` so the parts still sum exactly to the stream.
     """
-    stream_at(cache, layer, point)  # validates layer and point
+    s = location(stream, point, cache.n_layers)
+    layer, point = s.layer, s.point
     parts: list[tuple[torch.Tensor, str, str, int | None, int | None]] = [
         (_need(cache, "hook_embed", "decompose_resid"), "embed", "embed", None, None),
         (_need(cache, "hook_pos_embed", "decompose_resid"), "pos_embed", "pos_embed", None, None),
@@ -124,11 +129,7 @@ def decompose_resid(cache: ActivationCache, layer: int, point: str = "resid_pre"
 def _token_ids(model: HookedTransformer, token: TokenLike, batch: int) -> torch.Tensor:
     """[batch] token ids from an id, a single-token string, or a [batch] tensor of ids."""
     if isinstance(token, str):
-        ids = model.to_tokens(token)[0]
-        if len(ids) != 1:
-            pieces = model.to_str_tokens(ids)
-            raise ValueError(f"{token!r} is {len(ids)} tokens {pieces}; pass a string that is one token, or an id")
-        token = int(ids[0])
+        token = single_token_id(model.tokenizer, token)
     ids = torch.as_tensor(token, dtype=torch.long).flatten()
     if ids.numel() == 1:
         ids = ids.expand(batch)
@@ -173,7 +174,7 @@ def direct_logit_attribution(
     (batch, component) with `batch, position, component, kind, layer, head, attribution`; the frame's
     `attrs["logit"]` holds the target logit (difference) per sequence, computed from the model itself.
     """
-    final = stream_at(cache, cache.n_layers)  # [batch, pos, d_model]
+    final = stream_in(cache, Stream(cache.n_layers), "the final stream")  # [batch, pos, d_model]
     batch, n_pos, d_model = final.shape
     p = _positions(pos, batch, n_pos)
     rows = torch.arange(batch)
@@ -227,7 +228,7 @@ def resid_norms(cache: ActivationCache, positions: slice | Sequence[int] | None 
     sequences with `lenses.metrics.mean_ci(frame, "rms", by=["component", "layer"], unit="batch")`.
     """
     sel = slice(None) if positions is None else positions
-    entries = [("resid", l, stream_at(cache, l)) for l in range(cache.n_layers + 1)]
+    entries = [("resid", l, stream_in(cache, Stream(l), "resid_norms")) for l in range(cache.n_layers + 1)]
     for i in range(cache.n_layers):
         entries.append(("attn_out", i, _need(cache, hook_name("attn_out", i), "resid_norms")))
         entries.append(("mlp_out", i, _need(cache, hook_name("mlp_out", i), "resid_norms")))

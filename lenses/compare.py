@@ -24,11 +24,13 @@ import torch
 
 from lenskit import HookedTransformer
 from lenskit.hooks import HookFn, NameOrPredicate
+from lenskit.stream import streams
+from lenskit.text import token_texts
 
 from . import metrics
 from .base import Lens
-from .logit import LogitLens, point_names
-from .trajectory import NO_TARGET, _targets, _tokens_and_lengths, decode_token
+from .logit import LogitLens
+from .trajectory import NO_TARGET, targets_for, tokens_and_lengths
 
 COLUMNS = [
     "layer", "position", "input_token", "input_token_id", "target_token", "target_token_id",
@@ -60,9 +62,9 @@ def compare_runs(
     lens = LogitLens(model) if lens is None else lens
     if lens.model is not model:
         raise ValueError("the lens was built for a different model object; build it with this model, e.g. LogitLens(model)")
-    tokens, lengths = _tokens_and_lengths(model, prompt)
-    targets = _targets(model, target, tokens, lengths)  # [batch, pos], NO_TARGET where none
-    names = point_names("resid_pre", model.cfg.n_layers)
+    tokens, lengths = tokens_and_lengths(model, prompt)
+    targets = targets_for(model, target, tokens, lengths)  # [batch, pos], NO_TARGET where none
+    names = [s.hook_name(model.cfg.n_layers) for s in streams(model.cfg.n_layers)]
     # Streams only: the lens decodes each of them, the last included, one layer at a time below.
     _, clean = model.run_with_cache(tokens, names_filter=names, return_logits=False)
     _, ablated = model.run_with_cache(tokens, names_filter=names, fwd_hooks=list(fwd_hooks), return_logits=False)
@@ -95,7 +97,7 @@ def _to_frame(model: HookedTransformer, tokens: torch.Tensor, lengths: torch.Ten
     flat = {k: v.reshape(-1).numpy()[keep] for k, v in stacked.items()}
     tgt = targets.numpy()[b, pos]
     no_tgt = ~has_target.numpy()[b, pos]
-    decode = _decoder(model)
+    decode = lambda ids: token_texts(model.tokenizer, ids)  # noqa: E731 - as Trajectory shows them
     cols: dict[str, object] = {"batch": b} if B > 1 else {}
     cols |= {"layer": layer, "position": pos, "input_token": decode(tokens.numpy()[b, pos]),
              "input_token_id": tokens.numpy()[b, pos]}
@@ -113,19 +115,6 @@ def _to_frame(model: HookedTransformer, tokens: torch.Tensor, lengths: torch.Ten
     cols["delta_target_loss"] = cols["ablated_target_loss"] - cols["clean_target_loss"]
     cols["kl"] = flat["kl"]
     return pd.DataFrame(cols)
-
-
-def _decoder(model: HookedTransformer):
-    tok = model.tokenizer
-
-    def decode(ids: np.ndarray) -> list[str]:
-        ids = [int(i) for i in np.asarray(ids).ravel()]
-        if tok is None:
-            return [f"<{i}>" for i in ids]
-        memo = {i: decode_token(tok, i) for i in set(ids)}  # as Trajectory shows them
-        return [memo[i] for i in ids]
-
-    return decode
 
 
 def output_summary(frame: pd.DataFrame) -> pd.DataFrame:

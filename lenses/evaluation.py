@@ -22,10 +22,10 @@ from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 
 from lenskit import HookedTransformer
 from lenskit.data import TokenStream
+from lenskit.stream import streams
 
 from . import metrics
 from .base import Lens
-from .logit import point_names
 
 METRICS = ("kl", "ce", "entropy", "top1_agree", "settled")
 
@@ -57,7 +57,8 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
             raise ValueError(f"lens {name!r} was built for another model object; build it on the model being evaluated")
     if windows.ndim != 2 or windows.shape[1] < 2:
         raise ValueError(f"windows must be [n_windows, ctx] with ctx >= 2, got shape {tuple(windows.shape)}")
-    names = point_names("resid_pre", model.cfg.n_layers)  # streams 0..n_layers
+    locations = streams(model.cfg.n_layers)  # the streams after 0..n_layers blocks
+    names = [s.hook_name(model.cfg.n_layers) for s in locations]
     rows = []
     for start in tqdm(range(0, len(windows), batch), desc="evaluate", disable=not progress):
         tokens = windows[start: start + batch].to(model.embed.weight.device)
@@ -66,8 +67,8 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
         for name, lens in lenses.items():
             stats = {k: [] for k in METRICS}
             agree = []
-            for layer, hook in enumerate(names):
-                logits = lens(cache[hook], layer)  # [batch, pos, d_vocab]
+            for s in locations:
+                logits = lens(cache.stream(s), s)  # [batch, pos, d_vocab]
                 stats["kl"].append(metrics.forward_kl(final, logits).mean(-1))
                 stats["ce"].append(metrics.cross_entropy(logits[:, :-1], tokens[:, 1:]).mean(-1))
                 stats["entropy"].append(metrics.entropy(logits).mean(-1))

@@ -28,10 +28,12 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 
+from lenskit import Stream
 from lenskit.data import TokenStream, window_order
 
+from .io import CONFIG_FILE, read_config, write_atomic
 from .metrics import forward_kl
-from .tuned import CONFIG_FILE, TunedLens, read_config, write_atomic
+from .tuned import TunedLens
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 MAX_TOKENS_PER_STEP = 2**18  # tuned-lens' step size; smaller data gets smaller steps (see Recipe)
@@ -117,29 +119,22 @@ class LensLoss(nn.Module):
         super().__init__()
         self.lens = lens
 
-    def forward(self, streams: list[tuple[int, bool, torch.Tensor]], final_logits: torch.Tensor) -> torch.Tensor:
-        """streams [(l, mid, h [batch, pos, d_model])], final logits [batch, pos, d_vocab] -> summed KL per stream [n]."""
-        return torch.stack([forward_kl(final_logits, self.lens(h, l, mid=mid)).sum() for l, mid, h in streams])
+    def forward(self, streams: list[tuple[Stream, torch.Tensor]], final_logits: torch.Tensor) -> torch.Tensor:
+        """streams [(s, h [batch, pos, d_model])], final logits [batch, pos, d_vocab] -> summed KL per stream [n]."""
+        return torch.stack([forward_kl(final_logits, self.lens(h, s)).sum() for s, h in streams])
 
 
-def stream_names(lens: TunedLens) -> list[tuple[str, int, bool]]:
-    """(label, l, mid) of every trained stream, in depth order: 0, 0.mid, 1, 1.mid, ..."""
-    out = []
-    for l in range(lens.n_layers):
-        out.append((str(l), l, False))
-        if lens.has_mid:
-            out.append((f"{l}.mid", l, True))
-    return out
+def stream_label(s: Stream) -> str:
+    """How a trained stream is named in logs and `info["stream_labels"]`: "3" for stream 3, "3.mid" for its resid_mid."""
+    return str(s.layer) if s.point == "resid_pre" else f"{s.layer}.{s.point.removeprefix('resid_')}"
 
 
-def collect_streams(lens: TunedLens, tokens: torch.Tensor) -> tuple[list[tuple[int, bool, torch.Tensor]], torch.Tensor]:
+def collect_streams(lens: TunedLens, tokens: torch.Tensor) -> tuple[list[tuple[Stream, torch.Tensor]], torch.Tensor]:
     """Run the model once without gradients: the streams the lens trains on and the final logits."""
-    names = {}
-    for label, l, mid in stream_names(lens):
-        names[f"blocks.{l}.hook_resid_{'mid' if mid else 'pre'}"] = (l, mid)
+    trained = lens.trained_streams()
     with torch.no_grad():
-        logits, cache = lens.model.run_with_cache(tokens, names_filter=list(names))
-    return [(l, mid, cache[name]) for name, (l, mid) in names.items()], logits
+        logits, cache = lens.model.run_with_cache(tokens, names_filter=[s.hook_name(lens.n_layers) for s in trained])
+    return [(s, cache.stream(s)) for s in trained], logits
 
 
 def distributed() -> tuple[int, int]:
@@ -200,6 +195,55 @@ def load_checkpoint(path: Path, lens: TunedLens, opt: torch.optim.Optimizer) -> 
 
 
 # ------------------------------------------------------------------ train
+def resume_or_start(lens: TunedLens, opt: torch.optim.Optimizer, out: Path | None, identity: dict, recipe: Recipe,
+                    rank: int) -> tuple[int, list[list[float]], TunedLens | None]:
+    """Where the run starts: (step, loss history, None), from zero or from `out`'s checkpoint (loaded into
+    `lens` and `opt`); or (0, [], the finished lens) when `out` already holds the lens of this same run."""
+    if out is None:
+        return 0, [], None
+    ckpt = out / CHECKPOINT_FILE
+    if ckpt.exists():
+        meta = load_checkpoint(ckpt, lens, opt)
+        check_same_run(meta["identity"], identity, ckpt)
+        if rank == 0:
+            print(f"resuming from step {meta['step']} of {recipe.steps} ({ckpt})", flush=True)
+        return meta["step"], meta["history"], None
+    if (out / CONFIG_FILE).exists():
+        done = read_config(out)
+        check_same_run(done.get("run_identity", {}), identity, out / CONFIG_FILE)
+        if rank == 0:
+            print(f"{out} already holds the finished lens ({done.get('steps_done')} steps); nothing to do")
+        return 0, [], TunedLens.load(out, lens.model)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    return 0, [], None
+
+
+def train_step(objective: nn.Module, lens: TunedLens, opt: torch.optim.Optimizer, tokens: torch.Tensor, recipe: Recipe,
+               step: int, labels: list[str], world: int, ckpt: Path | None) -> list[float]:
+    """One optimiser step on this rank's windows `tokens` [n, ctx]; returns the step's KL per stream (nats per token)."""
+    step_loss = torch.zeros(len(labels), dtype=torch.float64)
+    chunks = tokens.split(max(1, recipe.micro_batch_tokens // recipe.ctx))
+    for i, chunk in enumerate(chunks):
+        streams, final = collect_streams(lens, chunk)
+        # DDP all-reduces gradients on the last micro-batch only; no_sync must cover forward and backward.
+        accumulate = world > 1 and i < len(chunks) - 1
+        with objective.no_sync() if accumulate else contextlib.nullcontext():
+            per_stream = objective(streams, final)  # [n_streams] summed nats
+            step_loss += check_finite(per_stream, final, labels, world, step, ckpt)
+            # Each rank divides by the step's total tokens and DDP averages over ranks, so the gradient is
+            # the mean over every token of the step: identical maths to one process doing all of it.
+            (per_stream.sum() * world / recipe.tokens_per_step).backward()
+    norm = torch.nn.utils.clip_grad_norm_(lens.parameters(), recipe.clip_grad_norm)
+    if not torch.isfinite(norm):
+        raise FloatingPointError(non_finite_message("gradient norm", step, labels, ckpt))
+    for group in opt.param_groups:
+        group["lr"] = recipe.lr_at(step)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return [round(float(x), 6) for x in step_loss / recipe.tokens_per_step]
+
+
 def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: str | os.PathLike | None = None,
           progress: bool = True) -> TunedLens:
     """Train `lens` in place on `stream` and return it; with `out`, checkpoint there, resume from there,
@@ -215,35 +259,22 @@ def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: 
     windows = stream.windows(recipe.ctx)  # [n_windows, ctx]
     per_step = recipe.tokens_per_step // recipe.ctx
     order = window_order(len(windows), recipe.seed)
-    labels = [label for label, _, _ in stream_names(lens)]
+    labels = [stream_label(s) for s in lens.trained_streams()]
     identity = {"recipe": recipe.identity(), "data_sha256": stream.provenance.get("sha256"), "model_fingerprint": lens.fingerprint,
                 "resid_mid": lens.has_mid, "world_size": world}
 
     out = Path(out) if out is not None else None
     ckpt = out / CHECKPOINT_FILE if out is not None else None
     opt = make_optimizer(list(lens.parameters()), recipe)
-    step, history = 0, []
-    if out is not None and ckpt.exists():
-        meta = load_checkpoint(ckpt, lens, opt)
-        check_same_run(meta["identity"], identity, ckpt)
-        step, history = meta["step"], meta["history"]
-        if rank == 0:
-            print(f"resuming from step {step} of {recipe.steps} ({ckpt})", flush=True)
-    elif out is not None and (out / CONFIG_FILE).exists():
-        done = read_config(out)
-        check_same_run(done.get("run_identity", {}), identity, out / CONFIG_FILE)
-        if rank == 0:
-            print(f"{out} already holds the finished lens ({done.get('steps_done')} steps); nothing to do")
-        return TunedLens.load(out, model)
+    step, history, finished = resume_or_start(lens, opt, out, identity, recipe, rank)
+    if finished is not None:
+        return finished
 
-    if out is not None and rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
     device = next(lens.parameters()).device
     objective = LensLoss(lens)
     if world > 1:
         # gloo wants no device_ids; NCCL wants this rank's GPU.
         objective = nn.parallel.DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None)
-    micro = max(1, recipe.micro_batch_tokens // recipe.ctx)
     frozen = [p for p in model.parameters() if p.requires_grad]
     bar = tqdm(total=recipe.steps, initial=step, desc="tuned lens", dynamic_ncols=True, disable=not progress or rank != 0)
     was_training = model.training
@@ -253,34 +284,13 @@ def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: 
             p.requires_grad_(False)
         while step < recipe.steps:
             ids = order[step * per_step: (step + 1) * per_step][rank::world]  # this rank's share of the step
-            step_loss = torch.zeros(len(labels), dtype=torch.float64)
-            chunks = ids.split(micro)
-            for i, chunk in enumerate(chunks):
-                tokens = windows[chunk].to(device)
-                streams, final = collect_streams(lens, tokens)
-                # DDP all-reduces gradients on the last micro-batch only; no_sync must cover forward and backward.
-                accumulate = world > 1 and i < len(chunks) - 1
-                with objective.no_sync() if accumulate else contextlib.nullcontext():
-                    per_stream = objective(streams, final)  # [n_streams] summed nats
-                    step_loss += check_finite(per_stream, final, labels, world, step, ckpt)
-                    # Each rank divides by the step's total tokens and DDP averages over ranks, so the gradient is
-                    # the mean over every token of the step: identical maths to one process doing all of it.
-                    (per_stream.sum() * world / recipe.tokens_per_step).backward()
-            norm = torch.nn.utils.clip_grad_norm_(lens.parameters(), recipe.clip_grad_norm)
-            if not torch.isfinite(norm):
-                raise FloatingPointError(non_finite_message("gradient norm", step, labels, ckpt))
-            for group in opt.param_groups:
-                group["lr"] = recipe.lr_at(step)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            history.append(train_step(objective, lens, opt, windows[ids].to(device), recipe, step, labels, world, ckpt))
             step += 1
-            history.append([round(float(x), 6) for x in step_loss / recipe.tokens_per_step])
             bar.update(1)
             bar.set_postfix_str("KL/layer " + " ".join(f"{x:.3g}" for x in history[-1]))
             if ckpt is not None and (step % recipe.ckpt_every == 0 or step == recipe.steps):
                 if rank == 0:
-                    meta = {"step": step, "history": history, "identity": identity}
-                    save_checkpoint(ckpt, lens, opt, meta)
+                    save_checkpoint(ckpt, lens, opt, {"step": step, "history": history, "identity": identity})
                 if world > 1:
                     dist.barrier()
     finally:

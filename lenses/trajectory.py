@@ -8,7 +8,6 @@ logits, nor even one layer's full logits when the prompt is long.
 
 from __future__ import annotations
 
-import unicodedata
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -18,10 +17,11 @@ import torch
 from tqdm.auto import tqdm
 
 from lenskit import HookedTransformer
+from lenskit.stream import streams
+from lenskit.text import encode_texts, is_text, single_token_id, token_texts
 
 from . import metrics
 from .base import Lens
-from .logit import point_names
 
 NO_TARGET = -1
 
@@ -71,7 +71,6 @@ class Trajectory:
     @torch.no_grad()
     def from_prompt(
         cls,
-        model: HookedTransformer,
         lens: Lens,
         prompt_or_tokens: str | Sequence[str] | torch.Tensor,
         top_k: int = 5,
@@ -79,25 +78,24 @@ class Trajectory:
         chunk_size: int | None = None,
         progress: bool = False,
     ) -> "Trajectory":
-        """Run `prompt_or_tokens` once and read every stream 0..n_layers through `lens`.
+        """Run `prompt_or_tokens` once through the lens's model and read every stream 0..n_layers through `lens`.
 
-        `lens` is any `lenses.Lens` (`LogitLens(model)`, a `TunedLens`, ...). `target` picks the token
+        `lens` is any `lenses.Lens` (`LogitLens(model)`, a `TunedLens`, ...); it knows its model. `target` picks the token
         whose rank and probability are tracked: None = the next input token (none at a sequence's last
         position), an int id or a one-token string = that token everywhere, or ids [batch, pos]
         (or [pos]) with -1 for "no target". `chunk_size` = (batch, position) rows decoded at once (default:
         ~2M logits, 8 MB in float32, e.g. 41 rows for GPT-2's vocabulary); lower it to save memory.
 
-        >>> traj = Trajectory.from_prompt(model, LogitLens(model), "def add(a, b):\\n    return", top_k=5)
+        >>> traj = Trajectory.from_prompt(LogitLens(model), "def add(a, b):\\n    return", top_k=5)
         >>> traj.to_frame().query("layer == 6")[["position", "input_token", "top_token", "top_prob"]]
         """
-        if lens.model is not model:
-            raise ValueError("the lens was built for a different model object; build it with this model, e.g. LogitLens(model)")
+        model = lens.model
         if not isinstance(top_k, int) or not 1 <= top_k <= model.cfg.d_vocab:
             raise ValueError(f"top_k must be an int in 1..d_vocab={model.cfg.d_vocab}, got {top_k!r}")
-        tokens, lengths = _tokens_and_lengths(model, prompt_or_tokens)
-        targets = _targets(model, target, tokens, lengths)
+        tokens, lengths = tokens_and_lengths(model, prompt_or_tokens)
+        targets = targets_for(model, target, tokens, lengths)
         n_layers = model.cfg.n_layers
-        names = point_names("resid_pre", n_layers)
+        names = [s.hook_name(n_layers) for s in streams(n_layers)]
         # The streams are small (layer x pos x d_model); the final logits are recomputed per chunk below
         # from the last stream instead of being taken from the forward, which would materialise them whole.
         _, cache = model.run_with_cache(tokens, names_filter=names, stop_at_layer=n_layers)
@@ -145,11 +143,7 @@ class Trajectory:
     # ------------------------------------------------------------- reading
     def token_str(self, ids: np.ndarray | Sequence[int]) -> list[str]:
         """Decoded text of each id (e.g. ' def', '\\n'), or '<id>' when there is no tokenizer."""
-        ids = [int(i) for i in np.asarray(ids).ravel()]
-        if self.tokenizer is None:
-            return [f"<{i}>" for i in ids]
-        cache = {i: decode_token(self.tokenizer, i) for i in set(ids)}
-        return [cache[i] for i in ids]
+        return token_texts(self.tokenizer, np.asarray(ids).ravel())
 
     def to_frame(self) -> pd.DataFrame:
         """One row per (layer, position) (and per sequence, in a `batch` column, when there are several).
@@ -188,66 +182,20 @@ class Trajectory:
         return frame
 
 
-# Escapes that make whitespace and control characters visible in tables and figures.
-# Backslashes are left alone, so a partial UTF-8 byte shown as '\\xe2' (see `decode_token`) reads as such.
-_SHOWN = {"\n": "\\n", "\t": "\\t", "\r": "\\r", " ": "·"}
-
-
-def show_token(text: str, max_chars: int | None = None) -> str:
-    """A token as a reader should see it: spaces as '·', newlines and tabs as '\\n' and '\\t', other
-    control characters as '\\x..', the empty string as '∅', cut to `max_chars` with '…'.
-
-    >>> show_token("    return")
-    '····return'
-    """
-    shown = "".join(_SHOWN.get(ch) or (ch if unicodedata.category(ch)[0] != "C" else f"\\x{ord(ch):02x}") for ch in text)
-    if shown == "":
-        shown = "∅"
-    if max_chars is not None and len(shown) > max_chars:
-        shown = shown[: max_chars - 1] + "…"
-    return shown
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet reversed: the printable character standing for each byte -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:  # the unprintable bytes are moved, in order, to code points 256 and up
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-_BYTES = _byte_decoder()
-
-
-def decode_token(tokenizer, token_id: int) -> str:
-    """A token's text; a token that is part of a multi-byte character shows its bytes, e.g. '\\xe2\\x80'."""
-    text = tokenizer.decode([token_id])
-    if "\ufffd" not in text:
-        return text
-    piece = tokenizer.convert_ids_to_tokens(token_id)
-    if not isinstance(piece, str) or any(ch not in _BYTES for ch in piece):
-        return text  # not a byte-level BPE token: keep the decoder's answer
-    return bytes(_BYTES[ch] for ch in piece).decode("utf-8", errors="backslashreplace")
-
-
-def _tokens_and_lengths(model: HookedTransformer, prompt: str | Sequence[str] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids [batch, pos] and the real length of each row (texts are right-padded by to_tokens)."""
-    if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], str)):
-        texts = [prompt] if isinstance(prompt, str) else list(prompt)
-        tokens = model.validate_tokens(model.to_tokens(texts))
-        lengths = torch.tensor([len(model.tokenizer.encode(t, add_special_tokens=False)) for t in texts])
-        return tokens, lengths
+def tokens_and_lengths(model: HookedTransformer, prompt: str | Sequence[str] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [batch, pos] and the real length of each row: texts are tokenized once and right-padded."""
+    if is_text(prompt):
+        if model.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass token ids, or load from a folder with tokenizer files")
+        tokens, lengths = encode_texts(model.tokenizer, prompt)
+        return model.validate_tokens(tokens), lengths
     tokens = model.validate_tokens(prompt)
     return tokens, torch.full((tokens.shape[0],), tokens.shape[1])
 
 
-def _targets(model: HookedTransformer, target: int | str | torch.Tensor | None, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Target id per (batch, pos), NO_TARGET where there is none."""
+def targets_for(model: HookedTransformer, target: int | str | torch.Tensor | None, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Target id per (batch, pos), NO_TARGET where there is none: None = the next input token (none past a
+    row's `lengths`), an id or one-token text = that token everywhere, or ids [batch, pos] or [pos]."""
     batch, pos = tokens.shape
     if target is None:  # the next input token, where the sequence has one
         out = torch.full((batch, pos), NO_TARGET, dtype=torch.long)
@@ -255,12 +203,7 @@ def _targets(model: HookedTransformer, target: int | str | torch.Tensor | None, 
         out[torch.arange(pos)[None, :] >= (lengths[:, None] - 1)] = NO_TARGET
         return out
     if isinstance(target, str):
-        if model.tokenizer is None:
-            raise ValueError("a text target needs the model's tokenizer; pass the target as a token id instead")
-        ids = model.tokenizer.encode(target, add_special_tokens=False)
-        if len(ids) != 1:
-            raise ValueError(f"target {target!r} is {len(ids)} tokens {ids}; pass text that is exactly one token, or an id")
-        target = ids[0]
+        target = single_token_id(model.tokenizer, target)
     if isinstance(target, int) and not isinstance(target, bool):
         target = torch.full((batch, pos), target, dtype=torch.long)
     if not isinstance(target, torch.Tensor):

@@ -4,7 +4,8 @@ Translators are residual maps `h -> h + A_l h + b_l` with A_l and b_l zero at th
 untrained lens is exactly the logit lens, and weight decay on (A_l, b_l) pulls toward the identity.
 
 >>> tuned = TunedLens(model)                 # then lenses.training.train(tuned, stream) or `lenskit train-lens`
->>> tuned(cache["resid_pre", 2], 2)           # logits [batch, pos, d_vocab]
+>>> tuned(cache.stream(2), 2)                # logits [batch, pos, d_vocab]
+>>> tuned(cache.stream("resid_mid.2"), Stream(2, "resid_mid"))   # with TunedLens(model, resid_mid=True)
 >>> tuned.save("my_lens");  TunedLens.load("my_lens", model)
 """
 
@@ -21,14 +22,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lenskit import ActivationCache, HookedTransformer
+from lenskit import HookedTransformer, Stream
 
 from .base import Lens
-from .logit import resid_hook_name
+from .io import CONFIG_FILE, read_config, write_atomic
 
 FORMAT = "lenskit-tuned-lens"
 FORMAT_VERSION = 1
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "lens.safetensors"
 # config.json keys that describe the lens itself; the rest (recipe, data, tokens_seen, ...) is `TunedLens.info`.
 STRUCTURE_KEYS = ("format", "format_version", "model_fingerprint", "model_name", "n_layers", "d_model", "d_vocab",
@@ -57,7 +57,8 @@ class TunedLens(Lens):
     and unembedding. Stream l = n_layers is the model's own output and has no translator.
 
     With `resid_mid=True` it also holds a translator for each block's `resid_mid` (halfway through
-    block l, after attention), used as `tuned(h, l, mid=True)`.
+    block l, after attention), used as `tuned(h, Stream(l, "resid_mid"))`. A `resid_post` stream is
+    read as the `resid_pre` of the next block, the same place.
     """
 
     name = "tuned"
@@ -84,35 +85,27 @@ class TunedLens(Lens):
         for p in self.parameters():
             p.zero_()
 
-    def translator(self, l: int, mid: bool = False) -> nn.Linear | None:
-        """The translator for stream l (None at l = n_layers, where the lens is the identity)."""
-        if mid:
+    def trained_streams(self) -> list[Stream]:
+        """Every stream that has a translator, in depth order: 0, (resid_mid.0,) 1, ..., n_layers - 1."""
+        points = ("resid_pre", "resid_mid") if self.has_mid else ("resid_pre",)
+        return [Stream(l, p) for l in range(self.n_layers) for p in points]
+
+    def translator(self, s: int | str | Stream) -> nn.Linear | None:
+        """The translator for stream s (None at the final stream, where the lens is the identity)."""
+        s = self.stream(s).canonical()
+        if s.point == "resid_mid":
             if self.mid_translators is None:
                 raise ValueError("this lens has no resid_mid translators; build it with TunedLens(model, resid_mid=True)")
-            if not isinstance(l, int) or not 0 <= l < self.n_layers:
-                raise IndexError(f"resid_mid exists in blocks 0..{self.n_layers - 1}, got block {l!r}")
-            return self.mid_translators[l]
-        l = self.check_layer(l)
-        return None if l == self.n_layers else self.translators[l]
-
-    def transform_hidden(self, h: torch.Tensor, l: int, mid: bool = False) -> torch.Tensor:
-        """[..., d_model] -> [..., d_model]: h + A_l h + b_l (the identity at l = n_layers)."""
-        t = self.translator(l, mid)
-        return h if t is None else h + t(h)
-
-    def forward(self, h: torch.Tensor, l: int, mid: bool = False) -> torch.Tensor:
-        """[..., d_model] at stream l (or block l's resid_mid) -> logits [..., d_vocab]."""
-        if h.shape[-1] != self.model.cfg.d_model:
-            raise ValueError(f"expected a stream with d_model={self.model.cfg.d_model} in the last axis, got shape {tuple(h.shape)}")
-        return self.unembed(self.transform_hidden(h, l, mid))
-
-    def decode(self, cache: ActivationCache, layer: int, point: str = "resid_pre") -> torch.Tensor:
-        """Logits [batch, pos, d_vocab] of stream `layer` ("resid_pre") or block `layer`'s "resid_mid" from a cache."""
-        if point not in ("resid_pre", "resid_mid"):
-            raise ValueError(f"a tuned lens decodes 'resid_pre' streams (and 'resid_mid' if trained for them), not {point!r}; "
+            return self.mid_translators[s.layer]
+        if s.point != "resid_pre":
+            raise ValueError(f"a tuned lens decodes resid_pre streams (and resid_mid if trained for them), not {s.point}; "
                              "use LogitLens for sublayer writes")
-        h = cache[resid_hook_name(point, layer, self.n_layers)]
-        return self(h, layer, mid=point == "resid_mid")
+        return None if s.layer == self.n_layers else self.translators[s.layer]
+
+    def transform_hidden(self, h: torch.Tensor, s: Stream) -> torch.Tensor:
+        """[..., d_model] -> [..., d_model]: h + A_s h + b_s (the identity at the final stream)."""
+        t = self.translator(s)
+        return h if t is None else h + t(h)
 
     def extra_repr(self) -> str:
         return f"n_layers={self.n_layers}, d_model={self.model.cfg.d_model}, resid_mid={self.has_mid}"
@@ -163,24 +156,6 @@ class TunedLens(Lens):
         lens.load_state_dict(checked_state(lens, state, folder))
         lens.info = {k: v for k, v in config.items() if k not in STRUCTURE_KEYS}
         return lens
-
-
-def write_atomic(path: Path, write) -> None:
-    """Write through `write(tmp_path)` then rename over `path`: a reader sees the old file or the new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def read_config(folder: Path) -> dict[str, Any]:
-    if not (folder / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"no {CONFIG_FILE} in {folder}; expected a tuned-lens folder written by TunedLens.save "
-                                "or `lenskit train-lens`")
-    return json.loads((folder / CONFIG_FILE).read_text())
 
 
 def check_shape(config: dict, model: HookedTransformer, folder: Path) -> None:

@@ -1,15 +1,18 @@
-"""lenskit: a hooked GPT-2 whose residual stream you can read, edit and measure."""
+"""lenskit: a hooked transformer whose residual stream you can read, edit and measure."""
 
 from pathlib import Path
 
+from . import accounting, data, interventions, patching
 from .cache import ActivationCache
 from .config import PRESETS, ModelConfig
 from .hooks import HookPoint
 from .loading import CheckpointError
 from .model import HookedTransformer
+from .stream import Stream
 
 DEFAULT_MODEL: str = str(Path(__file__).parent / "default_model")
 """Filesystem path of the small GPT-2 that ships with lenskit (trained on the Python standard library)."""
 
-__all__ = ["ActivationCache", "CheckpointError", "DEFAULT_MODEL", "HookPoint", "HookedTransformer", "ModelConfig", "PRESETS"]
+__all__ = ["ActivationCache", "CheckpointError", "DEFAULT_MODEL", "HookPoint", "HookedTransformer", "ModelConfig", "PRESETS",
+           "Stream", "accounting", "data", "interventions", "patching"]
 __version__ = "0.1.0"

@@ -8,10 +8,11 @@ from typing import Iterator
 
 import torch
 
-# Short names accepted by `cache[short, layer]` and where they live.
+from .stream import POINTS, Stream, as_stream, block_hook_name, check_layer, streams
+
+# Short names accepted by `cache[short, layer]` and where they live: the stream points, then the rest.
 _BLOCK_SHORT = {
-    "resid_pre": "hook_resid_pre", "attn_out": "hook_attn_out", "resid_mid": "hook_resid_mid",
-    "mlp_out": "hook_mlp_out", "resid_post": "hook_resid_post",
+    **POINTS,
     "q": "attn.hook_q", "k": "attn.hook_k", "v": "attn.hook_v", "z": "attn.hook_z",
     "attn_scores": "attn.hook_attn_scores", "pattern": "attn.hook_pattern", "result": "attn.hook_result",
     "pre": "mlp.hook_pre", "post": "mlp.hook_post",
@@ -21,16 +22,17 @@ _BLOCK_SHORT = {
 
 
 def hook_name(short: str, layer: int | None = None, n_layers: int | None = None) -> str:
-    """Expand a short name: `hook_name("resid_post", 3) == "blocks.3.hook_resid_post"`; negative layers count back."""
+    """Expand a short name: `hook_name("resid_post", 3) == "blocks.3.hook_resid_post"`.
+
+    Layers are blocks; a negative layer counts back from n_layers (see `lenskit.stream.check_layer`).
+    """
     if layer is None:
         return short
     if short not in _BLOCK_SHORT:
         raise KeyError(f"unknown short hook name {short!r}; known: {sorted(_BLOCK_SHORT)}")
     if n_layers is not None:
-        if not -n_layers <= layer < n_layers:
-            raise IndexError(f"layer {layer} is out of range for a model with {n_layers} blocks")
-        layer %= n_layers
-    return f"blocks.{layer}.{_BLOCK_SHORT[short]}"
+        layer = check_layer(layer, n_layers)
+    return block_hook_name(layer, _BLOCK_SHORT[short])
 
 
 class ActivationCache(Mapping):
@@ -43,7 +45,9 @@ class ActivationCache(Mapping):
         self._store = store
         self.n_layers = n_layers
 
-    def __getitem__(self, key: str | tuple[str, int]) -> torch.Tensor:
+    def __getitem__(self, key: str | tuple[str, int] | Stream) -> torch.Tensor:
+        if isinstance(key, Stream):
+            return self.stream(key)
         name = hook_name(key[0], key[1], self.n_layers) if isinstance(key, tuple) else key
         try:
             return self._store[name]
@@ -68,6 +72,11 @@ class ActivationCache(Mapping):
     def __repr__(self) -> str:
         return f"ActivationCache({len(self)} tensors, n_layers={self.n_layers})"
 
+    def stream(self, s: int | str | Stream) -> torch.Tensor:
+        """The stream at `s` [batch, pos, d_model]: `cache.stream(3)` is the stream after 3 blocks,
+        `cache.stream(Stream(3, "resid_mid"))` or `cache.stream("resid_mid.3")` the middle of block 3."""
+        return self[as_stream(s).hook_name(self.n_layers)]
+
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> "ActivationCache":
         """A new cache with every tensor moved and/or cast."""
         return ActivationCache({k: v.to(device=device, dtype=dtype) for k, v in self._store.items()}, self.n_layers)
@@ -78,12 +87,8 @@ class ActivationCache(Mapping):
         Index l is `resid_pre` of block l; the last entry is the final block's `resid_post`.
         With `incl_mid`, each block's `resid_mid` is interleaved (2 * n_layers + 1 entries).
         """
-        names = []
-        for layer in range(self.n_layers):
-            names.append(hook_name("resid_pre", layer))
-            if incl_mid:
-                names.append(hook_name("resid_mid", layer))
-        names.append(hook_name("resid_post", self.n_layers - 1))
+        points = ("resid_pre", "resid_mid") if incl_mid else "resid_pre"
+        names = [s.hook_name(self.n_layers) for s in streams(self.n_layers, points)]
         missing = [n for n in names if n not in self._store]
         if missing:
             raise KeyError(f"accumulated_resid needs {missing[:3]}{'...' if len(missing) > 3 else ''}; "

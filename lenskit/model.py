@@ -13,6 +13,7 @@ from .cache import ActivationCache
 from .config import ModelConfig
 from .hooks import HookedRootModule, HookFn, NameOrPredicate, NamesFilter, HookPoint, layer_of
 from .layers import TransformerBlock, make_norm
+from .text import is_text, pad_token_id, right_pad
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -173,7 +174,7 @@ class HookedTransformer(HookedRootModule):
     # --------------------------------------------------------------- tokens
     def validate_tokens(self, tokens: TokensLike) -> torch.Tensor:
         """Text becomes tokens; token tensors are checked for dtype, shape, vocabulary and context length."""
-        if isinstance(tokens, str) or (isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], str)):
+        if is_text(tokens):
             tokens = self.to_tokens(tokens)
         if not isinstance(tokens, torch.Tensor):
             raise TypeError(f"expected a LongTensor of token ids or text, got {type(tokens).__name__}")
@@ -219,19 +220,14 @@ class HookedTransformer(HookedRootModule):
             ids = [[bos, *row] for row in ids]
         if any(len(row) == 0 for row in ids):
             raise ValueError("an empty text has no tokens; pass prepend_bos=True or a non-empty string")
-        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        width = max(len(row) for row in ids)
-        out = torch.full((len(ids), width), pad, dtype=torch.long)
-        for i, row in enumerate(ids):
-            out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        return out.to(self.embed.weight.device)
+        return right_pad(ids, pad_token_id(tok)).to(self.embed.weight.device)
 
     def to_str_tokens(self, tokens: TokensLike) -> list[str] | list[list[str]]:
         """Each token as its text: a list for one sequence, a list of lists for a batch."""
         tok = self._need_tokenizer()
         if isinstance(tokens, str):
             tokens = self.to_tokens(tokens)
-        elif isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], str):
+        elif is_text(tokens):
             return [self.to_str_tokens(t) for t in tokens]
         tokens = torch.as_tensor(tokens)
         if tokens.ndim == 2 and tokens.shape[0] == 1:

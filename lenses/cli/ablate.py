@@ -138,7 +138,7 @@ def _describe(target) -> str:
 
 
 def _print_table(summary: pd.DataFrame) -> None:
-    from lenses.trajectory import show_token
+    from lenskit.text import show_token
 
     show = lambda t: show_token(str(t), 14)  # noqa: E731 - visible whitespace keeps the table on one line
     table = pd.DataFrame({

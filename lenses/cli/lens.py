@@ -53,7 +53,7 @@ def load_lens(spec: str, model: lenskit.HookedTransformer):
 
 def format_table(frame, max_chars: int = 8, width: int | None = None) -> str:
     """Layers (rows, 0 = the embeddings) by positions (columns) of top-1 tokens, wrapped to the terminal's width."""
-    from lenses.trajectory import show_token
+    from lenskit.text import show_token
 
     positions = sorted(frame["position"].unique())
     layers = sorted(frame["layer"].unique())

@@ -23,8 +23,6 @@ HEATMAP_COLORS = {
 }
 
 
-
-
 HEATMAP_CELL = (72, 44)  # px per position and per layer: room for 6 characters of 16 px monospace
 
 
@@ -37,7 +35,7 @@ def logit_lens_heatmap(data: Any, color: str = "prob", *, batch: int = 0, title:
     axis shows the input tokens, the top axis the target each position should predict. Hover shows
     the top-k with probabilities. Cell text is on unless there are more than 40 positions.
 
-    >>> fig = logit_lens_heatmap(Trajectory.from_prompt(model, LogitLens(model), "import os"), color="entropy")
+    >>> fig = logit_lens_heatmap(Trajectory.from_prompt(LogitLens(model), "import os"), color="entropy")
     """
     if color not in HEATMAP_COLORS:
         raise ValueError(f"color={color!r} is not one of {sorted(HEATMAP_COLORS)}")

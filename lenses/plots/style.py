@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 import plotly.graph_objects as go
 
-from ..trajectory import show_token
+from lenskit.text import show_token
 
 FONT = "Liberation Sans, Arial, Helvetica, DejaVu Sans, sans-serif"
 MONO = "DejaVu Sans Mono, Liberation Mono, Menlo, Consolas, monospace"
@@ -30,7 +30,7 @@ PAPER = go.layout.Template(layout=go.Layout(
 
 
 def display_token(text: str, max_chars: int | None = None) -> str:
-    """`trajectory.show_token` (visible whitespace, escaped control characters), HTML-escaped for plotly.
+    """`lenskit.text.show_token` (visible whitespace, escaped control characters), HTML-escaped for plotly.
 
     Control characters must go: they would also make the SVG that static export rasterises invalid XML.
     """
@@ -51,8 +51,6 @@ def _as_frame(data: Any, batch: int) -> pd.DataFrame:
 def _rgba(hex_color: str, alpha: float) -> str:
     r, g, b = (int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
     return f"rgba({r},{g},{b},{alpha})"
-
-
 
 
 def _log_ticks(values: pd.Series) -> dict:
