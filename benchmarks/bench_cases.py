@@ -14,14 +14,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch
 
 from lenskit import HookedTransformer, ModelConfig
+from lenskit.stream import resid_writes
 
-RESID_WRITES = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
 MATMUL_N = 2048  # the peak: an [N, N] @ [N, N] fp32 matmul, 2 N^3 FLOPs
 
 
 def resid_names(n_layers: int) -> list[str]:
     """Every residual write: the five stream hooks of every block."""
-    return [f"blocks.{i}.{h}" for i in range(n_layers) for h in RESID_WRITES]
+    return resid_writes(n_layers)
 
 
 # ------------------------------------------------------------------ the weights

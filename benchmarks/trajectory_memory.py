@@ -82,7 +82,7 @@ def child(what: str) -> None:
 
     def run(tokens: torch.Tensor):
         if what == "trajectory":
-            return Trajectory.from_prompt(model, lens, tokens, top_k=5)
+            return Trajectory.from_prompt(lens, tokens, top_k=5)
         if what == "forward":  # the model's own forward: it materialises the final layer's logits
             return model(tokens)
         if what == "naive":  # every stream's full logits at once, as a logit lens without care would

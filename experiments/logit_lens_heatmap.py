@@ -31,7 +31,7 @@ PROMPT = "def __init__(self, name):\n    self.name = name\n"
 
 
 def prompt_figure(model, lens, prompt: str, out: Path, formats: list[str]) -> pd.DataFrame:
-    frame = Trajectory.from_prompt(model, lens, prompt, top_k=5).to_frame()
+    frame = Trajectory.from_prompt(lens, prompt, top_k=5).to_frame()
     frame.to_csv(out / "logit_lens_heatmap.csv", index=False)
     fig = plots.logit_lens_heatmap(frame, color="prob")
     plots.save_figures({"logit_lens_heatmap": fig}, out, formats)
@@ -43,7 +43,7 @@ def layer_stats(model, lens, windows: torch.Tensor) -> pd.DataFrame:
     """Rows per (window, layer, position) reduced to per-(window, layer) means."""
     rows = []
     for w, tokens in enumerate(tqdm(windows, desc="held-out windows", file=sys.stderr)):
-        frame = Trajectory.from_prompt(model, lens, tokens[None], top_k=1).to_frame()
+        frame = Trajectory.from_prompt(lens, tokens[None], top_k=1).to_frame()
         final = frame[frame.layer == frame.layer.max()].set_index("position")["top_token_id"]
         frame["agrees_with_final"] = (frame["top_token_id"].to_numpy() == final.loc[frame["position"]].to_numpy()).astype(float)
         frame = frame[frame.target_rank >= 0]  # the last position has no next token

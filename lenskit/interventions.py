@@ -14,6 +14,7 @@ Where each target acts (a "site" is a hook point plus the slice of it that is re
     Mlp(L)            blocks.L.hook_mlp_out                              [batch, pos, d_model]
     Head(L, h)        blocks.L.attn.hook_z                               [:, :, h, :] of [batch, pos, head, d_head]
     Neurons(L, [i])   blocks.L.mlp.hook_post                             [:, :, i] of [batch, pos, d_mlp]
+    Stream(L, point)  its hook (`lenskit.Stream`), e.g. Stream(2, "attn_out") is Attn(2)  [batch, pos, d_model]
 
 A head is ablated through its `z`, the input to the output projection, so the head's write is
 `W_O[h] @ z_h`; the projection's bias belongs to no head and stays.
@@ -35,15 +36,16 @@ made. `positions` restricts the ablation to some positions (all by default).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence, Union
+from typing import Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 
 from .cache import hook_name
 from .hooks import HookFn
+from .masks import check_positions, replace_where
 from .model import HookedTransformer
+from .stream import Stream, check_layer
 
-MODES = ("zero", "mean", "resample")
 TokensRef = Union[torch.Tensor, Iterable[torch.Tensor]]
 
 
@@ -101,7 +103,7 @@ class Neurons:
         object.__setattr__(self, "neurons", _as_tuple(neurons))
 
 
-Target = Union[Block, Attn, Mlp, Head, Neurons]
+Target = Union[Block, Attn, Mlp, Head, Neurons, Stream]  # a Stream target replaces that whole stream activation
 
 
 @dataclass(frozen=True)
@@ -114,13 +116,10 @@ class Site:
 
 
 def _check_layer(target: Target, n_layers: int) -> int:
-    layer = target.layer
-    if isinstance(layer, bool) or not isinstance(layer, int):
-        raise TypeError(f"{target!r}: the layer must be an int, got {type(layer).__name__}")
-    if not -n_layers <= layer < n_layers:
-        raise IndexError(f"{target!r}: layer {layer} is out of range; the model has {n_layers} blocks "
-                         f"(layers 0..{n_layers - 1})")
-    return layer % n_layers
+    try:
+        return check_layer(target.layer, n_layers)
+    except (TypeError, IndexError) as e:
+        raise type(e)(f"{target!r}: {e}") from None
 
 
 def _check_units(target: Target, units: tuple[int, ...], size: int, what: str) -> tuple[int, ...]:
@@ -136,8 +135,10 @@ def _check_units(target: Target, units: tuple[int, ...], size: int, what: str) -
 def target_sites(model: HookedTransformer, target: Target) -> list[Site]:
     """The hook points (and slices) an ablation of `target` replaces, after checking it against the model."""
     cfg = model.cfg
+    if isinstance(target, Stream):
+        return [Site(target.hook_name(cfg.n_layers))]
     if not isinstance(target, (Block, Attn, Mlp, Head, Neurons)):
-        raise TypeError(f"an ablation target must be Block, Attn, Mlp, Head or Neurons, got {target!r}")
+        raise TypeError(f"an ablation target must be Block, Attn, Mlp, Head, Neurons or a Stream, got {target!r}")
     layer = _check_layer(target, cfg.n_layers)
     if isinstance(target, Block):
         return [Site(hook_name("attn_out", layer)), Site(hook_name("mlp_out", layer))]
@@ -241,33 +242,63 @@ def _reference_cache(model: HookedTransformer, names: Sequence[str], reference: 
 
 
 # ------------------------------------------------------------------------------------------ hooks
-def _position_mask(positions: tuple[int, ...] | None, n_pos: int, device: torch.device) -> torch.Tensor:
-    mask = torch.zeros(n_pos, dtype=torch.bool, device=device)
-    if positions is None:
-        return mask.fill_(True)
-    bad = [p for p in positions if not -n_pos <= p < n_pos]
-    if bad:
-        raise IndexError(f"ablation position {bad[0]} is out of range for an input of {n_pos} positions")
-    mask[list(positions)] = True
-    return mask
+ValueFor = Callable[[torch.Tensor], torch.Tensor]  # the activation x -> what replaces it (broadcastable to x)
 
 
-def _replace(site: Site, positions: tuple[int, ...] | None, value_for) -> HookFn:
-    """A hook that swaps the site's slice, at the chosen positions, for `value_for(x)` (broadcastable to x)."""
+def _replace(site: Site, positions: tuple[int, ...] | None, value_for: ValueFor) -> HookFn:
+    """A hook that swaps the site's slice, at the chosen positions, for `value_for(x)`."""
 
     def hook(x: torch.Tensor, hook) -> torch.Tensor:
-        shape = [1] * x.ndim
-        shape[1] = x.shape[1]
-        mask = _position_mask(positions, x.shape[1], x.device).view(shape)  # [1, pos, 1, ...]
-        if site.units is not None:
-            unit_shape = [1] * x.ndim
-            unit_shape[site.axis] = x.shape[site.axis]
-            units = torch.zeros(x.shape[site.axis], dtype=torch.bool, device=x.device)
-            units[list(site.units)] = True
-            mask = mask & units.view(unit_shape)  # [1, pos, units, 1...]
-        return torch.where(mask, value_for(x).to(x.dtype), x)
+        check_positions(positions, x.shape[1], "ablation")
+        return replace_where(x, value_for(x), positions, site.axis, site.units)
 
     return hook
+
+
+def zero_values(model: HookedTransformer, names: Sequence[str], reference: TokensRef | None, *, per_position: bool,
+                seed: int, batch_size: int) -> dict[str, ValueFor]:
+    """Mode "zero": zeros everywhere."""
+    return {name: (lambda x: x.new_zeros(())) for name in names}
+
+
+def mean_values(model: HookedTransformer, names: Sequence[str], reference: TokensRef, *, per_position: bool,
+                seed: int, batch_size: int) -> dict[str, ValueFor]:
+    """Mode "mean": each activation's mean over the reference tokens (per position with `per_position`)."""
+    means = mean_activations(model, names, reference, per_position=per_position, batch_size=batch_size)
+
+    def mean_of(m: torch.Tensor) -> ValueFor:
+        if not per_position:
+            return lambda x: m  # [*feature] broadcasts over [batch, pos]
+
+        def at_positions(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[1] > m.shape[0]:
+                raise ValueError(f"per-position mean ablation: the input has {x.shape[1]} positions but the "
+                                 f"reference only {m.shape[0]}; use longer reference sequences or per_position=False")
+            return m[: x.shape[1]]  # [pos, *feature]
+        return at_positions
+
+    return {name: mean_of(means[name]) for name in names}
+
+
+def resampled_values(model: HookedTransformer, names: Sequence[str], reference: TokensRef, *, per_position: bool,
+                     seed: int, batch_size: int) -> dict[str, ValueFor]:
+    """Mode "resample": the activation of a reference row (drawn by `seed`), the same row for every site."""
+    acts = _reference_cache(model, names, reference)
+
+    def from_reference(a: torch.Tensor) -> ValueFor:  # a: [n_reference, ref_pos, *feature]
+        def value(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[1] > a.shape[1]:
+                raise ValueError(f"resample ablation: the input has {x.shape[1]} positions but the reference rows "
+                                 f"only {a.shape[1]}; use reference sequences at least as long as the input")
+            rows = resample_indices(a.shape[0], x.shape[0], seed).to(a.device)
+            return a[rows, : x.shape[1]]  # [batch, pos, *feature]
+        return value
+
+    return {name: from_reference(acts[name]) for name in names}
+
+
+# Each mode makes, once, per hook name, a function from the activation to what replaces it.
+MODES: dict[str, Callable[..., dict[str, ValueFor]]] = {"zero": zero_values, "mean": mean_values, "resample": resampled_values}
 
 
 def ablation_hooks(
@@ -290,7 +321,7 @@ def ablation_hooks(
     """
     if mode not in MODES:
         raise ValueError(f"unknown ablation mode {mode!r}; expected one of {', '.join(MODES)}")
-    targets = [targets] if isinstance(targets, (Block, Attn, Mlp, Head, Neurons)) else list(targets)
+    targets = [targets] if isinstance(targets, (Block, Attn, Mlp, Head, Neurons, Stream)) else list(targets)
     if not targets:
         raise ValueError("no ablation targets given; pass e.g. [Block(3)] or [Head(1, 2)]")
     sites = merge_sites(s for t in targets for s in target_sites(model, t))
@@ -298,38 +329,6 @@ def ablation_hooks(
         raise ValueError(f'mode "{mode}" needs reference tokens (reference=...), e.g. a batch of held-out text')
     if positions is not None:
         positions = _as_tuple(positions)
-    names = [s.name for s in sites]
-
-    if mode == "zero":
-        return [(s.name, _replace(s, positions, lambda x: x.new_zeros(()))) for s in sites]
-
-    if mode == "mean":
-        means = mean_activations(model, names, reference, per_position=per_position, batch_size=batch_size)
-
-        def mean_of(name: str):
-            m = means[name]
-            if not per_position:
-                return lambda x: m  # [*feature] broadcasts over [batch, pos]
-            def at_positions(x: torch.Tensor) -> torch.Tensor:
-                if x.shape[1] > m.shape[0]:
-                    raise ValueError(f"per-position mean ablation: the input has {x.shape[1]} positions but the "
-                                     f"reference only {m.shape[0]}; use longer reference sequences or per_position=False")
-                return m[: x.shape[1]]  # [pos, *feature]
-            return at_positions
-
-        return [(s.name, _replace(s, positions, mean_of(s.name))) for s in sites]
-
-    acts = _reference_cache(model, names, reference)
-
-    def resampled(name: str):
-        a = acts[name]  # [n_reference, ref_pos, *feature]
-
-        def from_reference(x: torch.Tensor) -> torch.Tensor:
-            if x.shape[1] > a.shape[1]:
-                raise ValueError(f"resample ablation: the input has {x.shape[1]} positions but the reference rows "
-                                 f"only {a.shape[1]}; use reference sequences at least as long as the input")
-            rows = resample_indices(a.shape[0], x.shape[0], seed).to(a.device)
-            return a[rows, : x.shape[1]]  # [batch, pos, *feature]
-        return from_reference
-
-    return [(s.name, _replace(s, positions, resampled(s.name))) for s in sites]
+    values = MODES[mode](model, [s.name for s in sites], reference, per_position=per_position, seed=seed,
+                         batch_size=batch_size)
+    return [(s.name, _replace(s, positions, values[s.name])) for s in sites]

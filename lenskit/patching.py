@@ -8,8 +8,9 @@ run the clean prompt and copy in the corrupted activation, to see what breaks it
 >>> df = activation_patching(model, clean, corrupted, metric, sites=["resid_pre", "attn_out", "head"])
 >>> df.pivot(index="layer", columns="position", values="normalized")   # or lenses.plots.patching_heatmap(df)
 
-Sites: the residual stream ("resid_pre", "resid_mid", "resid_post") and the sublayer writes
-("attn_out", "mlp_out") of each block, and each attention head ("head", through its `hook_z`).
+Sites: the points of each block's stream (`lenskit.stream.POINTS`: "resid_pre", "attn_out", "resid_mid",
+"mlp_out", "resid_post") and each attention head ("head", through its `hook_z`). `patching_hooks` also
+takes any `Stream`, e.g. `patching_hooks(model, cache, Stream(3, "resid_mid"))`.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from tqdm.auto import tqdm
 
 from .cache import ActivationCache, hook_name
 from .hooks import HookFn
+from .masks import check_positions, replace_where
 from .model import HookedTransformer, TokensLike
+from .stream import POINTS, Stream, check_layer
 
 Metric = Callable[[torch.Tensor], Union[torch.Tensor, float]]  # logits [batch, pos, d_vocab] -> scalar
-SITES = {"resid_pre": "resid_pre", "resid_mid": "resid_mid", "resid_post": "resid_post",
-         "attn_out": "attn_out", "mlp_out": "mlp_out", "head": "z"}
+SITES = (*POINTS, "head")  # the stream points of a block, and its heads (through attn.hook_z)
 DIRECTIONS = ("clean->corrupted", "corrupted->clean")
 
 
@@ -60,27 +62,34 @@ def next_token_loss(tokens: torch.Tensor) -> Metric:
 
 
 # -------------------------------------------------------------------------------------------- hooks
+def site_hook_name(site: str | Stream, layer: int | None, n_layers: int) -> str:
+    """The hook a patch of `site` in block `layer` overwrites; a Stream carries its own layer."""
+    if isinstance(site, Stream):
+        if layer is not None:
+            raise ValueError(f"{site} already names its layer; drop layer={layer!r}")
+        return site.hook_name(n_layers)
+    if site not in SITES:
+        raise ValueError(f"unknown patching site {site!r}; expected one of {', '.join(SITES)}")
+    layer = check_layer(layer, n_layers)
+    return hook_name("z", layer) if site == "head" else Stream(layer, site).hook_name(n_layers)
+
+
 def patching_hooks(
     model: HookedTransformer,
     source: ActivationCache,
-    site: str,
-    layer: int,
+    site: str | Stream,
+    layer: int | None = None,
     *,
     positions: int | Sequence[int] | None = None,
     heads: int | Sequence[int] | None = None,
 ) -> list[tuple[str, HookFn]]:
-    """Hooks that overwrite `site` of block `layer` with the activation recorded in `source`.
+    """Hooks that overwrite `site` of block `layer` (or the stream `site`) with the activation recorded in `source`.
 
     positions: only these positions (default all; an empty list patches nothing).
     heads: for site "head", only these heads (default all).
     The input the hooks run on must have the same shape as the one `source` was recorded on.
     """
-    if site not in SITES:
-        raise ValueError(f"unknown patching site {site!r}; expected one of {', '.join(SITES)}")
-    n_layers = model.cfg.n_layers
-    if not (isinstance(layer, int) and 0 <= layer < n_layers):
-        raise IndexError(f"layer {layer!r} is out of range; the model has {n_layers} blocks (layers 0..{n_layers - 1})")
-    name = hook_name(SITES[site], layer)
+    name = site_hook_name(site, layer, model.cfg.n_layers)
     if name not in source:
         raise KeyError(f"{name!r} is not in the source cache; record it (run_with_cache without a names_filter)")
     if heads is not None and site != "head":
@@ -97,16 +106,8 @@ def patching_hooks(
         if x.shape != value.shape:
             raise ValueError(f"patching {name}: the run has shape {tuple(x.shape)} but the source was recorded "
                              f"with {tuple(value.shape)}; clean and corrupted inputs must have the same shape")
-        if positions is not None and any(not -x.shape[1] <= p < x.shape[1] for p in positions):
-            raise IndexError(f"patch positions {list(positions)} are out of range for an input of {x.shape[1]} positions")
-        mask = torch.zeros(x.shape[1], dtype=torch.bool, device=x.device)
-        mask[slice(None) if positions is None else list(positions)] = True
-        mask = mask.view(1, -1, *[1] * (x.ndim - 2))  # [1, pos, 1, ...]
-        if heads is not None:  # z: [batch, pos, head, d_head]
-            head_mask = torch.zeros(x.shape[2], dtype=torch.bool, device=x.device)
-            head_mask[list(heads)] = True
-            mask = mask & head_mask.view(1, 1, -1, 1)
-        return torch.where(mask, value.to(x.dtype), x)
+        check_positions(positions, x.shape[1], "patch")
+        return replace_where(x, value, positions, axis=2, units=heads)  # heads: axis 2 of z [batch, pos, head, d_head]
 
     return [(name, patch)]
 
@@ -153,7 +154,7 @@ def activation_patching(
         raise ValueError(f"unknown patching site {unknown[0] if unknown else None!r}; expected some of {', '.join(SITES)}")
 
     source_tokens, run_tokens = (clean, corrupted) if direction == "clean->corrupted" else (corrupted, clean)
-    names = [hook_name(SITES[s], layer) for s in sites for layer in range(model.cfg.n_layers)]
+    names = [site_hook_name(s, layer, model.cfg.n_layers) for s in sites for layer in range(model.cfg.n_layers)]
     source_logits, source_cache = model.run_with_cache(source_tokens, names_filter=names)
     base_logits = model(run_tokens)
     source_m, base_m = float(metric(source_logits)), float(metric(base_logits))

@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 
 import lenskit
+from lenskit import Stream
 
 ATOL = 1e-4
-STREAM_HOOKS = ("hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post")
+STREAM_POINTS = ("resid_pre", "attn_out", "mlp_out", "resid_post")  # what transformers' modules show directly
 
 
 @torch.no_grad()
@@ -35,11 +36,13 @@ def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torc
         return pre
 
     try:
+        n = len(hf.transformer.h)
         for i, block in enumerate(hf.transformer.h):
-            handles.append(block.register_forward_pre_hook(save_in(f"blocks.{i}.hook_resid_pre"), with_kwargs=True))
-            handles.append(block.attn.register_forward_hook(save_out(f"blocks.{i}.hook_attn_out")))
-            handles.append(block.mlp.register_forward_hook(save_out(f"blocks.{i}.hook_mlp_out")))
-            handles.append(block.register_forward_hook(save_out(f"blocks.{i}.hook_resid_post")))
+            name = {p: Stream(i, p).hook_name(n) for p in STREAM_POINTS}
+            handles.append(block.register_forward_pre_hook(save_in(name["resid_pre"]), with_kwargs=True))
+            handles.append(block.attn.register_forward_hook(save_out(name["attn_out"])))
+            handles.append(block.mlp.register_forward_hook(save_out(name["mlp_out"])))
+            handles.append(block.register_forward_hook(save_out(name["resid_post"])))
         logits = hf(tokens).logits
     finally:
         for h in handles:
@@ -48,7 +51,7 @@ def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torc
 
 
 def stream_names(n_layers: int) -> list[str]:
-    return [f"blocks.{i}.{h}" for i in range(n_layers) for h in STREAM_HOOKS]
+    return [Stream(i, p).hook_name(n_layers) for i in range(n_layers) for p in STREAM_POINTS]
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import lenskit
-from lenses.anatomy import POINTS, decompose_resid, direct_logit_attribution, resid_norms, stream_at
+from lenskit import Stream
+from lenses.anatomy import POINTS, decompose_resid, direct_logit_attribution, resid_norms
 
 
 @pytest.fixture
@@ -22,8 +23,8 @@ def test_parts_sum_to_the_stream_at_every_point(model, full):
         for layer in range(n + 1 if point == "resid_pre" else n):
             for per_head in (False, True):
                 parts = decompose_resid(cache, layer, point, per_head=per_head)
-                assert parts.components.shape[1:] == stream_at(cache, layer, point).shape
-                torch.testing.assert_close(parts.total(), stream_at(cache, layer, point), atol=1e-5, rtol=0)
+                assert parts.components.shape[1:] == cache.stream(Stream(layer, point)).shape
+                torch.testing.assert_close(parts.total(), cache.stream(Stream(layer, point)), atol=1e-5, rtol=0)
 
 
 def test_parts_follow_the_cache_identities(model, full, tokens):

@@ -30,7 +30,7 @@ def test_csv_and_html(tiny_folder, tmp_path, capsys):
     assert set(COLUMNS) <= set(df.columns) and "top3_prob" in df.columns and "top4_prob" not in df.columns
     assert len(df) == (n_layers + 1) * n_pos
     # the same numbers as the library computes
-    want = Trajectory.from_prompt(model, LogitLens(model), PROMPT, top_k=3).to_frame()
+    want = Trajectory.from_prompt(LogitLens(model), PROMPT, top_k=3).to_frame()
     assert df.top_token_id.tolist() == want.top_token_id.tolist()
     assert df.kl_to_final.to_numpy() == pytest.approx(want.kl_to_final.to_numpy(), abs=1e-6)
     # the printed table is the layers x positions grid of top-1 tokens
@@ -93,8 +93,8 @@ def test_tuned_lens_folder(tiny_folder, tmp_path):
     csv = tmp_path / "tuned.csv"
     assert main(["lens", PROMPT, "--model", str(tiny_folder), "--lens", str(tmp_path / "lens"), "--csv", str(csv)]) == 0
     df = pd.read_csv(csv, keep_default_na=False)
-    want = Trajectory.from_prompt(model, tuned, PROMPT).to_frame()
-    logit = Trajectory.from_prompt(model, LogitLens(model), PROMPT).to_frame()
+    want = Trajectory.from_prompt(tuned, PROMPT).to_frame()
+    logit = Trajectory.from_prompt(LogitLens(model), PROMPT).to_frame()
     assert df.top_token_id.tolist() == want.top_token_id.tolist()
     assert df.kl_to_final.to_numpy() == pytest.approx(want.kl_to_final.to_numpy(), abs=1e-5)
     assert not (df.kl_to_final.to_numpy() == pytest.approx(logit.kl_to_final.to_numpy(), abs=1e-3))

@@ -12,13 +12,11 @@ import torch.nn.functional as F
 
 from conftest import make_hf_gpt2
 from golden import ATOL, hf_reference, max_diff
-from lenskit import HookedTransformer
-
-RESID_WRITES = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
-
+from lenskit import HookedTransformer, Stream
+from lenskit.stream import resid_writes
 
 def resid_names(model: HookedTransformer) -> list[str]:
-    return [f"blocks.{i}.{h}" for i in range(model.cfg.n_layers) for h in RESID_WRITES]
+    return resid_writes(model.cfg.n_layers)
 
 
 def noop(x, hook):
@@ -103,15 +101,15 @@ def test_cache_holds_the_very_tensors_the_forward_passed_on(pair, batch):
     handles = []
     for i, block in enumerate(model.blocks):  # what the next op received, read with plain torch hooks
         handles.append(block.ln1.register_forward_pre_hook(
-            lambda mod, args, i=i: seen.__setitem__(f"blocks.{i}.hook_resid_pre", args[0].data_ptr())))
+            lambda mod, args, i=i: seen.__setitem__(Stream(i, "resid_pre").hook_name(model.cfg.n_layers), args[0].data_ptr())))
         handles.append(block.ln2.register_forward_pre_hook(
-            lambda mod, args, i=i: seen.__setitem__(f"blocks.{i}.hook_resid_mid", args[0].data_ptr())))
+            lambda mod, args, i=i: seen.__setitem__(Stream(i, "resid_mid").hook_name(model.cfg.n_layers), args[0].data_ptr())))
         handles.append(block.attn.register_forward_hook(
-            lambda mod, args, out, i=i: seen.__setitem__(f"blocks.{i}.hook_attn_out", out.data_ptr())))
+            lambda mod, args, out, i=i: seen.__setitem__(Stream(i, "attn_out").hook_name(model.cfg.n_layers), out.data_ptr())))
         handles.append(block.mlp.register_forward_hook(
-            lambda mod, args, out, i=i: seen.__setitem__(f"blocks.{i}.hook_mlp_out", out.data_ptr())))
+            lambda mod, args, out, i=i: seen.__setitem__(Stream(i, "mlp_out").hook_name(model.cfg.n_layers), out.data_ptr())))
     handles.append(model.ln_final.register_forward_pre_hook(
-        lambda mod, args: seen.__setitem__(f"blocks.{model.cfg.n_layers - 1}.hook_resid_post", args[0].data_ptr())))
+        lambda mod, args: seen.__setitem__(Stream(model.cfg.n_layers).hook_name(model.cfg.n_layers), args[0].data_ptr())))
     try:
         with torch.no_grad():
             _, cache = model.run_with_cache(batch, names_filter=resid_names(model))

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lenses import POINTS, LogitLens
-from lenses.logit import point_names, resid_hook_name, streams
+from lenskit import Stream
+from lenskit.stream import stream_hook_names, streams
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,8 @@ def test_every_stream_equals_transformers_ln_f_and_lm_head(model, hf_model, toke
     n = model.cfg.n_layers
     seen = 0
     with torch.no_grad():
-        for l, h in streams(cache):
+        for s in streams(n):
+            l, h = s.layer, cache.stream(s)
             if l < n:  # transformers' last hidden state already has ln_f applied; the others are raw streams
                 torch.testing.assert_close(h, hf_out.hidden_states[l], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(lens(h, l), hf_decode(hf_model, h), atol=1e-5, rtol=1e-5)
@@ -74,7 +76,7 @@ def test_sublayer_points_equal_transformers(model, hf_model, tokens, hf_referenc
         with torch.no_grad():
             got = lens.decode(cache, i, point=point)
         torch.testing.assert_close(got, hf_decode(hf_model, ref_h), atol=1e-4, rtol=1e-4)
-    layers = [l for l, _ in lens.decode_all(cache, point)]
+    layers = [s.layer for s, _ in lens.decode_all(cache, point)]
     assert layers == list(range(model.cfg.n_layers))
 
 
@@ -96,8 +98,8 @@ def test_final_norm_is_recomputed_on_each_stream(model, tokens):
 
 def test_points_and_errors(model, tokens):
     n = model.cfg.n_layers
-    assert len(point_names("resid_pre", n)) == n + 1 and len(point_names("mlp_out", n)) == n
-    assert resid_hook_name("resid_pre", n, n) == f"blocks.{n - 1}.hook_resid_post"
+    assert len(stream_hook_names(n, "resid_pre")) == n + 1 and len(stream_hook_names(n, "mlp_out")) == n
+    assert Stream(n, "resid_pre").hook_name(n) == f"blocks.{n - 1}.hook_resid_post"
     assert set(POINTS) == {"resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"}
     lens = LogitLens(model)
     _, cache = model.run_with_cache(tokens)

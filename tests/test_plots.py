@@ -12,7 +12,7 @@ from tiny_tokenizer import make_model_with_tokenizer
 @pytest.fixture(scope="module")
 def traj():
     model = make_model_with_tokenizer()
-    return Trajectory.from_prompt(model, LogitLens(model), ["def add(a, b):\n    return a + b", "import os"], top_k=3)
+    return Trajectory.from_prompt(LogitLens(model), ["def add(a, b):\n    return a + b", "import os"], top_k=3)
 
 
 def test_display_token():

@@ -24,7 +24,7 @@ def tokens():
 
 
 def test_rows_agree_with_full_vocab_reference(model, hf_model, tokens):
-    traj = Trajectory.from_prompt(model, LogitLens(model), tokens, top_k=3, chunk_size=4)
+    traj = Trajectory.from_prompt(LogitLens(model), tokens, top_k=3, chunk_size=4)
     df = traj.to_frame()
     logp = reference_log_probs(hf_model, tokens)  # [layer, batch, pos, vocab]
     p = logp.exp()
@@ -57,8 +57,8 @@ def test_rows_agree_with_full_vocab_reference(model, hf_model, tokens):
 
 def test_chunking_does_not_change_results(model, tokens):
     lens = LogitLens(model)
-    a = Trajectory.from_prompt(model, lens, tokens, top_k=4, chunk_size=1)
-    b = Trajectory.from_prompt(model, lens, tokens, top_k=4, chunk_size=1000)
+    a = Trajectory.from_prompt(lens, tokens, top_k=4, chunk_size=1)
+    b = Trajectory.from_prompt(lens, tokens, top_k=4, chunk_size=1000)
     assert torch.equal(a.top_ids, b.top_ids)
     for name in ("top_probs", "entropy", "kl_to_final", "target_logprob"):
         torch.testing.assert_close(getattr(a, name), getattr(b, name), equal_nan=True)
@@ -66,7 +66,7 @@ def test_chunking_does_not_change_results(model, tokens):
 
 
 def test_fixed_target_and_single_prompt_frame(model, tokens):
-    traj = Trajectory.from_prompt(model, LogitLens(model), tokens[0], top_k=2, target=7)
+    traj = Trajectory.from_prompt(LogitLens(model), tokens[0], top_k=2, target=7)
     df = traj.to_frame()
     assert "batch" not in df.columns  # one sequence: one row per (layer, position)
     assert list(df.columns[:10]) == ["layer", "position", "input_token", "input_token_id", "top_token", "top_token_id",
@@ -75,9 +75,9 @@ def test_fixed_target_and_single_prompt_frame(model, tokens):
     # rank 0 exactly where token 7 is the top-1
     assert ((df.target_rank == 0) == (df.top_token_id == 7)).all()
     with pytest.raises(ValueError, match="shape"):
-        Trajectory.from_prompt(model, LogitLens(model), tokens, target=torch.zeros(3, 3, dtype=torch.long))
+        Trajectory.from_prompt(LogitLens(model), tokens, target=torch.zeros(3, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="top_k"):
-        Trajectory.from_prompt(model, LogitLens(model), tokens, top_k=0)
+        Trajectory.from_prompt(LogitLens(model), tokens, top_k=0)
 
 
 class ShiftLens(Lens):
@@ -89,27 +89,31 @@ class ShiftLens(Lens):
         super().__init__(model)
         self.shift = torch.nn.Parameter(torch.randn(model.cfg.n_layers + 1, model.cfg.d_model, generator=torch.Generator().manual_seed(0)))
 
-    def transform_hidden(self, h, l):
-        return h + self.shift[l]
+    def transform_hidden(self, h, s):
+        return h + self.shift[s.layer]
 
 
 def test_works_with_any_lens(model, tokens):
     lens = ShiftLens(model)
-    traj = Trajectory.from_prompt(model, lens, tokens, top_k=1)
+    traj = Trajectory.from_prompt(lens, tokens, top_k=1)
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens)
         want = lens(cache["resid_pre", 1], 1).log_softmax(-1)
     assert torch.equal(traj.top_ids[1, ..., 0], want.argmax(-1))
     torch.testing.assert_close(traj.entropy[1], -(want.exp() * want).sum(-1))
     assert traj.to_frame().attrs["lens"] == "shift"
-    with pytest.raises(ValueError, match="different model"):
-        Trajectory.from_prompt(make_model_with_tokenizer(), lens, tokens)
+    # The lens knows its model: the trajectory runs that model (its tokenizer, its output at the last layer).
+    other = make_model_with_tokenizer()
+    on_other = Trajectory.from_prompt(LogitLens(other), "import os", top_k=1)
+    assert on_other.tokenizer is other.tokenizer
+    with torch.no_grad():
+        assert torch.equal(on_other.top_ids[-1, ..., 0], other("import os").argmax(-1))
 
 
 def test_text_batches_drop_padding_and_decode_tokens():
     model = make_model_with_tokenizer()
     texts = ["def add(a, b):\n    return a + b", "import os"]
-    traj = Trajectory.from_prompt(model, LogitLens(model), texts, top_k=2)
+    traj = Trajectory.from_prompt(LogitLens(model), texts, top_k=2)
     df = traj.to_frame()
     n = [len(model.tokenizer.encode(t)) for t in texts]
     L = model.cfg.n_layers + 1
@@ -119,18 +123,18 @@ def test_text_batches_drop_padding_and_decode_tokens():
     assert "".join(short.input_token) == "import os"
     assert short.target_token_id.tolist()[-1] == -1  # no next token at the end of the real text
     assert short.target_token.tolist()[:-1] == short.input_token.tolist()[1:]
-    one = Trajectory.from_prompt(model, LogitLens(model), texts[1], top_k=2, target="os").to_frame()
+    one = Trajectory.from_prompt(LogitLens(model), texts[1], top_k=2, target="os").to_frame()
     assert (one.target_token == "os").all()
     with pytest.raises(ValueError, match="exactly one token"):
-        Trajectory.from_prompt(model, LogitLens(model), texts[1], target="return a + b")
+        Trajectory.from_prompt(LogitLens(model), texts[1], target="return a + b")
 
 
 def test_partial_utf8_tokens_show_their_bytes():
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    from lenses.trajectory import _BYTES, decode_token
+    from lenskit.text import BYTE_DECODER, decode_token
 
-    assert _BYTES == {ch: b for b, ch in bytes_to_unicode().items()}  # GPT-2's byte alphabet, reversed
+    assert BYTE_DECODER == {ch: b for b, ch in bytes_to_unicode().items()}  # GPT-2's byte alphabet, reversed
     tok = make_model_with_tokenizer().tokenizer
     byte_e2 = tok.convert_tokens_to_ids(bytes_to_unicode()[0xE2])  # first byte of '→', alone not valid UTF-8
     assert tok.decode([byte_e2]) == "\ufffd" and decode_token(tok, byte_e2) == "\\xe2"

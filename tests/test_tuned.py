@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import lenskit
+from lenskit import Stream
 from conftest import make_hf_gpt2
 from lenses import LogitLens, TunedLens
 from lenses.tuned import model_fingerprint
@@ -65,14 +66,14 @@ def test_translator_is_residual_affine_and_absent_at_the_last_layer(model, hf_mo
 def test_resid_mid_translators(model, streams):
     plain = TunedLens(model)
     with pytest.raises(ValueError, match="no resid_mid translators"):
-        plain(streams["resid_mid", 0], 0, mid=True)
+        plain(streams["resid_mid", 0], Stream(0, "resid_mid"))
     tuned = randomize(TunedLens(model, resid_mid=True))
     h = streams["resid_mid", 1]
     t = tuned.mid_translators[1]
-    torch.testing.assert_close(tuned(h, 1, mid=True), LogitLens(model)(h + t(h), 1))
-    torch.testing.assert_close(tuned.decode(streams, 1, "resid_mid"), tuned(h, 1, mid=True))
+    torch.testing.assert_close(tuned(h, Stream(1, "resid_mid")), LogitLens(model)(h + t(h), 1))
+    torch.testing.assert_close(tuned.decode(streams, 1, "resid_mid"), tuned(h, Stream(1, "resid_mid")))
     with pytest.raises(IndexError):
-        tuned(h, model.cfg.n_layers, mid=True)  # there is no resid_mid after the last block
+        tuned(h, Stream(model.cfg.n_layers, "resid_mid"))  # there is no resid_mid after the last block
     assert len(list(tuned.parameters())) == 4 * model.cfg.n_layers
 
 
@@ -93,7 +94,7 @@ def test_save_load_gives_identical_outputs_and_no_pickle(model, streams, tmp_pat
     for l in range(model.cfg.n_layers + 1):
         h = streams.accumulated_resid()[l]
         assert torch.equal(loaded(h, l), tuned(h, l))
-    assert torch.equal(loaded(streams["resid_mid", 0], 0, mid=True), tuned(streams["resid_mid", 0], 0, mid=True))
+    assert torch.equal(loaded(streams["resid_mid", 0], Stream(0, "resid_mid")), tuned(streams["resid_mid", 0], Stream(0, "resid_mid")))
 
 
 def test_loading_onto_a_model_with_another_fingerprint_is_refused(model, tmp_path):

@@ -63,7 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
                    help="ablate the MLP write of block L; repeatable")
     p.add_argument("--head", dest="targets", action="append", type=_head, metavar="L.H",
                    help="ablate head H of block L (through its z); repeatable")
-    p.add_argument("--mode", choices=MODES, default="zero",
+    p.add_argument("--mode", choices=list(MODES), default="zero",
                    help="zero; mean over the reference tokens; or resample from a reference window (default: zero)")
     p.add_argument("--reference", nargs="+", default=None, metavar="PATH",
                    help="text files, folders or .jsonl for mean/resample (default: held-out stdlib modules)")

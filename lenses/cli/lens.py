@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"the model at {args.model} has no tokenizer files, so PROMPT cannot be tokenized")
     lens = load_lens(args.lens, model)
     with torch.no_grad():
-        traj = Trajectory.from_prompt(model, lens, args.prompt, top_k=min(args.top_k, model.cfg.d_vocab))
+        traj = Trajectory.from_prompt(lens, args.prompt, top_k=min(args.top_k, model.cfg.d_vocab))
     frame = traj.to_frame()
     # Files first, so that `lenskit lens ... | head` still writes them.
     if args.csv:
