@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 import lenskit  # noqa: E402
 from lenses import LogitLens, Trajectory, metrics, plots  # noqa: E402
-from lenses.cli.lens import format_table  # noqa: E402
+from lenses.table import format_table  # noqa: E402
 
 PROMPT = "def __init__(self, name):\n    self.name = name\n"
 

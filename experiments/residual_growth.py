@@ -31,15 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lenskit  # noqa: E402
 from lenses import metrics, plots  # noqa: E402
 from lenses.anatomy import resid_norms  # noqa: E402
+from lenskit.stream import stream_hook_names  # noqa: E402
 from stdlib_heldout import heldout_windows  # noqa: E402
-
-RESID = lambda name: name.endswith(("hook_resid_pre", "hook_resid_post", "hook_attn_out", "hook_mlp_out"))  # noqa: E731
 
 
 @torch.no_grad()
 def stream_rms(model: lenskit.HookedTransformer, tokens: torch.Tensor) -> pd.DataFrame:
     """Per-window rows of `anatomy.resid_norms` for one model."""
-    _, cache = model.run_with_cache(tokens, names_filter=RESID)
+    _, cache = model.run_with_cache(tokens, names_filter=stream_hook_names(model.cfg.n_layers, ("resid_pre", "attn_out", "mlp_out")))
     return resid_norms(cache)
 
 

@@ -13,7 +13,6 @@ Python source better.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -31,25 +30,9 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lenskit  # noqa: E402
 from lenskit.config import ModelConfig  # noqa: E402
+from lenskit.data import HELDOUT_BUCKETS, is_heldout, stdlib_files  # noqa: E402
 
 EOT = "<|endoftext|>"
-VAL_BUCKETS = 20  # one file in twenty (by a hash of its path) is held out
-
-
-def stdlib_files() -> list[tuple[str, Path]]:
-    """(relative path, path) of every .py file in the standard library, site-packages excluded, sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for p in sorted(root.rglob("*.py")):
-        rel = p.relative_to(root).as_posix()
-        if rel.startswith(("site-packages/", "dist-packages/")) or "/site-packages/" in rel:
-            continue
-        files.append((rel, p))
-    return files
-
-
-def is_heldout(rel: str) -> bool:
-    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % VAL_BUCKETS == 0
 
 
 def split_corpus() -> tuple[list[str], list[str], dict]:
@@ -67,7 +50,7 @@ def split_corpus() -> tuple[list[str], list[str], dict]:
         "heldout_files": n_val,
         "train_bytes": sum(len(t.encode()) for t in train),
         "heldout_bytes": sum(len(t.encode()) for t in val),
-        "split": f"file-level: sha1(relative path) % {VAL_BUCKETS} == 0 is held out",
+        "split": f"file-level: sha1(relative path) % {HELDOUT_BUCKETS} == 0 is held out",
     }
     return train, val, meta
 

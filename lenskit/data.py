@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
@@ -24,6 +25,10 @@ if TYPE_CHECKING:
 
 # Inside a folder, these are read as text (a file given by name is read whatever its suffix).
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".text")
+# The embedded model's split of the standard library: one file in HELDOUT_BUCKETS, by a hash of its path, is held out.
+HELDOUT_BUCKETS = 20
+# Held-out modules of that split present in every Python from 3.10 to 3.13: default reference text.
+HELDOUT_SAMPLE = ("copy.py", "base64.py", "gzip.py", "enum.py")
 
 
 @dataclass(frozen=True)
@@ -157,3 +162,40 @@ def load_token_stream(paths: Sequence[str | Path], tokenizer: "PreTrainedTokeniz
     n_bytes = sum(len(d.text.encode("utf-8")) for d in docs)
     provenance = {**provenance, "n_documents": len(docs), "n_tokens": len(tokens), "text_bytes": n_bytes}
     return TokenStream(tokens, n_bytes, provenance)
+
+
+# ------------------------------------------------------------------ the embedded model's split
+def reference_windows(tokenizer: "PreTrainedTokenizerBase", paths: Sequence[str | Path] | None, length: int, seed: int,
+                      n_windows: int = 32) -> torch.Tensor:
+    """[n_windows or fewer, length] token windows of reference text (for mean or resample ablation) in a seeded
+    order; `paths=None` reads `HELDOUT_SAMPLE`, held-out standard-library modules the embedded model never saw."""
+    if paths is None:
+        root = stdlib_root()
+        paths = [str(root / name) for name in HELDOUT_SAMPLE if (root / name).is_file()]
+        if not paths:
+            raise FileNotFoundError(f"none of the default reference modules {HELDOUT_SAMPLE} is in {root}; "
+                                    "pass --reference with some text")
+    windows = load_token_stream(paths, tokenizer).windows(length)
+    return windows[window_order(len(windows), seed)[:n_windows]]
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files() -> list[tuple[str, Path]]:
+    """(relative path, path) of every .py file in the running Python's standard library, site-packages excluded, sorted."""
+    root = stdlib_root()
+    files = []
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root).as_posix()
+        if rel.startswith(("site-packages/", "dist-packages/")) or "/site-packages/" in rel:
+            continue
+        files.append((rel, p))
+    return files
+
+
+def is_heldout(rel: str) -> bool:
+    """Whether the standard-library file at relative path `rel` is in the embedded model's held-out split:
+    `sha1(rel) % HELDOUT_BUCKETS == 0`, one file in twenty, decided by the path alone."""
+    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % HELDOUT_BUCKETS == 0

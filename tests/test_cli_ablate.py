@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -84,11 +83,8 @@ def test_mean_and_resample_with_a_reference_and_a_figure(folder, tmp_path, capsy
 
 
 def test_default_reference_is_held_out_stdlib():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-    try:
-        from train_default_model import is_heldout
-    finally:
-        sys.path.pop(0)
+    from lenskit.data import is_heldout
+
     assert all(is_heldout(name) for name in DEFAULT_REFERENCE)
 
 

@@ -7,7 +7,7 @@ import torch
 import lenskit
 from lenses import LogitLens, Trajectory
 from lenses.cli import main
-from lenses.cli.lens import format_table
+from lenses.table import format_table
 from tiny_tokenizer import save_tiny_model
 
 PROMPT = "def add(a, b):\n    return a + b"

@@ -1,4 +1,4 @@
-"""HookedTransformer against transformers' GPT-2 (golden parity), the DESIGN.md identities, and hooks.
+"""HookedTransformer against transformers' GPT-2 (golden parity), the stream identities (docs/architecture.md), and hooks.
 
 The golden tests never skip: they build small random GPT-2s with transformers, so no download is needed.
 """

@@ -3,7 +3,7 @@ what the model predicts at each position with and without the ablated parts, and
 
 Mean and resample ablations need reference text. By default it is `DEFAULT_REFERENCE`: modules of the
 running Python's standard library that the embedded model never trained on (they fall in its held-out
-split, `sha1(path) % 20 == 0` in experiments/train_default_model.py), cut into windows. `--reference`
+split, `lenskit.data.is_heldout`), cut into windows. `--reference`
 takes your own text files, folders or JSONL instead, which is the better choice for a model trained on
 something other than Python.
 """
@@ -12,19 +12,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import sysconfig
-from pathlib import Path
 
 import pandas as pd
-import torch
 
 import lenskit
-from lenskit.data import load_token_stream, window_order
+from lenskit.data import HELDOUT_SAMPLE, reference_windows
 from lenskit.interventions import MODES, Attn, Block, Head, Mlp, ablation_hooks
 
-# Held-out files of the embedded model's stdlib split, present in every Python from 3.10 to 3.13.
-DEFAULT_REFERENCE = ("copy.py", "base64.py", "gzip.py", "enum.py")
-REFERENCE_WINDOWS = 32  # reference windows drawn for mean / resample
+DEFAULT_REFERENCE = HELDOUT_SAMPLE  # held-out stdlib modules of the embedded model's split
 MEAN_WINDOW = 128  # tokens per window for mean ablation (resample windows match the prompt's length)
 
 
@@ -75,19 +70,6 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.set_defaults(run=run)
 
 
-def reference_windows(model: lenskit.HookedTransformer, paths: list[str] | None, length: int, seed: int) -> torch.Tensor:
-    """[REFERENCE_WINDOWS or fewer, length] token windows from the reference text, in a seeded order."""
-    if paths is None:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        paths = [str(root / name) for name in DEFAULT_REFERENCE if (root / name).is_file()]
-        if not paths:
-            raise FileNotFoundError(f"none of the default reference modules {DEFAULT_REFERENCE} is in {root}; "
-                                    "pass --reference with some text")
-    stream = load_token_stream(paths, model.tokenizer)
-    windows = stream.windows(length)
-    return windows[window_order(len(windows), seed)[:REFERENCE_WINDOWS]]
-
-
 def run(args: argparse.Namespace) -> int:
     from lenses.compare import compare_runs, output_summary
 
@@ -100,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     reference = None
     if args.mode != "zero":
         length = tokens.shape[1] if args.mode == "resample" else min(MEAN_WINDOW, model.cfg.n_ctx)
-        reference = reference_windows(model, args.reference, length, args.seed)
+        reference = reference_windows(model.tokenizer, args.reference, length, args.seed)
     try:
         hooks = ablation_hooks(model, args.targets, args.mode, reference=reference, seed=args.seed)
     except IndexError as e:  # an out-of-range layer or head: a user error, reported like the others

@@ -13,6 +13,9 @@ import sys
 import torch
 
 import lenskit
+from lenses.training import Recipe
+
+DEFAULT = Recipe()  # every option's default is the recipe's own
 
 
 def add_parser(subparsers, name: str) -> None:
@@ -21,17 +24,21 @@ def add_parser(subparsers, name: str) -> None:
     p.add_argument("--model", default=lenskit.DEFAULT_MODEL, help="model folder or hub name (default: the embedded model)")
     p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="text files, folders (.py/.txt/.md/... inside) or .jsonl")
     p.add_argument("--out", required=True, metavar="FOLDER", help="where checkpoints and the finished lens go")
-    p.add_argument("--steps", type=int, default=250, help="optimiser steps (default 250, as tuned-lens)")
-    p.add_argument("--tokens-per-step", type=int, default=None,
+    p.add_argument("--steps", type=int, default=DEFAULT.steps, help=f"optimiser steps (default {DEFAULT.steps}, as tuned-lens)")
+    p.add_argument("--tokens-per-step", type=int, default=DEFAULT.tokens_per_step,
                    help="tokens per step (default: min(2**18, data tokens / steps), a multiple of --ctx)")
-    p.add_argument("--seed", type=int, default=0, help="decides the order of the data windows")
-    p.add_argument("--ctx", type=int, default=None, help="window length in tokens (default: the model's n_ctx)")
-    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="sgd: Nesterov momentum (default); adam: AMSGrad")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.1 for sgd, 1e-3 for adam)")
-    p.add_argument("--weight-decay", type=float, default=1e-3, help="decay of the translators toward the identity")
+    p.add_argument("--seed", type=int, default=DEFAULT.seed, help=f"decides the order of the data windows (default {DEFAULT.seed})")
+    p.add_argument("--ctx", type=int, default=DEFAULT.ctx, help="window length in tokens (default: the model's n_ctx)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default=DEFAULT.optimizer,
+                   help=f"sgd: Nesterov momentum; adam: AMSGrad (default {DEFAULT.optimizer})")
+    p.add_argument("--lr", type=float, default=DEFAULT.lr, help="learning rate (default: 1 - momentum for sgd, 1e-3 for adam)")
+    p.add_argument("--weight-decay", type=float, default=DEFAULT.weight_decay,
+                   help=f"decay of the translators toward the identity (default {DEFAULT.weight_decay:g})")
     p.add_argument("--resid-mid", action="store_true", help="also train translators for each block's resid_mid")
-    p.add_argument("--micro-batch-tokens", type=int, default=2048, help="tokens per forward pass (memory, not maths)")
-    p.add_argument("--ckpt-every", type=int, default=10, help="steps between checkpoints")
+    p.add_argument("--micro-batch-tokens", type=int, default=DEFAULT.micro_batch_tokens,
+                   help=f"tokens per forward pass (memory, not maths; default {DEFAULT.micro_batch_tokens})")
+    p.add_argument("--ckpt-every", type=int, default=DEFAULT.ckpt_every,
+                   help=f"steps between checkpoints (default {DEFAULT.ckpt_every})")
     p.add_argument("--text-field", default="text", help="the JSONL field that holds the text")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
@@ -40,7 +47,7 @@ def add_parser(subparsers, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from lenskit.data import load_token_stream
 
-    from ..training import Recipe, init_distributed, train
+    from ..training import init_distributed, train
     from ..tuned import TunedLens
 
     rank, world, device = init_distributed()
