@@ -191,3 +191,33 @@ def test_not_a_lens_folder(model, tmp_path):
 def test_fingerprint_uses_float32_bytes_whatever_the_storage(model):
     wide = lenskit.HookedTransformer.from_hf(make_hf_gpt2()).to(torch.float64)
     assert model_fingerprint(wide) == model_fingerprint(model)  # float64 copies of the same float32 values
+
+
+def test_lens_folders_written_before_streams_still_load(model, streams, tmp_path):
+    """The file format did not move with the API: config.json keys and the safetensors key names
+    (`translators.{l}`, `mid_translators.{l}`) that existing lens folders hold, written here by hand."""
+    from safetensors.torch import save_file
+
+    n, d = model.cfg.n_layers, model.cfg.d_model
+    g = torch.Generator().manual_seed(5)
+    weights = {}
+    for prefix in ("translators", "mid_translators"):
+        for l in range(n):
+            weights[f"{prefix}.{l}.weight"] = torch.randn(d, d, generator=g) * 0.05
+            weights[f"{prefix}.{l}.bias"] = torch.randn(d, generator=g) * 0.05
+    folder = tmp_path / "old_lens"
+    folder.mkdir()
+    save_file(weights, str(folder / "lens.safetensors"), metadata={"format": "lenskit-tuned-lens"})
+    config = {"format": "lenskit-tuned-lens", "format_version": 1, "model_fingerprint": model_fingerprint(model),
+              "model_name": model.cfg.name, "n_layers": n, "d_model": d, "d_vocab": model.cfg.d_vocab,
+              "resid_mid": True, "weights": "lens.safetensors", "steps_done": 7}
+    (folder / "config.json").write_text(json.dumps(config))
+    lens = TunedLens.load(folder, model)
+    assert lens.has_mid and lens.info == {"steps_done": 7}
+    logit = LogitLens(model)
+    with torch.no_grad():
+        for l in range(n):
+            h, W, b = streams["resid_pre", l], weights[f"translators.{l}.weight"], weights[f"translators.{l}.bias"]
+            torch.testing.assert_close(lens(h, l), logit(h + h @ W.T + b, l))
+            m, W, b = streams["resid_mid", l], weights[f"mid_translators.{l}.weight"], weights[f"mid_translators.{l}.bias"]
+            torch.testing.assert_close(lens(m, Stream(l, "resid_mid")), logit(m + m @ W.T + b, l))
