@@ -188,3 +188,28 @@ def test_micro_batches_change_memory_not_the_result(tiny):
     split = weights(train(TunedLens(model), stream, Recipe(**SMALL, micro_batch_tokens=CTX), progress=False))  # 4 passes
     for k in whole:
         torch.testing.assert_close(split[k], whole[k], atol=1e-6, rtol=1e-5)
+
+
+def test_the_loop_is_resume_or_start_then_steps(tiny, tmp_path):
+    """`train` is `resume_or_start` then `train_step` per step: the pieces, driven by hand, give the same weights."""
+    from lenses.training import LensLoss, make_optimizer, resume_or_start, stream_label, train_step
+    from lenskit.data import window_order
+
+    model, stream, _ = tiny
+    recipe = Recipe(**{**SMALL, "steps": 3}).resolve(len(stream), model.cfg.n_ctx)
+    by_train = train(TunedLens(model, resid_mid=True), stream, recipe, progress=False)
+
+    lens = TunedLens(model, resid_mid=True)
+    opt = make_optimizer(list(lens.parameters()), recipe)
+    assert resume_or_start(lens, opt, tmp_path / "fresh", {}, recipe, rank=0) == (0, [], None)
+    assert (tmp_path / "fresh").is_dir() and not any((tmp_path / "fresh").iterdir())
+    windows = stream.windows(recipe.ctx)
+    order, per_step = window_order(len(windows), recipe.seed), recipe.tokens_per_step // recipe.ctx
+    labels = [stream_label(s) for s in lens.trained_streams()]
+    assert labels[:2] == ["0", "0.mid"]
+    for step in range(recipe.steps):
+        ids = order[step * per_step: (step + 1) * per_step]
+        losses = train_step(LensLoss(lens), lens, opt, windows[ids], recipe, step, labels, 1, None)
+        assert len(losses) == len(labels) and losses == by_train.info["loss_history"][step]
+    for (k, a), b in zip(lens.state_dict().items(), by_train.state_dict().values()):
+        assert torch.equal(a, b), k
