@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 
 from lenskit.data import TokenStream, window_order
 
+from .lock import locks_out_folder
 from .metrics import forward_kl
 from .tuned import CONFIG_FILE, TunedLens, read_config, write_atomic
 
@@ -58,12 +60,32 @@ class Recipe:
     micro_batch_tokens: int = 2048  # tokens per forward; bounds memory (d_vocab floats per token per layer)
     ckpt_every: int = 10
 
+    def __post_init__(self) -> None:
+        """Check every field at construction: one line naming the field (and its flag) and what it must be."""
+        for name, least, optional in (("steps", 1, False), ("tokens_per_step", 1, True), ("ctx", 2, True),
+                                      ("warmup_steps", 0, True), ("micro_batch_tokens", 1, False), ("ckpt_every", 1, False)):
+            value = getattr(self, name)
+            if optional and value is None:
+                continue
+            if not _is_int(value) or value < least:
+                raise ValueError(f"{_field(name)} must be an integer >= {least}, got {value!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"{_field('seed')} must be an integer, got {self.seed!r}")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"{_field('optimizer')} must be 'sgd' or 'adam', got {self.optimizer!r}")
+        for name, low, high, closed_low in (("lr", 0.0, math.inf, False), ("momentum", 0.0, 1.0, True),
+                                            ("weight_decay", 0.0, math.inf, True), ("clip_grad_norm", 0.0, math.inf, False)):
+            value = getattr(self, name)
+            if name == "lr" and value is None:
+                continue
+            ok = _is_real(value) and math.isfinite(value) and (value >= low if closed_low else value > low) and value < high
+            if not ok:
+                want = {"lr": "a finite number > 0", "momentum": "a number in [0, 1)", "weight_decay": "a finite number >= 0",
+                        "clip_grad_norm": "a finite number > 0"}[name]
+                raise ValueError(f"{_field(name)} must be {want}, got {value!r}")
+
     def resolve(self, n_tokens: int, n_ctx: int, world_size: int = 1) -> "Recipe":
         """Fill in the defaults, and raise before any training if the data cannot supply the steps."""
-        if self.steps < 1:
-            raise ValueError(f"steps must be at least 1, got {self.steps}")
-        if self.optimizer not in ("sgd", "adam"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
         ctx = self.ctx or n_ctx
         if not 2 <= ctx <= n_ctx:
             raise ValueError(f"ctx={ctx} must be between 2 and the model's n_ctx={n_ctx}")
@@ -101,6 +123,23 @@ class Recipe:
     def identity(self) -> dict:
         """The fields that decide the result (a resumed run must match them)."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "ckpt_every"}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _field(name: str) -> str:
+    """A Recipe field, with the train-lens flag that sets it where there is one."""
+    flag = name.replace("_", "-")
+    return f"Recipe.{name} (--{flag})" if name in _FLAGS else f"Recipe.{name}"
+
+
+_FLAGS = {"steps", "tokens_per_step", "seed", "ctx", "optimizer", "lr", "weight_decay", "micro_batch_tokens", "ckpt_every"}
 
 
 def make_optimizer(params: list[nn.Parameter], recipe: Recipe) -> torch.optim.Optimizer:
@@ -200,6 +239,7 @@ def load_checkpoint(path: Path, lens: TunedLens, opt: torch.optim.Optimizer) -> 
 
 
 # ------------------------------------------------------------------ train
+@locks_out_folder  # one run per --out: a second one refuses (lenses/lock.py)
 def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: str | os.PathLike | None = None,
           progress: bool = True) -> TunedLens:
     """Train `lens` in place on `stream` and return it; with `out`, checkpoint there, resume from there,
