@@ -27,7 +27,7 @@ class Lens(nn.Module, ABC):
         return self.model.cfg.n_layers
 
     def check_layer(self, l: int) -> int:
-        if not isinstance(l, int) or not 0 <= l <= self.n_layers:
+        if not isinstance(l, int) or isinstance(l, bool) or not 0 <= l <= self.n_layers:
             raise IndexError(f"stream index {l!r} is out of range: expected 0..{self.n_layers} (streams after 0..n_layers blocks)")
         return l
 

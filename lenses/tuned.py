@@ -89,7 +89,7 @@ class TunedLens(Lens):
         if mid:
             if self.mid_translators is None:
                 raise ValueError("this lens has no resid_mid translators; build it with TunedLens(model, resid_mid=True)")
-            if not isinstance(l, int) or not 0 <= l < self.n_layers:
+            if not isinstance(l, int) or isinstance(l, bool) or not 0 <= l < self.n_layers:
                 raise IndexError(f"resid_mid exists in blocks 0..{self.n_layers - 1}, got block {l!r}")
             return self.mid_translators[l]
         l = self.check_layer(l)

@@ -26,6 +26,8 @@ def hook_name(short: str, layer: int | None = None, n_layers: int | None = None)
         return short
     if short not in _BLOCK_SHORT:
         raise KeyError(f"unknown short hook name {short!r}; known: {sorted(_BLOCK_SHORT)}")
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise TypeError(f"a layer must be an int, got {layer!r}")
     if n_layers is not None:
         if not -n_layers <= layer < n_layers:
             raise IndexError(f"layer {layer} is out of range for a model with {n_layers} blocks")

@@ -75,7 +75,8 @@ class HookedTransformer(HookedRootModule):
     def forward(self, tokens: TokensLike, *, stop_at_layer: int | None = None) -> torch.Tensor:
         """Logits [batch, pos, d_vocab] at every position; with `stop_at_layer=l`, the stream after l blocks."""
         n = self.cfg.n_layers
-        if stop_at_layer is not None and not (isinstance(stop_at_layer, int) and -n <= stop_at_layer <= n):
+        if stop_at_layer is not None and not (isinstance(stop_at_layer, int) and not isinstance(stop_at_layer, bool)
+                                              and -n <= stop_at_layer <= n):
             raise ValueError(f"stop_at_layer must be an int in [-{n}, {n}] (streams after 0..{n} blocks), got {stop_at_layer!r}")
         tokens = self.validate_tokens(tokens)
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -163,6 +164,8 @@ class HookedTransformer(HookedRootModule):
     @torch.no_grad()
     def generate(self, tokens: TokensLike, max_new_tokens: int = 20) -> torch.Tensor:
         """Greedy continuation (no sampling, no KV cache): [batch, pos + max_new_tokens]."""
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         tokens = self.validate_tokens(tokens)
         for _ in range(max_new_tokens):
             window = tokens[:, -self.cfg.n_ctx:]
@@ -188,6 +191,8 @@ class HookedTransformer(HookedRootModule):
                 f"the prompt has {tokens.shape[1]} tokens but the model's context is n_ctx={self.cfg.n_ctx}; "
                 f"truncate it (e.g. tokens[:, -{self.cfg.n_ctx}:]) or split it into windows"
             )
+        if tokens.dtype != torch.long:  # int8/uint8 would overflow the comparison; uint16 has no CPU `<`
+            tokens = tokens.long()
         bad = (tokens < 0) | (tokens >= self.cfg.d_vocab)
         if bad.any():
             b, p = (int(i) for i in bad.nonzero()[0])
@@ -211,6 +216,12 @@ class HookedTransformer(HookedRootModule):
         texts = [text] if isinstance(text, str) else list(text)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError(f"to_tokens needs a string or a non-empty list of strings; got no texts or non-strings: {text!r:.80}")
+        for t in texts:
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate, e.g. from non-UTF-8 bytes in a shell argument
+                raise ValueError(f"the text has a character that is not valid Unicode ({t[e.start]!r} at index {e.start}, "
+                                 "often from non-UTF-8 bytes in a command-line argument); pass UTF-8 text") from None
         ids = [tok.encode(t, add_special_tokens=False) for t in texts]
         if prepend_bos:
             bos = tok.bos_token_id if tok.bos_token_id is not None else self.cfg.bos_token_id

@@ -38,8 +38,12 @@ def logit_diff(token_a: int, token_b: int, position: int = -1) -> Metric:
     The usual patching metric: e.g. the right answer against the answer the corrupted prompt points to.
     """
     a, b = int(token_a), int(token_b)
+    if a < 0 or b < 0:
+        raise ValueError(f"logit_diff needs token ids >= 0, got {a} and {b}")
 
     def metric(logits: torch.Tensor) -> torch.Tensor:
+        if max(a, b) >= logits.shape[-1]:
+            raise ValueError(f"logit_diff({a}, {b}): token id {max(a, b)} is outside the vocabulary [0, {logits.shape[-1]})")
         return (logits[:, position, a] - logits[:, position, b]).mean()
 
     metric.__name__ = f"logit_diff({a}, {b})"
@@ -78,7 +82,7 @@ def patching_hooks(
     if site not in SITES:
         raise ValueError(f"unknown patching site {site!r}; expected one of {', '.join(SITES)}")
     n_layers = model.cfg.n_layers
-    if not (isinstance(layer, int) and 0 <= layer < n_layers):
+    if not (isinstance(layer, int) and not isinstance(layer, bool) and 0 <= layer < n_layers):
         raise IndexError(f"layer {layer!r} is out of range; the model has {n_layers} blocks (layers 0..{n_layers - 1})")
     name = hook_name(SITES[site], layer)
     if name not in source:
