@@ -220,11 +220,19 @@ def save_checkpoint(path: Path, lens: TunedLens, opt: torch.optim.Optimizer, met
 
 
 def load_checkpoint(path: Path, lens: TunedLens, opt: torch.optim.Optimizer) -> dict:
-    with safe_open(str(path), "pt") as f:
-        meta = json.loads(f.metadata()["meta"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    """Restore the lens and optimiser state; a truncated or foreign file raises ValueError and is left in place."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads((f.metadata() or {})["meta"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if not (isinstance(meta, dict) and isinstance(meta.get("step"), int) and isinstance(meta.get("scalars"), list)):
+            raise ValueError("its metadata has no step count")
+        lens.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("lens.")})
+    except Exception as e:  # safetensors raises its own error type for a cut-off file
+        raise ValueError(f"the checkpoint {path} is corrupt or does not fit this lens ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'unreadable'}); it was kept. To start over, delete it "
+                         f"(or pass another --out)") from None
     device = next(lens.parameters()).device
-    lens.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("lens.")})
     for i, p in enumerate(lens.parameters()):
         state = {}
         for name, value in tensors.items():
