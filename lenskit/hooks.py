@@ -77,9 +77,13 @@ class HookPoint(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = _CONTEXT_HOOKS.get()
         mine = local.get(self, ()) if local is not None else ()
-        if not (self._fns or mine):
-            return x  # the no-hook fast path: one context lookup
-        for fn in (*self._fns, *mine):
+        if not self._fns:
+            if not mine:
+                return x  # the no-hook fast path: one context lookup
+            fns = mine
+        else:
+            fns = (*self._fns, *mine)
+        for fn in fns:
             out = fn(x, self)
             if out is not None:
                 if not isinstance(out, torch.Tensor) or out.shape != x.shape:
