@@ -149,3 +149,20 @@ def test_hook_returning_another_dtype_names_hook_and_dtypes(model, tokens):
     with pytest.raises(TypeError, match=r"to_half.*blocks\.0\.hook_resid_post.*float16.*float32"):
         model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.hook_resid_post", to_half)])
     assert not model.hook_dict["blocks.0.hook_resid_post"].has_hooks()
+
+
+@torch.no_grad()
+def test_concurrent_trajectories_match_serial_ones(model):
+    from lenses import LogitLens, Trajectory
+
+    lens = LogitLens(model)
+    prompts = [torch.randint(0, 101, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 11)]
+    want = [Trajectory.from_prompt(model, lens, p) for p in prompts]
+    got: list[list] = [[], []]
+    run_threads(*[lambda i=i: [got[i].append(Trajectory.from_prompt(model, lens, prompts[i])) for _ in range(10)]
+                  for i in range(2)])
+    for i in range(2):
+        assert len(got[i]) == 10
+        for traj in got[i]:
+            assert torch.equal(traj.top_ids, want[i].top_ids)
+            assert torch.equal(traj.kl_to_final, want[i].kl_to_final)
