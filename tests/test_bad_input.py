@@ -11,6 +11,7 @@ import contextlib
 import io
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import warnings
@@ -25,7 +26,7 @@ import lenskit
 from lens_fixtures import write_text_folder, write_tiny_model
 from lenses import LogitLens
 from lenses.cli import main as cli_main
-from lenses.lock import LOCK_FILE, FolderLockedError, acquire, folder_lock, release
+from lenses.lock import LOCK_FILE, FolderLockedError, acquire, folder_lock
 from lenses.training import CHECKPOINT_FILE, Recipe, train
 from lenses.tuned import TunedLens
 from lenskit.data import load_token_stream, read_documents
@@ -105,7 +106,7 @@ def truncated_checkpoint(env: Env) -> Any:
 def locked_by_live_process(env: Env) -> Any:
     out = env.path("locked")
     out.mkdir()
-    (out / LOCK_FILE).write_text(f"{os.getppid()} {os.uname().nodename}\n")  # our parent: alive
+    (out / LOCK_FILE).write_text(f"{os.getppid()} {socket.gethostname()}\n")  # our parent: alive
     return train(TunedLens(env.model), env.stream(), Recipe(steps=2, ctx=16, tokens_per_step=32), out=out, progress=False)
 
 
@@ -114,7 +115,7 @@ def stale_lock(env: Env) -> Path:
     out.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (out / LOCK_FILE).write_text(f"{dead.pid} {os.uname().nodename}\n")
+    (out / LOCK_FILE).write_text(f"{dead.pid} {socket.gethostname()}\n")
     with folder_lock(out) as lock:
         assert lock.read_text().split()[0] == str(os.getpid())
     return out
@@ -190,7 +191,7 @@ def truncated_model(env: Env) -> Any:
 def locked_cli_run(env: Env) -> tuple[int, str]:
     out = env.path("cli_locked")
     out.mkdir()
-    (out / LOCK_FILE).write_text(f"{os.getppid()} {os.uname().nodename}\n")
+    (out / LOCK_FILE).write_text(f"{os.getppid()} {socket.gethostname()}\n")
     return cli(*TRAIN, "--out", str(out), "--steps", "2", "--tokens-per-step", "32")(env)
 
 

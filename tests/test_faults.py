@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -123,7 +124,7 @@ def test_a_second_run_into_the_same_folder_refuses(setup, tmp_path):
     out.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        (out / LOCK_FILE).write_text(f"{holder.pid} {os.uname().nodename}\n")
+        (out / LOCK_FILE).write_text(f"{holder.pid} {socket.gethostname()}\n")
         proc = train(root, out)
         assert_one_line_refusal(proc, "in use by another training run", f"pid {holder.pid}", "--out")
         assert (out / LOCK_FILE).read_text().split()[0] == str(holder.pid)  # the live owner keeps its lock
