@@ -3,7 +3,8 @@
 Two `train-lens` runs into one `--out` would overwrite each other's checkpoints and one result would be
 lost in silence. The first run creates `--out/.lenskit.lock` atomically (O_CREAT | O_EXCL) and removes it
 when it ends, also on an exception or Ctrl-C; a second run finds it and refuses. A lock left by a run
-that was killed (its pid no longer exists on this host) is stale and is cleared.
+that was killed (its pid no longer exists on this host) is stale and is cleared, with any temporary file
+that run was writing when it died.
 
 >>> with folder_lock("my_lens"):
 ...     ...  # train into my_lens
@@ -85,6 +86,9 @@ def acquire(folder: str | os.PathLike) -> Path:
                 raise FolderLockedError(f"{folder} is being locked by another run just now; pass another --out, "
                                         f"or delete {path} if no run is using it") from None
             path.unlink(missing_ok=True)  # stale: its owner was killed
+            if pid is not None:
+                for partial in folder.glob(f".*.tmp{pid}"):  # what it was writing when killed (see write_atomic)
+                    partial.unlink(missing_ok=True)
             continue
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(f"{os.getpid()} {socket.gethostname()}\n")

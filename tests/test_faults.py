@@ -97,6 +97,7 @@ def test_killed_run_resumes_to_the_same_lens_or_refuses_clearly(setup, tmp_path,
     assert (out / LOCK_FILE).exists(), f"a killed run leaves its lock behind, which the rerun must clear {note}"
 
     if truncate:
+        finished = (out / "lens.safetensors").exists()  # killed between saving the lens and removing the checkpoint
         size = ckpt.stat().st_size
         cut = rng.randrange(0, size)
         with open(ckpt, "r+b") as f:
@@ -104,7 +105,7 @@ def test_killed_run_resumes_to_the_same_lens_or_refuses_clearly(setup, tmp_path,
         proc = train(root, out)
         assert_one_line_refusal(proc, "corrupt", str(ckpt), "delete")
         assert ckpt.stat().st_size == cut, f"the corrupt checkpoint must be kept as it was {note}"
-        assert not (out / "lens.safetensors").exists()
+        assert finished or not (out / "lens.safetensors").exists()
         ckpt.unlink()  # what the message says to do
         proc = train(root, out)
         assert proc.returncode == 0, f"{note}\n{proc.stderr}"
@@ -132,3 +133,18 @@ def test_a_second_run_into_the_same_folder_refuses(setup, tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_stale_lock_takes_its_owners_temporary_files_with_it(tmp_path):
+    from lenses.lock import folder_lock
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "lens"
+    out.mkdir()
+    (out / LOCK_FILE).write_text(f"{dead.pid} {socket.gethostname()}\n")
+    (out / f".{CHECKPOINT_FILE}.tmp{dead.pid}").write_bytes(b"half a checkpoint")
+    (out / f".{CHECKPOINT_FILE}.tmp{dead.pid + 1}").write_bytes(b"someone else's")
+    with folder_lock(out):
+        pass
+    assert sorted(p.name for p in out.iterdir()) == [f".{CHECKPOINT_FILE}.tmp{dead.pid + 1}"]
