@@ -120,6 +120,8 @@ def evaluate(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequence[Len
     `.attrs` holds `prediction_depth` ({lens: mean layers}), `n_tokens` and `n_windows`.
     """
     ctx = ctx or model.cfg.n_ctx
+    if not 2 <= ctx <= model.cfg.n_ctx:
+        raise ValueError(f"ctx={ctx} must be between 2 and the model's context n_ctx={model.cfg.n_ctx}; pass a smaller --ctx")
     windows = stream.windows(ctx)
     if tokens is not None:
         if tokens < ctx:

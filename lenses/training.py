@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from lenskit import Stream
 from lenskit.data import TokenStream, window_order
 
 from .io import CONFIG_FILE, read_config, write_atomic
+from .lock import locks_out_folder
 from .metrics import forward_kl
 from .tuned import TunedLens
 
@@ -60,12 +62,32 @@ class Recipe:
     micro_batch_tokens: int = 2048  # tokens per forward; bounds memory (d_vocab floats per token per layer)
     ckpt_every: int = 10
 
+    def __post_init__(self) -> None:
+        """Check every field at construction: one line naming the field (and its flag) and what it must be."""
+        for name, least, optional in (("steps", 1, False), ("tokens_per_step", 1, True), ("ctx", 2, True),
+                                      ("warmup_steps", 0, True), ("micro_batch_tokens", 1, False), ("ckpt_every", 1, False)):
+            value = getattr(self, name)
+            if optional and value is None:
+                continue
+            if not _is_int(value) or value < least:
+                raise ValueError(f"{_field(name)} must be an integer >= {least}, got {value!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"{_field('seed')} must be an integer, got {self.seed!r}")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"{_field('optimizer')} must be 'sgd' or 'adam', got {self.optimizer!r}")
+        for name, low, high, closed_low in (("lr", 0.0, math.inf, False), ("momentum", 0.0, 1.0, True),
+                                            ("weight_decay", 0.0, math.inf, True), ("clip_grad_norm", 0.0, math.inf, False)):
+            value = getattr(self, name)
+            if name == "lr" and value is None:
+                continue
+            ok = _is_real(value) and math.isfinite(value) and (value >= low if closed_low else value > low) and value < high
+            if not ok:
+                want = {"lr": "a finite number > 0", "momentum": "a number in [0, 1)", "weight_decay": "a finite number >= 0",
+                        "clip_grad_norm": "a finite number > 0"}[name]
+                raise ValueError(f"{_field(name)} must be {want}, got {value!r}")
+
     def resolve(self, n_tokens: int, n_ctx: int, world_size: int = 1) -> "Recipe":
         """Fill in the defaults, and raise before any training if the data cannot supply the steps."""
-        if self.steps < 1:
-            raise ValueError(f"steps must be at least 1, got {self.steps}")
-        if self.optimizer not in ("sgd", "adam"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
         ctx = self.ctx or n_ctx
         if not 2 <= ctx <= n_ctx:
             raise ValueError(f"ctx={ctx} must be between 2 and the model's n_ctx={n_ctx}")
@@ -103,6 +125,23 @@ class Recipe:
     def identity(self) -> dict:
         """The fields that decide the result (a resumed run must match them)."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "ckpt_every"}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _field(name: str) -> str:
+    """A Recipe field, with the train-lens flag that sets it where there is one."""
+    flag = name.replace("_", "-")
+    return f"Recipe.{name} (--{flag})" if name in _FLAGS else f"Recipe.{name}"
+
+
+_FLAGS = {"steps", "tokens_per_step", "seed", "ctx", "optimizer", "lr", "weight_decay", "micro_batch_tokens", "ckpt_every"}
 
 
 def make_optimizer(params: list[nn.Parameter], recipe: Recipe) -> torch.optim.Optimizer:
@@ -176,11 +215,19 @@ def save_checkpoint(path: Path, lens: TunedLens, opt: torch.optim.Optimizer, met
 
 
 def load_checkpoint(path: Path, lens: TunedLens, opt: torch.optim.Optimizer) -> dict:
-    with safe_open(str(path), "pt") as f:
-        meta = json.loads(f.metadata()["meta"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    """Restore the lens and optimiser state; a truncated or foreign file raises ValueError and is left in place."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads((f.metadata() or {})["meta"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if not (isinstance(meta, dict) and isinstance(meta.get("step"), int) and isinstance(meta.get("scalars"), list)):
+            raise ValueError("its metadata has no step count")
+        lens.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("lens.")})
+    except Exception as e:  # safetensors raises its own error type for a cut-off file
+        raise ValueError(f"the checkpoint {path} is corrupt or does not fit this lens ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'unreadable'}); it was kept. To start over, delete it "
+                         f"(or pass another --out)") from None
     device = next(lens.parameters()).device
-    lens.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("lens.")})
     for i, p in enumerate(lens.parameters()):
         state = {}
         for name, value in tensors.items():
@@ -244,6 +291,7 @@ def train_step(objective: nn.Module, lens: TunedLens, opt: torch.optim.Optimizer
     return [round(float(x), 6) for x in step_loss / recipe.tokens_per_step]
 
 
+@locks_out_folder  # one run per --out: a second one refuses (lenses/lock.py)
 def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: str | os.PathLike | None = None,
           progress: bool = True) -> TunedLens:
     """Train `lens` in place on `stream` and return it; with `out`, checkpoint there, resume from there,

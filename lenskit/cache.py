@@ -30,6 +30,8 @@ def hook_name(short: str, layer: int | None = None, n_layers: int | None = None)
         return short
     if short not in _BLOCK_SHORT:
         raise KeyError(f"unknown short hook name {short!r}; known: {sorted(_BLOCK_SHORT)}")
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise TypeError(f"a layer must be an int, got {layer!r}")
     if n_layers is not None:
         layer = check_layer(layer, n_layers)
     return block_hook_name(layer, _BLOCK_SHORT[short])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sysconfig
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
@@ -99,6 +100,25 @@ def list_files(paths: Sequence[str | Path]) -> list[Path]:
     return files
 
 
+def decode_text(path: Path, raw: bytes, max_bad_fraction: float = 0.01) -> str:
+    """UTF-8 text of a file. A few undecodable bytes become U+FFFD, with a warning that counts them; a file with
+    NUL bytes or more than `max_bad_fraction` undecodable ones is binary and refused (ValueError naming it)."""
+    has_nul = b"\x00" in raw
+    try:
+        if not has_nul:
+            return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    text = raw.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd")
+    if has_nul or bad > max_bad_fraction * len(raw):
+        nul = ", and NUL bytes" if has_nul else ""
+        raise ValueError(f"{path} is not UTF-8 text ({bad:,} of {len(raw):,} bytes undecodable{nul}); "
+                         "it looks binary: remove it from the data")
+    warnings.warn(f"{path}: {bad:,} bytes are not UTF-8 and were read as U+FFFD", stacklevel=3)
+    return text
+
+
 def read_documents(paths: Sequence[str | Path], text_field: str = "text") -> tuple[list[Document], dict]:
     """Read every file (see `list_files`) into documents; JSONL gives one document per record's `text_field`.
 
@@ -111,7 +131,7 @@ def read_documents(paths: Sequence[str | Path], text_field: str = "text") -> tup
         raw = f.read_bytes()
         records.append({"path": f.as_posix(), "bytes": len(raw), "sha256": _sha256(raw)})
         if f.suffix.lower() == ".jsonl":
-            for i, line in enumerate(raw.decode("utf-8").splitlines(), start=1):
+            for i, line in enumerate(decode_text(f, raw).splitlines(), start=1):
                 if not line.strip():
                     continue
                 try:
@@ -123,8 +143,7 @@ def read_documents(paths: Sequence[str | Path], text_field: str = "text") -> tup
                                      f'{{"{text_field}": "..."}}')
                 docs.append(Document(f"{f.as_posix()}:{i}", obj[text_field]))
         else:
-            # Undecodable bytes become U+FFFD rather than aborting a large folder; the hash is of the raw bytes.
-            docs.append(Document(f.as_posix(), raw.decode("utf-8", errors="replace")))
+            docs.append(Document(f.as_posix(), decode_text(f, raw)))
     combined = _sha256("\n".join(f"{r['path']} {r['sha256']}" for r in records).encode())
     provenance = {
         "inputs": [Path(p).as_posix() for p in paths],

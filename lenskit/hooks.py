@@ -2,6 +2,10 @@
 
 Names come from the module tree (`blocks.3.hook_resid_post`), so nobody types a name twice.
 Hooks are temporary: `HookedRootModule.hooks()` removes everything it added in a `finally`.
+
+Hooks added through `hooks()`, `run_with_hooks` or `run_with_cache` belong to the calling thread (its
+`contextvars` context): two threads running one model never see each other's hooks. `HookPoint.add_hook`
+attaches a global hook instead, seen by every thread until it is removed or `reset_hooks()` runs.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import difflib
 import re
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Callable, Iterable, Iterator, Sequence, Union
 
 import torch
@@ -19,10 +24,20 @@ NameOrPredicate = Union[str, Callable[[str], bool]]
 NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 
 
+# The hooks of the current thread/context: hook point -> its functions, in attachment order.
+# Copied on write, so a context's dict is never changed under another reader; None when there are none.
+_CONTEXT_HOOKS: ContextVar["dict[HookPoint, tuple[HookFn, ...]] | None"] = ContextVar("lenskit_hooks", default=None)
+
+
+def _fn_name(fn: HookFn) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
 class HookPoint(nn.Module):
     """Identity on its input, except that attached hook functions see it and may replace it.
 
-    A hook is `fn(tensor, hook) -> None | tensor`; returning a tensor replaces the activation.
+    A hook is `fn(tensor, hook) -> None | tensor`; returning a tensor replaces the activation (same shape
+    and dtype). Global hooks (`add_hook`) run first, then the calling context's (`HookedRootModule.hooks`).
     """
 
     def __init__(self) -> None:
@@ -31,7 +46,9 @@ class HookPoint(nn.Module):
         self._fns: list[HookFn] = []
 
     def add_hook(self, fn: HookFn) -> Callable[[], None]:
-        """Attach `fn`; returns a function that removes exactly this attachment."""
+        """Attach `fn` globally (every thread sees it); returns a function that removes exactly this attachment.
+
+        Prefer `model.hooks(...)`, whose hooks belong to the calling thread and are removed on exit."""
         self._fns.append(fn)
 
         def remove() -> None:
@@ -46,20 +63,41 @@ class HookPoint(nn.Module):
         self._fns.clear()
 
     def has_hooks(self) -> bool:
-        return bool(self._fns)
+        """Whether a global hook or one of the calling context's hooks is attached here."""
+        if self._fns:
+            return True
+        local = _CONTEXT_HOOKS.get()
+        return local is not None and self in local
+
+    def hook_fns(self) -> list[HookFn]:
+        """The hooks that run here for the calling context: global ones, then the context's."""
+        local = _CONTEXT_HOOKS.get()
+        return [*self._fns, *local.get(self, ())] if local else list(self._fns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for fn in self._fns:
+        local = _CONTEXT_HOOKS.get()
+        mine = local.get(self, ()) if local is not None else ()
+        if not self._fns:
+            if not mine:
+                return x  # the no-hook fast path: one context lookup
+            fns = mine
+        else:
+            fns = (*self._fns, *mine)
+        for fn in fns:
             out = fn(x, self)
             if out is not None:
                 if not isinstance(out, torch.Tensor) or out.shape != x.shape:
                     got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                    raise ValueError(f"hook on {self.name} returned {got}; expected a tensor of shape {tuple(x.shape)}")
+                    raise ValueError(f"hook {_fn_name(fn)} on {self.name} returned {got}; "
+                                     f"expected a tensor of shape {tuple(x.shape)}")
+                if out.dtype != x.dtype:
+                    raise TypeError(f"hook {_fn_name(fn)} on {self.name} returned dtype {out.dtype}, but the activation "
+                                    f"is {x.dtype}; cast the result with .to({x.dtype})")
                 x = out
         return x
 
     def extra_repr(self) -> str:
-        return f"name={self.name!r}, hooks={len(self._fns)}"
+        return f"name={self.name!r}, hooks={len(self.hook_fns())}"
 
 
 class HookedRootModule(nn.Module):
@@ -118,26 +156,39 @@ class HookedRootModule(nn.Module):
 
         >>> with model.hooks([("blocks.0.hook_attn_out", lambda x, hook: x * 0)]):
         ...     logits = model(tokens)
+
+        The hooks belong to the calling thread (its context): another thread running the same model
+        meanwhile does not see them.
         """
-        removers: list[Callable[[], None]] = []
+        added: dict[HookPoint, list[HookFn]] = {}
+        for item in fwd_hooks:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise TypeError(f"fwd_hooks must hold (hook name or predicate, fn) pairs, got {item!r:.80}")
+            target, fn = item
+            if not callable(fn):
+                raise TypeError(f"hook for {target!r} is not callable: {fn!r}")
+            for hp in self._resolve(target):
+                added.setdefault(hp, []).append(fn)
+        if not added:
+            yield self
+            return
+        merged = dict(_CONTEXT_HOOKS.get() or {})
+        for hp, fns in added.items():
+            merged[hp] = (*merged.get(hp, ()), *fns)
+        token = _CONTEXT_HOOKS.set(merged)
         try:
-            for item in fwd_hooks:
-                if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                    raise TypeError(f"fwd_hooks must hold (hook name or predicate, fn) pairs, got {item!r:.80}")
-                target, fn = item
-                if not callable(fn):
-                    raise TypeError(f"hook for {target!r} is not callable: {fn!r}")
-                for hp in self._resolve(target):
-                    removers.append(hp.add_hook(fn))
             yield self
         finally:
-            for remove in reversed(removers):
-                remove()
+            _CONTEXT_HOOKS.reset(token)
 
     def reset_hooks(self) -> None:
-        """Remove every hook from every hook point."""
+        """Remove every global hook from every hook point, and this context's hooks on this model."""
         for hp in self.hook_dict.values():
             hp.remove_hooks()
+        local = _CONTEXT_HOOKS.get()
+        if local:
+            mine = set(self.hook_dict.values())
+            _CONTEXT_HOOKS.set({hp: fns for hp, fns in local.items() if hp not in mine} or None)
 
 
 def layer_of(name: str) -> int | None:

@@ -13,7 +13,7 @@ from .cache import ActivationCache
 from .config import ModelConfig
 from .hooks import HookedRootModule, HookFn, NameOrPredicate, NamesFilter, HookPoint, layer_of
 from .layers import TransformerBlock, make_norm
-from .text import is_text, pad_token_id, right_pad
+from .text import check_unicode, is_text, pad_token_id, right_pad
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -76,7 +76,8 @@ class HookedTransformer(HookedRootModule):
     def forward(self, tokens: TokensLike, *, stop_at_layer: int | None = None) -> torch.Tensor:
         """Logits [batch, pos, d_vocab] at every position; with `stop_at_layer=l`, the stream after l blocks."""
         n = self.cfg.n_layers
-        if stop_at_layer is not None and not (isinstance(stop_at_layer, int) and -n <= stop_at_layer <= n):
+        if stop_at_layer is not None and not (isinstance(stop_at_layer, int) and not isinstance(stop_at_layer, bool)
+                                              and -n <= stop_at_layer <= n):
             raise ValueError(f"stop_at_layer must be an int in [-{n}, {n}] (streams after 0..{n} blocks), got {stop_at_layer!r}")
         tokens = self.validate_tokens(tokens)
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -164,6 +165,8 @@ class HookedTransformer(HookedRootModule):
     @torch.no_grad()
     def generate(self, tokens: TokensLike, max_new_tokens: int = 20) -> torch.Tensor:
         """Greedy continuation (no sampling, no KV cache): [batch, pos + max_new_tokens]."""
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         tokens = self.validate_tokens(tokens)
         for _ in range(max_new_tokens):
             window = tokens[:, -self.cfg.n_ctx:]
@@ -189,6 +192,8 @@ class HookedTransformer(HookedRootModule):
                 f"the prompt has {tokens.shape[1]} tokens but the model's context is n_ctx={self.cfg.n_ctx}; "
                 f"truncate it (e.g. tokens[:, -{self.cfg.n_ctx}:]) or split it into windows"
             )
+        if tokens.dtype != torch.long:  # int8/uint8 would overflow the comparison; uint16 has no CPU `<`
+            tokens = tokens.long()
         bad = (tokens < 0) | (tokens >= self.cfg.d_vocab)
         if bad.any():
             b, p = (int(i) for i in bad.nonzero()[0])
@@ -212,6 +217,7 @@ class HookedTransformer(HookedRootModule):
         texts = [text] if isinstance(text, str) else list(text)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError(f"to_tokens needs a string or a non-empty list of strings; got no texts or non-strings: {text!r:.80}")
+        check_unicode(texts)
         ids = [tok.encode(t, add_special_tokens=False) for t in texts]
         if prepend_bos:
             bos = tok.bos_token_id if tok.bos_token_id is not None else self.cfg.bos_token_id

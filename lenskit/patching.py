@@ -40,8 +40,12 @@ def logit_diff(token_a: int, token_b: int, position: int = -1) -> Metric:
     The usual patching metric: e.g. the right answer against the answer the corrupted prompt points to.
     """
     a, b = int(token_a), int(token_b)
+    if a < 0 or b < 0:
+        raise ValueError(f"logit_diff needs token ids >= 0, got {a} and {b}")
 
     def metric(logits: torch.Tensor) -> torch.Tensor:
+        if max(a, b) >= logits.shape[-1]:
+            raise ValueError(f"logit_diff({a}, {b}): token id {max(a, b)} is outside the vocabulary [0, {logits.shape[-1]})")
         return (logits[:, position, a] - logits[:, position, b]).mean()
 
     metric.__name__ = f"logit_diff({a}, {b})"

@@ -30,9 +30,20 @@ def right_pad(rows: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
     return out
 
 
+def check_unicode(texts: Sequence[str]) -> None:
+    """Refuse text a tokenizer cannot encode: a lone surrogate, e.g. from non-UTF-8 bytes in a shell argument."""
+    for t in texts:
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the text has a character that is not valid Unicode ({t[e.start]!r} at index {e.start}, "
+                             "often from non-UTF-8 bytes in a command-line argument); pass UTF-8 text") from None
+
+
 def encode_texts(tokenizer: "PreTrainedTokenizerBase", texts: str | Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenize each text once: right-padded ids [batch, pos] and each row's real length [batch]."""
     texts = [texts] if isinstance(texts, str) else list(texts)
+    check_unicode(texts)
     rows = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     if not rows or any(len(r) == 0 for r in rows):
         raise ValueError("an empty text has no tokens; pass a non-empty string")

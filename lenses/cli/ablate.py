@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import pandas as pd
 
@@ -70,11 +71,16 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.set_defaults(run=run)
 
 
+FIGURE_SUFFIXES = (".html", ".png", ".svg", ".pdf")  # what plots.save_figure writes
+
+
 def run(args: argparse.Namespace) -> int:
     from lenses.compare import compare_runs, output_summary
 
     if not args.targets:
         raise ValueError("nothing to ablate: give at least one of --block L, --attn L, --mlp L, --head L.H")
+    if args.out and Path(args.out).suffix.lower() not in FIGURE_SUFFIXES:  # before any work, not after it
+        raise ValueError(f"cannot tell the format of --out {args.out!r}: expected a name ending in {', '.join(FIGURE_SUFFIXES)}")
     model = lenskit.HookedTransformer.from_pretrained(args.model or lenskit.DEFAULT_MODEL)
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files; lenskit ablate needs one to read PROMPT")

@@ -47,17 +47,20 @@ def add_parser(subparsers, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from lenskit.data import load_token_stream
 
+    from ..lock import check_writable
     from ..training import init_distributed, train
     from ..tuned import TunedLens
 
+    # The recipe checks its fields on construction: bad flags fail before the model or the data load.
+    recipe = Recipe(steps=args.steps, tokens_per_step=args.tokens_per_step, seed=args.seed, ctx=args.ctx,
+                    optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, ckpt_every=args.ckpt_every,
+                    micro_batch_tokens=args.micro_batch_tokens)
+    check_writable(args.out)  # before any work, not at the first checkpoint
     rank, world, device = init_distributed()
     model = lenskit.HookedTransformer.from_pretrained(args.model, device=device or ("cpu"))
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files; train-lens needs one to read text")
     stream = load_token_stream(args.data, model.tokenizer, text_field=args.text_field)
-    recipe = Recipe(steps=args.steps, tokens_per_step=args.tokens_per_step, seed=args.seed, ctx=args.ctx,
-                    optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, ckpt_every=args.ckpt_every,
-                    micro_batch_tokens=args.micro_batch_tokens)
     if rank == 0:
         print(f"data: {stream.provenance['n_files']} files, {len(stream):,} tokens; model: {model.cfg.name} "
               f"({model.cfg.n_layers} layers); processes: {world}")

@@ -1,0 +1,386 @@
+"""Bad input, as a table: each row names an input, what it must end in (an exception type, a CLI exit code,
+or "works") and the words its one-line message must contain.
+
+The last test runs every row and asserts that none ends in an exception type outside the table's promise
+(a raw ZeroDivisionError, NotImplementedError, AttributeError, safetensors' own error, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import lenskit
+from lens_fixtures import write_text_folder, write_tiny_model
+from lenses import LogitLens
+from lenses.cli import main as cli_main
+from lenses.lock import LOCK_FILE, FolderLockedError, acquire, folder_lock
+from lenses.training import CHECKPOINT_FILE, Recipe, train
+from lenses.tuned import TunedLens
+from lenskit.data import load_token_stream, read_documents
+from lenskit.interventions import Block, ablation_hooks
+from lenskit.patching import logit_diff, patching_hooks
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKS = "works"
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    run: Callable[["Env"], Any]  # an API call, or a CLI call that returns (exit code, stderr)
+    expect: type[BaseException] | int | str  # exception type, CLI exit code, or WORKS
+    words: tuple[str, ...] = ()
+    check: Callable[["Env", Any], None] | None = None  # for WORKS rows: what the result must be
+
+
+class Env:
+    """The files the rows read, made once: a tiny model folder with a tokenizer, text data, a lens folder."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        write_tiny_model(root / "model")
+        write_text_folder(root / "data", n=30, seed=0)
+        self.model = lenskit.HookedTransformer.from_pretrained(root / "model")
+        self.tokens = torch.randint(0, self.model.cfg.d_vocab, (2, 7), generator=torch.Generator().manual_seed(0))
+        TunedLens(self.model).save(root / "lens")
+        self.outcomes: dict[str, tuple[str, Any]] = {}
+
+    def path(self, name: str) -> Path:
+        """A fresh path under the root for one row."""
+        p = self.root / "rows" / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def stream(self):
+        return load_token_stream([self.root / "data"], self.model.tokenizer)
+
+
+def cli(*args: str) -> Callable[[Env], tuple[int, str]]:
+    """An in-process CLI call; `{root}` in an argument is the Env root."""
+    def run(env: Env) -> tuple[int, str]:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = cli_main([a.format(root=env.root) for a in args])
+        return code, err.getvalue()
+    return run
+
+
+def cli_subprocess(*args: str | bytes) -> Callable[[Env], tuple[int, str]]:
+    """The real console program in a fresh interpreter (argv may hold raw bytes, as a shell can pass)."""
+    def run(env: Env) -> tuple[int, str]:
+        argv = [sys.executable, "-m", "lenses.cli", *(a.format(root=env.root) if isinstance(a, str) else a for a in args)]
+        env_vars = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(argv, capture_output=True, timeout=300, env=env_vars)
+        return proc.returncode, proc.stderr.decode("utf-8", "replace")
+    run.slow = True  # a fresh interpreter imports torch: seconds per row
+    return run
+
+
+TRAIN = ("train-lens", "--model", "{root}/model", "--data", "{root}/data", "--ctx", "16", "--quiet")
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def truncated_checkpoint(env: Env) -> Any:
+    out = env.path("truncated_ckpt")
+    out.mkdir()
+    (out / CHECKPOINT_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"__metadata__\"")
+    try:
+        return train(TunedLens(env.model), env.stream(), Recipe(steps=2, ctx=16, tokens_per_step=32), out=out, progress=False)
+    finally:
+        assert (out / CHECKPOINT_FILE).exists(), "a corrupt checkpoint must be kept"
+
+
+def locked_by_live_process(env: Env) -> Any:
+    out = env.path("locked")
+    out.mkdir()
+    (out / LOCK_FILE).write_text(f"{os.getppid()} {socket.gethostname()}\n")  # our parent: alive
+    return train(TunedLens(env.model), env.stream(), Recipe(steps=2, ctx=16, tokens_per_step=32), out=out, progress=False)
+
+
+def stale_lock(env: Env) -> Path:
+    out = env.path("stale")
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / LOCK_FILE).write_text(f"{dead.pid} {socket.gethostname()}\n")
+    with folder_lock(out) as lock:
+        assert lock.read_text().split()[0] == str(os.getpid())
+    return out
+
+
+def check_stale_cleared(env: Env, out: Path) -> None:
+    assert not (out / LOCK_FILE).exists()
+
+
+def lock_twice(env: Env) -> Any:
+    out = env.path("twice")
+    with folder_lock(out):
+        return acquire(out)
+
+
+def lock_released_on_interrupt(env: Env) -> Path:
+    out = env.path("interrupt")
+    with contextlib.suppress(KeyboardInterrupt), folder_lock(out):
+        raise KeyboardInterrupt
+    return out
+
+
+def hook_to_half(env: Env) -> Any:
+    def to_half(x, hook):
+        return x.half()
+    return env.model.run_with_hooks(env.tokens, fwd_hooks=[("blocks.0.hook_resid_post", to_half)])
+
+
+def write_file(name: str, data: bytes) -> Callable[[Env], Path]:
+    def make(env: Env) -> Path:
+        p = env.path(name)
+        p.write_bytes(data)
+        return p
+    return make
+
+
+def read_data(name: str, data: bytes) -> Callable[[Env], Any]:
+    return lambda env: read_documents([write_file(name, data)(env)])
+
+
+def few_bad_bytes(env: Env) -> Any:
+    path = write_file("few_bad.txt", b"x = 1\n" * 400 + b"\xff\xfe")(env)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        docs, _ = read_documents([path])
+    return docs, [str(w.message) for w in caught]
+
+
+def check_few_bad(env: Env, result: Any) -> None:
+    docs, messages = result
+    assert docs[0].text.count("\ufffd") == 2
+    assert len(messages) == 1 and "2 bytes are not UTF-8" in messages[0], messages
+
+
+def same_as_long(dtype: torch.dtype) -> Callable[[Env], Any]:
+    small = torch.tensor([[0, 5, 99, 127], [1, 2, 3, 4]])  # ids every integer dtype holds
+    return lambda env: (env.model(small.to(dtype)), env.model(small))
+
+
+def check_equal(env: Env, result: Any) -> None:
+    got, want = result
+    assert torch.equal(got, want)
+
+
+def truncated_model(env: Env) -> Any:
+    folder = env.path("cut_model")
+    shutil.copytree(env.root / "model", folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:500])
+    return lenskit.HookedTransformer.from_pretrained(folder)
+
+
+def locked_cli_run(env: Env) -> tuple[int, str]:
+    out = env.path("cli_locked")
+    out.mkdir()
+    (out / LOCK_FILE).write_text(f"{os.getppid()} {socket.gethostname()}\n")
+    return cli(*TRAIN, "--out", str(out), "--steps", "2", "--tokens-per-step", "32")(env)
+
+
+def read_only_out(env: Env) -> Any:
+    parent = env.path("readonly")
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        return cli("train-lens", "--model", "{root}/model", "--data", "{root}/data", "--out", str(parent / "lens"),
+                   "--steps", "2", "--ctx", "16", "--tokens-per-step", "32", "--quiet")(env)
+    finally:
+        parent.chmod(0o755)
+
+
+ROWS = [
+    # --------------------------------------------------------------- Recipe fields (issue 14, item 1)
+    Row("recipe tokens_per_step -512", lambda e: Recipe(tokens_per_step=-512), ValueError, ("tokens_per_step", ">= 1", "-512")),
+    Row("recipe tokens_per_step 0", lambda e: Recipe(tokens_per_step=0), ValueError, ("tokens_per_step", ">= 1")),
+    Row("recipe ckpt_every 0", lambda e: Recipe(ckpt_every=0), ValueError, ("ckpt_every", ">= 1")),
+    Row("recipe steps bool", lambda e: Recipe(steps=True), ValueError, ("steps", "integer", "True")),
+    Row("recipe steps 0", lambda e: Recipe(steps=0), ValueError, ("steps", ">= 1")),
+    Row("recipe ctx 1", lambda e: Recipe(ctx=1), ValueError, ("ctx", ">= 2")),
+    Row("recipe lr 0", lambda e: Recipe(lr=0.0), ValueError, ("lr", "> 0")),
+    Row("recipe lr nan", lambda e: Recipe(lr=float("nan")), ValueError, ("lr", "finite")),
+    Row("recipe lr bool", lambda e: Recipe(lr=True), ValueError, ("lr",)),
+    Row("recipe momentum 1", lambda e: Recipe(momentum=1.0), ValueError, ("momentum", "[0, 1)")),
+    Row("recipe momentum -0.1", lambda e: Recipe(momentum=-0.1), ValueError, ("momentum",)),
+    Row("recipe weight_decay -1", lambda e: Recipe(weight_decay=-1e-3), ValueError, ("weight_decay", ">= 0")),
+    Row("recipe warmup -1", lambda e: Recipe(warmup_steps=-1), ValueError, ("warmup_steps", ">= 0")),
+    Row("recipe clip 0", lambda e: Recipe(clip_grad_norm=0.0), ValueError, ("clip_grad_norm", "> 0")),
+    Row("recipe seed str", lambda e: Recipe(seed="0"), ValueError, ("seed", "integer")),
+    Row("recipe seed float", lambda e: Recipe(seed=1.5), ValueError, ("seed", "integer")),
+    Row("recipe micro_batch_tokens 0", lambda e: Recipe(micro_batch_tokens=0), ValueError, ("micro_batch_tokens",)),
+    Row("recipe optimizer", lambda e: Recipe(optimizer="rmsprop"), ValueError, ("optimizer", "'sgd' or 'adam'")),
+    Row("recipe tokens_per_step not a multiple of ctx", lambda e: Recipe(tokens_per_step=100, ctx=16).resolve(10_000, 16),
+        ValueError, ("tokens_per_step=100", "multiple of ctx")),
+    Row("recipe ctx above n_ctx", lambda e: Recipe(ctx=999).resolve(10_000, 256), ValueError, ("ctx=999", "n_ctx=256")),
+    Row("cli train-lens --tokens-per-step -512", cli_subprocess(*TRAIN, "--out", "{root}/rows/neg", "--tokens-per-step", "-512"),
+        2, ("tokens_per_step", "--tokens-per-step", "-512")),
+    Row("cli train-lens --tokens-per-step 0", cli_subprocess(*TRAIN, "--out", "{root}/rows/zero", "--tokens-per-step", "0"),
+        2, ("--tokens-per-step", ">= 1")),
+    Row("cli train-lens --ckpt-every 0", cli_subprocess(*TRAIN, "--out", "{root}/rows/ck0", "--ckpt-every", "0"),
+        2, ("--ckpt-every", ">= 1")),
+    Row("cli train-lens --lr -1", cli(*TRAIN, "--out", "{root}/rows/lr", "--lr", "-1"), 2, ("--lr", "> 0")),
+    # --------------------------------------------------------------- output folder, lock, checkpoint (items 4-6)
+    Row("train into a folder locked by a live run", locked_by_live_process, FolderLockedError,
+        ("in use by another training run", "pid", "--out")),
+    Row("cli train-lens into a locked folder", locked_cli_run, 2, ("in use by another training run",)),
+    Row("lock the same folder twice", lock_twice, FolderLockedError, ("in use", str(os.getpid()))),
+    Row("stale lock of a dead pid is cleared", stale_lock, WORKS, check=check_stale_cleared),
+    Row("lock released on KeyboardInterrupt", lock_released_on_interrupt, WORKS,
+        check=lambda e, out: None if not (out / LOCK_FILE).exists() else pytest.fail("lock left behind")),
+    Row("--out under a file", cli(*TRAIN, "--out", "{root}/model/config.json/lens", "--steps", "2", "--tokens-per-step", "32"),
+        2, ("is a file", "--out")),
+    Row("truncated checkpoint on resume", truncated_checkpoint, ValueError, ("corrupt", CHECKPOINT_FILE, "kept", "delete")),
+    # --------------------------------------------------------------- token tensors and prompts (item 8)
+    Row("int8 tokens", same_as_long(torch.int8), WORKS, check=check_equal),
+    Row("uint8 tokens", same_as_long(torch.uint8), WORKS, check=check_equal),
+    Row("int16 tokens", same_as_long(torch.int16), WORKS, check=check_equal),
+    Row("uint16 tokens (nanoGPT's format)", same_as_long(torch.uint16), WORKS, check=check_equal),
+    Row("int32 tokens", same_as_long(torch.int32), WORKS, check=check_equal),
+    Row("token id past the vocabulary", lambda e: e.model(torch.tensor([[1, 300]])), ValueError, ("300", "outside the vocabulary")),
+    Row("negative token id", lambda e: e.model(torch.tensor([[-1, 3]])), ValueError, ("-1", "outside the vocabulary")),
+    Row("int8 negative token id", lambda e: e.model(torch.tensor([[5, -3]], dtype=torch.int8)), ValueError, ("-3", "outside")),
+    Row("float tokens", lambda e: e.model(torch.tensor([[1.0, 2.0]])), TypeError, ("integer", "float32")),
+    Row("bool tokens", lambda e: e.model(torch.tensor([[True]])), TypeError, ("integer", "bool")),
+    Row("3-d tokens", lambda e: e.model(torch.zeros(1, 2, 3, dtype=torch.long)), ValueError, ("[batch, pos]",)),
+    Row("no positions", lambda e: e.model(torch.zeros(1, 0, dtype=torch.long)), ValueError, ("pos >= 1",)),
+    Row("longer than n_ctx", lambda e: e.model(torch.zeros(1, 65, dtype=torch.long)), ValueError, ("65 tokens", "n_ctx=64")),
+    Row("list of ints", lambda e: e.model([1, 2, 3]), TypeError, ("LongTensor", "list")),
+    Row("lone surrogate in a prompt", lambda e: e.model.to_tokens("def f\udcff():"), ValueError,
+        ("not valid Unicode", "index 5", "UTF-8")),
+    Row("empty prompt", lambda e: e.model.to_tokens(""), ValueError, ("empty", "prepend_bos")),
+    Row("empty list of prompts", lambda e: e.model.to_tokens([]), ValueError, ("non-empty list",)),
+    Row("cli lens with non-UTF-8 argv bytes", cli_subprocess("lens", b"x = \xff\xfe", "--model", "{root}/model"), 2,
+        ("not valid Unicode", "command-line")),
+    # --------------------------------------------------------------- model API (item 9)
+    Row("generate max_new_tokens -5", lambda e: e.model.generate(e.tokens, max_new_tokens=-5), ValueError, ("max_new_tokens", ">= 0")),
+    Row("generate max_new_tokens bool", lambda e: e.model.generate(e.tokens, max_new_tokens=True), ValueError, ("max_new_tokens",)),
+    Row("stop_at_layer bool", lambda e: e.model(e.tokens, stop_at_layer=True), ValueError, ("stop_at_layer",)),
+    Row("cache layer bool", lambda e: e.model.run_with_cache(e.tokens)[1]["resid_post", True], TypeError, ("layer", "True")),
+    Row("lens layer bool", lambda e: LogitLens(e.model)(torch.zeros(1, 2, 32), True), TypeError, ("stream", "got bool")),
+    Row("tuned lens mid layer bool",
+        lambda e: TunedLens(e.model, resid_mid=True)(torch.zeros(1, 2, 32), lenskit.Stream(True, "resid_mid")),
+        TypeError, ("layer", "True")),
+    Row("ablate Block(True)", lambda e: ablation_hooks(e.model, [Block(True)]), TypeError, ("layer must be an int",)),
+    Row("patching layer bool", lambda e: patching_hooks(e.model, e.model.run_with_cache(e.tokens)[1], "resid_pre", True),
+        TypeError, ("layer", "True")),
+    Row("logit_diff token past the vocabulary", lambda e: logit_diff(0, 10**6)(e.model(e.tokens)), ValueError,
+        ("1000000", "outside the vocabulary")),
+    Row("logit_diff negative token", lambda e: logit_diff(-1, 0), ValueError, (">= 0",)),
+    # --------------------------------------------------------------- hooks
+    Row("hook returns another dtype", hook_to_half, TypeError, ("to_half", "blocks.0.hook_resid_post", "float16", "float32")),
+    Row("hook returns another shape", lambda e: e.model.run_with_hooks(e.tokens, fwd_hooks=[
+        ("blocks.0.hook_resid_post", lambda x, hook: x[:, :1])]), ValueError, ("blocks.0.hook_resid_post", "shape")),
+    Row("hook on an unknown name", lambda e: e.model.run_with_hooks(e.tokens, fwd_hooks=[("blocks.0.hook_resid_pots", print)]),
+        KeyError, ("unknown hook name", "did you mean")),
+    Row("hook that is not callable", lambda e: e.model.run_with_hooks(e.tokens, fwd_hooks=[("hook_embed", 3)]),
+        TypeError, ("not callable",)),
+    Row("fwd_hooks not pairs", lambda e: e.model.run_with_hooks(e.tokens, fwd_hooks=["hook_embed"]), TypeError, ("pairs",)),
+    # --------------------------------------------------------------- data files (item 9)
+    Row("binary data file", read_data("blob.txt", bytes(range(256)) * 8), ValueError, ("blob.txt", "not UTF-8 text", "binary")),
+    Row("mostly undecodable data file", read_data("latin.txt", b"caf\xe9 " * 50), ValueError, ("latin.txt", "undecodable")),
+    Row("a few undecodable bytes warn with a count", few_bad_bytes, WORKS, check=check_few_bad),
+    Row("jsonl that is not UTF-8", read_data("bad.jsonl", b'{"text": "\xff\xff"}\n'), ValueError, ("bad.jsonl", "not UTF-8")),
+    Row("jsonl with a bad line", read_data("broken.jsonl", b'{"text": "a"}\n{oops\n'), ValueError, ("broken.jsonl:2", "not valid JSON")),
+    Row("missing data path", lambda e: read_documents([e.root / "nowhere"]), FileNotFoundError, ("does not exist",)),
+    # --------------------------------------------------------------- model and lens folders
+    Row("missing model folder", lambda e: lenskit.HookedTransformer.from_pretrained(e.root / "nowhere"), FileNotFoundError,
+        ("no folder",)),
+    Row("model folder without config.json", lambda e: lenskit.HookedTransformer.from_pretrained(e.path("empty_model").parent),
+        FileNotFoundError, ("no config.json",)),
+    Row("truncated model weights", truncated_model, ValueError, ("model.safetensors", "truncated or corrupt")),
+    Row("lens folder that does not exist", lambda e: TunedLens.load(e.root / "nowhere", e.model), FileNotFoundError,
+        ("no config.json", "TunedLens.save")),
+    # --------------------------------------------------------------- CLI arguments (item 9)
+    Row("ablate --out with an unknown suffix, before any work",
+        cli("ablate", "x = 1", "--block", "0", "--model", "{root}/nowhere", "--out", "{root}/fig.txt"), 2,
+        ("cannot tell the format", "fig.txt")),
+    Row("eval-lens --ctx 999", cli("eval-lens", "--model", "{root}/model", "--lens", "{root}/lens", "--data", "{root}/data",
+                                   "--ctx", "999", "--quiet"), 2, ("ctx=999", "n_ctx=64", "--ctx")),
+    Row("lens --lens that is not a folder", cli("lens", "x = 1", "--model", "{root}/model", "--lens", "{root}/nowhere"), 2,
+        ("neither 'logit' nor a folder",)),
+    Row("ablate with nothing to ablate", cli("ablate", "x = 1", "--model", "{root}/model"), 2, ("nothing to ablate",)),
+    Row("ablate an out-of-range block", cli("ablate", "x = 1", "--model", "{root}/model", "--block", "9"), 2, ("out of range",)),
+]
+if os.name != "nt" and os.geteuid() != 0:  # root may write anywhere, so the check cannot fail there
+    ROWS.append(Row("read-only --out parent", read_only_out, 2, ("cannot write", "permission denied", "--out")))
+
+# What a row may end in: the documented one-line error types. Anything else is a defect in itself.
+USER_ERRORS = (ValueError, TypeError, KeyError, IndexError, OSError)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> Env:
+    return Env(tmp_path_factory.mktemp("bad_input"))
+
+
+def outcome(env: Env, row: Row) -> tuple[str, Any]:
+    """("raised", exception) | ("exit", (code, stderr)) | ("returned", value); each row runs once per session."""
+    if row.name not in env.outcomes:
+        try:
+            value = row.run(env)
+        except Exception as e:  # noqa: BLE001 - the table decides what was allowed
+            env.outcomes[row.name] = ("raised", e)
+        else:
+            is_cli = isinstance(row.expect, int) and not isinstance(row.expect, bool)
+            env.outcomes[row.name] = ("exit", value) if is_cli else ("returned", value)
+    return env.outcomes[row.name]
+
+
+def test_row_names_are_unique():
+    names = [row.name for row in ROWS]
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("row", [pytest.param(row, marks=[pytest.mark.slow] if getattr(row.run, "slow", False) else [])
+                                 for row in ROWS], ids=[row.name for row in ROWS])
+def test_row(env, row):
+    kind, value = outcome(env, row)
+    if row.expect == WORKS:
+        assert kind == "returned", f"{row.name}: raised {type(value).__name__}: {value}"
+        if row.check is not None:
+            row.check(env, value)
+        return
+    if isinstance(row.expect, int):
+        assert kind == "exit", f"{row.name}: raised {type(value).__name__}: {value}"
+        code, stderr = value
+        assert code == row.expect, stderr
+        assert "Traceback" not in stderr, stderr
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert len(lines) == 1, f"expected one line on stderr, got:\n{stderr}"
+        message = lines[0]
+    else:
+        assert kind == "raised", f"{row.name}: expected {row.expect.__name__}, but it {kind} {value!r:.200}"
+        assert isinstance(value, row.expect), f"{row.name}: expected {row.expect.__name__}, got {type(value).__name__}: {value}"
+        message = value.args[0] if isinstance(value, KeyError) and value.args else str(value)
+        assert "\n" not in message.strip(), message
+    for word in row.words:
+        assert word in message, f"{row.name}: {word!r} is not in the message: {message}"
+
+
+@pytest.mark.slow  # runs the subprocess rows too
+def test_no_row_ends_in_an_unexpected_exception_type(env):
+    unexpected = []
+    for row in ROWS:
+        kind, value = outcome(env, row)
+        if kind == "raised" and not isinstance(value, USER_ERRORS):
+            unexpected.append(f"{row.name}: {type(value).__name__}: {value}")
+        if kind == "exit" and "Traceback" in value[1]:
+            unexpected.append(f"{row.name}: a traceback on stderr")
+    assert not unexpected, "\n".join(unexpected)
