@@ -8,13 +8,17 @@
 from importlib import import_module
 from typing import Any
 
-from . import metrics
-from .base import Lens
-from .logit import POINTS, LogitLens
-from .trajectory import Trajectory
-
-# Imported on first use: `plots` pulls in plotly, and `TunedLens` lives in its own, heavier module.
-_LAZY = {"TunedLens": ("lenses.tuned", "TunedLens"), "plots": ("lenses.plots", None)}
+# Every name is imported on first use, so that `lenskit --help` (lenses.cli) starts without torch,
+# pandas or plotly.
+_LAZY = {
+    "Lens": ("lenses.base", "Lens"),
+    "LogitLens": ("lenses.logit", "LogitLens"),
+    "POINTS": ("lenses.logit", "POINTS"),
+    "Trajectory": ("lenses.trajectory", "Trajectory"),
+    "TunedLens": ("lenses.tuned", "TunedLens"),
+    "metrics": ("lenses.metrics", None),
+    "plots": ("lenses.plots", None),
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -23,6 +27,10 @@ def __getattr__(name: str) -> Any:
     module_name, attr = _LAZY[name]
     module = import_module(module_name)
     return module if attr is None else getattr(module, attr)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
 
 
 __all__ = ["Lens", "LogitLens", "POINTS", "Trajectory", "TunedLens", "metrics", "plots"]
