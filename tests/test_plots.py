@@ -37,6 +37,8 @@ def test_heatmap_cells_hold_the_trajectory(traj, color):
     want = one.pivot(index="layer", columns="position", values=column).to_numpy(dtype=float)
     if color == "rank":
         want = np.log10(np.where(want >= 0, want, np.nan) + 1)
+    if color == "kl":  # log scale, floored at KL_FLOOR nats
+        want = np.log10(np.maximum(want, plots.KL_FLOOR))
     np.testing.assert_allclose(np.asarray(heat.z, dtype=float), want, equal_nan=True)
     # cell text is the top-1 token, hover lists the top-k with probabilities
     l, p = 2, 3

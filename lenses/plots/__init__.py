@@ -6,9 +6,9 @@ Modules: `style` (fonts, colours, token labels), `export` (`save_figure` to .htm
 `lens` (logit-lens heatmap, per-layer curves), `anatomy`, `interventions`.
 """
 
-from .style import COLORS, FONT, MONO, PAPER, display_token
+from .style import COLORS, FONT, MONO, PAPER, PRINT_DPI, SIZES, display_token
 from .export import EXPORT_TIMEOUT_S, STATIC_FORMATS, check_static_export, export_session, save_figure, save_figures
-from .lens import HEATMAP_CELL, HEATMAP_COLORS, layer_curves, logit_lens_heatmap
+from .lens import HEATMAP_CELL, HEATMAP_COLORS, KL_FLOOR, layer_curves, logit_lens_heatmap, select_window
 from .anatomy import attribution_bars, growth_curves, head_attribution_heatmap, resid_norm_curves, share_bars
 from .interventions import difference_heatmap, grouped_bars, patching_heatmap
 
@@ -18,8 +18,11 @@ __all__ = [
     "FONT",
     "HEATMAP_CELL",
     "HEATMAP_COLORS",
+    "KL_FLOOR",
     "MONO",
     "PAPER",
+    "PRINT_DPI",
+    "SIZES",
     "STATIC_FORMATS",
     "attribution_bars",
     "check_static_export",
@@ -35,5 +38,6 @@ __all__ = [
     "resid_norm_curves",
     "save_figure",
     "save_figures",
+    "select_window",
     "share_bars",
 ]
