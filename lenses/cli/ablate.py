@@ -21,6 +21,7 @@ import torch
 import lenskit
 from lenskit.data import load_token_stream, window_order
 from lenskit.interventions import MODES, Attn, Block, Head, Mlp, ablation_hooks
+from lenses.cli.figure_options import add_figure_options, figure_kwargs
 
 # Held-out files of the embedded model's stdlib split, present in every Python from 3.10 to 3.13.
 DEFAULT_REFERENCE = ("copy.py", "base64.py", "gzip.py", "enum.py")
@@ -72,6 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
                    help="figure colour: change in the next token's probability, or KL(clean || ablated)")
     p.add_argument("--csv", default=None, help="write one row per position that has a next token")
     p.add_argument("--out", default=None, help="write the layer-by-position difference heatmap (.html/.png/.svg/.pdf)")
+    add_figure_options(p)
     p.set_defaults(run=run)
 
 
@@ -125,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
         from lenses import plots
 
         value = "delta_target_prob" if args.color == "prob" else "kl"
-        fig = plots.difference_heatmap(frame, value, title=f"{names} ablated ({args.mode})")
+        fig = plots.difference_heatmap(frame, value, title=args.title or f"{names} ablated ({args.mode})",
+                                       **figure_kwargs(args))
         plots.save_figure(fig, args.out)
         print(f"wrote {args.out}")
     return 0

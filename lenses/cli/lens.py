@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import lenskit
+from lenses.cli.figure_options import add_figure_options, figure_kwargs
 
 OUT_SUFFIXES = (".html", ".png", ".svg", ".pdf")
 COLORS = ("prob", "entropy", "kl", "rank")
@@ -32,6 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--csv", metavar="FILE", help="write one row per (layer, position) to FILE")
     p.add_argument("--color", choices=COLORS, default="prob",
                    help="heatmap colour: top-1 prob, entropy, KL(final||lens) or rank of the next token (default prob)")
+    add_figure_options(p)
     p.set_defaults(run=run)
 
 
@@ -107,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         from lenses import plots
 
-        fig = plots.logit_lens_heatmap(frame, color=args.color, title=f"{traj.lens_name} lens")
+        fig = plots.logit_lens_heatmap(frame, color=args.color, title=args.title or f"{traj.lens_name} lens",
+                                       **figure_kwargs(args))
         try:
             plots.save_figure(fig, args.out)
         except RuntimeError as e:  # e.g. no Chrome for static export

@@ -163,12 +163,12 @@ def select_window(frame: pd.DataFrame, *, positions: slice | Sequence[int] | Non
 
 
 def _log_kl(z: np.ndarray, colorbar: dict) -> tuple[np.ndarray, float, float, dict]:
-    top = max(0, math.ceil(math.log10(np.nanmax(z)))) if np.isfinite(z).any() and np.nanmax(z) > KL_FLOOR else 0
-    bottom = round(math.log10(KL_FLOOR))
-    exps = list(range(bottom, top + 1))
-    labels = [f"≤{10.0 ** e:g}" if e == bottom else f"{10.0 ** e:g}" for e in exps]
+    bottom = math.log10(KL_FLOOR)
+    top = max(bottom + 1, math.log10(np.nanmax(z))) if np.isfinite(z).any() and np.nanmax(z) > 0 else bottom + 1
+    exps = list(range(round(bottom), math.floor(top) + 1))
+    labels = [f"≤{10.0 ** e:g}" if e == round(bottom) else f"{10.0 ** e:g}" for e in exps]
     colorbar = colorbar | dict(tickvals=exps, ticktext=labels)
-    return np.log10(np.maximum(z, KL_FLOOR)), float(bottom), float(top), colorbar
+    return np.log10(np.maximum(z, KL_FLOOR)), bottom, float(top), colorbar
 
 
 def _heatmap_hover(frame: pd.DataFrame, layers: np.ndarray, positions: np.ndarray) -> list[list[str]]:

@@ -66,7 +66,7 @@ MONO_EM = 0.62  # a monospace character's width in em (DejaVu Sans Mono: 0.602)
 def fit_text(cell_px: float, chars: int, largest: float, smallest: float = 8.0) -> float | None:
     """The largest monospace font (px, at most `largest`) that fits `chars` characters into `cell_px`,
     or None when even `smallest` does not fit."""
-    size = min(largest, (cell_px - 2) / (MONO_EM * max(chars, 1)))
+    size = min(largest, 0.9 * (cell_px - 2) / (MONO_EM * max(chars, 1)))  # 10% to spare: some glyphs fall back
     return float(size) if size >= smallest else None
 
 
@@ -80,7 +80,7 @@ def token_labels(tokens: list[str], cell_px: float, font: float, max_chars: int,
     size = fit_text(cell_px, longest, font)
     if size is not None:
         return [html.escape(t, quote=False) for t in shown], size
-    per_line = max(1, int((cell_px - 2) / (MONO_EM * 8)))
+    per_line = max(1, int(0.9 * (cell_px - 2) / (MONO_EM * 8)))
     labels = []
     for t in shown:
         lines = [t[i:i + per_line] for i in range(0, len(t), per_line)] or [""]
