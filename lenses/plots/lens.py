@@ -232,9 +232,9 @@ def layer_curves(data: pd.DataFrame, y: str = "kl_to_final", *, series: str | No
         ))
     w, h = figure_size(size, width, height, default=(600, 400))
     font = font_size(w, h)
-    xs = np.sort(summary[x].unique())
+    xs = [v for v in np.sort(summary[x].unique()) if float(v).is_integer()]  # writes drawn at l + 0.5 get no tick
     layer_ticks = dict(tickmode="array", tickvals=xs, ticktext=["emb" if v == 0 else f"{v:g}" for v in xs]) \
-        if x == "layer" and len(xs) <= 40 else dict(dtick=1)
+        if x == "layer" and 0 < len(xs) <= 40 else dict(dtick=1)
     fig.update_layout(
         template=PAPER, width=w, height=h, showlegend=series is not None, font=dict(size=font), meta=print_meta(size),
         margin=dict(l=round(4.5 * font), r=round(1.5 * font), t=round((2.6 if title else 1.2) * font), b=round(3.6 * font)),
