@@ -188,3 +188,20 @@ def test_figure_option_errors(tiny_folder, tmp_path, capsys):
     assert "layers [9] are not in the trajectory" in capsys.readouterr().err
     assert main(["lens", PROMPT, "--model", str(tiny_folder), "--out", out, "--positions", "50:60"]) == 2
     assert "select nothing" in capsys.readouterr().err
+
+
+def test_a_static_export_starts_the_browser_once(tiny_folder, tmp_path, monkeypatch):
+    """`lenskit lens --out x.png` asks kaleido for one image and starts no extra server (each is a Chromium)."""
+    import kaleido
+
+    calls = {"calc": 0, "server": 0}
+
+    def calc(fig, opts=None, kopts=None):
+        calls["calc"] += 1
+        return b"\x89PNG\r\n\x1a\n" + b"\0" * 16
+
+    monkeypatch.setattr(kaleido, "calc_fig_sync", calc)
+    monkeypatch.setattr(kaleido, "start_sync_server", lambda *a, **k: calls.__setitem__("server", calls["server"] + 1))
+    assert main(["lens", PROMPT, "--model", str(tiny_folder), "--out", str(tmp_path / "x.png")]) == 0
+    assert calls["calc"] + calls["server"] == 1, calls
+    assert (tmp_path / "x.png").read_bytes().startswith(b"\x89PNG")

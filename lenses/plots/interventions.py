@@ -127,10 +127,6 @@ def patching_heatmap(df: pd.DataFrame, site: str | None = None, *, value: str = 
     if value == "normalized":
         bound = max(bound, 1.0)
     x = [str(c) for c in grid.columns]
-    ticktext = x
-    if xlabel == "position" and tokens is not None:
-        ticktext = [display_token(str(tokens[int(c)]), max_chars) for c in grid.columns]
-        xlabel = "input token"
     metric_name = df.attrs.get("metric", "metric")
     cbar = "patched fraction<br>(0 none, 1 all)" if value == "normalized" else metric_name
     fig = go.Figure(go.Heatmap(
@@ -138,13 +134,21 @@ def patching_heatmap(df: pd.DataFrame, site: str | None = None, *, value: str = 
         colorbar=dict(title=dict(text=cbar, side="right"), thickness=14, outlinewidth=0, ticks="outside"),
         hovertemplate=f"{ylabel} %{{y}}, {xlabel} %{{x}}: %{{z:.3f}}<extra></extra>",
     ))
+    w, h = min(NOTEBOOK_WIDTH, 200 + 62 * len(x)), int(min(1400, 170 + 28 * len(grid.index)))
+    font = font_size(w, h)
+    cell_w = (w - 6.0 * font - 120) / len(x)  # the y labels and the colour bar take the rest
+    ticktext, tick_font = x, font
+    if xlabel == "position" and tokens is not None:
+        ticktext, tick_font = token_labels([str(tokens[int(c)]) for c in grid.columns], cell_w, font, max_chars)
+        xlabel = "input token"
+    elif len(x) > 1:
+        ticktext, tick_font = token_labels(x, cell_w, font, max(len(t) for t in x))
     fig.update_layout(
         template=PAPER, title=dict(text=title, x=0.0, xref="paper", xanchor="left") if title else None,
-        width=int(min(2400, 200 + max(48, 10 * max(len(t) for t in ticktext)) * len(x))),
-        height=int(min(1600, 170 + 28 * len(grid.index))),
+        width=w, height=h, font=dict(size=font),
         xaxis=dict(title=dict(text=xlabel), type="category", tickmode="array", tickvals=x, ticktext=ticktext,
-                   tickfont=dict(family=MONO, size=12), tickangle=-45 if len(x) > 12 else 0, showline=False, ticks=""),
-        yaxis=dict(title=dict(text=ylabel), type="category", showline=False, ticks=""),
+                   tickfont=dict(family=MONO, size=tick_font), tickangle=0, showline=False, ticks="", automargin=True),
+        yaxis=dict(title=dict(text=ylabel), type="category", showline=False, ticks="", automargin=True),
     )
     return fig
 
