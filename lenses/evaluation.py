@@ -63,15 +63,22 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
         tokens = windows[start: start + batch].to(model.embed.weight.device)
         final, cache = model.run_with_cache(tokens, names_filter=names)
         final_top = final.argmax(-1)  # [batch, pos]
+        # The final distribution once per batch: KL(final || lens) = sum p log p - sum p log q.
+        final_logp = metrics.log_probs(final)
+        final_p = final_logp.exp()
+        zero_mass = final_p == 0  # 0 * log 0 = 0, as metrics.kl_divergence has it
+        final_neg_entropy = torch.where(zero_mass, 0.0, final_p * final_logp).sum(-1)
+        next_tokens = tokens[:, 1:, None]
         for name, lens in lenses.items():
             stats = {k: [] for k in METRICS}
             agree = []
             for layer, hook in enumerate(names):
-                logits = lens(cache[hook], layer)  # [batch, pos, d_vocab]
-                stats["kl"].append(metrics.forward_kl(final, logits).mean(-1))
-                stats["ce"].append(metrics.cross_entropy(logits[:, :-1], tokens[:, 1:]).mean(-1))
-                stats["entropy"].append(metrics.entropy(logits).mean(-1))
-                agree.append(logits.argmax(-1) == final_top)
+                logq = metrics.log_probs(lens(cache[hook], layer))  # [batch, pos, d_vocab], one softmax per layer
+                stats["kl"].append((final_neg_entropy - torch.where(zero_mass, 0.0, final_p * logq).sum(-1)).mean(-1))
+                stats["ce"].append(-logq[:, :-1].gather(-1, next_tokens).squeeze(-1).mean(-1))
+                q = logq.exp()
+                stats["entropy"].append(-torch.where(q == 0, 0.0, q * logq).sum(-1).mean(-1))
+                agree.append(logq.argmax(-1) == final_top)
             agree = torch.stack(agree)  # [layer, batch, pos]
             # settled at l: agrees at every layer from l to the last (a reverse running AND).
             settled = agree.flip(0).to(torch.int8).cumprod(0).flip(0).bool()
