@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 
 from ..trajectory import show_token
 from .lens import select_window
-from .style import (COLORS, MONO, NOTEBOOK_WIDTH, PAPER, _as_frame, _log_ticks, display_token, figure_size, fit_text,
+from .style import (COLORS, MONO, NOTEBOOK_WIDTH, PAPER, as_frame, log_ticks, display_token, figure_size, fit_text,
                     font_size, print_meta, token_labels)
 
 def difference_heatmap(frame: pd.DataFrame, value: str = "delta_target_prob", *, batch: int = 0, title: str | None = None,
@@ -29,7 +29,7 @@ def difference_heatmap(frame: pd.DataFrame, value: str = "delta_target_prob", *,
               "kl": "KL(clean ‖ ablated)<br>(nats)"}
     if value not in titles:
         raise ValueError(f"value={value!r} is not one of {sorted(titles)}")
-    frame = _as_frame(frame, batch)
+    frame = as_frame(frame, batch)
     missing = [c for c in ["layer", "position", "clean_top_token", "ablated_top_token", value] if c not in frame.columns]
     if missing:
         raise KeyError(f"the frame lacks columns {missing}; pass lenses.compare.compare_runs output")
@@ -185,6 +185,6 @@ def grouped_bars(frame: pd.DataFrame, x: str, y: str, group: str, *, pattern: st
                       title=dict(text=title, x=0.0, xanchor="left") if title else None,
                       xaxis=dict(title=dict(text=xlabel or x), type="category"),
                       yaxis=dict(title=dict(text=ylabel or y), type="log" if log_y else None,
-                                 **(_log_ticks(frame[y]) if log_y else {})),
+                                 **(log_ticks(frame[y]) if log_y else {})),
                       legend=dict(x=1.02, xanchor="left", y=1.0, yanchor="top", font=dict(size=12)))
     return fig

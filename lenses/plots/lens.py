@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 
 from .. import metrics
 from ..trajectory import show_token
-from .style import (COLORS, MONO, NOTEBOOK_WIDTH, PAPER, _as_frame, _log_ticks, _rgba, display_token,
+from .style import (COLORS, MONO, NOTEBOOK_WIDTH, PAPER, as_frame, log_ticks, rgba, display_token,
                     figure_size, fit_text, font_size, print_meta, token_labels)
 
 # ===================================================== logit-lens heatmap
@@ -55,7 +55,7 @@ def logit_lens_heatmap(data: Any, color: str = "prob", *, batch: int = 0, title:
     if color not in HEATMAP_COLORS:
         raise ValueError(f"color={color!r} is not one of {sorted(HEATMAP_COLORS)}")
     column, cbar_title, scale, reverse = HEATMAP_COLORS[color]
-    frame = _as_frame(data, batch)
+    frame = as_frame(data, batch)
     needed = ["layer", "position", "input_token", "top_token", column]
     missing = [c for c in needed if c not in frame.columns]
     if missing:
@@ -222,7 +222,7 @@ def layer_curves(data: pd.DataFrame, y: str = "kl_to_final", *, series: str | No
         if len(band):
             fig.add_trace(go.Scatter(
                 x=np.concatenate([band[x], band[x][::-1]]), y=np.concatenate([band["hi"], band["lo"][::-1]]),
-                fill="toself", fillcolor=_rgba(c, 0.18), line=dict(width=0), mode="lines", hoverinfo="skip",
+                fill="toself", fillcolor=rgba(c, 0.18), line=dict(width=0), mode="lines", hoverinfo="skip",
                 showlegend=False, legendgroup=str(name),
             ))
         fig.add_trace(go.Scatter(
@@ -240,7 +240,7 @@ def layer_curves(data: pd.DataFrame, y: str = "kl_to_final", *, series: str | No
         margin=dict(l=round(4.5 * font), r=round(1.5 * font), t=round((2.6 if title else 1.2) * font), b=round(3.6 * font)),
         title=dict(text=title, x=0.0, xref="paper", xanchor="left") if title else None,
         xaxis=dict(title=dict(text=x), automargin=True, **layer_ticks), yaxis=dict(title=dict(text=ylabel or y), type="log" if log_y else None, automargin=True,
-                   **(_log_ticks(pd.concat([summary["lo"], summary["mean"], summary["hi"]]).dropna()) if log_y else {})),
+                   **(log_ticks(pd.concat([summary["lo"], summary["mean"], summary["hi"]]).dropna()) if log_y else {})),
         legend=dict(x=0.98, xanchor="right", y=0.98, yanchor="top"),
     )
     return fig

@@ -101,7 +101,7 @@ def display_token(text: str, max_chars: int | None = None) -> str:
     return html.escape(show_token(text, max_chars), quote=False)  # plotly reads '<' as the start of a tag
 
 
-def _as_frame(data: Any, batch: int) -> pd.DataFrame:
+def as_frame(data: Any, batch: int) -> pd.DataFrame:
     frame = data.to_frame() if hasattr(data, "to_frame") else data
     if not isinstance(frame, pd.DataFrame):
         raise TypeError(f"expected a Trajectory or its to_frame() DataFrame, got {type(data).__name__}")
@@ -112,14 +112,14 @@ def _as_frame(data: Any, batch: int) -> pd.DataFrame:
     return frame
 
 
-def _rgba(hex_color: str, alpha: float) -> str:
+def rgba(hex_color: str, alpha: float) -> str:
     r, g, b = (int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
     return f"rgba({r},{g},{b},{alpha})"
 
 
 
 
-def _log_ticks(values: pd.Series) -> dict:
+def log_ticks(values: pd.Series) -> dict:
     """Ticks at 1, 2 and 5 times the powers of ten that the positive values span (plotly's own are crowded)."""
     pos = values[values > 0]
     if pos.empty:
