@@ -72,7 +72,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--color", choices=["prob", "kl"], default="prob",
                    help="figure colour: change in the next token's probability, or KL(clean || ablated)")
     p.add_argument("--csv", default=None, help="write one row per position that has a next token")
-    p.add_argument("--out", default=None, help="write the layer-by-position difference heatmap (.html/.png/.svg/.pdf)")
+    p.add_argument("--out", default=None, help="write the layer-by-position difference heatmap (.html with plotly.js "
+                                               "inlined, about 5 MB; .png, .svg or .pdf)")
     add_figure_options(p)
     p.set_defaults(run=run)
 

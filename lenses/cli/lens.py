@@ -29,7 +29,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--lens", default="logit", metavar="logit|FOLDER",
                    help="'logit' for the logit lens, or a folder saved by TunedLens.save (default: logit)")
     p.add_argument("--top-k", type=int, default=5, metavar="K", help="top-k tokens kept per cell for the CSV and hover (default 5)")
-    p.add_argument("--out", metavar="FILE", help="write the heatmap to FILE.html, .png, .svg or .pdf")
+    p.add_argument("--out", metavar="FILE", help="write the heatmap to FILE.html (plotly.js inlined, about 5 MB, opens "
+                                                 "offline), .png (300 dpi with --size), .svg or .pdf")
     p.add_argument("--csv", metavar="FILE", help="write one row per (layer, position) to FILE")
     p.add_argument("--color", choices=COLORS, default="prob",
                    help="heatmap colour: top-1 prob, entropy, KL(final||lens) or rank of the next token (default prob)")
