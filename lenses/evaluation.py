@@ -66,18 +66,16 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
         # The final distribution once per batch: KL(final || lens) = sum p log p - sum p log q.
         final_logp = metrics.log_probs(final)
         final_p = final_logp.exp()
-        zero_mass = final_p == 0  # 0 * log 0 = 0, as metrics.kl_divergence has it
-        final_neg_entropy = torch.where(zero_mass, 0.0, final_p * final_logp).sum(-1)
+        final_neg_entropy = _expect(final_p, final_logp)
         next_tokens = tokens[:, 1:, None]
         for name, lens in lenses.items():
             stats = {k: [] for k in METRICS}
             agree = []
             for layer, hook in enumerate(names):
                 logq = metrics.log_probs(lens(cache[hook], layer))  # [batch, pos, d_vocab], one softmax per layer
-                stats["kl"].append((final_neg_entropy - torch.where(zero_mass, 0.0, final_p * logq).sum(-1)).mean(-1))
+                stats["kl"].append((final_neg_entropy - _expect(final_p, logq)).mean(-1))
                 stats["ce"].append(-logq[:, :-1].gather(-1, next_tokens).squeeze(-1).mean(-1))
-                q = logq.exp()
-                stats["entropy"].append(-torch.where(q == 0, 0.0, q * logq).sum(-1).mean(-1))
+                stats["entropy"].append(-_expect(logq.exp(), logq).mean(-1))
                 agree.append(logq.argmax(-1) == final_top)
             agree = torch.stack(agree)  # [layer, batch, pos]
             # settled at l: agrees at every layer from l to the last (a reverse running AND).
@@ -89,6 +87,16 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
                     rows.append({"lens": name, "layer": layer, "window": start + b,
                                  **{k: float(stats[k][layer][b]) for k in METRICS}})
     return pd.DataFrame(rows)
+
+
+def _expect(p: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """sum_v p(v) f(v) over the last axis as one batched dot product (no [batch, pos, d_vocab] temporary).
+    Where that is not finite, e.g. a token of zero mass meeting log 0 = -inf, it is summed again with
+    `metrics`' convention 0 * f = 0 (NaN probabilities stay NaN)."""
+    out = torch.einsum("...v,...v->...", p, f)
+    if not torch.isfinite(out).all():
+        out = torch.where(p == 0, torch.zeros((), dtype=f.dtype, device=f.device), p * f).sum(-1)
+    return out
 
 
 def per_layer(tidy: pd.DataFrame, n_tokens: int | None = None, n_bytes: int | None = None) -> pd.DataFrame:
