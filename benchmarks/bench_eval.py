@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import re
 import statistics
 import sys
@@ -61,6 +62,7 @@ def main() -> None:
     def run_eval() -> None:
         evaluate(model, {"logit": LogitLens(model), "tuned": tuned}, stream, tokens=args.tokens, progress=False)
 
+    load_start = os.getloadavg()[0]
     results = {}
     for name, fn, tokens in (("train-lens", run_train, per_step * args.steps), ("eval-lens", run_eval, args.tokens // ctx * ctx)):
         fn()  # warm-up
@@ -81,7 +83,8 @@ def main() -> None:
         writer.writerows(results.values())
     section = (f"{MARK}\n\n`python benchmarks/bench_eval.py --tokens {args.tokens} --steps {args.steps} --repeats {args.repeats} "
                f"--threads {args.threads}`: the embedded model, held-out standard-library text, windows of {ctx} tokens, "
-               f"medians of {args.repeats} runs. eval-lens scores the logit and a tuned lens at every layer; train-lens "
+               f"medians of {args.repeats} runs, one-minute load average {load_start:.1f} at the start and "
+               f"{os.getloadavg()[0]:.1f} at the end (both cases share the machine alike). eval-lens scores the logit and a tuned lens at every layer; train-lens "
                f"adds the backward pass and the optimizer step.\n\n| case | tokens | median s | tokens/s |\n|---|---|---|---|\n"
                + "".join(f"| {r['case']} | {r['tokens']} | {r['median_s']:.2f} | {r['tokens_per_s']:.0f} |\n" for r in results.values())
                + f"\neval / train: {ratio:.2f} (target >= 1)\n")
