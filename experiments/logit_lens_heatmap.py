@@ -33,7 +33,7 @@ PROMPT = "def __init__(self, name):\n    self.name = name\n"
 def prompt_figure(model, lens, prompt: str, out: Path, formats: list[str]) -> pd.DataFrame:
     frame = Trajectory.from_prompt(lens, prompt, top_k=5).to_frame()
     frame.to_csv(out / "logit_lens_heatmap.csv", index=False)
-    fig = plots.logit_lens_heatmap(frame, color="prob")
+    fig = plots.logit_lens_heatmap(frame, color="prob", size="page")  # the text width of a paper, 300 dpi
     plots.save_figures({"logit_lens_heatmap": fig}, out, formats)
     print(format_table(frame, width=160))
     return frame
@@ -88,7 +88,7 @@ def main() -> None:
     nats = summary[summary.statistic.isin(["kl_to_final", "ce_next_token"])].replace(
         {"kl_to_final": "KL(final ‖ lens)", "ce_next_token": "cross-entropy of next token"})
     fig = plots.layer_curves(nats, series="statistic", ylabel="nats per token",
-                             title="Logit lens on held-out stdlib code")
+                             title="Logit lens on held-out stdlib code", size="page")
     plots.save_figures({"logit_lens_layers": fig}, out, args.formats)
     print(f"\nwrote {out}/logit_lens_heatmap.{{csv,{','.join(args.formats)}}} and logit_lens_layers.{{csv,{','.join(args.formats)}}}")
 

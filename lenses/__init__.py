@@ -8,18 +8,29 @@
 from importlib import import_module
 from typing import Any
 
-from . import metrics
-from .base import Lens
-from .logit import POINTS, LogitLens
-from .trajectory import Trajectory
-from .tuned import TunedLens  # about 3 ms on top of the 2-3 s that torch takes: not worth a lazy import
+# Every name is imported on first use, so that `lenskit --help` (lenses.cli) starts without torch,
+# pandas or plotly.
+_LAZY = {
+    "Lens": ("lenses.base", "Lens"),
+    "LogitLens": ("lenses.logit", "LogitLens"),
+    "POINTS": ("lenses.logit", "POINTS"),
+    "Trajectory": ("lenses.trajectory", "Trajectory"),
+    "TunedLens": ("lenses.tuned", "TunedLens"),
+    "metrics": ("lenses.metrics", None),
+    "plots": ("lenses.plots", None),
+}
 
 
 def __getattr__(name: str) -> Any:
-    # `plots` is imported on first use: it pulls in plotly, which analysis without figures never needs.
-    if name != "plots":
+    if name not in _LAZY:
         raise AttributeError(f"module 'lenses' has no attribute {name!r}")
-    return import_module("lenses.plots")
+    module_name, attr = _LAZY[name]
+    module = import_module(module_name)
+    return module if attr is None else getattr(module, attr)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
 
 
 __all__ = ["Lens", "LogitLens", "POINTS", "Trajectory", "TunedLens", "metrics", "plots"]

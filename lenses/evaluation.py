@@ -64,15 +64,20 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
         tokens = windows[start: start + batch].to(model.embed.weight.device)
         final, cache = model.run_with_cache(tokens, names_filter=names)
         final_top = final.argmax(-1)  # [batch, pos]
+        # The final distribution once per batch: KL(final || lens) = sum p log p - sum p log q.
+        final_logp = metrics.log_probs(final)
+        final_p = final_logp.exp()
+        final_neg_entropy = _expect(final_p, final_logp)
+        next_tokens = tokens[:, 1:, None]
         for name, lens in lenses.items():
             stats = {k: [] for k in METRICS}
             agree = []
             for s in locations:
-                logits = lens(cache.stream(s), s)  # [batch, pos, d_vocab]
-                stats["kl"].append(metrics.forward_kl(final, logits).mean(-1))
-                stats["ce"].append(metrics.cross_entropy(logits[:, :-1], tokens[:, 1:]).mean(-1))
-                stats["entropy"].append(metrics.entropy(logits).mean(-1))
-                agree.append(logits.argmax(-1) == final_top)
+                logq = metrics.log_probs(lens(cache.stream(s), s))  # [batch, pos, d_vocab], one softmax per layer
+                stats["kl"].append((final_neg_entropy - _expect(final_p, logq)).mean(-1))
+                stats["ce"].append(-logq[:, :-1].gather(-1, next_tokens).squeeze(-1).mean(-1))
+                stats["entropy"].append(-_expect(logq.exp(), logq).mean(-1))
+                agree.append(logq.argmax(-1) == final_top)
             agree = torch.stack(agree)  # [layer, batch, pos]
             # settled at l: agrees at every layer from l to the last (a reverse running AND).
             settled = agree.flip(0).to(torch.int8).cumprod(0).flip(0).bool()
@@ -83,6 +88,16 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
                     rows.append({"lens": name, "layer": layer, "window": start + b,
                                  **{k: float(stats[k][layer][b]) for k in METRICS}})
     return pd.DataFrame(rows)
+
+
+def _expect(p: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """sum_v p(v) f(v) over the last axis as one batched dot product (no [batch, pos, d_vocab] temporary).
+    Where that is not finite, e.g. a token of zero mass meeting log 0 = -inf, it is summed again with
+    `metrics`' convention 0 * f = 0 (NaN probabilities stay NaN)."""
+    out = torch.einsum("...v,...v->...", p, f)
+    if not torch.isfinite(out).all():
+        out = torch.where(p == 0, torch.zeros((), dtype=f.dtype, device=f.device), p * f).sum(-1)
+    return out
 
 
 def per_layer(tidy: pd.DataFrame, n_tokens: int | None = None, n_bytes: int | None = None) -> pd.DataFrame:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,38 @@ import lenskit
 
 transformers.logging.set_verbosity_error()
 torch.set_num_threads(1)  # the CI machine has 2 cores; tests also run beside other work
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def checkout_status() -> str | None:
+    """`git status --porcelain` of the repository (every untracked file listed), or None outside a git checkout."""
+    try:
+        done = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=all"],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_STATUS] = checkout_status()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Tests never write into the checkout: the suite fails if `git status` changed while it ran."""
+    before, after = session.config.stash.get(_STATUS, None), checkout_status()
+    if before is None or after is None or before == after:
+        return
+    changed = sorted(set(after.splitlines()) ^ set(before.splitlines()))
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("the tests changed the checkout (git status differs; write to tmp_path instead): "
+                            + "; ".join(changed[:20]), red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_STATUS = pytest.StashKey[str | None]()
 
 
 def make_hf_gpt2(n_layer: int = 3, n_embd: int = 32, n_head: int = 4, vocab_size: int = 101, n_positions: int = 64,

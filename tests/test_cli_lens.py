@@ -1,5 +1,7 @@
 """`lenskit lens` on a tiny saved model and on the embedded one: the table, the CSV and real figure files."""
 
+import html
+
 import pandas as pd
 import pytest
 import torch
@@ -20,8 +22,8 @@ def tiny_folder(tmp_path_factory):
 
 
 def test_csv_and_html(tiny_folder, tmp_path, capsys):
-    csv, html = tmp_path / "x.csv", tmp_path / "x.html"
-    assert main(["lens", PROMPT, "--model", str(tiny_folder), "--top-k", "3", "--csv", str(csv), "--out", str(html)]) == 0
+    csv, html_out = tmp_path / "x.csv", tmp_path / "x.html"
+    assert main(["lens", PROMPT, "--model", str(tiny_folder), "--top-k", "3", "--csv", str(csv), "--out", str(html_out)]) == 0
     out = capsys.readouterr().out
     df = pd.read_csv(csv, keep_default_na=False)
     model = lenskit.HookedTransformer.from_pretrained(tiny_folder)
@@ -35,7 +37,7 @@ def test_csv_and_html(tiny_folder, tmp_path, capsys):
     assert df.kl_to_final.to_numpy() == pytest.approx(want.kl_to_final.to_numpy(), abs=1e-6)
     # the printed table is the layers x positions grid of top-1 tokens
     assert format_table(want) in out and f"layer {n_layers}" in out and "input" in out
-    assert html.read_text().lower().startswith("<!doctype html>") and html.stat().st_size > 1_000_000
+    assert html_out.read_text().lower().startswith("<!doctype html>") and html_out.stat().st_size > 1_000_000
 
 
 def test_table_wraps_and_shows_whitespace():
@@ -98,3 +100,108 @@ def test_tuned_lens_folder(tiny_folder, tmp_path):
     assert df.top_token_id.tolist() == want.top_token_id.tolist()
     assert df.kl_to_final.to_numpy() == pytest.approx(want.kl_to_final.to_numpy(), abs=1e-5)
     assert not (df.kl_to_final.to_numpy() == pytest.approx(logit.kl_to_final.to_numpy(), abs=1e-3))
+
+
+# ------------------------------------------------------------------ figures for long prompts
+def long_prompt(model, n: int) -> str:
+    """The first `n` tokens of a standard-library module, as text."""
+    import sysconfig
+
+    text = open(sysconfig.get_paths()["stdlib"] + "/base64.py", encoding="utf-8").read()
+    return model.tokenizer.decode(model.tokenizer.encode(text)[:n])
+
+
+def captured_figure(monkeypatch) -> list:
+    """Make `lenses.plots.save_figure` also hand the figure it writes to the returned list."""
+    from lenses import plots
+
+    seen, save = [], plots.save_figure
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path, **kw: (seen.append(fig), save(fig, path, **kw))[1])
+    return seen
+
+
+def assert_labels_fit(fig, n_positions: int) -> None:
+    """Unrotated tick labels and cell text whose monospace width (0.6 em a character) fits one column."""
+    from lenses.plots.style import MONO_EM
+
+    layout = fig.layout
+    plot_width = layout.width - layout.margin.l - layout.margin.r - 60  # 60 px or more go to the colour bar
+    cell = plot_width / n_positions
+    for axis in (layout.xaxis, layout.xaxis2):
+        assert axis.tickangle == 0
+        lines = [line for label in axis.ticktext for line in label.split("<br>")]
+        longest = max(len(html.unescape(line)) for line in lines)
+        assert axis.tickfont.size >= 8, axis.tickfont.size  # 8 px at scale 2 is 16 px in the PNG
+        assert longest * MONO_EM * axis.tickfont.size <= cell, (longest, axis.tickfont.size, cell)
+    heat = fig.data[0]
+    if heat.texttemplate:
+        longest = max(len(html.unescape(t)) for row in heat.text for t in row)
+        assert 8 <= heat.textfont.size and longest * MONO_EM * heat.textfont.size <= cell
+
+
+@pytest.mark.slow
+def test_long_prompt_last_40_makes_a_readable_png(default_model, default_model_path, tmp_path, monkeypatch):
+    prompt = long_prompt(default_model, 200)
+    n = default_model.to_tokens(prompt).shape[1]
+    assert n >= 195
+    figures = captured_figure(monkeypatch)
+    png = tmp_path / "long.png"
+    assert main(["lens", prompt, "--last", "40", "--out", str(png)]) == 0
+    fig = figures[0]
+    assert list(fig.data[0].x) == list(range(n - 40, n))
+    assert fig.layout.width <= 1100  # fits a notebook and a screen, however long the prompt
+    assert_labels_fit(fig, 40)
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert int.from_bytes(data[16:20], "big") == 2 * fig.layout.width
+
+
+@pytest.mark.parametrize("size, inches", [("column", 3.3), ("page", 7.0)])
+def test_size_presets_window_layers_and_title(tiny_folder, tmp_path, monkeypatch, size, inches):
+    figures = captured_figure(monkeypatch)
+    html_out = tmp_path / "x.html"
+    assert main(["lens", PROMPT, "--model", str(tiny_folder), "--out", str(html_out), "--size", size,
+                 "--positions", "2:6", "--layers", "0,2", "--title", "My lens"]) == 0
+    fig = figures[0]
+    assert fig.layout.width == round(inches * 96) and fig.layout.title.text == "My lens"
+    assert list(fig.data[0].x) == [2, 3, 4, 5] and list(fig.data[0].y) == [0, 2]
+    assert list(fig.layout.yaxis.ticktext) == ["emb", "2"]
+    assert fig.layout.meta["export_scale"] == pytest.approx(300 / 96)  # 300 dpi in a PNG
+    assert_labels_fit(fig, 4)
+    assert main(["lens", PROMPT, "--model", str(tiny_folder), "--out", str(html_out), "--width", "500", "--height", "260"]) == 0
+    small, wide = figures[1].layout, None
+    assert (small.width, small.height) == (500, 260)
+    assert main(["lens", PROMPT, "--model", str(tiny_folder), "--out", str(html_out), "--width", "1000", "--height", "500"]) == 0
+    wide = figures[2].layout
+    assert wide.font.size > small.font.size  # fonts follow the size
+
+
+def test_figure_option_errors(tiny_folder, tmp_path, capsys):
+    out = str(tmp_path / "x.html")
+    with pytest.raises(SystemExit):
+        main(["lens", PROMPT, "--model", str(tiny_folder), "--out", out, "--positions", "7"])
+    assert "START:STOP" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["lens", PROMPT, "--model", str(tiny_folder), "--out", out, "--positions", "1:3", "--last", "4"])
+    assert "not allowed with" in capsys.readouterr().err
+    assert main(["lens", PROMPT, "--model", str(tiny_folder), "--out", out, "--layers", "0,9"]) == 2
+    assert "layers [9] are not in the trajectory" in capsys.readouterr().err
+    assert main(["lens", PROMPT, "--model", str(tiny_folder), "--out", out, "--positions", "50:60"]) == 2
+    assert "select nothing" in capsys.readouterr().err
+
+
+def test_a_static_export_starts_the_browser_once(tiny_folder, tmp_path, monkeypatch):
+    """`lenskit lens --out x.png` asks kaleido for one image and starts no extra server (each is a Chromium)."""
+    import kaleido
+
+    calls = {"calc": 0, "server": 0}
+
+    def calc(fig, opts=None, kopts=None):
+        calls["calc"] += 1
+        return b"\x89PNG\r\n\x1a\n" + b"\0" * 16
+
+    monkeypatch.setattr(kaleido, "calc_fig_sync", calc)
+    monkeypatch.setattr(kaleido, "start_sync_server", lambda *a, **k: calls.__setitem__("server", calls["server"] + 1))
+    assert main(["lens", PROMPT, "--model", str(tiny_folder), "--out", str(tmp_path / "x.png")]) == 0
+    assert calls["calc"] + calls["server"] == 1, calls
+    assert (tmp_path / "x.png").read_bytes().startswith(b"\x89PNG")

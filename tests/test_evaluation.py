@@ -101,3 +101,25 @@ def test_refuses_a_lens_built_for_another_model(model, windows):
     other = lenskit.HookedTransformer.from_hf(make_hf_gpt2(seed=2))
     with pytest.raises(ValueError, match="another model object"):
         evaluate_windows(model, [LogitLens(other)], windows, progress=False)
+
+
+class _Masked(LogitLens):
+    """The logit lens with the first ten tokens impossible (logit -inf): 0 * log 0 terms in its entropy."""
+
+    def forward(self, h: torch.Tensor, l: int) -> torch.Tensor:
+        logits = super().forward(h, l).clone()
+        logits[..., :10] = -math.inf
+        return logits
+
+
+def test_zero_mass_tokens_give_finite_entropy_and_infinite_kl(model, windows):
+    lens = _Masked(model)
+    tidy = evaluate_windows(model, {"masked": lens}, windows, progress=False)
+    with torch.no_grad():
+        final, cache = model.run_with_cache(windows)
+        logits = lens(cache["blocks.1.hook_resid_pre"], 1)
+    from lenses import metrics
+
+    row = tidy[(tidy.layer == 1)].sort_values("window")
+    assert row["entropy"].tolist() == pytest.approx(metrics.entropy(logits).mean(-1).tolist(), rel=1e-5)
+    assert all(math.isinf(v) and v > 0 for v in row["kl"])  # the model gives those tokens mass; the lens none

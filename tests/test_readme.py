@@ -3,17 +3,23 @@
 Fenced blocks are read from README.md. ```python blocks run in order in one namespace, as a reader
 would paste them; a block fenced as ```python no-run is shown only. Shell blocks (```bash / ```sh /
 ```console) are split into commands: `python3 some/script.py` and `bash some/script.sh` must name
-files in the repository, and every `lenskit ...` command is run through `lenses.cli.main`.
+files in the repository, and every `lenskit ...` command runs through `bash -c` (so bash expands `$'...'`),
+in a scratch folder that holds real copies of the repository paths it names.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
+
+from lenses.cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -58,8 +64,6 @@ def test_every_image_the_readme_links_exists():
 
 
 def test_readme_commands_name_existing_scripts_and_subcommands():
-    from lenses.cli import COMMANDS
-
     commands = shell_commands()
     assert commands, "README.md has no shell commands; its setup section should show how to install and run"
     for cmd in commands:
@@ -71,26 +75,96 @@ def test_readme_commands_name_existing_scripts_and_subcommands():
             assert len(cmd) > 1 and cmd[1] in COMMANDS, f"README uses `lenskit {' '.join(cmd[1:2])}`; commands: {sorted(COMMANDS)}"
 
 
-@pytest.fixture
-def in_scratch_copy(tmp_path, monkeypatch):
-    """A scratch working directory that sees the repository's files (relative paths resolve) and keeps
-    whatever a README command writes at its top level (lens.png, x.csv) out of the repository."""
-    for entry in ROOT.iterdir():
-        if not entry.name.startswith(".") and not (tmp_path / entry.name).exists():
-            (tmp_path / entry.name).symlink_to(entry)
-    monkeypatch.chdir(tmp_path)
+def lenskit_segments() -> list[str]:
+    """The raw text of every `lenskit ...` command in the shell blocks, as bash would read it (quotes intact),
+    cut at the first `&&`, `||`, `;` or `|` outside quotes."""
+    out = []
+    for _, body in blocks("bash", "sh", "shell", "console"):
+        for line in body.splitlines():
+            line = re.sub(r"^\s*\$\s+", "", line)
+            for match in re.finditer(r"(?:^|&&|\|\||;|\|)\s*(lenskit\s)", line):
+                out.append(_until_operator(line[match.start(1):]))
+    return out
+
+
+def _until_operator(text: str) -> str:
+    i, quote = 0, None
+    while i < len(text):
+        c = text[i]
+        if quote is None:
+            if c == "#" and (i == 0 or text[i - 1].isspace()):
+                break
+            if c in "&|;":
+                break
+            if c == "\\":
+                i += 1
+            elif text.startswith("$'", i):
+                quote, i = "$'", i + 1
+            elif c in "'\"":
+                quote = c
+        elif quote == "'" and c == "'":
+            quote = None
+        elif quote in ("$'", '"') and c == "\\":
+            i += 1  # an escaped character, e.g. \' inside $'...'
+        elif c == quote[-1]:
+            quote = None
+        i += 1
+    return text[:i].strip()
+
+
+def bash(command: str, cwd: Path, define: str = 'python3 -m lenses.cli "$@"') -> subprocess.CompletedProcess:
+    """Run `command` with bash, `lenskit` being this checkout's CLI (so `$'...'` reaches it as bash expands it)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(["bash", "-c", f"lenskit() {{ {define}; }}\n{command}"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+LENSKIT_SEGMENTS = lenskit_segments()
+
+
+def test_readme_lenskit_prompts_reach_the_cli_as_bash_expands_them(tmp_path):
+    assert LENSKIT_SEGMENTS, "README.md shows no lenskit command"
+    for segment in LENSKIT_SEGMENTS:
+        done = bash(segment, tmp_path, define='python3 -c "import json, sys; print(json.dumps(sys.argv[1:]))" "$@"')
+        argv = json.loads(done.stdout)
+        assert argv[0] in COMMANDS, argv
+        if "$'" in segment:  # ANSI-C quoting: the CLI sees real newlines, never the quoting itself
+            assert any("\n" in a for a in argv) and not any(a.startswith("$") for a in argv), argv
+
+
+def scratch_copy(tmp_path: Path, words: list[str]) -> Path:
+    """A scratch working directory holding real copies of the repository paths that `words` name
+    (so that relative paths resolve) and nothing linked back: whatever a command writes stays there."""
+    for word in words:
+        source = ROOT / word
+        if word and not word.startswith(("-", "/")) and source.exists() and ROOT in source.resolve().parents:
+            target = tmp_path / word
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if source.is_dir():
+                shutil.copytree(source, target, dirs_exist_ok=True)
+            else:
+                shutil.copy2(source, target)
     return tmp_path
 
 
-LENSKIT_COMMANDS = [c for c in shell_commands() if c[0] == "lenskit"]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("command", LENSKIT_COMMANDS, ids=[" ".join(c)[:60] for c in LENSKIT_COMMANDS])
-def test_readme_lenskit_commands_run(command, in_scratch_copy, default_model_path):
-    from lenses.cli import main
+@pytest.mark.parametrize("segment", LENSKIT_SEGMENTS, ids=[s[:60] for s in LENSKIT_SEGMENTS])
+def test_readme_lenskit_commands_run(segment, tmp_path, default_model_path):
+    scratch = scratch_copy(tmp_path, shlex.split(segment.replace("$'", "'")))
+    done = bash(segment, scratch)
+    assert done.returncode == 0, f"`{segment}` failed:\n{done.stderr[-3000:]}"
+    words = shlex.split(segment.replace("$'", "'"))
+    for flag in ("--out", "--csv"):
+        if flag in words:
+            written = scratch / words[words.index(flag) + 1]
+            assert written.is_file() and written.stat().st_size > 0, f"`{segment}` did not write {written.name}"
 
-    assert main(command[1:]) == 0, f"`{shlex.join(command)}` failed"
+
+@pytest.fixture
+def in_scratch_copy(tmp_path, monkeypatch):
+    """An empty scratch working directory, so that files a README block writes (lens.pdf) stay out of the checkout."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
 
 
 @pytest.mark.slow

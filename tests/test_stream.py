@@ -148,8 +148,6 @@ def test_no_private_name_is_imported_across_modules():
     offenders = []
     for folder in ("lenskit", "lenses", "experiments", "benchmarks"):
         for path in sorted((ROOT / folder).rglob("*.py")):
-            if "plots" in path.parts:  # lenses/plots is tidied apart
-                continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom):
                     offenders += [f"{path.relative_to(ROOT)}: {a.name}" for a in node.names

@@ -15,18 +15,40 @@ COMMANDS = {
     "eval-lens": "eval_lens",
     "ablate": "ablate",
 }
+# The one-line help `lenskit --help` lists, so that listing the commands imports none of their modules
+# (they import torch, which takes seconds). Each module's add_parser uses the same line.
+SUMMARY = {
+    "lens": "show what each layer predicts for a prompt (logit or tuned lens)",
+    "info": "parameter and FLOP accounting of a model",
+    "train-lens": "train a tuned lens (resumes from --out)",
+    "eval-lens": "evaluate a tuned lens against the logit lens, per layer",
+    "ablate": "ablate blocks, sublayers or heads and compare predictions with the clean run",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `lenskit` parser: the full parser of `command` (its module imported now), a stub for the others.
+
+    With `command=None` every command is a stub, which is all that `lenskit --help` needs.
+    """
     parser = argparse.ArgumentParser(prog="lenskit", description="Read GPT-2's residual stream layer by layer.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
-        importlib.import_module(f"lenses.cli.{module}").add_parser(sub, name)
+        if name == command:
+            importlib.import_module(f"lenses.cli.{module}").add_parser(sub, name)
+        else:
+            sub.add_parser(name, help=SUMMARY[name], add_help=False)
     return parser
 
 
+def _command(argv: list[str]) -> str | None:
+    """The subcommand named in `argv`: its first word that is not an option (the top level takes none)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(_command(argv)).parse_args(argv)
     try:
         return int(args.run(args) or 0)
     except BrokenPipeError:

@@ -19,6 +19,7 @@ import pandas as pd
 import lenskit
 from lenskit.data import HELDOUT_SAMPLE, reference_windows
 from lenskit.interventions import MODES, Attn, Block, Head, Mlp, ablation_hooks
+from lenses.cli.figure_options import add_figure_options, figure_kwargs
 
 DEFAULT_REFERENCE = HELDOUT_SAMPLE  # held-out stdlib modules of the embedded model's split
 MEAN_WINDOW = 128  # tokens per window for mean ablation (resample windows match the prompt's length)
@@ -67,7 +68,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--color", choices=["prob", "kl"], default="prob",
                    help="figure colour: change in the next token's probability, or KL(clean || ablated)")
     p.add_argument("--csv", default=None, help="write one row per position that has a next token")
-    p.add_argument("--out", default=None, help="write the layer-by-position difference heatmap (.html/.png/.svg/.pdf)")
+    p.add_argument("--out", default=None, help="write the layer-by-position difference heatmap (.html with plotly.js "
+                                               "inlined, about 5 MB; .png, .svg or .pdf)")
+    add_figure_options(p)
     p.set_defaults(run=run)
 
 
@@ -113,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         from lenses import plots
 
         value = "delta_target_prob" if args.color == "prob" else "kl"
-        fig = plots.difference_heatmap(frame, value, title=f"{names} ablated ({args.mode})")
+        fig = plots.difference_heatmap(frame, value, title=args.title or f"{names} ablated ({args.mode})",
+                                       **figure_kwargs(args))
         plots.save_figure(fig, args.out)
         print(f"wrote {args.out}")
     return 0

@@ -7,13 +7,17 @@ from pathlib import Path
 
 import lenskit
 
+DEFAULT_TOKENS = 2 ** 16
+
 
 def add_parser(subparsers, name: str) -> None:
     p = subparsers.add_parser(name, help="evaluate a tuned lens against the logit lens, per layer", description=__doc__)
     p.add_argument("--model", default=lenskit.DEFAULT_MODEL, help="model folder or hub name (default: the embedded model)")
     p.add_argument("--lens", required=True, metavar="FOLDER", help="a tuned-lens folder (lenskit's, or tuned-lens' params.pt)")
     p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="held-out text files, folders or .jsonl")
-    p.add_argument("--tokens", type=int, default=None, help="evaluate the first N tokens (default: all)")
+    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, metavar="N",
+                   help=f"evaluate the first N tokens of --data (default {DEFAULT_TOKENS:,}, or all it holds if less; "
+                        "0 = all of it)")
     p.add_argument("--ctx", type=int, default=None, help="window length (default: the model's n_ctx)")
     p.add_argument("--csv", default=None, metavar="FILE", help="write the per-layer table (nats per token and bits per byte)")
     p.add_argument("--text-field", default="text", help="the JSONL field that holds the text")
@@ -35,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"the model at {args.model} has no tokenizer files; eval-lens needs one to read text")
     tuned = TunedLens.load(args.lens, model)
     stream = load_token_stream(args.data, model.tokenizer, text_field=args.text_field)
-    table = evaluate(model, {"logit": LogitLens(model), "tuned": tuned}, stream, tokens=args.tokens, ctx=args.ctx,
+    table = evaluate(model, {"logit": LogitLens(model), "tuned": tuned}, stream, tokens=args.tokens or None, ctx=args.ctx,
                      progress=not args.quiet)
     shown = ["layer", "kl_logit", "kl_tuned", "ce_logit", "ce_tuned", "kl_logit_bpb", "kl_tuned_bpb"]
     with pd.option_context("display.width", 200, "display.max_columns", 20):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import lenskit
 from lenses.table import format_table
+from lenses.cli.figure_options import add_figure_options, figure_kwargs
 
 OUT_SUFFIXES = (".html", ".png", ".svg", ".pdf")
 COLORS = ("prob", "entropy", "kl", "rank")
@@ -28,10 +29,12 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--lens", default="logit", metavar="logit|FOLDER",
                    help="'logit' for the logit lens, or a folder saved by TunedLens.save (default: logit)")
     p.add_argument("--top-k", type=int, default=5, metavar="K", help="top-k tokens kept per cell for the CSV and hover (default 5)")
-    p.add_argument("--out", metavar="FILE", help="write the heatmap to FILE.html, .png, .svg or .pdf")
+    p.add_argument("--out", metavar="FILE", help="write the heatmap to FILE.html (plotly.js inlined, about 5 MB, opens "
+                                                 "offline), .png (300 dpi with --size), .svg or .pdf")
     p.add_argument("--csv", metavar="FILE", help="write one row per (layer, position) to FILE")
     p.add_argument("--color", choices=COLORS, default="prob",
                    help="heatmap colour: top-1 prob, entropy, KL(final||lens) or rank of the next token (default prob)")
+    add_figure_options(p)
     p.set_defaults(run=run)
 
 
@@ -76,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         from lenses import plots
 
-        fig = plots.logit_lens_heatmap(frame, color=args.color, title=f"{traj.lens_name} lens")
+        fig = plots.logit_lens_heatmap(frame, color=args.color, title=args.title or f"{traj.lens_name} lens",
+                                       **figure_kwargs(args))
         try:
             plots.save_figure(fig, args.out)
         except RuntimeError as e:  # e.g. no Chrome for static export

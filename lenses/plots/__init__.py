@@ -6,9 +6,10 @@ Modules: `style` (fonts, colours, token labels), `export` (`save_figure` to .htm
 `lens` (logit-lens heatmap, per-layer curves), `anatomy`, `interventions`.
 """
 
-from .style import COLORS, FONT, MONO, PAPER, display_token
-from .export import EXPORT_TIMEOUT_S, STATIC_FORMATS, check_static_export, export_session, save_figure, save_figures
-from .lens import HEATMAP_CELL, HEATMAP_COLORS, layer_curves, logit_lens_heatmap
+from .style import COLORS, FONT, MONO, PAPER, PRINT_DPI, SIZES, display_token, token_labels
+from .export import (EXPORT_TIMEOUT_S, STATIC_FORMATS, check_static_export, export_session, figure_title, save_figure,
+                     save_figures, set_pdf_title)
+from .lens import HEATMAP_CELL, HEATMAP_COLORS, KL_FLOOR, layer_curves, logit_lens_heatmap, select_window
 from .anatomy import attribution_bars, growth_curves, head_attribution_heatmap, resid_norm_curves, share_bars
 from .interventions import difference_heatmap, grouped_bars, patching_heatmap
 
@@ -18,14 +19,18 @@ __all__ = [
     "FONT",
     "HEATMAP_CELL",
     "HEATMAP_COLORS",
+    "KL_FLOOR",
     "MONO",
     "PAPER",
+    "PRINT_DPI",
+    "SIZES",
     "STATIC_FORMATS",
     "attribution_bars",
     "check_static_export",
     "difference_heatmap",
     "display_token",
     "export_session",
+    "figure_title",
     "grouped_bars",
     "growth_curves",
     "head_attribution_heatmap",
@@ -35,5 +40,8 @@ __all__ = [
     "resid_norm_curves",
     "save_figure",
     "save_figures",
+    "select_window",
+    "set_pdf_title",
     "share_bars",
+    "token_labels",
 ]

@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 
 from .. import metrics
 from .lens import layer_curves
-from .style import COLORS, MONO, PAPER, _as_frame, _log_ticks, _rgba
+from .style import COLORS, MONO, PAPER, as_frame, log_ticks, rgba
 
 def resid_norm_curves(norms: pd.DataFrame, y: str = "rms", *, title: str | None = None, log_y: bool = False) -> go.Figure:
     """Stream and write sizes by layer from `anatomy.resid_norms`: mean over sequences, 95% bands.
@@ -22,13 +22,13 @@ def resid_norm_curves(norms: pd.DataFrame, y: str = "rms", *, title: str | None 
     fig = layer_curves(frame, y, series="component", unit="batch", ylabel=label, title=title, log_y=log_y)
     fig.update_layout(width=700, legend=dict(x=1.02, xanchor="left", y=1.0, yanchor="top"))
     if log_y:
-        fig.update_yaxes(**_log_ticks(frame[y]))
+        fig.update_yaxes(**log_ticks(frame[y]))
     return fig
 
 
 def attribution_bars(dla: pd.DataFrame, *, batch: int = 0, title: str | None = None) -> go.Figure:
     """Each part's direct logit attribution (`anatomy.direct_logit_attribution`) as bars, first part on top."""
-    frame = _as_frame(dla, batch)
+    frame = as_frame(dla, batch)
     colors = np.where(frame["attribution"] >= 0, COLORS[2], COLORS[4])
     fig = go.Figure(go.Bar(x=frame["attribution"], y=frame["component"], orientation="h", marker_color=colors,
                            hovertemplate="%{y}: %{x:.3f}<extra></extra>"))
@@ -42,7 +42,7 @@ def attribution_bars(dla: pd.DataFrame, *, batch: int = 0, title: str | None = N
 
 def head_attribution_heatmap(dla: pd.DataFrame, *, batch: int = 0, title: str | None = None) -> go.Figure:
     """Layers (rows) by heads (columns), each cell one head's direct logit attribution; zero is white."""
-    frame = _as_frame(dla, batch)
+    frame = as_frame(dla, batch)
     heads = frame[frame["kind"] == "head"]
     if heads.empty:
         raise ValueError("no per-head rows; call direct_logit_attribution(..., per_head=True)")
@@ -73,13 +73,13 @@ def growth_curves(frame: pd.DataFrame, y: str = "rms", *, group: str = "n_layers
         if len(band):
             fig.add_trace(go.Scatter(x=np.concatenate([band[x], band[x][::-1]]),
                                      y=np.concatenate([band["hi"], band["lo"][::-1]]), fill="toself",
-                                     fillcolor=_rgba(c, 0.15), line=dict(width=0), mode="lines", hoverinfo="skip",
+                                     fillcolor=rgba(c, 0.15), line=dict(width=0), mode="lines", hoverinfo="skip",
                                      showlegend=False))
         fig.add_trace(go.Scatter(x=part[x], y=part["mean"], mode="lines", name=f"{group}={g}, {s}",
                                  line=dict(color=c, width=2, dash=dashes[s])))
     fig.update_layout(template=PAPER, width=700, height=440, title=dict(text=title, x=0.0, xref="paper", xanchor="left") if title else None,
                       xaxis=dict(title=dict(text=x)), yaxis=dict(title=dict(text=y), type="log" if log_y else None,
-                                                                 **(_log_ticks(frame[y]) if log_y else {})),
+                                                                 **(log_ticks(frame[y]) if log_y else {})),
                       legend=dict(x=1.02, xanchor="left", y=1.0, yanchor="top", font=dict(size=12)))
     return fig
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import html
 import os
+import re
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -14,23 +16,65 @@ EXPORT_TIMEOUT_S = 600
 
 
 def save_figure(fig: go.Figure, path: str | os.PathLike, *, width: int | None = None, height: int | None = None,
-                scale: float | None = None) -> Path:
-    """Write `fig` by the path's suffix: .html (self-contained, plotly.js inlined, opens offline), .png, .svg, .pdf.
+                scale: float | None = None, plotlyjs: str = "inline") -> Path:
+    """Write `fig` by the path's suffix: .html, .png, .svg, .pdf.
+
+    HTML: `plotlyjs="inline"` (default) embeds plotly.js, so the file opens offline and weighs about 5 MB;
+    `"cdn"` loads plotly.js from cdn.plot.ly instead (a few kB per figure, but needs the network to open).
 
     Static formats are drawn by kaleido 1.x in a headless Chrome/Chromium (Debian's `chromium` package,
     which scripts/install.sh installs; set BROWSER_PATH to use another). MathJax is switched off, so
-    nothing is fetched from the network. PNGs default to scale 2 (print resolution).
+    nothing is fetched from the network. PNGs default to scale 2, or to 300 dpi for figures sized with a
+    preset (`size="column"` / `"page"`). A PDF's title (its metadata, shown by viewers) is the figure's title.
     """
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in (".html", *STATIC_FORMATS):
         raise ValueError(f"cannot tell the format of {str(path)!r}: expected a name ending in .html, .png, .svg or .pdf")
     path.parent.mkdir(parents=True, exist_ok=True)
+    if plotlyjs not in ("inline", "cdn"):
+        raise ValueError(f"plotlyjs={plotlyjs!r}: expected 'inline' (opens offline) or 'cdn' (small, needs the network)")
     if suffix == ".html":
-        fig.write_html(path, include_plotlyjs=True, full_html=True, config={"displaylogo": False})
+        fig.write_html(path, include_plotlyjs=True if plotlyjs == "inline" else "cdn", full_html=True,
+                       config={"displaylogo": False})
         return path
-    path.write_bytes(_render_static(fig, STATIC_FORMATS[suffix], width, height, scale))
+    data = _render_static(fig, STATIC_FORMATS[suffix], width, height, scale)
+    if suffix == ".pdf":
+        data = set_pdf_title(data, figure_title(fig))
+    path.write_bytes(data)
     return path
+
+
+def figure_title(fig: go.Figure) -> str:
+    """The figure's title as plain text (tags such as <br> become spaces), or 'figure' when it has none."""
+    text = fig.layout.title.text if fig.layout.title and fig.layout.title.text else ""
+    text = " ".join(html.unescape(re.sub(r"<[^>]+>", " ", text)).split())
+    return text or "figure"
+
+
+def set_pdf_title(pdf: bytes, title: str) -> bytes:
+    """`pdf` with its document title set to `title`, by an incremental update: a new info dictionary and a
+    cross-reference section for it are appended, and nothing before them changes (PDF 1.7, section 7.5.6).
+    Chrome names every PDF it prints after the page, which for kaleido is "Kaleido-fier"."""
+    trailer = pdf[pdf.rfind(b"trailer"):]
+    root = re.search(rb"/Root\s+(\d+\s+\d+\s+R)", trailer)
+    size = re.search(rb"/Size\s+(\d+)", trailer)
+    info = re.search(rb"/Info\s+(\d+)\s+(\d+)\s+R", trailer)
+    startxref = re.search(rb"startxref\s+(\d+)\s+%%EOF\s*$", pdf)
+    if not (root and size and startxref and pdf.startswith(b"%PDF-")):
+        return pdf  # not the classic layout Chrome writes: leave the file as it is
+    number, generation = (int(info.group(1)), int(info.group(2))) if info else (int(size.group(1)), 0)
+    total = max(int(size.group(1)), number + 1)
+    encoded = "\ufeff".encode("utf-16-be") + title.encode("utf-16-be")  # a text string with a byte-order mark
+    body = pdf if pdf.endswith(b"\n") else pdf + b"\n"
+    offset = len(body)
+    obj = (f"{number} {generation} obj\n<</Title <{encoded.hex().upper()}>\n/Creator (lenskit, plotly, kaleido)>>\n"
+           f"endobj\n").encode("ascii")
+    xref_at = offset + len(obj)
+    xref = (f"xref\n0 1\n0000000000 65535 f \n{number} 1\n{offset:010d} {generation:05d} n \n"
+            f"trailer\n<</Size {total}\n/Root {root.group(1).decode()}\n/Info {number} {generation} R\n"
+            f"/Prev {int(startxref.group(1))}>>\nstartxref\n{xref_at}\n%%EOF\n").encode("ascii")
+    return body + obj + xref
 
 
 _sessions = 0
@@ -81,8 +125,9 @@ def _render_static(fig: go.Figure, fmt: str, width: int | None, height: int | No
     from kaleido.errors import ChromeNotFoundError
 
     layout = fig.layout
+    meta = layout.meta if isinstance(layout.meta, dict) else {}
     opts = dict(format=fmt, width=width or layout.width or 900, height=height or layout.height or 500,
-                scale=scale or (2 if fmt == "png" else 1))
+                scale=scale or (meta.get("export_scale", 2) if fmt == "png" else 1))
     try:
         # mathjax=False: kaleido otherwise loads MathJax from a CDN, which hangs or fails offline.
         # timeout: seconds per image; kaleido's default of 90 is too short on a busy 2-core CI machine.

@@ -1,0 +1,99 @@
+"""Tokens per second of `eval-lens` (evaluate: logit and tuned lens, every layer) against `train-lens`
+(train: forward, lens, KL and backward) on the embedded model and held-out standard-library text.
+
+    python benchmarks/bench_eval.py [--tokens 8192] [--steps 4] [--threads 2]
+
+Both read the same windows of n_ctx tokens. Training runs `--steps` steps of `--tokens` / `--steps`
+tokens each; evaluation reads `--tokens` tokens. Each is timed `--repeats` times after one warm-up
+call, and the median is kept. Writes benchmarks/eval_speed.csv and the section "eval-lens against
+train-lens" of benchmarks/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import re
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import lenskit  # noqa: E402
+from lenskit.data import load_token_stream  # noqa: E402
+from lenses import LogitLens, TunedLens  # noqa: E402
+from lenses.evaluation import evaluate  # noqa: E402
+from lenses.training import Recipe, train  # noqa: E402
+
+# Held-out modules of the embedded model (see lenses/cli/ablate.py), plus more text to fill the windows.
+FILES = ("copy.py", "base64.py", "gzip.py", "enum.py", "typing.py", "argparse.py")
+MARK = "## eval-lens against train-lens"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model = lenskit.HookedTransformer.from_pretrained(lenskit.DEFAULT_MODEL)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    stream = load_token_stream([str(root / f) for f in FILES if (root / f).is_file()], model.tokenizer)
+    ctx = model.cfg.n_ctx
+    per_step = args.tokens // args.steps // ctx * ctx
+    if len(stream) < args.tokens:
+        raise SystemExit(f"the reference text holds {len(stream)} tokens; ask for at most that many with --tokens")
+
+    def run_train() -> None:
+        # no out= folder: nothing is checkpointed or saved, so only the training itself is timed
+        train(TunedLens(model), stream, Recipe(steps=args.steps, tokens_per_step=per_step), progress=False)
+
+    tuned = TunedLens(model)
+
+    def run_eval() -> None:
+        evaluate(model, {"logit": LogitLens(model), "tuned": tuned}, stream, tokens=args.tokens, progress=False)
+
+    load_start = os.getloadavg()[0]
+    results = {}
+    for name, fn, tokens in (("train-lens", run_train, per_step * args.steps), ("eval-lens", run_eval, args.tokens // ctx * ctx)):
+        fn()  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        results[name] = dict(case=name, tokens=tokens, median_s=statistics.median(times), tokens_per_s=tokens / statistics.median(times))
+        print(f"{name}: {tokens} tokens in {results[name]['median_s']:.2f} s median -> {results[name]['tokens_per_s']:.0f} tokens/s")
+    ratio = results["eval-lens"]["tokens_per_s"] / results["train-lens"]["tokens_per_s"]
+    print(f"eval / train tokens per second: {ratio:.2f} (target >= 1)")
+
+    out = ROOT / "benchmarks"
+    with open(out / "eval_speed.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["case", "tokens", "median_s", "tokens_per_s"])
+        writer.writeheader()
+        writer.writerows(results.values())
+    section = (f"{MARK}\n\n`python benchmarks/bench_eval.py --tokens {args.tokens} --steps {args.steps} --repeats {args.repeats} "
+               f"--threads {args.threads}`: the embedded model, held-out standard-library text, windows of {ctx} tokens, "
+               f"medians of {args.repeats} runs, one-minute load average {load_start:.1f} at the start and "
+               f"{os.getloadavg()[0]:.1f} at the end (both cases share the machine alike). eval-lens scores the logit and a tuned lens at every layer; train-lens "
+               f"adds the backward pass and the optimizer step.\n\n| case | tokens | median s | tokens/s |\n|---|---|---|---|\n"
+               + "".join(f"| {r['case']} | {r['tokens']} | {r['median_s']:.2f} | {r['tokens_per_s']:.0f} |\n" for r in results.values())
+               + f"\neval / train: {ratio:.2f} (target >= 1)\n")
+    report = out / "results.md"
+    text = report.read_text() if report.exists() else ""
+    text = re.sub(rf"\n{re.escape(MARK)}\n.*?(?=\n## |\Z)", "", text, flags=re.S).rstrip("\n")
+    report.write_text(text + "\n\n" + section)
+    print(f"wrote {out / 'eval_speed.csv'} and the section of {report}")
+
+
+if __name__ == "__main__":
+    main()
