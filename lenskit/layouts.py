@@ -58,6 +58,7 @@ class Layout:
     block: dict[str, str]  # ours -> theirs, inside one block
     reshape: dict[str, Callable] = field(default_factory=dict)  # block-local ours -> theirs-to-ours
     buffers: str = r"$^"  # regex, on unprefixed names, of stored buffers to skip
+    aliases: dict[str, str] = field(default_factory=dict)  # other spellings -> the file's, e.g. in-memory names
 
     def name_map(self, our_keys, n_layers: int) -> dict[str, str]:
         """theirs (unprefixed, except the unembedding) -> ours, for every key in `our_keys`."""
@@ -102,6 +103,7 @@ LAYOUTS: dict[str, Layout] = {
         top={"embed.weight": "embed_in.weight", "ln_final.weight": "final_layer_norm.weight",
              "ln_final.bias": "final_layer_norm.bias", "unembed.weight": "embed_out.weight"},
         block=_NEOX_BLOCK, reshape={"attn.qkv.weight": _neox_qkv, "attn.qkv.bias": _neox_qkv},
+        aliases={"lm_head.weight": "embed_out.weight"},  # transformers 5 names it so in memory, not on disk
         buffers=r"^layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$|^rotary_emb\.inv_freq$",
     ),
     "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA,

@@ -57,8 +57,9 @@ def convert_hf_state_dict(raw: Mapping[str, torch.Tensor], cfg: ModelConfig,
     stripped: dict[str, torch.Tensor] = {}
     for key, tensor in raw.items():
         name = key.removeprefix(layout.prefix)
+        name = layout.aliases.get(name, name)
         if name in stripped:
-            raise CheckpointError(f"checkpoint holds both {name!r} and '{layout.prefix}{name}'")
+            raise CheckpointError(f"checkpoint holds {name!r} twice, under {key!r} and another spelling (prefix or alias)")
         if buffers.match(name):
             continue
         stripped[name] = tensor

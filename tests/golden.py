@@ -1,4 +1,4 @@
-"""The reference side of the golden tests: what `transformers`' GPT-2 computes, read with torch hooks.
+"""The reference side of the golden tests: what `transformers`' own model of each family computes, read with torch hooks.
 
 Shared by test_model.py and test_loading.py (pytest puts tests/ on sys.path).
 """
@@ -13,12 +13,22 @@ ATOL = 1e-4
 STREAM_HOOKS = ("hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post")
 
 
+def hf_blocks(hf) -> list:
+    """The block list of a transformers causal LM of any supported family."""
+    base = getattr(hf, "transformer", None) or getattr(hf, "gpt_neox", None) or getattr(hf, "model", None) or hf
+    return list(getattr(base, "h", None) or base.layers)
+
+
+def hf_attention(block):
+    return getattr(block, "attn", None) or getattr(block, "attention", None) or block.self_attn
+
+
 @torch.no_grad()
 def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Logits and, per block i, `blocks.{i}.hook_resid_pre / attn_out / mlp_out / resid_post` from transformers.
 
-    resid_pre is the input of `h[i]`, attn_out the first output of `h[i].attn`, mlp_out the output of
-    `h[i].mlp`, resid_post the output of `h[i]` (before `ln_f` for the last block).
+    resid_pre is the input of block i, attn_out the first output of its attention module, mlp_out the
+    output of its MLP, resid_post the block's output (before the final norm for the last block).
     """
     acts: dict[str, torch.Tensor] = {}
     handles = []
@@ -35,9 +45,9 @@ def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torc
         return pre
 
     try:
-        for i, block in enumerate(hf.transformer.h):
+        for i, block in enumerate(hf_blocks(hf)):
             handles.append(block.register_forward_pre_hook(save_in(f"blocks.{i}.hook_resid_pre"), with_kwargs=True))
-            handles.append(block.attn.register_forward_hook(save_out(f"blocks.{i}.hook_attn_out")))
+            handles.append(hf_attention(block).register_forward_hook(save_out(f"blocks.{i}.hook_attn_out")))
             handles.append(block.mlp.register_forward_hook(save_out(f"blocks.{i}.hook_mlp_out")))
             handles.append(block.register_forward_hook(save_out(f"blocks.{i}.hook_resid_post")))
         logits = hf(tokens).logits
