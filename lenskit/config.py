@@ -60,7 +60,7 @@ class ModelConfig:
     fused_qkv: bool = True  # one projection `attn.qkv` (GPT-2, NeoX) or three, `attn.qkv.q/k/v`
     qkv_bias: bool = True
     out_bias: bool = True
-    mlp_bias: bool = True
+    mlp_bias: bool | None = None  # None means True for the GELU MLP, False for SwiGLU
     qk_norm: bool = False  # an RMSNorm over d_head on each query and key head (Qwen 3)
 
     def __post_init__(self) -> None:
@@ -77,6 +77,8 @@ class ModelConfig:
             object.__setattr__(self, "d_head", self.d_model // self.n_heads)
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.mlp_bias is None:
+            object.__setattr__(self, "mlp_bias", self.mlp == "gelu")
         if self.rotary_dim is None and self.positional == "rotary":
             object.__setattr__(self, "rotary_dim", self.d_head)
         for field in _INT_FIELDS:
@@ -194,9 +196,53 @@ def _gpt2(name: str, n_layers: int, d_model: int, n_heads: int) -> ModelConfig:
     )
 
 
+def _pythia(name: str, n_layers: int, d_model: int, n_heads: int, d_vocab: int = 50304) -> ModelConfig:
+    return ModelConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_vocab=d_vocab, n_ctx=2048, activation="gelu",
+        tie_word_embeddings=False, family="gpt_neox", positional="rotary", rotary_dim=d_model // n_heads // 4,
+        parallel_block=True, bos_token_id=0, eos_token_id=0, name=name,
+    )
+
+
+def _llama(name: str, family: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int, d_vocab: int,
+           n_ctx: int, tied: bool, base: float, d_head: int | None = None, **extra: Any) -> ModelConfig:
+    return ModelConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head, d_mlp=d_mlp,
+        d_vocab=d_vocab, n_ctx=n_ctx, norm="rmsnorm", mlp="swiglu", norm_eps=1e-5 if family in ("llama", "mistral") else 1e-6,
+        tie_word_embeddings=tied, family=family, positional="rotary", rotary_base=base, fused_qkv=False,
+        qkv_bias=family == "qwen2", out_bias=False, qk_norm=family == "qwen3", name=name, **extra,
+    )
+
+
+_LLAMA3 = dict(rope_type="llama3", rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_n_ctx=8192)
+
 PRESETS: dict[str, ModelConfig] = {
     "gpt2": _gpt2("gpt2", 12, 768, 12),
     "gpt2-medium": _gpt2("gpt2-medium", 24, 1024, 16),
     "gpt2-large": _gpt2("gpt2-large", 36, 1280, 20),
     "gpt2-xl": _gpt2("gpt2-xl", 48, 1600, 25),
+    "pythia-70m": _pythia("pythia-70m", 6, 512, 8),
+    "pythia-160m": _pythia("pythia-160m", 12, 768, 12),
+    "pythia-410m": _pythia("pythia-410m", 24, 1024, 16),
+    "pythia-1b": _pythia("pythia-1b", 16, 2048, 8),
+    "pythia-1.4b": _pythia("pythia-1.4b", 24, 2048, 16),
+    "pythia-2.8b": _pythia("pythia-2.8b", 32, 2560, 32),
+    "pythia-6.9b": _pythia("pythia-6.9b", 32, 4096, 32, d_vocab=50432),
+    "pythia-12b": _pythia("pythia-12b", 36, 5120, 40, d_vocab=50688),
+    "llama-3.2-1b": _llama("llama-3.2-1b", "llama", 16, 2048, 32, 8, 8192, 128256, 131072, True, 500000.0,
+                           rope_factor=32.0, **_LLAMA3),
+    "llama-3.2-3b": _llama("llama-3.2-3b", "llama", 28, 3072, 24, 8, 8192, 128256, 131072, True, 500000.0,
+                           rope_factor=32.0, **_LLAMA3),
+    "llama-3.1-8b": _llama("llama-3.1-8b", "llama", 32, 4096, 32, 8, 14336, 128256, 131072, False, 500000.0,
+                           rope_factor=8.0, **_LLAMA3),
+    "mistral-7b": _llama("mistral-7b", "mistral", 32, 4096, 32, 8, 14336, 32000, 32768, False, 10000.0,
+                         sliding_window=4096),
+    "qwen2.5-0.5b": _llama("qwen2.5-0.5b", "qwen2", 24, 896, 14, 2, 4864, 151936, 32768, True, 1000000.0),
+    "qwen2.5-1.5b": _llama("qwen2.5-1.5b", "qwen2", 28, 1536, 12, 2, 8960, 151936, 32768, True, 1000000.0),
+    "qwen2.5-7b": _llama("qwen2.5-7b", "qwen2", 28, 3584, 28, 4, 18944, 152064, 131072, False, 1000000.0),
+    "qwen3-0.6b": _llama("qwen3-0.6b", "qwen3", 28, 1024, 16, 8, 3072, 151936, 40960, True, 1000000.0, d_head=128),
+    "qwen3-1.7b": _llama("qwen3-1.7b", "qwen3", 28, 2048, 16, 8, 6144, 151936, 40960, True, 1000000.0, d_head=128),
+    "qwen3-4b": _llama("qwen3-4b", "qwen3", 36, 2560, 32, 8, 9728, 151936, 40960, True, 1000000.0, d_head=128),
+    "qwen3-8b": _llama("qwen3-8b", "qwen3", 36, 4096, 32, 8, 12288, 151936, 40960, False, 1000000.0, d_head=128),
 }
+"""Published shapes by short name (case-insensitive; an organisation prefix is ignored by `from_name`)."""
