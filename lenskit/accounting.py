@@ -137,7 +137,7 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
         "per_block_attn": (int(block.loc["attn", "params"]), "q, k, v and out projections" +
                            (f" (k, v: {cfg.n_kv_heads} of {cfg.n_heads} heads)" if cfg.n_kv_heads != cfg.n_heads else "")),
         "per_block_mlp": (int(block.loc["mlp", "params"]), "fc_in and fc_out" if cfg.mlp == "gelu" else "gate, fc_in, fc_out (SwiGLU)"),
-        "per_block_norms": (int(block.loc["norms", "params"]), "ln1 and ln2"),
+        "per_block_norms": (int(block.loc["norms", "params"]), "ln1 and ln2" + (", q/k norms" if cfg.qk_norm else "")),
         "weights": (int(table.weights.sum()), "matrices, embeddings and norm gains"),
         "biases": (int(table.biases.sum()), "linear biases and norm shifts"),
         "mlp_share_of_block": (float(block.loc["mlp", "params"] / per_block), "GPT-2: 2/3"),

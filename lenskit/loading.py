@@ -174,7 +174,7 @@ def resolve_model_folder(name_or_path: str | os.PathLike) -> Path:
     if path.exists():
         raise NotADirectoryError(f"{text} is a file; pass the folder that holds config.json and the weights")
     if not _HUB_ID.match(text) or text.startswith((".", "~")):
-        raise FileNotFoundError(f"no folder at {text}; pass a folder in the Hugging Face GPT-2 layout or a hub name")
+        raise FileNotFoundError(f"no folder at {text}; pass a Hugging Face model folder or a hub name")
     return _from_hub(text)
 
 
@@ -200,7 +200,8 @@ def _from_hub(name: str) -> Path:
     from huggingface_hub import snapshot_download
 
     cache_dir = _hub_cache_dir()
-    candidates = [name] + ([f"openai-community/{name}"] if name in PRESETS else [])
+    short = name in PRESETS and PRESETS[name].family == "gpt2"  # gpt2, gpt2-xl... now live under openai-community/
+    candidates = [name] + ([f"openai-community/{name}"] if short else [])
     for repo_id in candidates:
         try:
             return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, cache_dir=cache_dir, local_files_only=True))
