@@ -46,6 +46,17 @@ def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
+def expected_shapes(cls: type["HookedTransformer"], cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter shape of `cls(cfg)`, from a one-block model on the meta device: blocks have equal
+    shapes, so a config claiming thousands of layers is checked against the files before anything large is built."""
+    with torch.device("meta"):
+        one = model_shapes(cls(cfg.replace(n_layers=1)))
+    shapes = {k: v for k, v in one.items() if not k.startswith("blocks.")}
+    block = {k.removeprefix("blocks.0."): v for k, v in one.items() if k.startswith("blocks.0.")}
+    shapes.update({f"blocks.{i}.{k}": v for i in range(cfg.n_layers) for k, v in block.items()})
+    return shapes
+
+
 def convert_hf_state_dict(raw: Mapping[str, torch.Tensor], cfg: ModelConfig,
                           shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """A checkpoint of `cfg.family` -> our state dict, checked against our `shapes`. Keys may carry the
@@ -256,9 +267,9 @@ def from_hf(cls: type["HookedTransformer"], hf_model: torch.nn.Module, tokenizer
 def _assemble(cls, cfg, raw, tokenizer, dtype, device) -> "HookedTransformer":
     """Build on the meta device, convert the checkpoint against its shapes, then assign the tensors:
     a checkpoint already in `dtype` on the CPU is used in place (memory-mapped), not copied."""
+    state = convert_hf_state_dict(raw, cfg, expected_shapes(cls, cfg))
     with torch.device("meta"):
         model = cls(cfg, tokenizer=tokenizer)
-    state = convert_hf_state_dict(raw, cfg, model_shapes(model))
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()

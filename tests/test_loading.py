@@ -404,7 +404,7 @@ def test_many_layers_with_missing_tensors_fail_fast(hf, tmp_path):
     start = time.perf_counter()
     with pytest.raises(CheckpointError, match=r"missing tensor\(s\) \['h\.3\.ln_1\.weight'"):
         HookedTransformer.from_pretrained(folder)
-    assert time.perf_counter() - start < 20  # a quadratic sort of 36,000 names took minutes
+    assert time.perf_counter() - start < 5  # checked before a 3000-block model is built; no quadratic sort
 
 
 @pytest.mark.parametrize("dtype, want", [("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32),
