@@ -164,7 +164,8 @@ class ModelConfig:
         """The `config.json` that `transformers.GPT2LMHeadModel` reads for this architecture."""
         if not self.is_gpt2:
             raise ValueError(
-                f"norm={self.norm!r}, mlp={self.mlp!r}: only the plain GPT-2 architecture has a Hugging Face layout"
+                f"family={self.family!r}, norm={self.norm!r}, mlp={self.mlp!r}: saving in the Hugging Face layout is "
+                "implemented for the plain GPT-2 architecture only; keep the checkpoint folder you loaded from"
             )
         return {
             "architectures": ["GPT2LMHeadModel"],
