@@ -111,7 +111,9 @@ def check_values(name: str, tensor: torch.Tensor) -> None:
     if not tensor.dtype.is_floating_point:
         raise CheckpointError(f"tensor {name!r} has dtype {tensor.dtype}; weights must be floating point "
                               "(quantised checkpoints are not supported: dequantise first)")
-    if not bool(torch.isfinite(tensor).all()):
+    # One reduction instead of an elementwise mask: a NaN or inf anywhere makes the sum non-finite.
+    # A sum can also overflow on finite values, so only then is every element looked at.
+    if not bool(torch.isfinite(tensor.sum())) and not bool(torch.isfinite(tensor).all()):
         raise CheckpointError(f"tensor {name!r} holds NaN or inf values; the checkpoint is corrupt or was saved after training diverged")
 
 
