@@ -106,6 +106,11 @@ def main() -> None:
     print(f"| run_with_cache(every residual write) / own forward | {cache:.3f} | <= 1.05 | {cache <= 1.05} |")
     print(f"| load + first forward (1x16), with / without the NaN-inf check | {check:.3f} | a few percent | {check <= 1.05} |")
     print(f"| from_pretrained alone, with / without the check (without it, no weight is read yet) | {raw:.1f} | - | - |\n")
+    rounds = [(f / t, c / f) for f, t, c in zip(times["lenskit_forward"], times["transformers_forward"],
+                                                 times["lenskit_cache_all_resid"])]
+    print("As a check on noise, the median of the per-round ratios: forward / transformers "
+          f"{statistics.median(r[0] for r in rounds):.3f} (rounds: {', '.join(f'{r[0]:.3f}' for r in rounds)}); "
+          f"cache / forward {statistics.median(r[1] for r in rounds):.3f}.\n")
     print("| case | median ms |\n|---|---|")
     for k, v in med.items():
         print(f"| {k} | {v * 1e3:,.0f} |")

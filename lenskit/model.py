@@ -290,7 +290,8 @@ class HookedTransformer(HookedRootModule):
 
     def extra_repr(self) -> str:
         c = self.cfg
-        return (f"name={c.name!r}, n_layers={c.n_layers}, d_model={c.d_model}, n_heads={c.n_heads}, "
+        return (f"name={c.name!r}, family={c.family!r}, n_layers={c.n_layers}, d_model={c.d_model}, n_heads={c.n_heads}, "
+                f"n_kv_heads={c.n_kv_heads}, "
                 f"d_mlp={c.d_mlp}, d_vocab={c.d_vocab}, n_ctx={c.n_ctx}")
 
 

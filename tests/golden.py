@@ -1,6 +1,6 @@
 """The reference side of the golden tests: what `transformers`' own model of each family computes, read with torch hooks.
 
-Shared by test_model.py and test_loading.py (pytest puts tests/ on sys.path).
+Shared by test_model.py, test_loading.py, test_hub.py and test_families.py (pytest puts tests/ on sys.path).
 """
 
 from __future__ import annotations
