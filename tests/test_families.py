@@ -44,9 +44,10 @@ def test_golden_fast_and_eager_paths(family, tied, tokens):
     assert_golden(model, hf, tokens, fwd_hooks=[(lambda n: n.endswith("hook_pattern"), lambda x, hook: None)])
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("shards", [None, "3KB"], ids=["single-file", "sharded"])
-def test_golden_through_save_pretrained(family, shards, tmp_path, tokens):
-    hf = make_hf_family(family, tie_word_embeddings=False, seed=3)
+def test_golden_through_save_pretrained(family, shards, tied, tmp_path, tokens):
+    hf = make_hf_family(family, tie_word_embeddings=tied, seed=3)
     folder = tmp_path / family
     hf.save_pretrained(folder, **({"max_shard_size": shards} if shards else {}))
     assert (folder / "model.safetensors.index.json").exists() == bool(shards)
