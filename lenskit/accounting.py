@@ -1,4 +1,4 @@
-"""Parameter and FLOP accounting for a GPT-2-family config, computed from the shapes alone.
+"""Parameter and FLOP accounting for a model config of any supported family, from the shapes alone.
 
 Everything here is arithmetic on a `ModelConfig` (a model, a config, or a preset name), so
 `accounting.param_summary("gpt2-xl")` costs nothing and needs no weights. The tests check each count
@@ -63,12 +63,15 @@ def block_params(model_or_cfg: ConfigLike) -> pd.DataFrame:
     """
     cfg = as_config(model_or_cfg)
     d, a, m = cfg.d_model, _d_attn(cfg), cfg.d_mlp
-    attn_w, attn_b = d * 3 * a + a * d, 3 * a + d  # qkv then out
+    kv = cfg.n_kv_heads * cfg.d_head  # each of k and v: smaller than d_attn under grouped-query attention
+    attn_w = d * (a + 2 * kv) + a * d  # q, k, v, out
+    attn_b = (a + 2 * kv if cfg.qkv_bias else 0) + (d if cfg.out_bias else 0)
     if cfg.mlp == "gelu":
-        mlp_w, mlp_b = 2 * d * m, m + d  # fc_in, fc_out
+        mlp_w, mlp_b = 2 * d * m, (m + d if cfg.mlp_bias else 0)  # fc_in, fc_out
     else:
-        mlp_w, mlp_b = 3 * d * m, 0  # gate, fc_in, fc_out, without biases
-    norm_w, norm_b = 2 * d, (2 * d if cfg.norm == "layernorm" else 0)  # ln1, ln2
+        mlp_w, mlp_b = 3 * d * m, (2 * m + d if cfg.mlp_bias else 0)  # gate, fc_in, fc_out
+    norm_w = 2 * d + (2 * cfg.d_head if cfg.qk_norm else 0)  # ln1, ln2 (and the per-head q/k norm gains)
+    norm_b = 2 * d if cfg.norm == "layernorm" else 0
     rows = {"attn": (attn_w, attn_b), "mlp": (mlp_w, mlp_b), "norms": (norm_w, norm_b)}
     frame = pd.DataFrame.from_dict(rows, orient="index", columns=["weights", "biases"])
     frame["params"] = frame["weights"] + frame["biases"]
@@ -88,8 +91,9 @@ def param_table(model_or_cfg: ConfigLike) -> pd.DataFrame:
     rows: list[dict[str, Any]] = [
         dict(layer=None, component="embed", weights=v * d, biases=0, embedding=True,
              note="token embedding" + (", shared with the unembedding" if cfg.tie_word_embeddings else "")),
-        dict(layer=None, component="pos_embed", weights=cfg.n_ctx * d, biases=0, embedding=True,
-             note="learned position embedding"),
+        dict(layer=None, component="pos_embed", weights=cfg.n_ctx * d if cfg.positional == "learned" else 0, biases=0,
+             embedding=True, note="learned position embedding" if cfg.positional == "learned"
+             else "none: rotary positions have no parameters"),
     ]
     block = block_params(cfg)
     for layer in range(cfg.n_layers):
@@ -125,14 +129,15 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
     values: dict[str, tuple[float, str]] = {
         "total": (int(table.params.sum()), "every parameter once (a tied unembedding is not counted twice)"),
         "embed": (int(by["embed"]), "d_vocab * d_model"),
-        "pos_embed": (int(by["pos_embed"]), "n_ctx * d_model"),
+        "pos_embed": (int(by["pos_embed"]), "n_ctx * d_model" if cfg.positional == "learned" else "rotary: none"),
         "unembed": (int(by["unembed"]), "tied to embed, counted once" if cfg.tie_word_embeddings else "d_model * d_vocab"),
         "non_embedding": (non_embedding, "blocks + final norm (Kaplan et al.'s N)"),
         "blocks": (per_block * cfg.n_layers, "n_layers * per_block"),
         "per_block": (per_block, "12 d^2 + 13 d for GPT-2 shapes" if cfg.is_gpt2 and cfg.d_mlp == 4 * cfg.d_model else ""),
-        "per_block_attn": (int(block.loc["attn", "params"]), "qkv and out projections with biases"),
-        "per_block_mlp": (int(block.loc["mlp", "params"]), "fc_in and fc_out with biases" if cfg.mlp == "gelu" else "gate, fc_in, fc_out"),
-        "per_block_norms": (int(block.loc["norms", "params"]), "ln1 and ln2"),
+        "per_block_attn": (int(block.loc["attn", "params"]), "q, k, v and out projections" +
+                           (f" (k, v: {cfg.n_kv_heads} of {cfg.n_heads} heads)" if cfg.n_kv_heads != cfg.n_heads else "")),
+        "per_block_mlp": (int(block.loc["mlp", "params"]), "fc_in and fc_out" if cfg.mlp == "gelu" else "gate, fc_in, fc_out (SwiGLU)"),
+        "per_block_norms": (int(block.loc["norms", "params"]), "ln1 and ln2" + (", q/k norms" if cfg.qk_norm else "")),
         "weights": (int(table.weights.sum()), "matrices, embeddings and norm gains"),
         "biases": (int(table.biases.sum()), "linear biases and norm shifts"),
         "mlp_share_of_block": (float(block.loc["mlp", "params"] / per_block), "GPT-2: 2/3"),

@@ -1,4 +1,4 @@
-"""Model configuration: a frozen dataclass, GPT-2 presets, and conversion from HF `config.json`."""
+"""Model configuration: a frozen dataclass, presets of published shapes, and conversion from HF `config.json`."""
 
 from __future__ import annotations
 
@@ -8,15 +8,22 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .families import GELU_ACTIVATIONS, ROPE_TYPES, config_fields
+
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
-# GPT-2's "gelu_new" and PyTorch's tanh GELU are the same function; "gelu" is the exact erf form.
-ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
+POSITIONALS = ("learned", "rotary")
+ACTIVATIONS = GELU_ACTIVATIONS
+_INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
+_BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a GPT-2-family model. Derived values live in `__post_init__` only.
+    """Shape and numerics of a decoder-only transformer. Derived values live in `__post_init__` only.
+
+    `family` is the Hugging Face `model_type` the weights come from; the other fields say which piece
+    each part of the model is (see `lenskit.layers`), so nothing downstream branches on the family.
 
     >>> ModelConfig.from_name("gpt2").d_head
     64
@@ -38,30 +45,67 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = "custom"
+    family: str = "gpt2"
+    n_kv_heads: int | None = None  # None means n_heads (no grouped-query attention)
+    positional: str = "learned"  # "learned": a pos_embed table added to the stream; "rotary": q and k are rotated
+    rotary_dim: int | None = None  # None means d_head when positional == "rotary"; fewer dims is partial rotary
+    rotary_base: float = 10000.0
+    rope_type: str = "default"  # or "llama3": frequencies rescaled by the four fields below
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_n_ctx: int | None = None
+    sliding_window: int | None = None  # a query sees itself and the sliding_window - 1 keys before it
+    parallel_block: bool = False  # attention and MLP both read resid_pre (GPT-NeoX)
+    fused_qkv: bool = True  # one projection `attn.qkv` (GPT-2, NeoX) or three, `attn.qkv.q/k/v`
+    qkv_bias: bool = True
+    out_bias: bool = True
+    mlp_bias: bool | None = None  # None means True for the GELU MLP, False for SwiGLU
+    qk_norm: bool = False  # an RMSNorm over d_head on each query and key head (Qwen 3)
 
     def __post_init__(self) -> None:
         if self.d_mlp is None:
             object.__setattr__(self, "d_mlp", 4 * self.d_model)
         if self.d_head is None:
+            if not isinstance(self.n_heads, int) or isinstance(self.n_heads, bool) or self.n_heads <= 0:
+                raise ValueError(f"ModelConfig.n_heads must be a positive int, got {self.n_heads!r}")
             if self.d_model % self.n_heads:
                 raise ValueError(
                     f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                     "pass d_head explicitly or choose a divisor"
                 )
             object.__setattr__(self, "d_head", self.d_model // self.n_heads)
-        for field in ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head"):
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.mlp_bias is None:
+            object.__setattr__(self, "mlp_bias", self.mlp == "gelu")
+        if self.rotary_dim is None and self.positional == "rotary":
+            object.__setattr__(self, "rotary_dim", self.d_head)
+        for field in _INT_FIELDS:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelConfig.{field} must be a positive int, got {value!r}")
+        for field in _BOOL_FIELDS:
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"ModelConfig.{field} must be True or False, got {getattr(self, field)!r}")
+        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not self.norm_eps > 0:
+            raise ValueError(f"ModelConfig.norm_eps must be a positive number, got {self.norm_eps!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(
-                f"ModelConfig.activation={self.activation!r} is not a GPT-2 activation; "
+                f"ModelConfig.activation={self.activation!r} is not a GELU activation; "
                 f"supported: {sorted(ACTIVATIONS)}"
             )
-        if self.norm not in NORMS:
-            raise ValueError(f"ModelConfig.norm={self.norm!r}; supported: {NORMS}")
-        if self.mlp not in MLPS:
-            raise ValueError(f"ModelConfig.mlp={self.mlp!r}; supported: {MLPS}")
+        for field, allowed in (("norm", NORMS), ("mlp", MLPS), ("positional", POSITIONALS), ("rope_type", ROPE_TYPES)):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}; supported: {allowed}")
+        if self.positional == "rotary" and not (isinstance(self.rotary_dim, int) and 0 < self.rotary_dim <= self.d_head
+                                                and self.rotary_dim % 2 == 0):
+            raise ValueError(f"ModelConfig.rotary_dim={self.rotary_dim!r} must be an even int in (0, d_head={self.d_head}]")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool)
+                                                or self.sliding_window <= 0):
+            raise ValueError(f"ModelConfig.sliding_window must be None or a positive int, got {self.sliding_window!r}")
 
     @property
     def gelu_approximate(self) -> str:
@@ -71,13 +115,16 @@ class ModelConfig:
     @property
     def is_gpt2(self) -> bool:
         """True when the architecture is exactly GPT-2's, so it can be saved in the HF layout."""
-        return self.norm == "layernorm" and self.mlp == "gelu" and self.d_head * self.n_heads == self.d_model
+        return (self.family == "gpt2" and self.norm == "layernorm" and self.mlp == "gelu" and self.positional == "learned"
+                and self.d_head * self.n_heads == self.d_model and self.n_kv_heads == self.n_heads)
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """A copy with some fields changed; derived fields follow unless given explicitly."""
         fields = dataclasses.asdict(self)
         if ("d_model" in changes or "n_heads" in changes) and "d_head" not in changes:
             fields["d_head"] = None
+        if "n_heads" in changes and "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
+            fields["n_kv_heads"] = None
         if "d_model" in changes and "d_mlp" not in changes:
             fields["d_mlp"] = None
         fields.update(changes)
@@ -86,8 +133,8 @@ class ModelConfig:
     # ------------------------------------------------------------------ presets
     @classmethod
     def from_name(cls, name: str) -> "ModelConfig":
-        """A preset by name: gpt2, gpt2-medium, gpt2-large, gpt2-xl (an `openai-community/` prefix is fine)."""
-        key = name.split("/")[-1]
+        """A preset by name (see `PRESETS`); an organisation prefix such as `openai-community/` is fine."""
+        key = name.split("/")[-1].lower()
         if key not in PRESETS:
             raise KeyError(f"no preset named {name!r}; presets: {sorted(PRESETS)}")
         return PRESETS[key]
@@ -95,48 +142,11 @@ class ModelConfig:
     # ------------------------------------------------------------ HF conversion
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any] | Any, name: str = "custom") -> "ModelConfig":
-        """Build from a Hugging Face GPT-2 config (a `GPT2Config` or the dict of `config.json`).
-
-        Anything that would change GPT-2's computation and that lenskit does not implement raises,
-        naming the field, rather than being silently ignored.
-        """
+        """Build from a Hugging Face config (a `PretrainedConfig` or the dict of `config.json`); the
+        family comes from `model_type`. A field whose behaviour lenskit does not implement raises,
+        naming the field, rather than being silently ignored."""
         d = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf)
-        model_type = d.get("model_type")
-        if model_type != "gpt2":
-            raise ValueError(f"config field model_type={model_type!r}: lenskit loads GPT-2 models only ('gpt2')")
-        refuse = {
-            "add_cross_attention": False,
-            "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False,
-            "scale_attn_weights": True,
-        }
-        for field, supported in refuse.items():
-            if field in d and bool(d[field]) != supported:
-                raise ValueError(f"config field {field}={d[field]!r} is not supported (lenskit needs {supported})")
-        act = d.get("activation_function", "gelu_new")
-        if act not in ACTIVATIONS:
-            raise ValueError(
-                f"config field activation_function={act!r} is not a GPT-2 activation; supported: {sorted(ACTIVATIONS)}"
-            )
-        required = ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions")
-        missing = [k for k in required if k not in d]
-        if missing:
-            raise ValueError(f"config.json lacks required GPT-2 field(s) {missing}")
-        return cls(
-            n_layers=int(d["n_layer"]),
-            d_model=int(d["n_embd"]),
-            n_heads=int(d["n_head"]),
-            d_vocab=int(d["vocab_size"]),
-            n_ctx=int(d["n_positions"]),
-            d_mlp=int(d["n_inner"]) if d.get("n_inner") else None,
-            norm_eps=float(d.get("layer_norm_epsilon", 1e-5)),
-            activation=act,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
-            initializer_range=float(d.get("initializer_range", 0.02)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"),
-            name=name,
-        )
+        return cls(**config_fields(d), name=name)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike, name: str = "custom") -> "ModelConfig":
@@ -145,7 +155,7 @@ class ModelConfig:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON ({e}); expected a Hugging Face GPT-2 config.json") from e
+            raise ValueError(f"{path} is not valid JSON ({e}); expected a Hugging Face config.json") from e
         if not isinstance(data, dict):
             raise ValueError(f"{path} holds a {type(data).__name__}, expected a JSON object")
         return cls.from_hf_config(data, name=name)
@@ -154,7 +164,8 @@ class ModelConfig:
         """The `config.json` that `transformers.GPT2LMHeadModel` reads for this architecture."""
         if not self.is_gpt2:
             raise ValueError(
-                f"norm={self.norm!r}, mlp={self.mlp!r}: only the plain GPT-2 architecture has a Hugging Face layout"
+                f"family={self.family!r}, norm={self.norm!r}, mlp={self.mlp!r}: saving in the Hugging Face layout is "
+                "implemented for the plain GPT-2 architecture only; keep the checkpoint folder you loaded from"
             )
         return {
             "architectures": ["GPT2LMHeadModel"],
@@ -186,9 +197,53 @@ def _gpt2(name: str, n_layers: int, d_model: int, n_heads: int) -> ModelConfig:
     )
 
 
+def _pythia(name: str, n_layers: int, d_model: int, n_heads: int, d_vocab: int = 50304) -> ModelConfig:
+    return ModelConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_vocab=d_vocab, n_ctx=2048, activation="gelu",
+        tie_word_embeddings=False, family="gpt_neox", positional="rotary", rotary_dim=d_model // n_heads // 4,
+        parallel_block=True, bos_token_id=0, eos_token_id=0, name=name,
+    )
+
+
+def _llama(name: str, family: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int, d_vocab: int,
+           n_ctx: int, tied: bool, base: float, d_head: int | None = None, **extra: Any) -> ModelConfig:
+    return ModelConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head, d_mlp=d_mlp,
+        d_vocab=d_vocab, n_ctx=n_ctx, norm="rmsnorm", mlp="swiglu", norm_eps=1e-5 if family in ("llama", "mistral") else 1e-6,
+        tie_word_embeddings=tied, family=family, positional="rotary", rotary_base=base, fused_qkv=False,
+        qkv_bias=family == "qwen2", out_bias=False, qk_norm=family == "qwen3", name=name, **extra,
+    )
+
+
+_LLAMA3 = dict(rope_type="llama3", rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_n_ctx=8192)
+
 PRESETS: dict[str, ModelConfig] = {
     "gpt2": _gpt2("gpt2", 12, 768, 12),
     "gpt2-medium": _gpt2("gpt2-medium", 24, 1024, 16),
     "gpt2-large": _gpt2("gpt2-large", 36, 1280, 20),
     "gpt2-xl": _gpt2("gpt2-xl", 48, 1600, 25),
+    "pythia-70m": _pythia("pythia-70m", 6, 512, 8),
+    "pythia-160m": _pythia("pythia-160m", 12, 768, 12),
+    "pythia-410m": _pythia("pythia-410m", 24, 1024, 16),
+    "pythia-1b": _pythia("pythia-1b", 16, 2048, 8),
+    "pythia-1.4b": _pythia("pythia-1.4b", 24, 2048, 16),
+    "pythia-2.8b": _pythia("pythia-2.8b", 32, 2560, 32),
+    "pythia-6.9b": _pythia("pythia-6.9b", 32, 4096, 32, d_vocab=50432),
+    "pythia-12b": _pythia("pythia-12b", 36, 5120, 40, d_vocab=50688),
+    "llama-3.2-1b": _llama("llama-3.2-1b", "llama", 16, 2048, 32, 8, 8192, 128256, 131072, True, 500000.0,
+                           rope_factor=32.0, **_LLAMA3),
+    "llama-3.2-3b": _llama("llama-3.2-3b", "llama", 28, 3072, 24, 8, 8192, 128256, 131072, True, 500000.0,
+                           rope_factor=32.0, **_LLAMA3),
+    "llama-3.1-8b": _llama("llama-3.1-8b", "llama", 32, 4096, 32, 8, 14336, 128256, 131072, False, 500000.0,
+                           rope_factor=8.0, **_LLAMA3),
+    "mistral-7b": _llama("mistral-7b", "mistral", 32, 4096, 32, 8, 14336, 32000, 32768, False, 10000.0,
+                         sliding_window=4096),
+    "qwen2.5-0.5b": _llama("qwen2.5-0.5b", "qwen2", 24, 896, 14, 2, 4864, 151936, 32768, True, 1000000.0),
+    "qwen2.5-1.5b": _llama("qwen2.5-1.5b", "qwen2", 28, 1536, 12, 2, 8960, 151936, 32768, True, 1000000.0),
+    "qwen2.5-7b": _llama("qwen2.5-7b", "qwen2", 28, 3584, 28, 4, 18944, 152064, 131072, False, 1000000.0),
+    "qwen3-0.6b": _llama("qwen3-0.6b", "qwen3", 28, 1024, 16, 8, 3072, 151936, 40960, True, 1000000.0, d_head=128),
+    "qwen3-1.7b": _llama("qwen3-1.7b", "qwen3", 28, 2048, 16, 8, 6144, 151936, 40960, True, 1000000.0, d_head=128),
+    "qwen3-4b": _llama("qwen3-4b", "qwen3", 36, 2560, 32, 8, 9728, 151936, 40960, True, 1000000.0, d_head=128),
+    "qwen3-8b": _llama("qwen3-8b", "qwen3", 36, 4096, 32, 8, 12288, 151936, 40960, False, 1000000.0, d_head=128),
 }
+"""Published shapes by short name (case-insensitive; an organisation prefix is ignored by `from_name`)."""

@@ -1,8 +1,8 @@
-"""Weights in and out of the Hugging Face GPT-2 layout.
+"""Weights in and out of each family's Hugging Face layout.
 
-Converting a checkpoint is a pure function from a flat name -> tensor mapping to our state dict:
-a declarative name map, an explicit list of Conv1D weights to transpose, and a check of every key
-and shape. Nothing is guessed and nothing is silently initialised. Files are read with safetensors
+Converting a checkpoint is a pure function from a flat name -> tensor mapping (and our parameter
+shapes, read from a model built on the meta device) to our state dict: the family's declarative name
+map and reshape list (layouts.py), and a check of every key, shape, dtype and value. Nothing is guessed and nothing is silently initialised. Files are read with safetensors
 (memory-mapped); pickle checkpoints are refused, never opened.
 """
 
@@ -19,36 +19,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import PRESETS, ModelConfig
+from .layouts import buffer_pattern, layout_of
 from .tokenizer import load_tokenizer, save_tokenizer
 
 if TYPE_CHECKING:
     from .model import HookedTransformer
 
-# HF name (inside `h.{i}.`) -> our name (inside `blocks.{i}.`).
-BLOCK_NAME_MAP = {
-    "ln_1.weight": "ln1.weight",
-    "ln_1.bias": "ln1.bias",
-    "attn.c_attn.weight": "attn.qkv.weight",
-    "attn.c_attn.bias": "attn.qkv.bias",
-    "attn.c_proj.weight": "attn.out.weight",
-    "attn.c_proj.bias": "attn.out.bias",
-    "ln_2.weight": "ln2.weight",
-    "ln_2.bias": "ln2.bias",
-    "mlp.c_fc.weight": "mlp.fc_in.weight",
-    "mlp.c_fc.bias": "mlp.fc_in.bias",
-    "mlp.c_proj.weight": "mlp.fc_out.weight",
-    "mlp.c_proj.bias": "mlp.fc_out.bias",
-}
-TOP_NAME_MAP = {
-    "wte.weight": "embed.weight",
-    "wpe.weight": "pos_embed.weight",
-    "ln_f.weight": "ln_final.weight",
-    "ln_f.bias": "ln_final.bias",
-}
-# GPT-2's Conv1D stores weights as [in, out]; nn.Linear wants [out, in].
-CONV1D_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-# Causal-mask buffers that old checkpoints saved; they hold no learned state.
-MASK_BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json", "vocab.json",
              "merges.txt", "tokenizer_config.json", "special_tokens_map.json"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -58,79 +34,100 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match what its config promises, or that cannot be read safely."""
 
 
-def hf_name_map(cfg: ModelConfig) -> dict[str, str]:
-    """Every HF GPT-2 parameter name (without the `transformer.` prefix) -> our name."""
-    names = dict(TOP_NAME_MAP)
-    for i in range(cfg.n_layers):
-        names.update({f"h.{i}.{hf}": f"blocks.{i}.{ours}" for hf, ours in BLOCK_NAME_MAP.items()})
-    if not cfg.tie_word_embeddings:
-        names["lm_head.weight"] = "unembed.weight"
-    return names
+def hf_name_map(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
+    """Every checkpoint name (without the base-model prefix) -> our name, for the parameters in `shapes`.
+    A tied unembedding is not expected in the file (it may be there; then it must equal the embedding)."""
+    keys = [k for k in shapes if not (cfg.tie_word_embeddings and k == "unembed.weight")]
+    return layout_of(cfg.family).name_map(keys, cfg.n_layers)
 
 
-def _is_transposed(hf_name: str) -> bool:
-    return hf_name.endswith(CONV1D_TRANSPOSED)
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our parameter shapes, from a model built on the meta device (no memory, no init)."""
-    from .model import HookedTransformer
-
-    with torch.device("meta"):
-        model = HookedTransformer(cfg)
+def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of a model, typically built on the meta device (no memory, no init)."""
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def convert_hf_state_dict(raw: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF GPT-2 tensors -> our state dict. Accepts keys with or without `transformer.`, with or without
-    the mask buffers, and `lm_head.weight` present or tied. Any unknown, missing or misshapen key raises."""
+def expected_shapes(cls: type["HookedTransformer"], cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter shape of `cls(cfg)`, from a one-block model on the meta device: blocks have equal
+    shapes, so a config claiming thousands of layers is checked against the files before anything large is built."""
+    with torch.device("meta"):
+        one = model_shapes(cls(cfg.replace(n_layers=1)))
+    shapes = {k: v for k, v in one.items() if not k.startswith("blocks.")}
+    block = {k.removeprefix("blocks.0."): v for k, v in one.items() if k.startswith("blocks.0.")}
+    shapes.update({f"blocks.{i}.{k}": v for i in range(cfg.n_layers) for k, v in block.items()})
+    return shapes
+
+
+def convert_hf_state_dict(raw: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                          shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """A checkpoint of `cfg.family` -> our state dict, checked against our `shapes`. Keys may carry the
+    base-model prefix (`transformer.`, `gpt_neox.`, `model.`) or not; stored buffers without learned
+    state are skipped; a tied `lm_head` may be present or absent. Any unknown, missing or misshapen key,
+    and any non-float or non-finite tensor, raises naming the tensor."""
+    layout = layout_of(cfg.family)
+    buffers = buffer_pattern(cfg.family)
     stripped: dict[str, torch.Tensor] = {}
     for key, tensor in raw.items():
-        name = key.removeprefix("transformer.")
+        name = key.removeprefix(layout.prefix)
+        name = layout.aliases.get(name, name)
         if name in stripped:
-            raise CheckpointError(f"checkpoint holds both {name!r} and 'transformer.{name}'")
-        if MASK_BUFFER.match(name):
+            raise CheckpointError(f"checkpoint holds {name!r} twice, under {key!r} and another spelling (prefix or alias)")
+        if buffers.match(name):
             continue
         stripped[name] = tensor
-    lm_head = stripped.pop("lm_head.weight", None) if cfg.tie_word_embeddings else None
+    tied_head = layout.top["unembed.weight"]
+    lm_head = stripped.pop(tied_head, None) if cfg.tie_word_embeddings else None
 
-    name_map = hf_name_map(cfg)
+    name_map = hf_name_map(cfg, shapes)
     unexpected = sorted(set(stripped) - set(name_map))
     if unexpected:
         raise CheckpointError(
-            f"checkpoint has {len(unexpected)} tensor(s) that a GPT-2 with n_layers={cfg.n_layers} does not: "
+            f"checkpoint has {len(unexpected)} tensor(s) that a {cfg.family} model with n_layers={cfg.n_layers} does not: "
             f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
         )
-    missing = sorted(set(name_map) - set(stripped), key=lambda n: list(name_map).index(n))
+    missing = [n for n in name_map if n not in stripped]  # in the model's own order
     if missing:
         raise CheckpointError(f"checkpoint is missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
-    shapes = expected_shapes(cfg)
     state: dict[str, torch.Tensor] = {}
-    for hf, ours in name_map.items():
-        tensor = stripped[hf]
-        if _is_transposed(hf):
-            tensor = tensor.T
-        if tuple(tensor.shape) != shapes[ours]:
-            want = shapes[ours][::-1] if _is_transposed(hf) else shapes[ours]
-            got = tuple(stripped[hf].shape)
-            raise CheckpointError(f"tensor {hf!r} has shape {got}, but config.json implies {want}")
-        state[ours] = tensor.contiguous() if _is_transposed(hf) else tensor
+    for theirs, ours in name_map.items():
+        stored = stripped[theirs]
+        check_values(theirs, stored)
+        want = layout.stored_shape(ours, shapes[ours])
+        if tuple(stored.shape) != want:
+            raise CheckpointError(f"tensor {theirs!r} has shape {tuple(stored.shape)}, but config.json implies {want}")
+        transform = layout.transform(ours)
+        tensor = stored if transform is None else transform(stored, cfg)
+        state[ours] = tensor
     if cfg.tie_word_embeddings:
-        if lm_head is not None and (lm_head.shape != state["embed.weight"].shape or not torch.equal(lm_head, state["embed.weight"])):
-            raise CheckpointError("config says tie_word_embeddings=true, but lm_head.weight differs from wte.weight")
-        state["unembed.weight"] = state["embed.weight"]
+        embed = state["embed.weight"]
+        if lm_head is not None and (lm_head.shape != embed.shape or not torch.equal(lm_head, embed)):
+            raise CheckpointError(f"config says tie_word_embeddings=true, but {tied_head} differs from the embedding")
+        state["unembed.weight"] = embed
     return state
 
 
+def check_values(name: str, tensor: torch.Tensor) -> None:
+    """A weight must be floating point and finite; a NaN or inf would poison every forward silently."""
+    if not tensor.dtype.is_floating_point:
+        raise CheckpointError(f"tensor {name!r} has dtype {tensor.dtype}; weights must be floating point "
+                              "(quantised checkpoints are not supported: dequantise first)")
+    # One reduction instead of an elementwise mask: a NaN or inf anywhere makes the sum non-finite.
+    # A sum can also overflow on finite values, so only then is every element looked at.
+    if not bool(torch.isfinite(tensor.sum())) and not bool(torch.isfinite(tensor).all()):
+        raise CheckpointError(f"tensor {name!r} holds NaN or inf values; the checkpoint is corrupt or was saved after training diverged")
+
+
 def to_hf_state_dict(model: "HookedTransformer") -> dict[str, torch.Tensor]:
-    """The inverse of `convert_hf_state_dict`, with GPT2LMHeadModel's `transformer.` prefix."""
+    """The inverse of `convert_hf_state_dict` for GPT-2, with GPT2LMHeadModel's `transformer.` prefix."""
+    if model.cfg.family != "gpt2":
+        raise ValueError(f"saving in the Hugging Face layout is implemented for gpt2 only, not {model.cfg.family!r}")
+    layout = layout_of("gpt2")
     ours = model.state_dict()
     out = {}
-    for hf, name in hf_name_map(model.cfg).items():
+    for hf, name in hf_name_map(model.cfg, model_shapes(model)).items():
         tensor = ours[name].detach()
-        tensor = tensor.T if _is_transposed(hf) else tensor
-        key = hf if hf == "lm_head.weight" else f"transformer.{hf}"
+        tensor = tensor.T if layout.transform(name) is not None else tensor
+        key = hf if hf == "lm_head.weight" else f"{layout.prefix}{hf}"
         out[key] = tensor.contiguous().cpu()
     return out
 
@@ -190,7 +187,7 @@ def resolve_model_folder(name_or_path: str | os.PathLike) -> Path:
     if path.exists():
         raise NotADirectoryError(f"{text} is a file; pass the folder that holds config.json and the weights")
     if not _HUB_ID.match(text) or text.startswith((".", "~")):
-        raise FileNotFoundError(f"no folder at {text}; pass a folder in the Hugging Face GPT-2 layout or a hub name")
+        raise FileNotFoundError(f"no folder at {text}; pass a Hugging Face model folder or a hub name")
     return _from_hub(text)
 
 
@@ -216,7 +213,8 @@ def _from_hub(name: str) -> Path:
     from huggingface_hub import snapshot_download
 
     cache_dir = _hub_cache_dir()
-    candidates = [name] + ([f"openai-community/{name}"] if name in PRESETS else [])
+    short = name in PRESETS and PRESETS[name].family == "gpt2"  # gpt2, gpt2-xl... now live under openai-community/
+    candidates = [name] + ([f"openai-community/{name}"] if short else [])
     for repo_id in candidates:
         try:
             return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, cache_dir=cache_dir, local_files_only=True))
@@ -236,25 +234,42 @@ def _from_hub(name: str) -> Path:
     )
 
 
-def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> "HookedTransformer":
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """A floating torch dtype from a dtype, its name ("bfloat16", "torch.float16"), or None (float32)."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    raise ValueError(f"dtype={dtype!r} is not supported; pass one of {sorted(DTYPES)} or the matching torch dtype")
+
+
+def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathLike, dtype: torch.dtype | str | None = None,
+                    device: str | torch.device | None = None) -> "HookedTransformer":
+    dtype = parse_dtype(dtype)
     folder = resolve_model_folder(name_or_path)
     config_file = folder / "config.json"
     if not config_file.exists():
-        raise FileNotFoundError(f"{folder} has no config.json; expected the Hugging Face GPT-2 layout")
+        raise FileNotFoundError(f"{folder} has no config.json; expected a Hugging Face model folder")
     cfg = ModelConfig.from_json(config_file, name=str(name_or_path))
-    state = convert_hf_state_dict(read_safetensors(folder), cfg)
-    return _assemble(cls, cfg, state, load_tokenizer(folder), dtype, device)
+    return _assemble(cls, cfg, read_safetensors(folder), load_tokenizer(folder), dtype, device or "cpu")
 
 
 def from_hf(cls: type["HookedTransformer"], hf_model: torch.nn.Module, tokenizer=None) -> "HookedTransformer":
     cfg = ModelConfig.from_hf_config(hf_model.config, name=getattr(hf_model.config, "name_or_path", "") or "custom")
     param = next(hf_model.parameters())
-    state = convert_hf_state_dict({k: v.detach() for k, v in hf_model.state_dict().items()}, cfg)
-    return _assemble(cls, cfg, state, tokenizer, param.dtype, param.device)
+    raw = {k: v.detach() for k, v in hf_model.state_dict().items()}
+    return _assemble(cls, cfg, raw, tokenizer, param.dtype, param.device)
 
 
-def _assemble(cls, cfg, state, tokenizer, dtype, device) -> "HookedTransformer":
+def _assemble(cls, cfg, raw, tokenizer, dtype, device) -> "HookedTransformer":
+    """Build on the meta device, convert the checkpoint against its shapes, then assign the tensors:
+    a checkpoint already in `dtype` on the CPU is used in place (memory-mapped), not copied."""
+    state = convert_hf_state_dict(raw, cfg, expected_shapes(cls, cfg))
     with torch.device("meta"):
         model = cls(cfg, tokenizer=tokenizer)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}

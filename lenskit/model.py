@@ -1,4 +1,5 @@
-"""HookedTransformer: a GPT-2 whose every write to the residual stream passes a named hook point."""
+"""HookedTransformer: a decoder-only transformer (GPT-2, Pythia, Llama, Mistral, Qwen 2/3) whose every
+write to the residual stream passes a named hook point."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 from .cache import ActivationCache
 from .config import ModelConfig
 from .hooks import HookedRootModule, HookFn, NameOrPredicate, NamesFilter, HookPoint, layer_of
-from .layers import TransformerBlock, make_norm
+from .layers import make_block, make_norm
 from .text import check_unicode, is_text, pad_token_id, right_pad
 
 if TYPE_CHECKING:
@@ -22,7 +23,9 @@ TokensLike = Union[torch.Tensor, str, Sequence[str]]
 
 
 class HookedTransformer(HookedRootModule):
-    """GPT-2 with TransformerLens-style hook points, numerically equal to `transformers`' GPT-2.
+    """A transformer with TransformerLens-style hook points, numerically equal to `transformers`' own
+    class for its family. Positions are learned (`pos_embed`, `hook_pos_embed`) or rotary (inside
+    attention); the choice is made once, here.
 
     >>> model = HookedTransformer.from_pretrained(lenskit.DEFAULT_MODEL)
     >>> logits, cache = model.run_with_cache("def __init__(self")
@@ -36,11 +39,13 @@ class HookedTransformer(HookedRootModule):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
-        self.pos_embed = nn.Embedding(cfg.n_ctx, cfg.d_model)
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
-        self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
+        if cfg.positional == "learned":
+            self.pos_embed = nn.Embedding(cfg.n_ctx, cfg.d_model)
+            self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
+        self._stream_start = self._embed_learned if cfg.positional == "learned" else self._embed_tokens
         self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(TransformerBlock(cfg, dropout) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(make_block(cfg, dropout) for _ in range(cfg.n_layers))
         self.ln_final = make_norm(cfg)
         self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
         self.tie_weights()
@@ -65,7 +70,7 @@ class HookedTransformer(HookedRootModule):
         for name, p in self.named_parameters():
             if name.endswith("bias"):
                 nn.init.zeros_(p)
-            elif ".ln" in name or name.startswith("ln_final"):
+            elif ".ln" in name or name.startswith("ln_final") or "_norm." in name:
                 nn.init.ones_(p)
             elif residual_scaling and name.endswith(("attn.out.weight", "mlp.fc_out.weight")):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layers))
@@ -80,14 +85,19 @@ class HookedTransformer(HookedRootModule):
                                               and -n <= stop_at_layer <= n):
             raise ValueError(f"stop_at_layer must be an int in [-{n}, {n}] (streams after 0..{n} blocks), got {stop_at_layer!r}")
         tokens = self.validate_tokens(tokens)
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.hook_embed(self.embed(tokens)) + self.hook_pos_embed(self.pos_embed(positions).expand(tokens.shape[0], -1, -1))
-        x = self.dropout(x)
+        x = self.dropout(self._stream_start(tokens))  # [batch, pos, d_model]
         for block in self.blocks[:stop_at_layer]:
             x = block(x)  # [batch, pos, d_model]
         if stop_at_layer is not None:
             return x
         return self.readout(x)  # [batch, pos, d_vocab]
+
+    def _embed_learned(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.hook_embed(self.embed(tokens)) + self.hook_pos_embed(self.pos_embed(positions).expand(tokens.shape[0], -1, -1))
+
+    def _embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hook_embed(self.embed(tokens))  # rotary families: positions enter inside attention
 
     def readout(self, h: torch.Tensor) -> torch.Tensor:
         """The model's whole readout, [..., d_model] -> [..., d_vocab]: final norm (its scale computed on
@@ -207,9 +217,12 @@ class HookedTransformer(HookedRootModule):
             raise ValueError("this model has no tokenizer; pass token ids, or load from a folder with tokenizer files")
         return self.tokenizer
 
-    def to_tokens(self, text: str | Sequence[str], prepend_bos: bool = False) -> torch.Tensor:
+    def to_tokens(self, text: str | Sequence[str], prepend_bos: bool | None = None) -> torch.Tensor:
         """Token ids [batch, pos]. Several texts are right-padded with the EOS id; causal attention keeps
         the real positions exact, and positions past a text's end are padding.
+
+        `prepend_bos=None` does what the checkpoint's own tokenizer does: Llama 3 and Mistral tokenizers
+        put BOS first, GPT-2, Pythia and Qwen ones do not. True or False overrides that, as in TransformerLens.
 
         >>> model.to_tokens("Hello world")   # GPT-2's tokenizer: tensor([[15496, 995]])
         """
@@ -219,6 +232,8 @@ class HookedTransformer(HookedRootModule):
             raise ValueError(f"to_tokens needs a string or a non-empty list of strings; got no texts or non-strings: {text!r:.80}")
         check_unicode(texts)
         ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+        if prepend_bos is None:
+            prepend_bos = adds_bos(tok)
         if prepend_bos:
             bos = tok.bos_token_id if tok.bos_token_id is not None else self.cfg.bos_token_id
             if bos is None:
@@ -252,16 +267,19 @@ class HookedTransformer(HookedRootModule):
     # ------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+        cls, name_or_path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None
     ) -> "HookedTransformer":
-        """Load a local folder in the Hugging Face GPT-2 layout, or a hub name via the local HF cache."""
+        """Load a local folder in its family's Hugging Face layout, or a hub name via the local HF cache.
+
+        `dtype` is a torch dtype or "float32" / "bfloat16" / "float16" (None: float32, the reference
+        numerics); `device` defaults to the CPU. The family comes from config.json's `model_type`."""
         from .loading import load_pretrained
 
         return load_pretrained(cls, name_or_path, dtype=dtype, device=device)
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module, tokenizer: "PreTrainedTokenizerBase | None" = None) -> "HookedTransformer":
-        """Convert an in-memory `transformers.GPT2LMHeadModel` (or `GPT2Model`)."""
+        """Convert an in-memory `transformers` causal LM of a supported family (e.g. `LlamaForCausalLM`)."""
         from .loading import from_hf
 
         return from_hf(cls, hf_model, tokenizer)
@@ -274,5 +292,12 @@ class HookedTransformer(HookedRootModule):
 
     def extra_repr(self) -> str:
         c = self.cfg
-        return (f"name={c.name!r}, n_layers={c.n_layers}, d_model={c.d_model}, n_heads={c.n_heads}, "
+        return (f"name={c.name!r}, family={c.family!r}, n_layers={c.n_layers}, d_model={c.d_model}, n_heads={c.n_heads}, "
+                f"n_kv_heads={c.n_kv_heads}, "
                 f"d_mlp={c.d_mlp}, d_vocab={c.d_vocab}, n_ctx={c.n_ctx}")
+
+
+def adds_bos(tokenizer: "PreTrainedTokenizerBase") -> bool:
+    """Whether the tokenizer's own encoding, special tokens on, starts a text with its BOS token."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer.encode("a", add_special_tokens=True)[:1] == [bos]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import GPT2Tokenizer, PreTrainedTokenizerBase
+from transformers import GPT2Tokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 
 def has_tokenizer_files(folder: Path) -> bool:
@@ -12,13 +12,16 @@ def has_tokenizer_files(folder: Path) -> bool:
 
 
 def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase | None:
-    """A fast byte-level BPE tokenizer from `folder`, or None when the folder carries no tokenizer files."""
+    """The fast tokenizer of `folder` (its `tokenizer.json` as written, pre- and post-processing included,
+    so a Llama 3 tokenizer adds its BOS as it does in transformers), GPT-2's BPE from `vocab.json` +
+    `merges.txt` when there is no `tokenizer.json`, or None when the folder carries no tokenizer files."""
     folder = Path(folder)
     if not has_tokenizer_files(folder):
         return None
+    # Name the class: AutoTokenizer would follow whatever tokenizer_config.json says (and may run code).
+    cls = PreTrainedTokenizerFast if (folder / "tokenizer.json").exists() else GPT2Tokenizer
     try:
-        # Name the class: AutoTokenizer would follow whatever tokenizer_config.json says.
-        return GPT2Tokenizer.from_pretrained(str(folder), local_files_only=True)
+        return cls.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"the tokenizer files in {folder} could not be read: {e}") from e
 

@@ -67,6 +67,48 @@ def make_hf_gpt2(n_layer: int = 3, n_embd: int = 32, n_head: int = 4, vocab_size
     return model
 
 
+def _perturb(model: torch.nn.Module) -> None:
+    """Norm gains away from 1 and biases away from 0, so a wrong norm or a dropped bias cannot hide."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or ".ln_" in name or "ln_f" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+            elif name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.05)
+
+
+# Tiny configs, one per family, each exercising what makes the family itself: partial rotary and the
+# parallel block (gpt_neox), GQA and llama3 rotary scaling (llama), a sliding window shorter than the
+# test prompts (mistral), q/k/v biases (qwen2), q/k norms and a d_head that is not d_model / n_heads (qwen3).
+_SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, vocab_size=101,
+              max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+FAMILY_CONFIGS = {
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
+        _SHAPE, rotary_pct=0.5, rotary_emb_base=1000.0, use_parallel_residual=True, hidden_act="gelu",
+        hidden_dropout=0.0, attention_dropout=0.0, layer_norm_eps=1e-5)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        _SHAPE, num_key_value_heads=2, rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=16))),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_SHAPE, num_key_value_heads=2, sliding_window=5, head_dim=8)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_SHAPE, num_key_value_heads=2)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_SHAPE, num_key_value_heads=2, head_dim=16)),
+}
+FAMILIES = ["gpt2", *FAMILY_CONFIGS]
+
+
+def make_hf_family(family: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """A random fp32 transformers causal LM of `family`, eager attention, eval mode, perturbed norms."""
+    if family == "gpt2":
+        return make_hf_gpt2(seed=seed, **overrides)
+    config_cls, model_cls, kwargs = FAMILY_CONFIGS[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config_cls)(**{**kwargs, **overrides}, attn_implementation="eager")
+    model = getattr(transformers, model_cls)(cfg).eval()
+    _perturb(model)
+    return model
+
+
 @pytest.fixture(scope="session")
 def hf_model() -> transformers.GPT2LMHeadModel:
     return make_hf_gpt2()

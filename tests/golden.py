@@ -1,6 +1,6 @@
-"""The reference side of the golden tests: what `transformers`' GPT-2 computes, read with torch hooks.
+"""The reference side of the golden tests: what `transformers`' own model of each family computes, read with torch hooks.
 
-Shared by test_model.py and test_loading.py (pytest puts tests/ on sys.path).
+Shared by test_model.py, test_loading.py, test_hub.py and test_families.py (pytest puts tests/ on sys.path).
 """
 
 from __future__ import annotations
@@ -14,12 +14,22 @@ ATOL = 1e-4
 STREAM_POINTS = ("resid_pre", "attn_out", "mlp_out", "resid_post")  # what transformers' modules show directly
 
 
+def hf_blocks(hf) -> list:
+    """The block list of a transformers causal LM of any supported family."""
+    base = getattr(hf, "transformer", None) or getattr(hf, "gpt_neox", None) or getattr(hf, "model", None) or hf
+    return list(getattr(base, "h", None) or base.layers)
+
+
+def hf_attention(block):
+    return getattr(block, "attn", None) or getattr(block, "attention", None) or block.self_attn
+
+
 @torch.no_grad()
 def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Logits and, per block i, `blocks.{i}.hook_resid_pre / attn_out / mlp_out / resid_post` from transformers.
 
-    resid_pre is the input of `h[i]`, attn_out the first output of `h[i].attn`, mlp_out the output of
-    `h[i].mlp`, resid_post the output of `h[i]` (before `ln_f` for the last block).
+    resid_pre is the input of block i, attn_out the first output of its attention module, mlp_out the
+    output of its MLP, resid_post the block's output (before the final norm for the last block).
     """
     acts: dict[str, torch.Tensor] = {}
     handles = []
@@ -36,11 +46,11 @@ def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torc
         return pre
 
     try:
-        n = len(hf.transformer.h)
-        for i, block in enumerate(hf.transformer.h):
+        n = len(hf_blocks(hf))
+        for i, block in enumerate(hf_blocks(hf)):
             name = {p: Stream(i, p).hook_name(n) for p in STREAM_POINTS}
             handles.append(block.register_forward_pre_hook(save_in(name["resid_pre"]), with_kwargs=True))
-            handles.append(block.attn.register_forward_hook(save_out(name["attn_out"])))
+            handles.append(hf_attention(block).register_forward_hook(save_out(name["attn_out"])))
             handles.append(block.mlp.register_forward_hook(save_out(name["mlp_out"])))
             handles.append(block.register_forward_hook(save_out(name["resid_post"])))
         logits = hf(tokens).logits

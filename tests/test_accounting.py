@@ -114,3 +114,63 @@ def test_accepts_models_configs_and_names_and_rejects_others():
         accounting.param_table(42)
     with pytest.raises(ValueError, match="n_ctx"):
         accounting.flops_per_token("gpt2", n_ctx=0)
+
+
+# Each preset as transformers' own config class would read the published config.json (an independent
+# spelling of the same shapes), so the counts are checked against transformers' model on the meta device.
+_HF_PRESETS = {
+    "pythia-70m": ("GPTNeoXConfig", dict(num_hidden_layers=6, hidden_size=512, num_attention_heads=8, intermediate_size=2048, vocab_size=50304)),
+    "pythia-160m": ("GPTNeoXConfig", dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072, vocab_size=50304)),
+    "pythia-410m": ("GPTNeoXConfig", dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096, vocab_size=50304)),
+    "pythia-1b": ("GPTNeoXConfig", dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=8, intermediate_size=8192, vocab_size=50304)),
+    "pythia-1.4b": ("GPTNeoXConfig", dict(num_hidden_layers=24, hidden_size=2048, num_attention_heads=16, intermediate_size=8192, vocab_size=50304)),
+    "pythia-2.8b": ("GPTNeoXConfig", dict(num_hidden_layers=32, hidden_size=2560, num_attention_heads=32, intermediate_size=10240, vocab_size=50304)),
+    "pythia-6.9b": ("GPTNeoXConfig", dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, intermediate_size=16384, vocab_size=50432)),
+    "pythia-12b": ("GPTNeoXConfig", dict(num_hidden_layers=36, hidden_size=5120, num_attention_heads=40, intermediate_size=20480, vocab_size=50688)),
+    "llama-3.2-1b": ("LlamaConfig", dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
+    "llama-3.2-3b": ("LlamaConfig", dict(num_hidden_layers=28, hidden_size=3072, num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
+    "llama-3.1-8b": ("LlamaConfig", dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)),
+    "mistral-7b": ("MistralConfig", dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=32000, head_dim=128)),
+    "qwen2.5-0.5b": ("Qwen2Config", dict(num_hidden_layers=24, hidden_size=896, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen2.5-1.5b": ("Qwen2Config", dict(num_hidden_layers=28, hidden_size=1536, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen2.5-7b": ("Qwen2Config", dict(num_hidden_layers=28, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)),
+    "qwen3-0.6b": ("Qwen3Config", dict(num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen3-1.7b": ("Qwen3Config", dict(num_hidden_layers=28, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen3-4b": ("Qwen3Config", dict(num_hidden_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen3-8b": ("Qwen3Config", dict(num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False)),
+}
+# Published sizes (model cards), to 2 significant digits, as a check on the table above.
+_PUBLISHED_TOTAL = {"pythia-70m": 70e6, "pythia-160m": 162e6, "pythia-12b": 11.8e9, "llama-3.2-1b": 1.24e9,
+                    "llama-3.1-8b": 8.03e9, "mistral-7b": 7.24e9, "qwen2.5-0.5b": 0.49e9, "qwen2.5-7b": 7.62e9,
+                    "qwen3-0.6b": 0.6e9, "qwen3-8b": 8.2e9}
+
+
+@pytest.mark.parametrize("name", sorted(_HF_PRESETS))
+def test_family_presets_count_what_transformers_builds(name):
+    import transformers
+
+    config_cls, kwargs = _HF_PRESETS[name]
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_cls)(**kwargs))
+    total = numel(hf)
+    embed = hf.get_input_embeddings().weight.numel()
+    head = 0 if hf.config.tie_word_embeddings else hf.get_output_embeddings().weight.numel()
+    s = accounting.param_summary(name)["value"]
+    assert s["total"] == total
+    assert s["non_embedding"] == total - embed - head
+    assert s["total"] == numel(meta_model(ModelConfig.from_name(name)))  # and what we build
+    if name in _PUBLISHED_TOTAL:
+        assert s["total"] == pytest.approx(_PUBLISHED_TOTAL[name], rel=0.03)
+
+
+def test_flops_count_gqa_and_swiglu():
+    cfg = ModelConfig.from_name("llama-3.1-8b")
+    f = accounting.flops_per_token(cfg, n_ctx=1024)["forward"]
+    d, kv = 4096, 8 * 128
+    assert f["attn_proj"] == 2 * 32 * (d * d + 2 * d * kv + d * d)  # q and out full; k and v at 8 of 32 heads
+    assert f["mlp"] == 2 * 32 * 3 * d * 14336  # gate, up, down
+    assert f["attn_core"] == 4 * 32 * 1024 * 32 * 128  # every query head attends, GQA or not
+    with torch.device("meta"):
+        model = lenskit.HookedTransformer(cfg.replace(n_layers=1))
+    per_block_weights = sum(p.numel() for n, p in model.blocks[0].named_parameters() if p.ndim == 2)
+    assert f["attn_proj"] + f["mlp"] == 2 * 32 * per_block_weights

@@ -108,7 +108,7 @@ def test_to_hf_dict_refuses_non_gpt2_architectures():
 @pytest.mark.parametrize(
     "change, field",
     [
-        ({"model_type": "llama"}, "model_type"),
+        ({"model_type": "bert"}, "model_type"),
         ({"activation_function": "relu"}, "activation_function"),
         ({"add_cross_attention": True}, "add_cross_attention"),
         ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
@@ -153,3 +153,81 @@ def test_replace_recomputes_derived_fields():
     assert cfg.replace(n_layers=2).d_mlp == 3072  # fields not touched by the change stay
     with pytest.raises(ValueError, match="activation"):
         cfg.replace(activation="relu")
+
+
+# ------------------------------------------------------------------ families
+def _family_dict(family: str) -> dict:
+    from conftest import make_hf_family
+
+    return make_hf_family(family).config.to_dict()
+
+
+# Every config value lenskit refuses, per family: the error names the field.
+REFUSED = [
+    ("gpt_neox", {"hidden_act": "relu"}, "hidden_act"),
+    ("gpt_neox", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type"),
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}}, "rope_type"),
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}}, "rope_parameters"),
+    ("llama", {"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "rope_parameters"),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "low_freq_factor"),
+    ("mistral", {"hidden_act": "gelu_new"}, "hidden_act"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen2", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ("qwen3", {"use_sliding_window": True}, "use_sliding_window"),
+    ("llama", {"model_type": "gemma2"}, "model_type"),
+    ("llama", {"model_type": None}, "model_type"),
+]
+
+
+@pytest.mark.parametrize("family, change, field", REFUSED, ids=[f"{f}-{k}" for f, _, k in REFUSED])
+def test_unimplemented_family_fields_are_refused_by_name(family, change, field):
+    d = {**_family_dict(family), **change}
+    with pytest.raises(ValueError, match=field) as err:
+        ModelConfig.from_hf_config(d)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_model_type_lists_the_supported_ones():
+    with pytest.raises(ValueError, match=r"model_type='t5'.*gpt2.*gpt_neox.*llama.*mistral.*qwen2.*qwen3"):
+        ModelConfig.from_hf_config({"model_type": "t5"})
+
+
+BAD_TYPES = [
+    ("gpt2", {"n_embd": [192]}, "n_embd"),
+    ("gpt2", {"n_layer": 6.7}, "n_layer"),
+    ("gpt2", {"n_layer": True}, "n_layer"),
+    ("gpt2", {"n_layer": 0}, "n_layer"),
+    ("gpt2", {"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+    ("gpt2", {"layer_norm_epsilon": "abc"}, "layer_norm_epsilon"),
+    ("gpt2", {"bos_token_id": "0"}, "bos_token_id"),
+    ("llama", {"num_key_value_heads": 3}, "n_kv_heads"),
+    ("llama", {"rms_norm_eps": float("nan")}, "rms_norm_eps"),
+    ("llama", {"head_dim": "64"}, "head_dim"),
+    ("gpt_neox", {"use_parallel_residual": 1}, "use_parallel_residual"),
+    ("mistral", {"sliding_window": -4}, "sliding_window"),
+    ("qwen2", {"attention_dropout": "0"}, "attention_dropout"),
+]
+
+
+@pytest.mark.parametrize("family, change, field", BAD_TYPES, ids=[f"{f}-{k}" for f, _, k in BAD_TYPES])
+def test_wrong_types_name_the_field(family, change, field):
+    base = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2).to_dict() if family == "gpt2" else _family_dict(family)
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf_config({**base, **change})
+
+
+def test_direct_construction_is_typed_too():
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        ModelConfig(n_layers=1, d_model=8, n_heads=2, d_vocab=5, n_ctx=4, tie_word_embeddings="false")
+    with pytest.raises(ValueError, match="rotary_dim"):
+        ModelConfig(n_layers=1, d_model=8, n_heads=2, d_vocab=5, n_ctx=4, positional="rotary", rotary_dim=3)
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        ModelConfig(n_layers=1, d_model=8, n_heads=4, n_kv_heads=3, d_vocab=5, n_ctx=4)
+
+
+def test_family_presets_by_hub_name():
+    assert ModelConfig.from_name("EleutherAI/pythia-160m").family == "gpt_neox"
+    assert ModelConfig.from_name("meta-llama/Llama-3.2-1B").rope_type == "llama3"
+    assert ModelConfig.from_name("Qwen/Qwen3-0.6B").qk_norm

@@ -77,3 +77,55 @@ def test_uncached_hub_name_offline_says_pass_a_folder(tmp_path, offline):
     assert calls and all(c.get("local_files_only") for c in calls)
     with pytest.raises(OSError, match="HF_HUB_OFFLINE"):
         HookedTransformer.from_pretrained("someone/some-model")
+
+
+def llama3_style_tokenizer():
+    """A tiny BPE whose tokenizer.json adds <|begin_of_text|> itself, as Llama 3's does."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=90, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:60])
+    tok.train_from_iterator(["hello world " * 20, "the cat sat " * 20], trainer)
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
+                                                eos_token="<|end_of_text|>")
+
+
+@pytest.mark.parametrize("repo_id, family", [("EleutherAI/pythia-160m", "gpt_neox"),
+                                             ("meta-llama/Llama-3.2-1B", "llama"), ("Qwen/Qwen3-0.6B", "qwen3")])
+def test_family_hub_names_resolve_from_local_cache(tmp_path, offline, repo_id, family, batch):
+    from conftest import make_hf_family
+
+    monkeypatch, calls = offline
+    hf = make_hf_family(family, seed=7)
+    snapshot = tmp_path / "cache" / f"models--{repo_id.replace('/', '--')}" / "snapshots" / HASH
+    hf.save_pretrained(snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(HASH)
+    if family == "llama":
+        llama3_style_tokenizer().save_pretrained(str(snapshot))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    model = HookedTransformer.from_pretrained(repo_id)
+    assert calls and all(c.get("local_files_only") for c in calls)
+    assert model.cfg.family == family
+    assert_golden(model, hf, batch)
+    if family == "llama":
+        bos = model.tokenizer.bos_token_id
+        tokens = model.to_tokens("hello world")
+        assert tokens[0, 0] == bos and tokens[0, 1] != bos  # the tokenizer's own habit: one BOS, first
+        assert model.to_tokens("hello world", prepend_bos=False).tolist() == [tokens[0, 1:].tolist()]
+        assert model.tokenizer("hello world")["input_ids"] == tokens[0].tolist()  # same ids as transformers gives
+
+
+def test_gpt2_style_tokenizer_gets_no_bos_by_default():
+    from tiny_tokenizer import make_model_with_tokenizer
+
+    model = make_model_with_tokenizer()
+    bos = model.tokenizer.bos_token_id
+    assert model.to_tokens("def f")[0, 0] != bos
+    assert model.to_tokens("def f", prepend_bos=True)[0, 0] == bos

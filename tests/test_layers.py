@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 import lenskit
 from golden import max_diff
@@ -90,3 +91,43 @@ def test_rmsnorm_model_cannot_be_saved_in_hf_layout(rms_swiglu, tmp_path):
 def test_public_api_names():
     for name in ("HookedTransformer", "ModelConfig", "ActivationCache", "HookPoint", "CheckpointError", "DEFAULT_MODEL"):
         assert hasattr(lenskit, name)
+
+
+# ------------------------------------------------------------ family pieces
+def test_llama3_frequencies_equal_transformers_at_published_shape():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from lenskit.rotary import inverse_frequencies
+
+    cfg = lenskit.ModelConfig.from_name("llama-3.1-8b")
+    hf_cfg = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, head_dim=128, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8192))
+    want, scaling = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    assert scaling == 1.0
+    torch.testing.assert_close(inverse_frequencies(cfg), want, atol=0, rtol=0)
+    plain = inverse_frequencies(cfg.replace(rope_type="default"))
+    assert (inverse_frequencies(cfg) < plain).any() and (inverse_frequencies(cfg) == plain).any()  # slow ones rescaled only
+
+
+def test_sliding_window_mask_by_hand():
+    from lenskit.attention import CausalMask, SlidingWindowMask
+
+    got = SlidingWindowMask(3).allowed(5, torch.device("cpu")).int().tolist()
+    assert got == [[1, 0, 0, 0, 0],
+                   [1, 1, 0, 0, 0],
+                   [1, 1, 1, 0, 0],
+                   [0, 1, 1, 1, 0],
+                   [0, 0, 1, 1, 1]]  # each query sees itself and the 2 keys before it
+    assert torch.equal(SlidingWindowMask(9).allowed(5, torch.device("cpu")), CausalMask().allowed(5, torch.device("cpu")))
+
+
+def test_partial_rotary_leaves_the_other_dims_alone():
+    from lenskit.rotary import Rotary
+
+    cfg = lenskit.ModelConfig(n_layers=1, d_model=32, n_heads=2, d_vocab=5, n_ctx=8, positional="rotary", rotary_dim=4)
+    x = torch.randn(1, 6, 2, 16)
+    y = Rotary(cfg)(x)
+    assert torch.equal(y[..., 4:], x[..., 4:]) and torch.equal(y[:, 0], x[:, 0])
+    torch.testing.assert_close(y[..., :4].norm(dim=-1), x[..., :4].norm(dim=-1))  # a rotation keeps lengths
+    assert (y[:, 1:, :, :4] - x[:, 1:, :, :4]).abs().max() > 1e-3

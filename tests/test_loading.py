@@ -368,3 +368,73 @@ def test_generate_slides_the_window_past_n_ctx(good_model):
     assert out.shape == (1, 66) and torch.equal(out[:, :62], prompt)
     with torch.no_grad():  # the last new token is predicted from the last n_ctx tokens only
         assert out[0, -1] == good_model(out[:, -65:-1])[0, -1].argmax()
+
+
+# ---------------------------------------------------------------- values, dtypes, speed of refusal
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("bad", ["nan", "inf", "int"])
+def test_nan_inf_and_integer_weights_are_refused_by_name(family, bad, tmp_path):
+    from conftest import make_hf_family
+
+    folder = tmp_path / "m"
+    make_hf_family(family).save_pretrained(folder)
+    state = load_file(str(folder / "model.safetensors"))
+    key = next(k for k in state if k.endswith("mlp.c_fc.weight" if family == "gpt2" else "mlp.up_proj.weight"))
+    t = state[key]
+    if bad == "int":
+        state[key] = t.to(torch.int8)
+    else:
+        t = t.clone()
+        t[0, 0] = float(bad)
+        state[key] = t
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    match = "floating point" if bad == "int" else "NaN or inf"
+    with pytest.raises(CheckpointError, match=rf"{re.escape(key.split('.', 1)[1])}.*{match}"):
+        HookedTransformer.from_pretrained(folder)
+
+
+def test_many_layers_with_missing_tensors_fail_fast(hf, tmp_path):
+    """A config claiming 3000 layers over a 3-layer checkpoint: one line naming missing tensors, quickly."""
+    import time
+
+    folder = layout_bare_tied(hf, tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["n_layer"] = 3000
+    (folder / "config.json").write_text(json.dumps(cfg))
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) \['h\.3\.ln_1\.weight'"):
+        HookedTransformer.from_pretrained(folder)
+    assert time.perf_counter() - start < 5  # checked before a 3000-block model is built; no quadratic sort
+
+
+@pytest.mark.parametrize("dtype, want", [("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32),
+                                         ("torch.bfloat16", torch.bfloat16), (None, torch.float32), (torch.float64, torch.float64)])
+def test_dtype_names_are_accepted(hf, tmp_path, dtype, want):
+    folder = layout_bare_tied(hf, tmp_path / "m")
+    assert HookedTransformer.from_pretrained(folder, dtype=dtype).embed.weight.dtype == want
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8", torch.int64, 3])
+def test_bad_dtype_is_refused(hf, tmp_path, dtype):
+    folder = layout_bare_tied(hf, tmp_path / "m")
+    with pytest.raises(ValueError, match=r"dtype=.*not supported.*bfloat16"):
+        HookedTransformer.from_pretrained(folder, dtype=dtype)
+
+
+def test_same_dtype_checkpoint_is_assigned_without_a_copy(tmp_path, monkeypatch):
+    """Weights already in the asked dtype are the tensors read from the file (memory-mapped), not copies;
+    another dtype converts once."""
+    import lenskit.loading
+    from conftest import make_hf_family
+
+    folder = tmp_path / "m"
+    make_hf_family("llama", tie_word_embeddings=False).save_pretrained(folder)
+    read = {}
+    real = lenskit.loading.read_safetensors
+    monkeypatch.setattr(lenskit.loading, "read_safetensors", lambda f: read.update(real(f)) or read)
+    model = HookedTransformer.from_pretrained(folder)
+    stored = read["model.layers.0.mlp.up_proj.weight"]
+    assert model.blocks[0].mlp.fc_in.weight.data_ptr() == stored.data_ptr()
+    assert model.unembed.weight.data_ptr() == read["lm_head.weight"].data_ptr()
+    half = HookedTransformer.from_pretrained(folder, dtype="bfloat16")
+    assert half.blocks[0].mlp.fc_in.weight.data_ptr() != read["model.layers.0.mlp.up_proj.weight"].data_ptr()

@@ -19,8 +19,10 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
                     "apart), its non-embedding total and FLOPs per token. Reads only the config, never the weights.",
     )
     p.add_argument("--model", default=None,
-                   help="a model folder, a preset name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a hub name "
-                        "in the local Hugging Face cache; default: the embedded model")
+                   help="a model folder, a preset name (gpt2..gpt2-xl, pythia-70m..pythia-12b, llama-3.2-1b, "
+                        "llama-3.2-3b, llama-3.1-8b, mistral-7b, qwen2.5-0.5b/1.5b/7b, qwen3-0.6b/1.7b/4b/8b; an "
+                        "organisation prefix such as EleutherAI/ is fine) or a hub name in the local Hugging Face "
+                        "cache; default: the embedded model")
     p.add_argument("--n-ctx", type=int, default=None, help="context length for the FLOP count (default: the model's)")
     p.add_argument("--tokens", type=float, default=None, help="also print the training compute 6ND for this many tokens")
     p.add_argument("--csv", default=None, help="write the per-component parameter table to this CSV file")
@@ -35,10 +37,10 @@ def resolve_config(model: str | None) -> tuple[ModelConfig, str]:
         return ModelConfig.from_json(path / "config.json", name=name), f"{path}/config.json"
     if model is None:
         raise FileNotFoundError(f"the embedded model is missing at {path}; reinstall lenskit or pass --model")
-    if model.split("/")[-1] in PRESETS:
+    if model.split("/")[-1].lower() in PRESETS:
         return ModelConfig.from_name(model), "preset shapes (no weights needed)"
     if path.exists():
-        raise FileNotFoundError(f"{path} has no config.json; expected a Hugging Face GPT-2 folder or a preset name")
+        raise FileNotFoundError(f"{path} has no config.json; expected a Hugging Face model folder or a preset name")
     # A hub name: the loader resolves it through the local Hugging Face cache and explains failures.
     return lenskit.HookedTransformer.from_pretrained(model).cfg, f"{model} (Hugging Face cache)"
 
@@ -64,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"model {cfg.name}  from {source}")
     print(f"  n_layers={cfg.n_layers} d_model={cfg.d_model} n_heads={cfg.n_heads} d_head={cfg.d_head} "
           f"d_mlp={cfg.d_mlp} d_vocab={cfg.d_vocab} n_ctx={cfg.n_ctx} norm={cfg.norm} mlp={cfg.mlp}")
+    print(f"  family={cfg.family} n_kv_heads={cfg.n_kv_heads} positions={cfg.positional}"
+          + (f" rotary_dim={cfg.rotary_dim} base={cfg.rotary_base:g} rope_type={cfg.rope_type}" if cfg.positional == "rotary" else "")
+          + (f" sliding_window={cfg.sliding_window}" if cfg.sliding_window else "")
+          + (" parallel_block" if cfg.parallel_block else "") + (" qk_norm" if cfg.qk_norm else ""))
 
     print("\nparameters")
     shown = summary.copy()

@@ -1,0 +1,155 @@
+"""Causal self-attention and its pieces: the q/k/v projection (fused or split), the masks (causal,
+sliding window), and grouped-query attention. Each option is chosen once, in `Attention.__init__`.
+
+Hook shapes: hook_q, hook_rot_q, hook_z are per query head [batch, pos, head, d_head]; hook_k,
+hook_rot_k, hook_v are per key/value head [batch, pos, kv_head, d_head]; hook_attn_scores and
+hook_pattern are [batch, head, query_pos, key_pos]; hook_result [batch, pos, head, d_model].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .hooks import HookPoint
+from .norms import make_norm
+from .rotary import Rotary
+
+
+class FusedQKV(nn.Linear):
+    """One projection to [q heads | k heads | v heads] (GPT-2; NeoX after its per-head layout is unpacked)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
+        self.sizes = (cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head)
+        self.d_head = cfg.d_head
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, pos, _ = x.shape
+        q, k, v = super().forward(x).split(self.sizes, dim=-1)
+        return (q.view(batch, pos, -1, self.d_head), k.view(batch, pos, -1, self.d_head),
+                v.view(batch, pos, -1, self.d_head))  # [batch, pos, head | kv_head, d_head]
+
+
+class SplitQKV(nn.Module):
+    """Three projections `q`, `k`, `v` (Llama, Mistral, Qwen), as the checkpoints store them."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.d_head = cfg.d_head
+        self.q = nn.Linear(cfg.d_model, cfg.n_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.k = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.v = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, pos, _ = x.shape
+        return (self.q(x).view(batch, pos, -1, self.d_head), self.k(x).view(batch, pos, -1, self.d_head),
+                self.v(x).view(batch, pos, -1, self.d_head))  # [batch, pos, head | kv_head, d_head]
+
+
+class CausalMask:
+    """Each query sees itself and every earlier key."""
+
+    def allowed(self, n_pos: int, device: torch.device) -> torch.Tensor:
+        return torch.ones(n_pos, n_pos, dtype=torch.bool, device=device).tril()  # [query_pos, key_pos]
+
+    def sdpa_kwargs(self, n_pos: int, device: torch.device) -> dict:
+        return {"is_causal": True}
+
+
+class SlidingWindowMask(CausalMask):
+    """Each query sees itself and the `window - 1` keys before it (Mistral): key > query - window."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+
+    def allowed(self, n_pos: int, device: torch.device) -> torch.Tensor:
+        return super().allowed(n_pos, device).triu(-(self.window - 1))
+
+    def sdpa_kwargs(self, n_pos: int, device: torch.device) -> dict:
+        return {"attn_mask": self.allowed(n_pos, device)}
+
+
+def make_mask(cfg: ModelConfig) -> CausalMask:
+    return CausalMask() if cfg.sliding_window is None else SlidingWindowMask(cfg.sliding_window)
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention: project, (q/k norm), (rotate), attend, write back.
+
+    PyTorch's fused scaled-dot-product kernel runs unless a hook needs the internals; both paths
+    compute the same function. Under grouped-query attention each group of n_heads / n_kv_heads
+    query heads shares one key/value head.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+        self.group = cfg.n_heads // cfg.n_kv_heads
+        self.qkv = FusedQKV(cfg) if cfg.fused_qkv else SplitQKV(cfg)
+        self.out = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.out_bias)
+        self.mask = make_mask(cfg)
+        self.hook_q = HookPoint()  # [batch, pos, head, d_head]
+        self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
+        self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
+        self.hook_attn_scores = HookPoint()  # [batch, head, query_pos, key_pos]
+        self.hook_pattern = HookPoint()  # [batch, head, query_pos, key_pos]
+        self.hook_z = HookPoint()  # [batch, pos, head, d_head]
+        self.hook_result = HookPoint()  # [batch, pos, head, d_model], computed only when hooked
+        internals = [self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern]
+        if cfg.qk_norm:
+            self.q_norm = make_norm(cfg, cfg.d_head)  # over d_head, per head, before rotary
+            self.k_norm = make_norm(cfg, cfg.d_head)
+            internals += [self.q_norm.hook_scale, self.q_norm.hook_normalized, self.k_norm.hook_scale, self.k_norm.hook_normalized]
+        if cfg.positional == "rotary":
+            self.rotary = Rotary(cfg)
+            self.hook_rot_q = HookPoint()  # [batch, pos, head, d_head]
+            self.hook_rot_k = HookPoint()  # [batch, pos, kv_head, d_head]
+            internals += [self.hook_rot_q, self.hook_rot_k]
+        # Each optional step is chosen here, once; forward calls whichever was chosen.
+        self._norm_qk = self._apply_qk_norm if cfg.qk_norm else _unchanged
+        self._rotate_qk = self._apply_rotary if cfg.positional == "rotary" else _unchanged
+        self._internals = tuple(internals)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, pos, _ = x.shape
+        q, k, v = self.qkv(x)  # [batch, pos, head, d_head], 2 x [batch, pos, kv_head, d_head]
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        q, k = self._rotate_qk(*self._norm_qk(q, k))
+        if any(h.has_hooks() for h in self._internals):
+            z = self._eager(q, k, v)
+        else:
+            z = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=self.group > 1,
+                **self.mask.sdpa_kwargs(pos, x.device),
+            ).transpose(1, 2)  # [batch, pos, head, d_head]
+        z = self.hook_z(z)
+        if not self.hook_result.has_hooks():
+            return self.out(z.reshape(batch, pos, self.n_heads * self.d_head))
+        w_o = self.out.weight.T.reshape(self.n_heads, self.d_head, -1)  # [head, d_head, d_model]
+        result = self.hook_result(torch.einsum("bphd,hdm->bphm", z, w_o))  # [batch, pos, head, d_model]
+        return result.sum(2) if self.out.bias is None else result.sum(2) + self.out.bias
+
+    def _apply_qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
+
+    def _apply_rotary(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.hook_rot_q(self.rotary(q)), self.hook_rot_k(self.rotary(k))
+
+    def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        pos = q.shape[1]
+        k = k.repeat_interleave(self.group, dim=2)  # [batch, pos, head, d_head]: query head h reads kv head h // group
+        v = v.repeat_interleave(self.group, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.d_head)  # [batch, head, query_pos, key_pos]
+        allowed = self.mask.allowed(pos, q.device)
+        scores = self.hook_attn_scores(scores.masked_fill(~allowed, float("-inf")))
+        pattern = self.hook_pattern(scores.softmax(-1))
+        return torch.einsum("bhqk,bkhd->bqhd", pattern, v)  # [batch, pos, head, d_head]
+
+
+def _unchanged(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return q, k

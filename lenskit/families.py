@@ -1,0 +1,205 @@
+"""Reading a Hugging Face `config.json` for each supported `model_type` into `ModelConfig` fields.
+
+One reader per family. Each reads the fields it implements with strict types, and refuses, by name,
+any field whose value would make the checkpoint compute something lenskit does not implement. The
+readers return plain dicts of `ModelConfig` keyword arguments, so this module does not import config.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+# GPT-2's "gelu_new" and PyTorch's tanh GELU are the same function; "gelu" is the exact erf form.
+GELU_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
+ROPE_TYPES = ("default", "llama3")
+
+
+class _Reader:
+    """Typed access to one config dict; every error names the field."""
+
+    def __init__(self, d: Mapping[str, Any], family: str) -> None:
+        self.d, self.family = d, family
+
+    def _bad(self, key: str, want: str) -> ValueError:
+        return ValueError(f"config field {key}={self.d[key]!r} must be {want} (model_type={self.family!r})")
+
+    def int(self, key: str, default: Any = ..., positive: bool = True) -> int | None:
+        if key not in self.d or self.d[key] is None:
+            if default is ...:
+                raise ValueError(f"config.json lacks required field {key!r} for model_type={self.family!r}")
+            return default
+        value = self.d[key]
+        if isinstance(value, bool) or not isinstance(value, int) or (positive and value <= 0):
+            raise self._bad(key, "a positive integer" if positive else "an integer")
+        return value
+
+    def float(self, key: str, default: Any = ...) -> float:
+        if key not in self.d or self.d[key] is None:
+            if default is ...:
+                raise ValueError(f"config.json lacks required field {key!r} for model_type={self.family!r}")
+            return default
+        value = self.d[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self._bad(key, "a finite number")
+        return float(value)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.d.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self._bad(key, "true or false (a JSON boolean, not a string or number)")
+        return value
+
+    def token_id(self, key: str) -> int | None:
+        value = self.d.get(key)
+        if isinstance(value, list):  # several EOS ids: the first is the one text generation stops on
+            value = value[0] if value else None
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise self._bad(key, "a non-negative integer token id")
+        return value
+
+    def require(self, key: str, supported: tuple, default: Any = None) -> Any:
+        """The field's value, refused unless it is one of `supported` (absent counts as `default`)."""
+        value = self.d.get(key, default)
+        if value not in supported:
+            raise ValueError(
+                f"config field {key}={value!r} is not supported for model_type={self.family!r}; "
+                f"lenskit implements {list(supported)}"
+            )
+        return value
+
+
+def _rope(r: _Reader, head_dim: int, default_theta: float = 10000.0) -> dict[str, Any]:
+    """Rotary fields from either spelling: transformers 5's `rope_parameters` or 4.x's `rope_theta` + `rope_scaling`."""
+    d = r.d
+    params = d.get("rope_parameters")
+    key = "rope_parameters"
+    if params is None:
+        params, key = d.get("rope_scaling"), "rope_scaling"
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise ValueError(f"config field {key}={params!r} must be an object")
+    if isinstance(next(iter(params.values()), None), dict):
+        raise ValueError(f"config field {key} holds per-layer-type rotary settings; lenskit implements one setting for every layer")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"config field {key}.rope_type={rope_type!r} is not supported; lenskit implements {list(ROPE_TYPES)}")
+    sub = _Reader(params, r.family)
+    theta = sub.float("rope_theta", r.float("rope_theta", default_theta))
+    fraction = sub.float("partial_rotary_factor", r.float("partial_rotary_factor", 1.0))
+    fields: dict[str, Any] = {"positional": "rotary", "rotary_base": theta, "rotary_dim": int(head_dim * fraction)}
+    if rope_type == "llama3":
+        fields.update(rope_type="llama3", rope_factor=sub.float("factor"), rope_low_freq_factor=sub.float("low_freq_factor"),
+                      rope_high_freq_factor=sub.float("high_freq_factor"),
+                      rope_original_n_ctx=sub.int("original_max_position_embeddings"))
+    else:
+        extra = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+        if extra:
+            raise ValueError(f"config field {key} has {extra}, which rope_type='default' does not use; lenskit refuses to guess")
+    return fields
+
+
+def _common(r: _Reader) -> dict[str, Any]:
+    return {
+        "family": r.family,
+        "bos_token_id": r.token_id("bos_token_id"),
+        "eos_token_id": r.token_id("eos_token_id"),
+        "initializer_range": r.float("initializer_range", 0.02),
+    }
+
+
+def read_gpt2(r: _Reader) -> dict[str, Any]:
+    refuse = {"add_cross_attention": False, "scale_attn_by_inverse_layer_idx": False,
+              "reorder_and_upcast_attn": False, "scale_attn_weights": True}
+    for field, supported in refuse.items():
+        r.require(field, (supported,), supported)
+    act = r.d.get("activation_function", "gelu_new")
+    if act not in GELU_ACTIVATIONS:
+        raise ValueError(f"config field activation_function={act!r} is not a GPT-2 activation; supported: {sorted(GELU_ACTIVATIONS)}")
+    return {
+        **_common(r),
+        "n_layers": r.int("n_layer"), "d_model": r.int("n_embd"), "n_heads": r.int("n_head"),
+        "d_vocab": r.int("vocab_size"), "n_ctx": r.int("n_positions"), "d_mlp": r.int("n_inner", None),
+        "norm_eps": r.float("layer_norm_epsilon", 1e-5), "activation": act,
+        "tie_word_embeddings": r.bool("tie_word_embeddings", True),
+    }
+
+
+def read_gpt_neox(r: _Reader) -> dict[str, Any]:
+    act = r.require("hidden_act", tuple(GELU_ACTIVATIONS), "gelu")
+    d_model, n_heads = r.int("hidden_size"), r.int("num_attention_heads")
+    bias = r.bool("attention_bias", True)
+    return {
+        **_common(r),
+        "n_layers": r.int("num_hidden_layers"), "d_model": d_model, "n_heads": n_heads,
+        "d_vocab": r.int("vocab_size"), "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
+        "norm_eps": r.float("layer_norm_eps", 1e-5), "activation": act,
+        "tie_word_embeddings": r.bool("tie_word_embeddings", False),
+        "parallel_block": r.bool("use_parallel_residual", True), "fused_qkv": True, "qkv_bias": bias, "out_bias": bias,
+        **_rope(_Reader({"partial_rotary_factor": r.d.get("rotary_pct", 0.25), "rope_theta": r.d.get("rotary_emb_base", 10000.0),
+                         **{k: r.d[k] for k in ("rope_parameters", "rope_scaling") if k in r.d}}, r.family), d_model // n_heads),
+    }
+
+
+def _llama_like(r: _Reader, qkv_bias: bool, out_bias: bool, mlp_bias: bool) -> dict[str, Any]:
+    r.require("hidden_act", ("silu",), "silu")
+    d_model, n_heads = r.int("hidden_size"), r.int("num_attention_heads")
+    d_head = r.int("head_dim", None) or d_model // n_heads
+    return {
+        **_common(r),
+        "n_layers": r.int("num_hidden_layers"), "d_model": d_model, "n_heads": n_heads, "d_head": d_head,
+        "n_kv_heads": r.int("num_key_value_heads", n_heads), "d_vocab": r.int("vocab_size"),
+        "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
+        "norm_eps": r.float("rms_norm_eps", 1e-6), "norm": "rmsnorm", "mlp": "swiglu",
+        "tie_word_embeddings": r.bool("tie_word_embeddings", False), "fused_qkv": False,
+        "qkv_bias": qkv_bias, "out_bias": out_bias, "mlp_bias": mlp_bias, **_rope(r, d_head),
+    }
+
+
+def read_llama(r: _Reader) -> dict[str, Any]:
+    bias = r.bool("attention_bias", False)
+    return _llama_like(r, bias, bias, r.bool("mlp_bias", False))
+
+
+def read_mistral(r: _Reader) -> dict[str, Any]:
+    return {**_llama_like(r, False, False, False), "sliding_window": r.int("sliding_window", None)}
+
+
+def _no_qwen_sliding(r: _Reader) -> None:
+    r.require("use_sliding_window", (False, None), False)
+    types = r.d.get("layer_types")
+    if types is not None and any(t != "full_attention" for t in types):
+        raise ValueError("config field layer_types has non-'full_attention' layers; lenskit implements only full attention for qwen")
+
+
+def read_qwen2(r: _Reader) -> dict[str, Any]:
+    _no_qwen_sliding(r)
+    return _llama_like(r, True, False, False)
+
+
+def read_qwen3(r: _Reader) -> dict[str, Any]:
+    _no_qwen_sliding(r)
+    bias = r.bool("attention_bias", False)
+    return {**_llama_like(r, bias, bias, False), "qk_norm": True}
+
+
+READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
+    "gpt2": read_gpt2, "gpt_neox": read_gpt_neox, "llama": read_llama,
+    "mistral": read_mistral, "qwen2": read_qwen2, "qwen3": read_qwen3,
+}
+
+
+def config_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    """`ModelConfig` keyword arguments for a Hugging Face config dict, or a one-line error."""
+    model_type = d.get("model_type")
+    if model_type not in READERS:
+        raise ValueError(f"config field model_type={model_type!r} is not supported; lenskit implements {sorted(READERS)}")
+    r = _Reader(d, model_type)
+    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        r.float(key, 0.0)  # typed only: dropout is off at inference and lenskit's own `dropout` governs training
+    return READERS[model_type](r)

@@ -1,0 +1,60 @@
+"""Normalisation pieces: LayerNorm and RMSNorm, each written out, chosen once by `make_norm`.
+
+Both expose `hook_scale` ([..., 1], the divisor) and `hook_normalized` (the output), and run the fused
+kernel when neither hook is in use; the two paths compute the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .hooks import HookPoint
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / sqrt(var + eps) * weight + bias, statistics over the last axis only."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+        self.bias = nn.Parameter(torch.zeros(d_model))
+        self.hook_scale = HookPoint()  # [batch, pos, 1]
+        self.hook_normalized = HookPoint()  # [batch, pos, d_model]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()):
+            # The fused kernel is what transformers runs; same maths, fewer passes over memory.
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        x = x - x.mean(-1, keepdim=True)
+        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [batch, pos, 1]
+        return self.hook_normalized(x / scale * self.weight + self.bias)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight: no centring and no bias. Also the per-head q/k norm
+    (Qwen 3), where the last axis is d_head and the hooks see [batch, pos, head, ...]."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+        self.hook_scale = HookPoint()  # [batch, pos, 1]
+        self.hook_normalized = HookPoint()  # [batch, pos, d_model]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()):
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [batch, pos, 1]
+        return self.hook_normalized(x / scale * self.weight)
+
+
+NORM_CLASSES = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+
+
+def make_norm(cfg: ModelConfig, size: int | None = None) -> nn.Module:
+    """The family's norm over `size` features (d_model unless given, e.g. d_head for q/k norms)."""
+    return NORM_CLASSES[cfg.norm](cfg.d_model if size is None else size, cfg.norm_eps)

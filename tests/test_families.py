@@ -1,0 +1,173 @@
+"""Golden parity of every family against transformers' own class, and the stream identities.
+
+Each family's tiny config (conftest.FAMILY_CONFIGS) exercises what makes it itself: partial rotary and
+the parallel block (Pythia), GQA and llama3 rotary scaling (Llama), a sliding window shorter than the
+prompt (Mistral), q/k/v biases (Qwen 2), per-head q/k norms with d_head != d_model / n_heads (Qwen 3).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import FAMILIES, FAMILY_CONFIGS, make_hf_family
+from golden import assert_golden, hf_attention, hf_blocks, max_diff
+
+from lenskit import HookedTransformer
+
+ALL_HOOKS = lambda name: True  # noqa: E731 - every hook on: the eager attention path
+
+
+@pytest.fixture
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 101, (3, 17), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def pair(family):
+    hf = make_hf_family(family, tie_word_embeddings=False)
+    return hf, HookedTransformer.from_hf(hf)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_golden_fast_and_eager_paths(family, tied, tokens):
+    hf = make_hf_family(family, tie_word_embeddings=tied)
+    model = HookedTransformer.from_hf(hf)
+    assert model.cfg.family == family and model.cfg.tie_word_embeddings == tied
+    assert (model.unembed.weight is model.embed.weight) == tied
+    assert_golden(model, hf, tokens)  # fused sdpa: only residual hooks are attached
+    assert_golden(model, hf, tokens, fwd_hooks=[(lambda n: n.endswith("hook_pattern"), lambda x, hook: None)])
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("shards", [None, "3KB"], ids=["single-file", "sharded"])
+def test_golden_through_save_pretrained(family, shards, tied, tmp_path, tokens):
+    hf = make_hf_family(family, tie_word_embeddings=tied, seed=3)
+    folder = tmp_path / family
+    hf.save_pretrained(folder, **({"max_shard_size": shards} if shards else {}))
+    assert (folder / "model.safetensors.index.json").exists() == bool(shards)
+    assert_golden(HookedTransformer.from_pretrained(folder), hf, tokens)
+
+
+def test_bf16_checkpoint_loads(family, tmp_path, tokens):
+    folder = tmp_path / "bf16"
+    make_hf_family(family, seed=4).to(torch.bfloat16).save_pretrained(folder)
+    reference = getattr(transformers, type(make_hf_family(family)).__name__).from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager").eval()
+    model = HookedTransformer.from_pretrained(folder)
+    assert model.embed.weight.dtype == torch.float32
+    assert_golden(model, reference, tokens)
+    assert HookedTransformer.from_pretrained(folder, dtype="bfloat16").embed.weight.dtype == torch.bfloat16
+
+
+def test_stream_identities(pair, tokens):
+    _, model = pair
+    logits, cache = model.run_with_cache(tokens, names_filter=ALL_HOOKS)
+    for i in range(model.cfg.n_layers):
+        pre, mid, post = (cache[f"blocks.{i}.hook_{p}"] for p in ("resid_pre", "resid_mid", "resid_post"))
+        torch.testing.assert_close(mid, pre + cache[f"blocks.{i}.hook_attn_out"], atol=1e-6, rtol=0)
+        torch.testing.assert_close(post, mid + cache[f"blocks.{i}.hook_mlp_out"], atol=1e-6, rtol=0)
+        if i + 1 < model.cfg.n_layers:
+            assert torch.equal(post, cache[f"blocks.{i + 1}.hook_resid_pre"])
+    last = cache[f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"]
+    torch.testing.assert_close(model.readout(last), logits, atol=1e-5, rtol=0)  # fused vs hooked final norm
+    # The per-head writes and the head-summed output agree under every projection layout.
+    attn = model.blocks[0].attn
+    summed = cache["blocks.0.attn.hook_result"].sum(2) + (0 if attn.out.bias is None else attn.out.bias)
+    torch.testing.assert_close(summed, cache["blocks.0.hook_attn_out"], atol=1e-5, rtol=0)
+
+
+def test_hook_shapes_follow_gqa_and_the_family(pair, tokens):
+    _, model = pair
+    c = model.cfg
+    _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.startswith("blocks.0.attn."))
+    batch, pos = tokens.shape
+    assert cache["blocks.0.attn.hook_q"].shape == (batch, pos, c.n_heads, c.d_head)
+    assert cache["blocks.0.attn.hook_k"].shape == (batch, pos, c.n_kv_heads, c.d_head)
+    assert cache["blocks.0.attn.hook_v"].shape == (batch, pos, c.n_kv_heads, c.d_head)
+    assert cache["blocks.0.attn.hook_z"].shape == (batch, pos, c.n_heads, c.d_head)
+    assert cache["blocks.0.attn.hook_pattern"].shape == (batch, c.n_heads, pos, pos)
+    rotary = c.positional == "rotary"
+    assert ("blocks.0.attn.hook_rot_q" in model.hook_dict) == rotary
+    assert ("hook_pos_embed" in model.hook_dict) == (not rotary)
+    assert ("blocks.0.attn.q_norm.hook_normalized" in model.hook_dict) == (model.cfg.family == "qwen3")
+    if rotary:
+        rot_q, q = cache["blocks.0.attn.hook_rot_q"], cache["blocks.0.attn.hook_q"]
+        assert rot_q.shape == q.shape and cache["blocks.0.attn.hook_rot_k"].shape == cache["blocks.0.attn.hook_k"].shape
+        # Position 0 is not rotated; later positions are (after any q norm).
+        before = cache.get("blocks.0.attn.q_norm.hook_normalized", q)
+        torch.testing.assert_close(rot_q[:, 0], before[:, 0], atol=1e-6, rtol=0)
+        assert max_diff(rot_q[:, 1:], before[:, 1:]) > 1e-3
+
+
+def test_expected_family_pieces():
+    expect = {"gpt_neox": dict(parallel_block=True, rotary_dim=4, fused_qkv=True),
+              "llama": dict(n_kv_heads=2, rope_type="llama3", fused_qkv=False, norm="rmsnorm", mlp="swiglu"),
+              "mistral": dict(sliding_window=5, n_kv_heads=2),
+              "qwen2": dict(qkv_bias=True, out_bias=False), "qwen3": dict(qk_norm=True, d_head=16)}
+    for family, fields in expect.items():
+        cfg = HookedTransformer.from_hf(make_hf_family(family)).cfg
+        assert {k: getattr(cfg, k) for k in fields} == fields, family
+
+
+def test_qk_norm_hooks_match_transformers(tokens):
+    hf = make_hf_family("qwen3")
+    model = HookedTransformer.from_hf(hf)
+    seen = {}
+    attn = hf_attention(hf_blocks(hf)[1])
+    handle = attn.q_norm.register_forward_hook(lambda m, a, out: seen.__setitem__("q", out.detach()))
+    try:
+        with torch.no_grad():
+            hf(tokens)
+    finally:
+        handle.remove()
+    _, cache = model.run_with_cache(tokens, names_filter="blocks.1.attn.q_norm.hook_normalized")
+    assert max_diff(cache["blocks.1.attn.q_norm.hook_normalized"], seen["q"]) <= 1e-5
+
+
+def test_padded_batch_equals_each_prompt_alone(pair):
+    _, model = pair
+    gen = torch.Generator().manual_seed(5)
+    lengths = [17, 9, 4]
+    prompts = [torch.randint(3, 101, (n,), generator=gen) for n in lengths]
+    batch = torch.full((3, 17), 2, dtype=torch.long)  # right-padded with an EOS id
+    for row, p in enumerate(prompts):
+        batch[row, : len(p)] = p
+    with torch.no_grad():
+        together = model(batch)
+        for row, p in enumerate(prompts):
+            gap = max_diff(together[row, : len(p)], model(p[None])[0])
+            assert gap <= 1e-5, f"prompt {row} (length {len(p)}) differs by {gap:.3g} inside the padded batch"
+
+
+def test_sliding_window_bites(tokens):
+    windowed = HookedTransformer.from_hf(make_hf_family("mistral"))
+    full = HookedTransformer.from_hf(make_hf_family("mistral", sliding_window=None))
+    assert windowed.cfg.sliding_window == 5 < tokens.shape[1]
+    with torch.no_grad():
+        a, b = windowed(tokens), full(tokens)
+    assert max_diff(a[:, :5], b[:, :5]) <= 1e-6  # within the window nothing changes
+    assert max_diff(a[:, 5:], b[:, 5:]) > 1e-3  # past it, the window is applied, not ignored
+
+
+def test_rope_parameters_and_legacy_spelling_agree():
+    """transformers 4.x wrote rope_theta + rope_scaling at the top level; 5.x writes rope_parameters."""
+    from lenskit import ModelConfig
+
+    new = make_hf_family("llama").config.to_dict()
+    legacy = {k: v for k, v in new.items() if k != "rope_parameters"}
+    legacy["rope_theta"] = new["rope_parameters"]["rope_theta"]
+    legacy["rope_scaling"] = {k: v for k, v in new["rope_parameters"].items() if k != "rope_theta"}
+    assert ModelConfig.from_hf_config(new) == ModelConfig.from_hf_config(legacy)
+    neox = make_hf_family("gpt_neox").config.to_dict()
+    legacy = {k: v for k, v in neox.items() if k != "rope_parameters"} | {"rotary_pct": 0.5, "rotary_emb_base": 1000.0}
+    assert ModelConfig.from_hf_config(neox) == ModelConfig.from_hf_config(legacy)
+
+
+def test_family_configs_cover_every_non_gpt2_family():
+    assert set(FAMILIES) == {"gpt2", *FAMILY_CONFIGS} == {"gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3"}
