@@ -31,8 +31,8 @@ from torch import nn
 from .tuned import TunedLens
 
 Streams = Sequence[tuple[int, bool, torch.Tensor]]  # (l, mid, h [batch, pos, d_model]), as training collects them
-ROW_BYTES = 64 * 2**20  # logits kept per chunk: about this many bytes of [rows, d_vocab] float32, twice
-MIN_ROWS = 256  # below this the readout matmul rereads W_U too often to run at full speed
+ROW_BYTES = 8 * 2**20  # about this many bytes of [rows, d_vocab] float32 logits per chunk, in two buffers
+MIN_ROWS = 512  # below this the readout matmul rereads W_U too often to run at full speed
 
 
 class TranslatedStreams(nn.Module):
@@ -70,7 +70,7 @@ def readout_kl_and_grad(normed: torch.Tensor, final_logits: torch.Tensor, unembe
     per stream [stream] float64, its gradient with respect to `normed` [stream, tokens, d_model]).
 
     Log-softmax and KL run in float32 whatever the model's dtype. A target token of zero probability adds
-    nothing (0 log 0 = 0), as in `metrics.forward_kl`.
+    nothing (0 log 0 = 0), as in `metrics.forward_kl`; the final logits must be finite (training checks).
     """
     n_streams, n_tokens, d_model = normed.shape
     weight, bias = unembed.weight, unembed.bias  # [d_vocab, d_model], [d_vocab] or None
@@ -79,29 +79,37 @@ def readout_kl_and_grad(normed: torch.Tensor, final_logits: torch.Tensor, unembe
         rows = max(MIN_ROWS, ROW_BYTES // (4 * d_vocab))
         chunk_tokens = max(1, rows // n_streams)
     rows = min(chunk_tokens, n_tokens) * n_streams
-    logits = torch.empty(rows, d_vocab, dtype=torch.float32, device=normed.device)  # reused: logits, then q - p
-    logq = torch.empty_like(logits)
+    logits = torch.empty(rows, d_vocab, dtype=torch.float32, device=normed.device)  # reused for every chunk
+    q = torch.empty_like(logits)  # log q, then q
     kl = torch.zeros(n_streams, dtype=torch.float64, device=normed.device)
     grad = torch.empty_like(normed)
     for t0 in range(0, n_tokens, chunk_tokens):
         t1 = min(t0 + chunk_tokens, n_tokens)
         c, r = t1 - t0, (t1 - t0) * n_streams
-        x = normed[:, t0:t1].transpose(0, 1).reshape(r, d_model).to(weight.dtype)  # [pos-chunk * stream, d_model]
+        # The target, once per token: p, sum_v p log p, and p through the unembedding, p W_U [c, d_model].
+        logp = torch.log_softmax(final_logits[t0:t1].float(), dim=-1)  # [c, d_vocab]
+        p = logp.exp()
+        neg_entropy = torch.bmm(p.unsqueeze(1), logp.unsqueeze(-1)).view(c)  # sum_v p log p (0 where p = 0)
+        p_mass = p.sum(-1)  # 1 up to rounding
+        pw = (p.to(weight.dtype) @ weight).float()  # [c, d_model]
+        x = normed[:, t0:t1].transpose(0, 1).reshape(c, n_streams, d_model)  # [pos-chunk, stream, d_model]
         out = logits[:r]
         if weight.dtype == torch.float32:
-            torch.matmul(x, weight.t(), out=out)
+            torch.matmul(x.reshape(r, d_model), weight.t(), out=out)
         else:
-            out.copy_(x @ weight.t())  # the model's dtype in the matmul, float32 from here on
+            out.copy_(x.reshape(r, d_model).to(weight.dtype) @ weight.t())  # the model's dtype in the matmul only
         if bias is not None:
             out.add_(bias)
-        logp = torch.log_softmax(final_logits[t0:t1].float(), dim=-1)  # [c, d_vocab] target, once per token
-        p = logp.exp()
-        neg_entropy = torch.where(p == 0, 0.0, p * logp).sum(-1)  # sum_v p log p, [c]
-        torch.log_softmax(out, dim=-1, out=logq[:r])
-        cross = torch.bmm(logq[:r].view(c, n_streams, d_vocab), p.unsqueeze(-1)).view(c, n_streams)  # sum_v p log q
+        torch.log_softmax(out, dim=-1, out=q[:r])
+        lse = (out[:, 0] - q[:r, 0]).view(c, n_streams)  # log sum_v exp(logits), read off one entry
+        # sum_v p log q = sum_v p logits - lse sum_v p, and sum_v p logits = x . (p W_U) (+ p . bias)
+        p_logits = torch.bmm(x.float(), pw.unsqueeze(-1)).view(c, n_streams)
+        if bias is not None:
+            p_logits += (p @ bias.float()).unsqueeze(-1)
+        cross = p_logits - lse * p_mass.unsqueeze(-1)
         kl += (neg_entropy.unsqueeze(-1) - cross).sum(0, dtype=torch.float64)
-        torch.exp(logq[:r], out=out)  # q
-        out.view(c, n_streams, d_vocab).sub_(p.unsqueeze(1))  # d KL / d logits = q - p
-        dx = out.to(weight.dtype) @ weight  # [pos-chunk * stream, d_model]
-        grad[:, t0:t1] = dx.view(c, n_streams, d_model).transpose(0, 1)
+        q[:r].exp_()
+        # d KL / d logits = q - p, so d KL / d x = q W_U - p W_U.
+        dx = (q[:r].to(weight.dtype) @ weight).float().view(c, n_streams, d_model) - pw.unsqueeze(1)
+        grad[:, t0:t1] = dx.transpose(0, 1)
     return kl, grad
