@@ -57,10 +57,11 @@ def rss_kib(field: str) -> int:
 
 
 def measured(fn) -> tuple[float, float]:
-    """(seconds fn says it took, peak RSS in GiB during the call; VmHWM reset first)."""
-    Path("/proc/self/clear_refs").write_text("5")
+    """(seconds fn says it took, GiB the RSS rose above its level before the call, at its peak during it)."""
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current RSS
+    before = rss_kib("VmRSS")
     seconds = fn()
-    return seconds, rss_kib("VmHWM") / 2**20
+    return seconds, (rss_kib("VmHWM") - before) / 2**20
 
 
 def matmul_seconds() -> float:
@@ -143,8 +144,9 @@ def main(argv: list[str] | None = None) -> None:
         row = "  ".join(f"{n} {times[n][-1]:.3f}s" for n in names)
         print(f"round {r}: matmul {2 * MATMUL_N**3 / matmul[-1] / 1e9:.1f} GFLOP/s  {row}", flush=True)
     peak_flops = 2 * MATMUL_N**3 / statistics.median(matmul)
-    print(f"\nload at the end {os.getloadavg()[0]:.2f}; matmul peak (median) {peak_flops / 1e9:.1f} GFLOP/s\n")
-    print("| contender | step s (median) | tokens/s | useful GFLOP/s | fraction of peak | peak RSS GiB | "
+    print(f"\nload at the end {os.getloadavg()[0]:.2f}; matmul peak (median) {peak_flops / 1e9:.1f} GFLOP/s; "
+          f"RSS with the models loaded {rss_kib('VmRSS') / 2**20:.2f} GiB\n")
+    print("| contender | step s (median) | tokens/s | useful GFLOP/s | fraction of peak | peak RSS rise GiB | "
           "step / tuned-lens (ratio of medians) | median of per-round ratios |")
     print("|---|---|---|---|---|---|---|---|")
     for name in names:

@@ -10,9 +10,12 @@ temporaries per stream. Here instead:
 
 - the d_model-sized part (translator, final norm) runs under autograd, in `TranslatedStreams`: the one
   module with weights, which is what DistributedDataParallel wraps;
-- the d_vocab-sized part runs without autograd, a few hundred rows at a time (every stream of a chunk of
-  tokens in one matmul), in two reused buffers, with the target's log-softmax computed once per token and
-  the KL's gradient with respect to the lens logits written down directly: d/dlogits KL(p || q) = q - p;
+- the d_vocab-sized part runs without autograd, a few thousand rows at a time (every stream of a chunk of
+  tokens in one matmul), in two reused buffers. The KL's gradient with respect to the lens logits is
+  written down directly, d/dlogits KL(p || q) = q - p. The target's log-softmax and p W_U [tokens, d_model]
+  are computed once per token; p W_U gives both sum_v p logits = x . (p W_U) and the target's half of the
+  gradient, (q - p) W_U = q W_U - p W_U, so each chunk of logits is touched only by the two matmuls, one
+  log-softmax and one exp;
 - then one backward from the normed streams with that gradient, through the norm and the translators.
 
 The readout this assumes is the model's: `unembed(ln_final(h))`, a final norm then a linear unembedding.
@@ -31,7 +34,7 @@ from torch import nn
 from .tuned import TunedLens
 
 Streams = Sequence[tuple[int, bool, torch.Tensor]]  # (l, mid, h [batch, pos, d_model]), as training collects them
-ROW_BYTES = 8 * 2**20  # about this many bytes of [rows, d_vocab] float32 logits per chunk, in two buffers
+ROW_BYTES = 32 * 2**20  # fewer, larger chunks: each op is a parallel region, costly on a busy machine; about this many bytes of [rows, d_vocab] float32 logits per chunk, in two buffers
 MIN_ROWS = 512  # below this the readout matmul rereads W_U too often to run at full speed
 
 
