@@ -34,7 +34,9 @@ from torch import nn
 from .tuned import TunedLens
 
 Streams = Sequence[tuple[int, bool, torch.Tensor]]  # (l, mid, h [batch, pos, d_model]), as training collects them
-ROW_BYTES = 32 * 2**20  # fewer, larger chunks: each op is a parallel region, costly on a busy machine; about this many bytes of [rows, d_vocab] float32 logits per chunk, in two buffers
+# About this many bytes of [rows, d_vocab] float32 logits per chunk (two buffers). Fewer, larger chunks: every op
+# is a parallel region, and on a busy machine each one waits for a descheduled thread.
+ROW_BYTES = 32 * 2**20
 MIN_ROWS = 512  # below this the readout matmul rereads W_U too often to run at full speed
 
 
