@@ -192,7 +192,8 @@ def test_micro_batches_change_memory_not_the_result(tiny):
 
 def test_the_loop_is_resume_or_start_then_steps(tiny, tmp_path):
     """`train` is `resume_or_start` then `train_step` per step: the pieces, driven by hand, give the same weights."""
-    from lenses.training import LensLoss, make_optimizer, resume_or_start, stream_label, train_step
+    from lenses.lens_step import TranslatedStreams
+    from lenses.training import make_optimizer, resume_or_start, stream_label, train_step
     from lenskit.data import window_order
 
     model, stream, _ = tiny
@@ -209,7 +210,7 @@ def test_the_loop_is_resume_or_start_then_steps(tiny, tmp_path):
     assert labels[:2] == ["0", "0.mid"]
     for step in range(recipe.steps):
         ids = order[step * per_step: (step + 1) * per_step]
-        losses = train_step(LensLoss(lens), lens, opt, windows[ids], recipe, step, labels, 1, None)
+        losses = train_step(TranslatedStreams(lens), lens, opt, windows[ids], recipe, step, labels, 1, None)
         assert len(losses) == len(labels) and losses == by_train.info["loss_history"][step]
     for (k, a), b in zip(lens.state_dict().items(), by_train.state_dict().values()):
         assert torch.equal(a, b), k

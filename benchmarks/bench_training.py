@@ -1,0 +1,164 @@
+"""Tuned-lens training, side by side: lenskit's `train`, the same trainer with plain autograd through the
+readout (the computation before `lenses/lens_step.py`), and the tuned-lens package's own loop.
+
+Every round times one optimiser step of each contender on the same windows (the order rotated from round to
+round, so a busy minute slows all alike), plus an [N, N] @ [N, N] fp32 matmul for the machine's peak. The
+report gives ratios of medians, useful GFLOP/s and their fraction of the peak, and each contender's peak RSS.
+
+Useful FLOPs of a step, per token: the frozen forward (as `bench_cases.forward_flops`, causal attention);
+per trained stream the translator's forward and weight gradient (2 x 2 d^2) and the readout's forward and
+input gradient (2 x 2 d V; the unembedding is frozen, so no weight gradient).
+
+    python benchmarks/bench_training.py                       # the embedded model, 2,048-token steps
+    python benchmarks/bench_training.py --model gpt2 --tokens 512 --rounds 3   # GPT-2-small shapes, random
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lenskit  # noqa: E402
+import lenses.training  # noqa: E402
+from bench_cases import MATMUL_N, ensure_model_folder, forward_flops  # noqa: E402
+from lenses import TunedLens  # noqa: E402
+from lenses.training import LensLoss, Recipe, train  # noqa: E402
+from lenskit.data import TokenStream  # noqa: E402
+
+
+def autograd_kl_step(translate, unembed, streams, final, scale, chunk_tokens=None):
+    """The step before lens_step.py: autograd through the readout and `forward_kl`, every stream's graph held."""
+    per_stream = LensLoss(translate.lens)(streams, final)
+    (per_stream.sum() * scale).backward()
+    return per_stream.detach().double()
+
+
+def useful_flops(cfg, n_tokens: int, ctx: int) -> float:
+    streams = cfg.n_layers
+    per_token = 2 * 2 * cfg.d_model**2 + 2 * 2 * cfg.d_model * cfg.d_vocab
+    return forward_flops(cfg, n_tokens // ctx, ctx, causal=True) + streams * n_tokens * per_token
+
+
+def rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def measured(fn) -> tuple[float, float]:
+    """(seconds fn says it took, GiB the RSS rose above its level before the call, at its peak during it)."""
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current RSS
+    before = rss_kib("VmRSS")
+    seconds = fn()
+    return seconds, (rss_kib("VmHWM") - before) / 2**20
+
+
+def matmul_seconds() -> float:
+    a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
+    out = torch.empty(MATMUL_N, MATMUL_N)
+    torch.matmul(a, b, out=out)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def lenskit_step(model, windows: torch.Tensor, micro_batch_tokens: int, autograd: bool) -> float:
+    """One `train` step (the whole call, recipe to returned lens) on these windows."""
+    n, ctx = windows.shape
+    stream = TokenStream(windows.reshape(-1).clone(), n_bytes=windows.numel())
+    recipe = Recipe(steps=1, ctx=ctx, tokens_per_step=n * ctx, micro_batch_tokens=micro_batch_tokens)
+    saved = lenses.training.kl_step
+    if autograd:
+        lenses.training.kl_step = autograd_kl_step
+    try:
+        t0 = time.perf_counter()
+        train(TunedLens(model), stream, recipe, progress=False)
+        return time.perf_counter() - t0
+    finally:
+        lenses.training.kl_step = saved
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="embedded", help="'embedded' (lenskit.DEFAULT_MODEL) or 'gpt2' (random weights)")
+    parser.add_argument("--model-dir", type=Path, default=Path.home() / ".cache/lenskit/bench/gpt2-random-seed0")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per step")
+    parser.add_argument("--ctx", type=int, default=256)
+    parser.add_argument("--micro-batch-tokens", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--skip", nargs="*", default=[], help="contenders to leave out")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    folder = Path(lenskit.DEFAULT_MODEL) if args.model == "embedded" else ensure_model_folder(args.model_dir, seed=0)
+    model = lenskit.HookedTransformer.from_pretrained(folder).eval()
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(folder)).eval()
+    cfg = model.cfg
+    ctx = min(args.ctx, cfg.n_ctx, args.tokens)
+    windows = torch.randint(0, cfg.d_vocab, (args.tokens // ctx, ctx), generator=torch.Generator().manual_seed(0))
+    n_tokens = windows.numel()
+    flops = useful_flops(cfg, n_tokens, ctx)
+
+    contenders = {
+        "lenskit": lambda: lenskit_step(model, windows, args.micro_batch_tokens, autograd=False),
+        "lenskit_autograd": lambda: lenskit_step(model, windows, args.micro_batch_tokens, autograd=True),
+    }
+    if "tuned_lens" not in args.skip:
+        from tuned_lens_package import PackageTrainer
+
+        package = PackageTrainer(hf, args.micro_batch_tokens)
+        contenders["tuned_lens"] = lambda: package.step(windows)
+    contenders = {k: v for k, v in contenders.items() if k not in args.skip}
+    names = list(contenders)
+    print(f"{args.model}: {cfg.n_layers} layers, d_model {cfg.d_model}, d_vocab {cfg.d_vocab}; {n_tokens} tokens a step "
+          f"({len(windows)} x {ctx}), {flops / 1e9:.1f} useful GFLOP; threads {args.threads}; "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
+    for fn in contenders.values():  # warm-up: first-call allocations and imports
+        fn()
+    times = {name: [] for name in names}
+    peaks = {name: [] for name in names}
+    matmul = []
+    for r in range(args.rounds):
+        matmul.append(matmul_seconds())
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            seconds, peak = measured(contenders[name])
+            times[name].append(seconds)
+            peaks[name].append(peak)
+        row = "  ".join(f"{n} {times[n][-1]:.3f}s" for n in names)
+        print(f"round {r}: matmul {2 * MATMUL_N**3 / matmul[-1] / 1e9:.1f} GFLOP/s  {row}", flush=True)
+    peak_flops = 2 * MATMUL_N**3 / statistics.median(matmul)
+    print(f"\nload at the end {os.getloadavg()[0]:.2f}; matmul peak (median) {peak_flops / 1e9:.1f} GFLOP/s; "
+          f"RSS with the models loaded {rss_kib('VmRSS') / 2**20:.2f} GiB\n")
+    print("| contender | step s (median) | tokens/s | useful GFLOP/s | fraction of peak | peak RSS rise GiB | "
+          "step / tuned-lens (ratio of medians) | median of per-round ratios |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in names:
+        step = statistics.median(times[name])
+        ratio = per_round = "-"
+        if "tuned_lens" in times:
+            ratio = f"{step / statistics.median(times['tuned_lens']):.2f}"
+            per_round = f"{statistics.median(a / b for a, b in zip(times[name], times['tuned_lens'])):.2f}"
+        fraction = statistics.median(flops / t / (2 * MATMUL_N**3 / m) for t, m in zip(times[name], matmul))
+        print(f"| {name} | {step:.3f} | {n_tokens / step:,.0f} | {flops / step / 1e9:.1f} | {flops / step / peak_flops:.2f} "
+              f"(per round {fraction:.2f}) | {max(peaks[name]):.2f} | {ratio} | {per_round} |")
+
+
+if __name__ == "__main__":
+    main()

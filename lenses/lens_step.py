@@ -1,0 +1,122 @@
+"""One tuned-lens training step's losses and translator gradients, computed at matmul speed.
+
+The objective is sum over streams s and tokens t of KL(p_t || q_st), with p_t the model's own next-token
+distribution and q_st = softmax(W_U norm(h_st + A_s h_st + b_s)). Almost all of its FLOPs are the
+readout: a [tokens, d_model] @ [d_model, d_vocab] matmul per stream forward, and one more backward for
+the gradient with respect to the normed stream (the unembedding is frozen, so never its weight gradient).
+Autograd through `forward_kl` would also keep every stream's [tokens, d_vocab] graph alive until one
+backward, recompute the target's log-softmax for every stream, and allocate a dozen [tokens, d_vocab]
+temporaries per stream. Here instead:
+
+- the d_model-sized part (translator, final norm) runs under autograd, in `TranslatedStreams`: the one
+  module with weights, which is what DistributedDataParallel wraps;
+- the d_vocab-sized part runs without autograd, a few thousand rows at a time (every stream of a chunk of
+  tokens in one matmul), in two reused buffers. The KL's gradient with respect to the lens logits is
+  written down directly, d/dlogits KL(p || q) = q - p. The target's log-softmax and p W_U [tokens, d_model]
+  are computed once per token; p W_U gives both sum_v p logits = x . (p W_U) and the target's half of the
+  gradient, (q - p) W_U = q W_U - p W_U, so each chunk of logits is touched only by the two matmuls, one
+  log-softmax and one exp;
+- then one backward from the normed streams with that gradient, through the norm and the translators.
+
+The readout this assumes is the model's: `unembed(ln_final(h))`, a final norm then a linear unembedding.
+
+>>> objective = TranslatedStreams(lens)           # or DistributedDataParallel(TranslatedStreams(lens))
+>>> kl = kl_step(objective, model.unembed, streams, final_logits, scale=1 / tokens)  # [n_streams]; grads added
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from lenskit import Stream
+
+from .tuned import TunedLens
+
+Streams = Sequence[tuple[Stream, torch.Tensor]]  # (s, h [batch, pos, d_model]), as training collects them
+# About this many bytes of [rows, d_vocab] float32 logits per chunk (two buffers). Fewer, larger chunks: every op
+# is a parallel region, and on a busy machine each one waits for a descheduled thread.
+ROW_BYTES = 32 * 2**20
+MIN_ROWS = 512  # below this the readout matmul rereads W_U too often to run at full speed
+
+
+class TranslatedStreams(nn.Module):
+    """Every trained stream through its translator and the model's final norm: [stream, tokens, d_model]."""
+
+    def __init__(self, lens: TunedLens) -> None:
+        super().__init__()
+        self.lens = lens
+
+    def forward(self, streams: Streams) -> torch.Tensor:
+        norm = self.lens.model.ln_final
+        d_model = self.lens.model.cfg.d_model
+        return torch.stack([norm(self.lens.transform_hidden(h.reshape(-1, d_model), s)) for s, h in streams])
+
+
+def kl_step(translate: Callable[[Streams], torch.Tensor], unembed: nn.Linear, streams: Streams, final_logits: torch.Tensor,
+            scale: float, chunk_tokens: int | None = None) -> torch.Tensor:
+    """Summed KL(final || lens) per stream [n_streams] (float64), and `scale` x its gradient added to the
+    translators' `.grad` (one backward through `translate`, so DistributedDataParallel reduces it as usual).
+
+    translate: streams -> normed translated streams [stream, tokens, d_model] (a `TranslatedStreams`, maybe
+    wrapped); final_logits [batch, pos, d_vocab], the model's own output for the same tokens.
+    """
+    normed = translate(streams)  # [stream, tokens, d_model]
+    with torch.no_grad():
+        kl, grad = readout_kl_and_grad(normed.detach(), final_logits.reshape(-1, final_logits.shape[-1]), unembed, chunk_tokens)
+    normed.backward(grad.mul_(scale))
+    return kl
+
+
+@torch.no_grad()
+def readout_kl_and_grad(normed: torch.Tensor, final_logits: torch.Tensor, unembed: nn.Linear,
+                        chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """normed [stream, tokens, d_model], final logits [tokens, d_vocab] -> (summed KL(final || unembed(normed))
+    per stream [stream] float64, its gradient with respect to `normed` [stream, tokens, d_model]).
+
+    Log-softmax and KL run in float32 whatever the model's dtype. A target token of zero probability adds
+    nothing (0 log 0 = 0), as in `metrics.forward_kl`; the final logits must be finite (training checks).
+    """
+    n_streams, n_tokens, d_model = normed.shape
+    weight, bias = unembed.weight, unembed.bias  # [d_vocab, d_model], [d_vocab] or None
+    d_vocab = weight.shape[0]
+    if chunk_tokens is None:
+        rows = max(MIN_ROWS, ROW_BYTES // (4 * d_vocab))
+        chunk_tokens = max(1, rows // n_streams)
+    rows = min(chunk_tokens, n_tokens) * n_streams
+    logits = torch.empty(rows, d_vocab, dtype=torch.float32, device=normed.device)  # reused for every chunk
+    q = torch.empty_like(logits)  # log q, then q
+    kl = torch.zeros(n_streams, dtype=torch.float64, device=normed.device)
+    grad = torch.empty_like(normed)
+    for t0 in range(0, n_tokens, chunk_tokens):
+        t1 = min(t0 + chunk_tokens, n_tokens)
+        c, r = t1 - t0, (t1 - t0) * n_streams
+        # The target, once per token: p, sum_v p log p, and p through the unembedding, p W_U [c, d_model].
+        logp = torch.log_softmax(final_logits[t0:t1].float(), dim=-1)  # [c, d_vocab]
+        p = logp.exp()
+        neg_entropy = torch.bmm(p.unsqueeze(1), logp.unsqueeze(-1)).view(c)  # sum_v p log p (0 where p = 0)
+        p_mass = p.sum(-1)  # 1 up to rounding
+        pw = (p.to(weight.dtype) @ weight).float()  # [c, d_model]
+        x = normed[:, t0:t1].transpose(0, 1).reshape(c, n_streams, d_model)  # [pos-chunk, stream, d_model]
+        out = logits[:r]
+        if weight.dtype == torch.float32:
+            torch.matmul(x.reshape(r, d_model), weight.t(), out=out)
+        else:
+            out.copy_(x.reshape(r, d_model).to(weight.dtype) @ weight.t())  # the model's dtype in the matmul only
+        if bias is not None:
+            out.add_(bias)
+        torch.log_softmax(out, dim=-1, out=q[:r])
+        lse = (out[:, 0] - q[:r, 0]).view(c, n_streams)  # log sum_v exp(logits), read off one entry
+        # sum_v p log q = sum_v p logits - lse sum_v p, and sum_v p logits = x . (p W_U) (+ p . bias)
+        p_logits = torch.bmm(x.float(), pw.unsqueeze(-1)).view(c, n_streams)
+        if bias is not None:
+            p_logits += (p @ bias.float()).unsqueeze(-1)
+        cross = p_logits - lse * p_mass.unsqueeze(-1)
+        kl += (neg_entropy.unsqueeze(-1) - cross).sum(0, dtype=torch.float64)
+        q[:r].exp_()
+        # d KL / d logits = q - p, so d KL / d x = q W_U - p W_U.
+        dx = (q[:r].to(weight.dtype) @ weight).float().view(c, n_streams, d_model) - pw.unsqueeze(1)
+        grad[:, t0:t1] = dx.transpose(0, 1)
+    return kl, grad
