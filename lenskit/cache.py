@@ -10,7 +10,7 @@ import torch
 
 from .names import get_act_name, hook_name
 from .resid import Part, PosSlice, apply_slice, need, pinned_norm, resid_parts
-from .stream import Stream, as_stream, check_layer, streams
+from .stream import Stream, as_stream, check_layer
 
 if TYPE_CHECKING:
     from torch import nn
