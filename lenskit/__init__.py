@@ -1,6 +1,11 @@
 """lenskit: a hooked transformer whose residual stream you can read, edit and measure."""
 
+import warnings
 from pathlib import Path
+
+# huggingface_hub (imported with transformers) imports tqdm.auto, which warns "IProgress not found" in a Jupyter
+# kernel without ipywidgets. lenskit's own progress bars are plain tqdm and never need the widget.
+warnings.filterwarnings("ignore", message="IProgress not found")
 
 from . import accounting, data, interventions, patching
 from .cache import ActivationCache
