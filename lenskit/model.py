@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from .cache import ActivationCache
-from .generation import generate
 from .config import ModelConfig
+from .generation import generate
 from .hooks import HookedRootModule, HookFn, NameOrPredicate, NamesFilter, HookPoint, layer_of
 from .layers import make_block, make_norm
 from .text import check_unicode, is_text, pad_token_id, right_pad, single_token_id
@@ -86,6 +86,7 @@ class HookedTransformer(WeightViews, HookedRootModule):
 
         `return_type` as in TransformerLens: "logits", "loss" (mean next-token cross-entropy over every
         position but the last, nats), "both" (logits, loss) or None (run for the hooks, return nothing).
+        The loss counts every position, so for right-padded texts pass equal-length token windows instead.
         """
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
