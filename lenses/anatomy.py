@@ -23,6 +23,7 @@ import torch
 
 from lenskit import ActivationCache, HookedTransformer, Stream
 from lenskit.cache import hook_name
+from lenskit.resid import resid_parts
 from lenskit.stream import POINTS as STREAM_POINTS
 from lenskit.stream import as_stream
 from lenskit.text import single_token_id
@@ -92,36 +93,18 @@ def location(s: int | str | Stream, point: str | None, n_layers: int) -> Stream:
 def decompose_resid(cache: ActivationCache, stream: int | str | Stream, point: str | None = None,
                     per_head: bool = False) -> ResidDecomposition:
     """Split the stream at `stream` (a `Stream`, or a layer with `point`, default resid_pre; an int l alone is
-    the stream after l blocks) into the embedding, the position embedding and every attention and MLP write before it.
+    the stream after l blocks) into the embedding, the position embedding (learned positions only) and every
+    attention and MLP write before it (`lenskit.resid.resid_parts`).
 
     With `per_head`, each attention write becomes its heads' writes (`attn.hook_result`) plus an
     `attn_bias` part, computed as `attn_out - sum(heads)` so the parts still sum exactly to the stream.
     """
     s = location(stream, point, cache.n_layers)
-    layer, point = s.layer, s.point
-    parts: list[tuple[torch.Tensor, str, str, int | None, int | None]] = [
-        (_need(cache, "hook_embed", "decompose_resid"), "embed", "embed", None, None),
-        (_need(cache, "hook_pos_embed", "decompose_resid"), "pos_embed", "pos_embed", None, None),
-    ]
-    n_attn = layer + 1 if point in ("resid_mid", "resid_post") else layer  # blocks whose attention wrote already
-    n_mlp = layer + 1 if point == "resid_post" else layer  # blocks whose MLP wrote already
-    for i in range(n_attn):
-        attn_out = _need(cache, hook_name("attn_out", i), "decompose_resid")
-        if per_head:
-            result = _need(cache, hook_name("result", i), "a per-head decomposition")  # [batch, pos, head, d_model]
-            for h in range(result.shape[2]):
-                parts.append((result[:, :, h], f"L{i}H{h}", "head", i, h))
-            parts.append((attn_out - result.sum(2), f"{i}_attn_bias", "attn_bias", i, None))
-        else:
-            parts.append((attn_out, f"{i}_attn_out", "attn", i, None))
-        if i < n_mlp:
-            parts.append((_need(cache, hook_name("mlp_out", i), "decompose_resid"), f"{i}_mlp_out", "mlp", i, None))
-    pos_embed = parts[1][0].expand_as(parts[0][0])  # position embeddings are the same for every sequence
-    tensors = [parts[0][0], pos_embed, *(p[0] for p in parts[2:])]
+    parts = resid_parts(cache, s, per_head=per_head)
     return ResidDecomposition(
-        components=torch.stack(tensors),  # [component, batch, pos, d_model]
-        labels=[p[1] for p in parts], kinds=[p[2] for p in parts], layers=[p[3] for p in parts],
-        heads=[p[4] for p in parts], point=point, layer=layer,
+        components=torch.stack([p.tensor for p in parts]),  # [component, batch, pos, d_model]
+        labels=[p.label for p in parts], kinds=[p.kind for p in parts], layers=[p.layer for p in parts],
+        heads=[p.head for p in parts], point=s.point, layer=s.layer,
     )
 
 

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm  # tqdm.auto warns "IProgress not found" in kernels without ipywidgets
 
 from lenskit import HookedTransformer
 from lenskit.stream import streams
@@ -60,6 +60,13 @@ class Trajectory:
     @property
     def top_k(self) -> int:
         return self.top_ids.shape[-1]
+
+    def __repr__(self) -> str:
+        """One line: lens, prompt length(s), layers, top-k (the tensors are in the fields and `to_frame()`)."""
+        lengths = self.lengths.tolist()
+        prompt = (f"{lengths[0]} tokens" if len(lengths) == 1
+                  else f"{len(lengths)} prompts of {min(lengths)}-{max(lengths)} tokens")
+        return f"Trajectory({self.lens_name} lens, {prompt}, layers 0..{self.n_layers}, top-{self.top_k})"
 
     @property
     def target_prob(self) -> torch.Tensor:

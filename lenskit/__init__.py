@@ -1,6 +1,11 @@
 """lenskit: a hooked transformer whose residual stream you can read, edit and measure."""
 
+import warnings
 from pathlib import Path
+
+# huggingface_hub (imported with transformers) imports tqdm.auto, which warns "IProgress not found" in a Jupyter
+# kernel without ipywidgets. lenskit's own progress bars are plain tqdm and never need the widget.
+warnings.filterwarnings("ignore", message="IProgress not found")
 
 from . import accounting, data, interventions, patching
 from .cache import ActivationCache
@@ -8,11 +13,12 @@ from .config import PRESETS, ModelConfig
 from .hooks import HookPoint
 from .loading import CheckpointError
 from .model import HookedTransformer
+from .names import get_act_name
 from .stream import Stream
 
 DEFAULT_MODEL: str = str(Path(__file__).parent / "default_model")
 """Filesystem path of the small GPT-2 that ships with lenskit (trained on the Python standard library)."""
 
 __all__ = ["ActivationCache", "CheckpointError", "DEFAULT_MODEL", "HookPoint", "HookedTransformer", "ModelConfig", "PRESETS",
-           "Stream", "accounting", "data", "interventions", "patching"]
+           "Stream", "accounting", "data", "get_act_name", "interventions", "patching"]
 __version__ = "0.1.0"

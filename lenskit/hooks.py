@@ -96,6 +96,13 @@ class HookPoint(nn.Module):
                 x = out
         return x
 
+    def layer(self) -> int:
+        """The block this hook point lives in (`blocks.3.attn.hook_q` -> 3), as in TransformerLens."""
+        found = layer_of(self.name)
+        if found is None:
+            raise ValueError(f"hook point {self.name!r} is not inside a block, so it has no layer")
+        return found
+
     def extra_repr(self) -> str:
         return f"name={self.name!r}, hooks={len(self.hook_fns())}"
 

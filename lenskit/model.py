@@ -12,9 +12,11 @@ from torch import nn
 
 from .cache import ActivationCache
 from .config import ModelConfig
+from .generation import generate
 from .hooks import HookedRootModule, HookFn, NameOrPredicate, NamesFilter, HookPoint, layer_of
 from .layers import make_block, make_norm
-from .text import check_unicode, is_text, pad_token_id, right_pad
+from .text import check_unicode, is_text, pad_token_id, right_pad, single_token_id
+from .weights import WeightViews
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
 TokensLike = Union[torch.Tensor, str, Sequence[str]]
 
 
-class HookedTransformer(HookedRootModule):
+class HookedTransformer(WeightViews, HookedRootModule):
     """A transformer with TransformerLens-style hook points, numerically equal to `transformers`' own
     class for its family. Positions are learned (`pos_embed`, `hook_pos_embed`) or rotary (inside
     attention); the choice is made once, here.
@@ -78,8 +80,16 @@ class HookedTransformer(HookedRootModule):
                 nn.init.normal_(p, 0.0, std)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, tokens: TokensLike, *, stop_at_layer: int | None = None) -> torch.Tensor:
-        """Logits [batch, pos, d_vocab] at every position; with `stop_at_layer=l`, the stream after l blocks."""
+    def forward(self, tokens: TokensLike, return_type: str | None = "logits", *,
+                stop_at_layer: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """Logits [batch, pos, d_vocab] at every position; with `stop_at_layer=l`, the stream after l blocks.
+
+        `return_type` as in TransformerLens: "logits", "loss" (mean next-token cross-entropy over every
+        position but the last, nats), "both" (logits, loss) or None (run for the hooks, return nothing).
+        The loss counts every position, so for right-padded texts pass equal-length token windows instead.
+        """
+        if return_type not in ("logits", "loss", "both", None):
+            raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
         n = self.cfg.n_layers
         if stop_at_layer is not None and not (isinstance(stop_at_layer, int) and not isinstance(stop_at_layer, bool)
                                               and -n <= stop_at_layer <= n):
@@ -90,7 +100,11 @@ class HookedTransformer(HookedRootModule):
             x = block(x)  # [batch, pos, d_model]
         if stop_at_layer is not None:
             return x
-        return self.readout(x)  # [batch, pos, d_vocab]
+        logits = self.readout(x)  # [batch, pos, d_vocab]
+        if return_type == "logits" or return_type is None:
+            return logits if return_type else None
+        loss = next_token_loss(logits, tokens)
+        return loss if return_type == "loss" else (logits, loss)
 
     def _embed_learned(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -155,7 +169,7 @@ class HookedTransformer(HookedRootModule):
                                  "drop those names, raise stop_at_layer, or use return_logits=False")
         with self.hooks([*fwd_hooks, *((name, save) for name in names)]):
             out = self(tokens, **kwargs)
-        return (out if return_logits else None), ActivationCache(store, self.cfg.n_layers)
+        return (out if return_logits else None), ActivationCache(store, self.cfg.n_layers, self)
 
     def _names_of(self, target: NameOrPredicate) -> list[str]:
         if isinstance(target, str):
@@ -172,17 +186,16 @@ class HookedTransformer(HookedRootModule):
             needed = max(needed, 0 if layer is None else layer + 1)
         return needed
 
-    @torch.no_grad()
-    def generate(self, tokens: TokensLike, max_new_tokens: int = 20) -> torch.Tensor:
-        """Greedy continuation (no sampling, no KV cache): [batch, pos + max_new_tokens]."""
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        tokens = self.validate_tokens(tokens)
-        for _ in range(max_new_tokens):
-            window = tokens[:, -self.cfg.n_ctx:]
-            next_token = self(window)[:, -1].argmax(-1, keepdim=True)
-            tokens = torch.cat([tokens, next_token], dim=1)
-        return tokens
+    generate = generate  # lenskit/generation.py: greedy, or sampled with a seedable generator
+
+    def add_hook(self, name: NameOrPredicate, fn: HookFn) -> None:
+        """Attach `fn` to a hook point (or every point a predicate selects) GLOBALLY: every thread and every
+        later call sees it until `reset_hooks()`. Prefer `model.hooks(...)` / `run_with_hooks`, which are
+        temporary and belong to the calling thread."""
+        if not callable(fn):
+            raise TypeError(f"hook for {name!r} is not callable: {fn!r}")
+        for hp in self._resolve(name):
+            hp.add_hook(fn)
 
     # --------------------------------------------------------------- tokens
     def validate_tokens(self, tokens: TokensLike) -> torch.Tensor:
@@ -243,6 +256,10 @@ class HookedTransformer(HookedRootModule):
             raise ValueError("an empty text has no tokens; pass prepend_bos=True or a non-empty string")
         return right_pad(ids, pad_token_id(tok)).to(self.embed.weight.device)
 
+    def to_single_token(self, text: str) -> int:
+        """The id of text that is exactly one token (no BOS), or a ValueError naming its pieces."""
+        return single_token_id(self._need_tokenizer(), text)
+
     def to_str_tokens(self, tokens: TokensLike) -> list[str] | list[list[str]]:
         """Each token as its text: a list for one sequence, a list of lists for a batch."""
         tok = self._need_tokenizer()
@@ -295,6 +312,13 @@ class HookedTransformer(HookedRootModule):
         return (f"name={c.name!r}, family={c.family!r}, n_layers={c.n_layers}, d_model={c.d_model}, n_heads={c.n_heads}, "
                 f"n_kv_heads={c.n_kv_heads}, "
                 f"d_mlp={c.d_mlp}, d_vocab={c.d_vocab}, n_ctx={c.n_ctx}")
+
+
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy (nats) of predicting tokens[:, 1:] from logits[:, :-1]."""
+    if tokens.shape[1] < 2:
+        raise ValueError("a loss needs at least 2 tokens per sequence (each position predicts the next)")
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
 def adds_bos(tokenizer: "PreTrainedTokenizerBase") -> bool:

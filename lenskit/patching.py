@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Sequence, Union
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+from tqdm import tqdm  # tqdm.auto warns "IProgress not found" in kernels without ipywidgets
 
 from .cache import ActivationCache, hook_name
 from .hooks import HookFn

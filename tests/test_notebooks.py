@@ -23,3 +23,13 @@ def test_notebook_runs(path):
     client.execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
+    stderr = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                     if o.get("name") == "stderr")
+    assert "IProgress" not in stderr, f"{path.name}: a progress bar needs ipywidgets: {stderr[:300]}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebooks_use_the_public_api_only(path):
+    """Notebooks teach the library, so they import no command-line internals (lenses.cli)."""
+    code = "".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
+    assert "lenses.cli" not in code and "from lenses import cli" not in code

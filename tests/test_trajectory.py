@@ -139,3 +139,11 @@ def test_partial_utf8_tokens_show_their_bytes():
     byte_e2 = tok.convert_tokens_to_ids(bytes_to_unicode()[0xE2])  # first byte of '→', alone not valid UTF-8
     assert tok.decode([byte_e2]) == "\ufffd" and decode_token(tok, byte_e2) == "\\xe2"
     assert decode_token(tok, tok.encode(" add")[0]) == tok.decode(tok.encode(" add")[:1])
+
+
+def test_repr_is_one_line(model, tokens):
+    traj = Trajectory.from_prompt(LogitLens(model), tokens, top_k=3)
+    n_pos = tokens.shape[1]
+    assert repr(traj) == f"Trajectory(logit lens, {tokens.shape[0]} prompts of {n_pos}-{n_pos} tokens, layers 0..3, top-3)"
+    one = Trajectory.from_prompt(LogitLens(model), tokens[:1, :5], top_k=2)
+    assert repr(one) == "Trajectory(logit lens, 5 tokens, layers 0..3, top-2)"

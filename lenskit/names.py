@@ -1,0 +1,92 @@
+"""Short activation names: the one table behind `cache["resid_post", 3]` and `lenskit.get_act_name`.
+
+A short name is the TransformerLens shorthand for a hook inside a block ("resid_pre", "q", "pattern",
+"pre" ...). The residual-stream points come from `lenskit.stream.POINTS`; the rest are listed here.
+
+>>> get_act_name("resid_pre", 3)
+'blocks.3.hook_resid_pre'
+>>> get_act_name("scale", 2, "ln1"), get_act_name("normalized")
+('blocks.2.ln1.hook_scale', 'ln_final.hook_normalized')
+>>> get_act_name("k6"), get_act_name("pattern", 0)
+('blocks.6.attn.hook_k', 'blocks.0.attn.hook_pattern')
+"""
+
+from __future__ import annotations
+
+import re
+
+from .stream import POINTS, block_hook_name, check_layer
+
+# Short name -> the hook's path inside block `layer`: the stream points, then attention, MLP and norms.
+BLOCK_SHORT: dict[str, str] = {
+    **POINTS,
+    "q": "attn.hook_q", "k": "attn.hook_k", "v": "attn.hook_v", "z": "attn.hook_z",
+    "rot_q": "attn.hook_rot_q", "rot_k": "attn.hook_rot_k",
+    "attn_scores": "attn.hook_attn_scores", "pattern": "attn.hook_pattern", "result": "attn.hook_result",
+    "pre": "mlp.hook_pre", "pre_linear": "mlp.hook_pre_linear", "post": "mlp.hook_post",
+    "scale1": "ln1.hook_scale", "normalized1": "ln1.hook_normalized",
+    "scale2": "ln2.hook_scale", "normalized2": "ln2.hook_normalized",
+}
+# Hooks outside the blocks, by short name.
+TOP_SHORT = {"embed": "hook_embed", "pos_embed": "hook_pos_embed"}
+# TransformerLens's spellings of the same short names.
+ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
+           "mlp_pre": "pre", "mlp_post": "post"}
+NORM_SHORT = ("scale", "normalized")  # ambiguous inside a block: which norm is named by layer_type
+NORM_TYPES = {"ln1": "1", "ln2": "2"}
+
+
+def hook_name(short: str, layer: int | None = None, n_layers: int | None = None) -> str:
+    """Expand a short name: `hook_name("resid_post", 3) == "blocks.3.hook_resid_post"`.
+
+    Layers are blocks; a negative layer counts back from n_layers (see `lenskit.stream.check_layer`).
+    """
+    if layer is None:
+        return short
+    if short not in BLOCK_SHORT:
+        raise KeyError(f"unknown short hook name {short!r}; known: {sorted(BLOCK_SHORT)}")
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise TypeError(f"a layer must be an int, got {layer!r}")
+    if n_layers is not None:
+        layer = check_layer(layer, n_layers)
+    return block_hook_name(layer, BLOCK_SHORT[short])
+
+
+_GLUED = re.compile(r"^([a-z_]+?)(\d+)([a-z]\w*)?$")  # "k6", "scale4ln1"
+
+
+def get_act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
+    """The full hook name for a TransformerLens short name, as `transformer_lens.utils.get_act_name` gives it.
+
+    `name` is a short name ("resid_pre", "attn_out", "q", "pattern", "result", "pre", "post", "mlp_out",
+    "embed" ...), optionally with the layer glued on ("k6", "scale4ln1"); a full hook name is returned as
+    is. `layer_type` picks the norm for "scale" / "normalized" ("ln1", "ln2"); without a layer they name
+    the final norm. Layers are block indices >= 0 (no model here to count back from; use
+    `cache[name, -1]` for that).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"get_act_name takes a short name such as 'resid_pre', got {type(name).__name__}")
+    if ("." in name or name.startswith("hook_")) and layer is None and layer_type is None:
+        return name
+    glued = _GLUED.match(name)
+    if glued and layer is None:
+        name, layer, layer_type = glued[1], int(glued[2]), glued[3] or layer_type
+    name = ALIASES.get(name, name)
+    if name in NORM_SHORT:
+        if layer is None:
+            return f"ln_final.hook_{name}"
+        if layer_type not in NORM_TYPES:
+            raise ValueError(f"{name!r} inside block {layer} needs layer_type 'ln1' or 'ln2' (which norm), got {layer_type!r}")
+        name = name + NORM_TYPES[layer_type]
+    if name in TOP_SHORT:
+        if layer is not None:
+            raise ValueError(f"{name!r} is outside the blocks and takes no layer, got layer={layer!r}")
+        return TOP_SHORT[name]
+    if name not in BLOCK_SHORT:
+        known = sorted({*BLOCK_SHORT, *TOP_SHORT, *ALIASES, *NORM_SHORT} - {"scale1", "scale2", "normalized1", "normalized2"})
+        raise KeyError(f"unknown activation name {name!r}; known short names: {', '.join(known)}")
+    if layer is None:
+        raise ValueError(f"{name!r} lives in every block; pass a layer, e.g. get_act_name({name!r}, 0)")
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise ValueError(f"get_act_name needs a block index >= 0, got {layer!r}; use cache[{name!r}, layer] to count back")
+    return block_hook_name(layer, BLOCK_SHORT[name])

@@ -1,0 +1,109 @@
+"""The residual stream as a sum of parts, and a norm applied to such parts with a fixed scale.
+
+A pre-norm model only ever adds to its stream, so the stream before a point is exactly
+
+    embed (+ pos_embed) + sum over earlier writes of (attn_out, mlp_out)
+
+and each attention write is its heads' writes (`attn.hook_result`) plus the output bias. `resid_parts`
+lists those parts from a cache; `ActivationCache.decompose_resid` and `lenses.anatomy` both read it.
+
+A norm is not linear, but with its scale held at the value the whole stream gave it (the cached
+`hook_scale`), it is: `pinned_norm` runs the norm's own code with that scale, so the parts of a stream,
+each put through it, sum to the norm's output less its bias.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence, Union
+
+import torch
+from torch import nn
+
+from .names import hook_name
+from .stream import Stream
+
+if TYPE_CHECKING:
+    from .cache import ActivationCache
+
+# What TransformerLens accepts as a position slice: None, an int (drops the axis), a (start, stop[, step])
+# tuple, a slice, or a list / tensor of positions.
+PosSlice = Union[None, int, tuple, slice, Sequence[int], torch.Tensor]
+
+
+def apply_slice(x: torch.Tensor, pos_slice: PosSlice, dim: int) -> torch.Tensor:
+    """`x` with `pos_slice` applied along `dim`; an int selects one index and drops the axis."""
+    if pos_slice is None:
+        return x
+    if isinstance(pos_slice, tuple):
+        pos_slice = slice(*pos_slice)
+    elif isinstance(pos_slice, (list, range)):
+        pos_slice = torch.as_tensor(list(pos_slice), dtype=torch.long)
+    if isinstance(pos_slice, bool) or not isinstance(pos_slice, (int, slice, torch.Tensor)):
+        raise TypeError(f"pos_slice must be None, an int, a tuple, a slice or a list of positions, got {pos_slice!r:.60}")
+    index: list = [slice(None)] * x.ndim
+    index[dim] = pos_slice
+    return x[tuple(index)]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One term of a stream decomposition: its tensor [..., pos, d_model] and what wrote it."""
+
+    tensor: torch.Tensor
+    label: str  # "embed", "pos_embed", "3_attn_out", "3_mlp_out", "L3H1", "3_attn_bias"
+    kind: str  # "embed", "pos_embed", "attn", "mlp", "head", "attn_bias"
+    layer: int | None
+    head: int | None
+
+
+def need(cache: "ActivationCache", name: str, why: str) -> torch.Tensor:
+    """`cache[name]`, or a KeyError that says how to run the model so that the cache holds it."""
+    if name not in cache:
+        how = ("names_filter=lambda name: True (hook_result is computed only on request)" if name.endswith("hook_result")
+               else "no names_filter")
+        raise KeyError(f"{why} needs {name!r}, which this cache does not hold; run model.run_with_cache(tokens) with {how}")
+    return cache[name]
+
+
+def resid_parts(cache: "ActivationCache", s: Stream, per_head: bool = False) -> list[Part]:
+    """The writes that sum to the stream at `s` (a resolved `resid_pre` / `resid_mid` / `resid_post`).
+
+    The position embedding is a part only where the model has one (learned positions); rotary
+    families add positions inside attention. With `per_head`, each attention write becomes its heads
+    (`hook_result`) plus an `attn_bias` part, `attn_out - sum(heads)`, so the parts still sum exactly.
+    """
+    why = "decomposing the stream"
+    embed = need(cache, "hook_embed", why)
+    parts = [Part(embed, "embed", "embed", None, None)]
+    if cache.has_pos_embed:
+        pos = need(cache, "hook_pos_embed", why).expand_as(embed)  # the same for every sequence
+        parts.append(Part(pos, "pos_embed", "pos_embed", None, None))
+    n_attn = s.layer + 1 if s.point in ("resid_mid", "resid_post") else s.layer  # blocks whose attention wrote
+    n_mlp = s.layer + 1 if s.point == "resid_post" else s.layer  # blocks whose MLP wrote
+    for i in range(n_attn):
+        attn_out = need(cache, hook_name("attn_out", i), why)
+        if per_head:
+            result = need(cache, hook_name("result", i), "a per-head decomposition")  # [..., pos, head, d_model]
+            parts += [Part(result[..., h, :], f"L{i}H{h}", "head", i, h) for h in range(result.shape[-2])]
+            parts.append(Part(attn_out - result.sum(-2), f"{i}_attn_bias", "attn_bias", i, None))
+        else:
+            parts.append(Part(attn_out, f"{i}_attn_out", "attn", i, None))
+        if i < n_mlp:
+            parts.append(Part(need(cache, hook_name("mlp_out", i), why), f"{i}_mlp_out", "mlp", i, None))
+    return parts
+
+
+def pinned_norm(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    """`norm` applied to `x` [..., d_model] with its divisor fixed at `scale` (broadcast over x's leading
+    axes) instead of computed from `x`, without the norm's bias: its linear part at that scale.
+
+    The norm's own code runs (centring for LayerNorm, its gain), with `hook_scale` replaced by `scale`.
+    """
+    def fixed(computed: torch.Tensor, hook: nn.Module) -> torch.Tensor:
+        return scale.to(computed.dtype).expand_as(computed)
+
+    with model.hooks([(norm.hook_scale.name, fixed)]):
+        out = norm(x)
+        bias = norm(torch.zeros_like(x))  # the norm's output at zero input: its bias (or 0)
+    return out - bias
