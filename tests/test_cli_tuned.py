@@ -31,7 +31,7 @@ def test_train_then_eval_writes_a_lens_and_a_per_layer_csv(files, tmp_path, caps
     assert config["tokens_seen"] == 10 * 128 and config["recipe"]["seed"] == 1 and config["recipe"]["optimizer"] == "sgd"
     assert config["data"]["n_files"] == 60 and len(config["data"]["files"]) == 60
     assert config["data"]["files"][0]["path"].endswith("snippet_000.py")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "lens.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "lens.safetensors"]
 
     assert main(args) == 0  # rerun on a finished folder: nothing to do
     assert "nothing to do" in capsys.readouterr().out

@@ -116,7 +116,7 @@ def test_killed_run_resumes_to_the_same_lens_or_refuses_clearly(setup, tmp_path,
         resumed_at = int(proc.stdout.split("resuming from step")[1].split()[0])
         assert 1 <= resumed_at <= STEPS, note
     assert_same_lens(out, want)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "lens.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "lens.safetensors"]
 
 
 def test_a_second_run_into_the_same_folder_refuses(setup, tmp_path):

@@ -106,7 +106,7 @@ def test_weight_decay_applies_to_A_and_b(tiny):
 def test_finished_run_is_saved_and_a_rerun_does_nothing(tiny, tmp_path):
     model, stream, _ = tiny
     lens = train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "lens.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["README.md", "config.json", "lens.safetensors"]
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["steps_done"] == 12 and config["tokens_seen"] == 12 * 4 * CTX
     assert config["recipe"]["tokens_per_step"] == 4 * CTX and config["data"]["sha256"] == stream.provenance["sha256"]

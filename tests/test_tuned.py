@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pickle
 import subprocess
 import sys
 
@@ -81,7 +80,7 @@ def test_save_load_gives_identical_outputs_and_no_pickle(model, streams, tmp_pat
     tuned = randomize(TunedLens(model, resid_mid=True))
     tuned.info = {"tokens_seen": 123}
     tuned.save(tmp_path / "lens")
-    assert sorted(p.name for p in (tmp_path / "lens").iterdir()) == ["config.json", "lens.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "lens").iterdir()) == ["README.md", "config.json", "lens.safetensors"]
     raw = (tmp_path / "lens" / "lens.safetensors").read_bytes()
     assert not raw.startswith(b"\x80")  # not a pickle; safetensors starts with its header length
     header_len = int.from_bytes(raw[:8], "little")
@@ -169,7 +168,7 @@ def test_tuned_lens_import_never_unpickles_objects_and_checks_shapes(model, tmp_
     state = {f"{i}.{k}": torch.zeros(d, d) if k == "weight" else torch.zeros(d) for i in range(n) for k in ("weight", "bias")}
     state["0.weight"] = NotATensor()  # a pickled custom class: weights_only refuses it
     write_tuned_lens_package_folder(tmp_path / "evil", state, n, d)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(ValueError, match="not a plain tensor file.*was executed"):
         TunedLens.load(tmp_path / "evil", model)
     state["0.weight"] = torch.zeros(d, d + 1)
     write_tuned_lens_package_folder(tmp_path / "bad", state, n, d)
