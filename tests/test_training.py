@@ -112,8 +112,81 @@ def test_finished_run_is_saved_and_a_rerun_does_nothing(tiny, tmp_path):
     assert config["recipe"]["tokens_per_step"] == 4 * CTX and config["data"]["sha256"] == stream.provenance["sha256"]
     again = train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), lens.state_dict().values()))
-    with pytest.raises(ValueError, match="belongs to a different run"):
-        train(TunedLens(model), stream, Recipe(**{**SMALL, "steps": 13}), out=tmp_path / "out", progress=False)
+    with pytest.raises(ValueError, match="belongs to a different run") as refused:
+        train(TunedLens(model), stream, Recipe(**{**SMALL, "seed": 3}), out=tmp_path / "out", progress=False)
+    message = str(refused.value)
+    assert "seed (saved 0, now 3) differ" in message and "\n" not in message and "{" not in message  # no whole dicts
+    assert "lr" not in message and "tokens_per_step" not in message  # only the field that differs
+    with pytest.raises(ValueError, match=r"12 steps done, more than --steps 5; pass --steps 12 or more"):
+        train(TunedLens(model), stream, Recipe(**{**SMALL, "steps": 5}), out=tmp_path / "out", progress=False)
+
+
+def test_extending_a_finished_run_continues_it_with_the_schedule_rederived(tiny, tmp_path, capsys):
+    model, stream, _ = tiny
+    short = train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
+    longer = train(TunedLens(model), stream, Recipe(**{**SMALL, "steps": 16}), out=tmp_path / "out", progress=False)
+    assert "extending the finished lens" in capsys.readouterr().out
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["steps_done"] == 16 and config["recipe"]["steps"] == 16 and len(config["loss_history"]) == 16
+    assert config["loss_history"][:12] == short.info["loss_history"]  # the first 12 steps are kept, not redone
+    assert not torch.equal(longer.translators[0].weight, short.translators[0].weight)
+    # Documented: not the same as a fresh 16-step run (other learning rates for steps 0-11, momentum restarted).
+    fresh = train(TunedLens(model), stream, Recipe(**{**SMALL, "steps": 16}), progress=False)
+    assert not torch.equal(fresh.translators[0].weight, longer.translators[0].weight)
+    # A rerun without --steps takes the saved run's 16 and has nothing to do.
+    again = train(TunedLens(model), stream, Recipe(ctx=CTX, tokens_per_step=4 * CTX, ckpt_every=4), out=tmp_path / "out",
+                  progress=False)
+    assert "already trained (16 steps); nothing to do" in capsys.readouterr().out
+    assert torch.equal(again.translators[0].weight, longer.translators[0].weight)
+
+
+def interrupt_at_call(n: int):
+    """A hook that raises KeyboardInterrupt (what Ctrl-C raises) on its n-th call: inside a step's forward."""
+    calls = {"n": 0}
+
+    def hook(x, hook):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+    return hook
+
+
+def test_ctrl_c_saves_the_steps_done_and_the_same_call_resumes_exactly(tiny, tmp_path):
+    from lenses.training import Interrupted
+
+    model, stream, _ = tiny
+    with model.hooks([("blocks.1.hook_resid_pre", interrupt_at_call(7))]):  # one forward per step: during step 6
+        with pytest.raises(Interrupted, match="interrupted at step 6; run the same command to resume"):
+            train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
+    with safe_open(str(tmp_path / "out" / CHECKPOINT_FILE), "pt") as f:
+        assert json.loads(f.metadata()["meta"])["step"] == 6  # saved at once, not at the next ckpt_every
+    resumed = train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
+    clean = train(TunedLens(model), stream, Recipe(**SMALL), progress=False)
+    assert all(torch.equal(resumed.state_dict()[k], v) for k, v in clean.state_dict().items())
+    assert resumed.info["loss_history"] == clean.info["loss_history"]
+
+
+def test_an_interrupted_run_can_be_extended_from_its_checkpoint(tiny, tmp_path, capsys):
+    model, stream, _ = tiny
+    with model.hooks([("blocks.1.hook_resid_pre", interrupt_at_call(5))]), pytest.raises(KeyboardInterrupt):
+        train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
+    lens = train(TunedLens(model), stream, Recipe(**{**SMALL, "steps": 20}), out=tmp_path / "out", progress=False)
+    out = capsys.readouterr().out
+    assert "resuming from step 4 of 20" in out and "re-derived for 20 steps" in out
+    assert lens.info["steps_done"] == 20 and len(lens.info["loss_history"]) == 20
+
+
+def test_default_steps_give_real_batches_and_fewer_steps_on_small_data():
+    big = Recipe().resolve(n_tokens=10**8, n_ctx=256)
+    assert (big.steps, big.tokens_per_step) == (250, 2**18)  # tuned-lens' recipe where the data allows it
+    medium = Recipe().resolve(n_tokens=10**6, n_ctx=256)  # 3,906 windows: 250 steps would be 15 windows each
+    assert medium.tokens_per_step == 2**13 and medium.steps == 3906 // 32
+    small = Recipe().resolve(n_tokens=10_000, n_ctx=16)
+    assert (small.steps, small.tokens_per_step) == (1, 2**13)
+    tiny_data = Recipe().resolve(n_tokens=100, n_ctx=16)  # less than one default batch: one step of all of it
+    assert (tiny_data.steps, tiny_data.tokens_per_step) == (1, 96)
+    given = Recipe(tokens_per_step=64).resolve(n_tokens=10_000, n_ctx=16)
+    assert given.steps == min(250, 625 // 4)
 
 
 def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(tiny, tmp_path):
