@@ -94,7 +94,7 @@ def record_eval(folder: str | Path, table: list[dict[str, Any]], n_tokens: int, 
     folder = Path(folder)
     config = read_config(folder)
     config["eval"] = {"n_tokens": n_tokens, "data_sha256": data_sha256,
-                      "table": [{c: row[c] for c in EVAL_COLUMNS} for row in table]}
+                      "table": [{c: int(row[c]) if c == "layer" else float(row[c]) for c in EVAL_COLUMNS} for row in table]}
     text = json.dumps(config, indent=2) + "\n"
     write_atomic(folder / CONFIG_FILE, lambda tmp: tmp.write_text(text))
     card = model_card(config)
