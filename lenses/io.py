@@ -45,7 +45,7 @@ def read_config(folder: Path) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); the lens folder is corrupt") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+        raise ValueError(f"{path} is not valid JSON ({e.msg}: line {e.lineno}, column {e.colno}); "
                          "the lens folder is corrupt: save or train the lens again") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} holds a JSON {type(config).__name__}, expected an object of lens settings")

@@ -255,6 +255,34 @@ def test_sigkill_then_resume_gives_the_same_weights_as_an_uninterrupted_run(tiny
     assert json.loads((tmp_path / "killed" / "config.json").read_text())["steps_done"] == 150
 
 
+
+@pytest.mark.slow
+def test_sigint_saves_says_how_to_resume_and_the_same_command_resumes(tiny, tmp_path):
+    """Ctrl-C (SIGINT) on the real console program: a checkpoint of the steps done, one line saying so, exit 130,
+    no traceback; the same command then resumes from that step and finishes."""
+    _, _, root = tiny
+    cmd, env = cli("train-lens", "--model", str(root / "model"), "--data", str(root / "data"), "--steps", "150",
+                   "--tokens-per-step", str(2 * CTX), "--ctx", str(CTX), "--ckpt-every", "5", "--quiet",
+                   "--out", str(tmp_path / "out"))
+    ckpt = tmp_path / "out" / CHECKPOINT_FILE
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "run the same command to resume" in lines[0], err
+    step = int(lines[0].split("interrupted at step ")[1].split(";")[0])
+    with safe_open(str(ckpt), "pt") as f:
+        assert json.loads(f.metadata()["meta"])["step"] == step  # the steps done, not the last --ckpt-every
+    assert 0 < step < 150 and "wrote" not in out
+    done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    assert f"resuming from step {step} of 150" in done.stdout
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["steps_done"] == 150
+
 def test_micro_batches_change_memory_not_the_result(tiny):
     model, stream, _ = tiny
     whole = weights(train(TunedLens(model), stream, Recipe(**SMALL), progress=False))
