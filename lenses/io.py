@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,17 +21,22 @@ def default_file_mode() -> int:
 def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
     """Write through `write(tmp_path)` then rename over `path`: a reader sees the old file or the new, never half.
 
-    The file gets the permissions an ordinary write would give it (0o666 less the umask), whatever mode
-    the writer created the temporary file with.
+    The temporary file lives in a private folder `.NAME.tmpPID` beside `path`, with any temporary files of
+    the writer's own (safetensors makes a `.tmpXXXXXX`), so a run killed mid-write leaves one thing to clear
+    (lenses.lock does, with the stale lock). The file gets the permissions an ordinary write would give it
+    (0o666 less the umask), whatever mode the writer created it with.
     """
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    staging = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    if staging.is_file():
+        staging.unlink()
+    staging.mkdir(exist_ok=True)
+    tmp = staging / path.name
     try:
         write(tmp)
         os.chmod(tmp, default_file_mode())
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def read_config(folder: Path) -> dict[str, Any]:

@@ -145,6 +145,9 @@ def test_a_stale_lock_takes_its_owners_temporary_files_with_it(tmp_path):
     (out / LOCK_FILE).write_text(f"{dead.pid} {socket.gethostname()}\n")
     (out / f".{CHECKPOINT_FILE}.tmp{dead.pid}").write_bytes(b"half a checkpoint")
     (out / f".{CHECKPOINT_FILE}.tmp{dead.pid + 1}").write_bytes(b"someone else's")
+    staging = out / f".lens.safetensors.tmp{dead.pid}"  # write_atomic's folder, with safetensors' own temporary file
+    staging.mkdir()
+    (staging / ".tmpAb12Cd").write_bytes(b"half a lens")
     with folder_lock(out):
         pass
     assert sorted(p.name for p in out.iterdir()) == [f".{CHECKPOINT_FILE}.tmp{dead.pid + 1}"]

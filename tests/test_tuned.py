@@ -302,3 +302,19 @@ def test_a_float32_lens_works_on_the_same_model_loaded_in_bfloat16(model, stream
                                                            n_positions=model.cfg.n_ctx, seed=99)).to(torch.bfloat16)
     with pytest.raises(ValueError, match="trained on a float32 model, this one is bfloat16"):
         TunedLens.load(tmp_path / "lens", other)
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary_files(tmp_path):
+    from lenses.io import write_atomic
+
+    target = tmp_path / "config.json"
+    target.write_text("old")
+
+    def half_then_fail(tmp):
+        tmp.write_text("half")
+        (tmp.parent / ".tmpXYZ123").write_text("a writer's own temporary file")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        write_atomic(target, half_then_fail)
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["config.json"]
