@@ -234,7 +234,9 @@ def train_step(objective: nn.Module, lens: TunedLens, opt: torch.optim.Optimizer
 def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: str | os.PathLike | None = None,
           progress: bool = True) -> TunedLens:
     """Train `lens` in place on `stream` and return it; with `out`, checkpoint there, resume from there,
-    and save the finished lens there (config.json + lens.safetensors).
+    and save the finished lens there (config.json + lens.safetensors + README.md). With `out` holding a run
+    of the same settings but another `steps`, continue it to the new total (see the module docstring).
+    Ctrl-C raises `Interrupted` after checkpointing the steps done.
 
     Under torch.distributed (e.g. torchrun) every rank calls this with the same data; each takes its share
     of every step's windows, DistributedDataParallel averages the gradients, and rank 0 writes the files.

@@ -99,6 +99,10 @@ def run(args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"lenskit train-lens: {e}", file=sys.stderr)
         return 130
+    except KeyboardInterrupt:  # outside the steps (saving the finished lens): the last checkpoint stands
+        if rank == 0:
+            print("lenskit train-lens: interrupted; run the same command to resume from the last checkpoint", file=sys.stderr)
+        return 130
     if before is not None and lens.info.get("steps_done") == before:
         return 0  # the finished lens was already there; train() said so
     if rank == 0:
