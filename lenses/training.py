@@ -24,8 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import threading
 from pathlib import Path
 
 import torch
@@ -38,6 +36,7 @@ from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 from lenskit import Stream
 from lenskit.data import TokenStream, window_order
 
+from .interrupt import Interrupted, interrupts_between_steps
 from .io import CONFIG_FILE, read_config, write_atomic
 from .recipe import Recipe
 from .lock import locks_out_folder
@@ -327,51 +326,6 @@ def check_finite(per_stream: torch.Tensor, final: torch.Tensor, labels: list[str
         bad = [labels[j] for j in range(len(labels)) if not torch.isfinite(logged[j])]
         raise FloatingPointError(non_finite_message("loss", step, bad, ckpt))
     return logged[:-1].cpu()
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during `train`: the steps done are checkpointed (with `out`); rerunning the same call resumes."""
-
-    def __init__(self, step: int, ckpt: Path | None) -> None:
-        self.step = step
-        where = "run the same command to resume" if ckpt is not None else "nothing was saved (no --out)"
-        super().__init__(f"interrupted at step {step}; {where}")
-
-
-class StepGuard:
-    """Ctrl-C (SIGINT) during training: `requested` is set; KeyboardInterrupt is raised at once only while
-    `interruptible` (the forward and backward passes), never once the optimiser has started changing the
-    weights, so the weights are always those after a whole number of steps."""
-
-    def __init__(self) -> None:
-        self.requested = threading.Event()
-        self.interruptible = False
-
-    def handler(self, signum, frame) -> None:
-        first = not self.requested.is_set()
-        self.requested.set()
-        if first and self.interruptible:
-            raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def interrupts_between_steps(opt: torch.optim.Optimizer):
-    """A StepGuard for the training loop: its SIGINT handler is installed (main thread only) for the block, and
-    `opt.step` clears `interruptible` before it touches a weight (the loop sets it again after each step)."""
-    guard = StepGuard()
-
-    def closing(optimizer, args, kwargs) -> None:
-        guard.interruptible = False
-
-    hook = opt.register_step_pre_hook(closing)
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, guard.handler) if main else None
-    try:
-        yield guard
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
-        hook.remove()
 
 
 def short(value: object) -> str:

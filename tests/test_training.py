@@ -152,7 +152,7 @@ def interrupt_at_call(n: int):
 
 
 def test_ctrl_c_saves_the_steps_done_and_the_same_call_resumes_exactly(tiny, tmp_path):
-    from lenses.training import Interrupted
+    from lenses.interrupt import Interrupted
 
     model, stream, _ = tiny
     with model.hooks([("blocks.1.hook_resid_pre", interrupt_at_call(7))]):  # one forward per step: during step 6

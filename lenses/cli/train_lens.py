@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     from lenskit.data import load_token_stream
 
     from ..lock import check_writable
-    from ..training import Interrupted, init_distributed, train
+    from ..interrupt import Interrupted
+    from ..training import init_distributed, train
     from ..tuned import TunedLens
 
     # The recipe checks its fields on construction: bad flags fail before the model or the data load.
