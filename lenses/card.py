@@ -59,7 +59,7 @@ def _training(config: dict[str, Any]) -> list[str]:
     rows = [f"| {k} | {json.dumps(v)} |" for k, v in recipe.items()]
     done = config.get("steps_done")
     tokens = config.get("tokens_seen")
-    summary = f"{done} steps, {tokens:,} tokens." if isinstance(done, int) and isinstance(tokens, int) else ""
+    summary = f"{done} step{'' if done == 1 else 's'}, {tokens:,} tokens." if isinstance(done, int) and isinstance(tokens, int) else ""
     return ["## Training", "", f"Trained with `lenskit train-lens`: {summary}".rstrip(), "",
             "| recipe | value |", "|---|---|", *rows, ""]
 

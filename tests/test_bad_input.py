@@ -345,6 +345,18 @@ def timed(run: Callable[[Env], Any], limit_s: float) -> Callable[[Env], Any]:
     return timed_run
 
 
+
+def rerun_finished(name: str, *changed: str) -> Callable[[Env], tuple[int, str]]:
+    """train-lens into a folder, then again with `changed` flags: a different run must be refused by field."""
+    def run(env: Env) -> tuple[int, str]:
+        out = str(env.path(name))
+        base = (*TRAIN, "--out", out, "--steps", "2", "--tokens-per-step", "32")
+        code, err = cli(*base)(env)
+        assert code == 0, err
+        return cli(*base, *changed)(env)
+    return run
+
+
 ROWS = [
     # --------------------------------------------------------------- Recipe fields (issue 14, item 1)
     Row("recipe tokens_per_step -512", lambda e: Recipe(tokens_per_step=-512), ValueError, ("tokens_per_step", ">= 1", "-512")),
@@ -385,6 +397,10 @@ ROWS = [
         check=lambda e, out: None if not (out / LOCK_FILE).exists() else pytest.fail("lock left behind")),
     Row("--out under a file", cli(*TRAIN, "--out", "{root}/model/config.json/lens", "--steps", "2", "--tokens-per-step", "32"),
         2, ("is a file", "--out")),
+    Row("train-lens rerun with another seed names that field alone", rerun_finished("reseed", "--seed", "7"), 2,
+        ("belongs to a different run", "seed (saved 0, now 7) differ", "pass another --out")),
+    Row("train-lens rerun with fewer steps than done", rerun_finished("fewer", "--steps", "1"), 2,
+        ("2 steps done", "--steps 1", "pass --steps 2 or more")),
     Row("truncated checkpoint on resume", truncated_checkpoint, ValueError, ("corrupt", CHECKPOINT_FILE, "kept", "delete")),
     # --------------------------------------------------------------- token tensors and prompts (item 8)
     Row("int8 tokens", same_as_long(torch.int8), WORKS, check=check_equal),
