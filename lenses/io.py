@@ -4,26 +4,55 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 CONFIG_FILE = "config.json"
 
 
+def default_file_mode() -> int:
+    """The mode `open()` would give a new file here: 0o666 less the process umask."""
+    mask = os.umask(0)  # the only portable way to read the umask is to set it and put it back
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
-    """Write through `write(tmp_path)` then rename over `path`: a reader sees the old file or the new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    """Write through `write(tmp_path)` then rename over `path`: a reader sees the old file or the new, never half.
+
+    The temporary file lives in a private folder `.NAME.tmpPID` beside `path`, with any temporary files of
+    the writer's own (safetensors makes a `.tmpXXXXXX`), so a run killed mid-write leaves one thing to clear
+    (lenses.lock does, with the stale lock). The file gets the permissions an ordinary write would give it
+    (0o666 less the umask), whatever mode the writer created it with.
+    """
+    staging = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    if staging.is_file():
+        staging.unlink()
+    staging.mkdir(exist_ok=True)
+    tmp = staging / path.name
     try:
         write(tmp)
+        os.chmod(tmp, default_file_mode())
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def read_config(folder: Path) -> dict[str, Any]:
-    """The JSON config of a lens folder, or FileNotFoundError that says what the folder should hold."""
-    if not (folder / CONFIG_FILE).is_file():
+    """The JSON object in a lens folder's config.json; FileNotFoundError says what the folder should hold, and
+    ValueError names the file when it is not a JSON object."""
+    path = folder / CONFIG_FILE
+    if not path.is_file():
         raise FileNotFoundError(f"no {CONFIG_FILE} in {folder}; expected a tuned-lens folder written by TunedLens.save "
                                 "or `lenskit train-lens`")
-    return json.loads((folder / CONFIG_FILE).read_text())
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); the lens folder is corrupt") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg}: line {e.lineno}, column {e.colno}); "
+                         "the lens folder is corrupt: save or train the lens again") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, expected an object of lens settings")
+    return config

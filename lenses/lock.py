@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import shutil
 import socket
 import time
 from contextlib import contextmanager
@@ -88,7 +89,10 @@ def acquire(folder: str | os.PathLike) -> Path:
             path.unlink(missing_ok=True)  # stale: its owner was killed
             if pid is not None:
                 for partial in folder.glob(f".*.tmp{pid}"):  # what it was writing when killed (see write_atomic)
-                    partial.unlink(missing_ok=True)
+                    if partial.is_dir():
+                        shutil.rmtree(partial, ignore_errors=True)
+                    else:
+                        partial.unlink(missing_ok=True)
             continue
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(f"{os.getpid()} {socket.gethostname()}\n")

@@ -5,8 +5,15 @@ decayed linearly to zero, weight decay 1e-3 on (A_l, b_l) (toward the identity, 
 residual), gradient norm clipped at 1. Adam (AMSGrad, lr 1e-3, warmup) is an option.
 
 Exactness: the windows of step s are a pure function of (seed, s), the learning rate is a function of s,
-and a checkpoint holds the translators and the optimiser state, so a run killed at any point and
-resumed ends with the same weights as one that never stopped (on the same machine and thread count).
+and a checkpoint holds the translators and the optimiser state, so a run killed at any point (or stopped
+with Ctrl-C, which saves a checkpoint of the steps done) and resumed ends with the same weights as one
+that never stopped (on the same machine and thread count).
+
+Extending: rerunning into the same `out` with a different `steps` (never fewer than the steps done) and
+every other setting the same continues the run to the new total. Step s still reads the same windows, but
+the learning rate of the remaining steps follows the schedule re-derived for the new total, and a finished
+lens keeps no optimiser state (SGD momentum restarts from zero), so an extended run is NOT identical to a
+fresh run of that many steps.
 
 >>> stream = lenskit.data.load_token_stream(["corpus/"], model.tokenizer)
 >>> lens = train(TunedLens(model), stream, Recipe(steps=100), out="my_lens")
@@ -15,11 +22,8 @@ resumed ends with the same weights as one that never stopped (on the same machin
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,117 +36,15 @@ from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 from lenskit import Stream
 from lenskit.data import TokenStream, window_order
 
+from .interrupt import Interrupted, interrupts_between_steps
 from .io import CONFIG_FILE, read_config, write_atomic
+from .recipe import Recipe
 from .lock import locks_out_folder
 from .lens_step import TranslatedStreams, kl_step
 from .metrics import forward_kl
 from .tuned import TunedLens
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
-MAX_TOKENS_PER_STEP = 2**18  # tuned-lens' step size; smaller data gets smaller steps (see Recipe)
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """How to train. `None` fields are resolved from the data and model by `resolve`.
-
-    tokens_per_step=None takes min(2**18, the tokens the data holds / steps): the paper's batch where the
-    data allows it, otherwise one pass over the data, never repeating a window.
-    """
-
-    steps: int = 250
-    tokens_per_step: int | None = None
-    ctx: int | None = None  # window length; default the model's n_ctx
-    optimizer: str = "sgd"  # "sgd" (Nesterov) or "adam"
-    lr: float | None = None  # sgd: 1.0 * (1 - momentum); adam: 1e-3
-    momentum: float = 0.9  # SGD momentum, or Adam's beta1
-    weight_decay: float = 1e-3
-    warmup_steps: int | None = None  # sgd: 0; adam: min(1000, steps // 5)
-    clip_grad_norm: float = 1.0
-    seed: int = 0
-    micro_batch_tokens: int = 2048  # tokens per forward; bounds memory (d_vocab floats per token per layer)
-    ckpt_every: int = 10
-
-    def __post_init__(self) -> None:
-        """Check every field at construction: one line naming the field (and its flag) and what it must be."""
-        for name, least, optional in (("steps", 1, False), ("tokens_per_step", 1, True), ("ctx", 2, True),
-                                      ("warmup_steps", 0, True), ("micro_batch_tokens", 1, False), ("ckpt_every", 1, False)):
-            value = getattr(self, name)
-            if optional and value is None:
-                continue
-            if not _is_int(value) or value < least:
-                raise ValueError(f"{_field(name)} must be an integer >= {least}, got {value!r}")
-        if not _is_int(self.seed):
-            raise ValueError(f"{_field('seed')} must be an integer, got {self.seed!r}")
-        if self.optimizer not in ("sgd", "adam"):
-            raise ValueError(f"{_field('optimizer')} must be 'sgd' or 'adam', got {self.optimizer!r}")
-        for name, low, high, closed_low in (("lr", 0.0, math.inf, False), ("momentum", 0.0, 1.0, True),
-                                            ("weight_decay", 0.0, math.inf, True), ("clip_grad_norm", 0.0, math.inf, False)):
-            value = getattr(self, name)
-            if name == "lr" and value is None:
-                continue
-            ok = _is_real(value) and math.isfinite(value) and (value >= low if closed_low else value > low) and value < high
-            if not ok:
-                want = {"lr": "a finite number > 0", "momentum": "a number in [0, 1)", "weight_decay": "a finite number >= 0",
-                        "clip_grad_norm": "a finite number > 0"}[name]
-                raise ValueError(f"{_field(name)} must be {want}, got {value!r}")
-
-    def resolve(self, n_tokens: int, n_ctx: int, world_size: int = 1) -> "Recipe":
-        """Fill in the defaults, and raise before any training if the data cannot supply the steps."""
-        ctx = self.ctx or n_ctx
-        if not 2 <= ctx <= n_ctx:
-            raise ValueError(f"ctx={ctx} must be between 2 and the model's n_ctx={n_ctx}")
-        n_windows = n_tokens // ctx
-        if self.tokens_per_step is None:
-            per_step = min(MAX_TOKENS_PER_STEP // ctx, n_windows // self.steps)
-            per_step -= per_step % world_size
-            if per_step < world_size:
-                raise ValueError(
-                    f"too few tokens: {self.steps} steps need at least {self.steps * world_size} windows of {ctx} tokens "
-                    f"({self.steps * world_size * ctx:,} tokens), but the data has {n_tokens:,}; add data or use fewer --steps"
-                )
-            tokens_per_step = per_step * ctx
-        else:
-            tokens_per_step = self.tokens_per_step
-            if tokens_per_step % ctx or (tokens_per_step // ctx) % world_size:
-                raise ValueError(f"tokens_per_step={tokens_per_step} must be a multiple of ctx x processes = {ctx} x {world_size}")
-            need = self.steps * tokens_per_step
-            if need > n_windows * ctx:
-                raise ValueError(
-                    f"too few tokens: {self.steps} steps x {tokens_per_step:,} tokens per step = {need:,} tokens, but the data "
-                    f"has {n_windows:,} whole windows of {ctx} = {n_windows * ctx:,} tokens; add data, or lower --steps "
-                    f"or --tokens-per-step"
-                )
-        lr = self.lr if self.lr is not None else (round(1.0 * (1 - self.momentum), 12) if self.optimizer == "sgd" else 1e-3)
-        warmup = self.warmup_steps if self.warmup_steps is not None else (min(1000, self.steps // 5) if self.optimizer == "adam" else 0)
-        return dataclasses.replace(self, ctx=ctx, tokens_per_step=tokens_per_step, lr=lr, warmup_steps=warmup)
-
-    def lr_at(self, step: int) -> float:
-        """Linear warmup (if any), then linear decay to zero at `steps`."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        return self.lr * max(0.0, (self.steps - step) / max(1, self.steps - self.warmup_steps))
-
-    def identity(self) -> dict:
-        """The fields that decide the result (a resumed run must match them)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "ckpt_every"}
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _field(name: str) -> str:
-    """A Recipe field, with the train-lens flag that sets it where there is one."""
-    flag = name.replace("_", "-")
-    return f"Recipe.{name} (--{flag})" if name in _FLAGS else f"Recipe.{name}"
-
-
-_FLAGS = {"steps", "tokens_per_step", "seed", "ctx", "optimizer", "lr", "weight_decay", "micro_batch_tokens", "ckpt_every"}
 
 
 def make_optimizer(params: list[nn.Parameter], recipe: Recipe) -> torch.optim.Optimizer:
@@ -243,28 +145,63 @@ def load_checkpoint(path: Path, lens: TunedLens, opt: torch.optim.Optimizer) -> 
 
 
 # ------------------------------------------------------------------ train
+def saved_recipe(out: Path | None) -> dict:
+    """The resolved recipe of the run saved in `out` (its checkpoint, else its finished lens); {} if none is readable."""
+    if out is None:
+        return {}
+    try:
+        if (out / CHECKPOINT_FILE).exists():
+            with safe_open(str(out / CHECKPOINT_FILE), "pt") as f:
+                saved = json.loads((f.metadata() or {})["meta"])["identity"]["recipe"]
+        elif (out / CONFIG_FILE).exists():
+            saved = read_config(out)["run_identity"]["recipe"]
+        else:
+            return {}
+    except Exception:  # noqa: BLE001 - unreadable here; resume_or_start reports it with its own message
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
 def resume_or_start(lens: TunedLens, opt: torch.optim.Optimizer, out: Path | None, identity: dict, recipe: Recipe,
                     rank: int) -> tuple[int, list[list[float]], TunedLens | None]:
-    """Where the run starts: (step, loss history, None), from zero or from `out`'s checkpoint (loaded into
-    `lens` and `opt`); or (0, [], the finished lens) when `out` already holds the lens of this same run."""
+    """Where the run starts: (step, loss history, None), from zero, from `out`'s checkpoint (loaded into
+    `lens` and `opt`) or from `out`'s finished lens when extending it to more steps (loaded into `lens`,
+    fresh optimiser state); or (0, [], the finished lens) when `out` already holds this run's lens."""
     if out is None:
         return 0, [], None
     ckpt = out / CHECKPOINT_FILE
     if ckpt.exists():
         meta = load_checkpoint(ckpt, lens, opt)
-        check_same_run(meta["identity"], identity, ckpt)
+        check_same_run(meta["identity"], identity, ckpt, steps_done=meta["step"])
         if rank == 0:
-            print(f"resuming from step {meta['step']} of {recipe.steps} ({ckpt})", flush=True)
+            print(f"resuming from step {meta['step']} of {recipe.steps} ({ckpt}){extension_note(meta['identity'], recipe)}",
+                  flush=True)
         return meta["step"], meta["history"], None
     if (out / CONFIG_FILE).exists():
         done = read_config(out)
-        check_same_run(done.get("run_identity", {}), identity, out / CONFIG_FILE)
+        steps_done = done.get("steps_done")
+        check_same_run(done.get("run_identity", {}), identity, out / CONFIG_FILE, steps_done=steps_done)
+        finished = TunedLens.load(out, lens.model)
+        if steps_done == recipe.steps:
+            if rank == 0:
+                print(f"{out}: already trained ({steps_done} steps); nothing to do", flush=True)
+            return 0, [], finished
+        lens.load_state_dict(finished.state_dict())
         if rank == 0:
-            print(f"{out} already holds the finished lens ({done.get('steps_done')} steps); nothing to do")
-        return 0, [], TunedLens.load(out, lens.model)
+            print(f"extending the finished lens in {out} from {steps_done} to {recipe.steps} steps (fresh optimiser "
+                  f"state){extension_note(done['run_identity'], recipe)}", flush=True)
+        return steps_done, list(done.get("loss_history", [])), None
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     return 0, [], None
+
+
+def extension_note(saved_identity: dict, recipe: Recipe) -> str:
+    before = saved_identity.get("recipe", {}).get("steps")
+    if before == recipe.steps:
+        return ""
+    return (f"; the run was for {before} steps, now {recipe.steps}: the learning-rate schedule is re-derived for "
+            f"{recipe.steps} steps, so the result differs from a fresh {recipe.steps}-step run")
 
 
 def train_step(objective: nn.Module, lens: TunedLens, opt: torch.optim.Optimizer, tokens: torch.Tensor, recipe: Recipe,
@@ -296,7 +233,9 @@ def train_step(objective: nn.Module, lens: TunedLens, opt: torch.optim.Optimizer
 def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: str | os.PathLike | None = None,
           progress: bool = True) -> TunedLens:
     """Train `lens` in place on `stream` and return it; with `out`, checkpoint there, resume from there,
-    and save the finished lens there (config.json + lens.safetensors).
+    and save the finished lens there (config.json + lens.safetensors + README.md). With `out` holding a run
+    of the same settings but another `steps`, continue it to the new total (see the module docstring).
+    Ctrl-C raises `Interrupted` after checkpointing the steps done.
 
     Under torch.distributed (e.g. torchrun) every rank calls this with the same data; each takes its share
     of every step's windows, DistributedDataParallel averages the gradients, and rank 0 writes the files.
@@ -304,7 +243,8 @@ def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: 
     """
     rank, world = distributed()
     model = lens.model
-    recipe = recipe.resolve(len(stream), model.cfg.n_ctx, world)
+    out = Path(out) if out is not None else None
+    recipe = recipe.continuing(saved_recipe(out)).resolve(len(stream), model.cfg.n_ctx, world)
     windows = stream.windows(recipe.ctx)  # [n_windows, ctx]
     per_step = recipe.tokens_per_step // recipe.ctx
     order = window_order(len(windows), recipe.seed)
@@ -312,7 +252,6 @@ def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: 
     identity = {"recipe": recipe.identity(), "data_sha256": stream.provenance.get("sha256"), "model_fingerprint": lens.fingerprint,
                 "resid_mid": lens.has_mid, "world_size": world}
 
-    out = Path(out) if out is not None else None
     ckpt = out / CHECKPOINT_FILE if out is not None else None
     opt = make_optimizer(list(lens.parameters()), recipe)
     step, history, finished = resume_or_start(lens, opt, out, identity, recipe, rank)
@@ -331,17 +270,31 @@ def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: 
     try:
         for p in frozen:  # the model is only read: no gradients for its weights (the unembedding would get some)
             p.requires_grad_(False)
-        while step < recipe.steps:
-            ids = order[step * per_step: (step + 1) * per_step][rank::world]  # this rank's share of the step
-            history.append(train_step(objective, lens, opt, windows[ids].to(device), recipe, step, labels, world, ckpt))
-            step += 1
-            bar.update(1)
-            bar.set_postfix_str("KL/layer " + " ".join(f"{x:.3g}" for x in history[-1]))
-            if ckpt is not None and (step % recipe.ckpt_every == 0 or step == recipe.steps):
-                if rank == 0:
-                    save_checkpoint(ckpt, lens, opt, {"step": step, "history": history, "identity": identity})
-                if world > 1:
-                    dist.barrier()
+        with interrupts_between_steps(opt) as guard:
+            while step < recipe.steps:
+                if guard.requested.is_set():  # Ctrl-C: keep the whole steps done, then stop
+                    if ckpt is not None and rank == 0:
+                        save_checkpoint(ckpt, lens, opt, {"step": step, "history": history, "identity": identity})
+                    raise Interrupted(step, ckpt)
+                ids = order[step * per_step: (step + 1) * per_step][rank::world]  # this rank's share of the step
+                try:
+                    guard.interruptible = True  # until opt.step starts (its pre-hook clears it)
+                    losses = train_step(objective, lens, opt, windows[ids].to(device), recipe, step, labels, world, ckpt)
+                except KeyboardInterrupt:  # before opt.step: the weights are still those after `step` steps
+                    guard.interruptible = False
+                    guard.requested.set()  # also a KeyboardInterrupt raised some other way
+                    opt.zero_grad(set_to_none=True)
+                    continue
+                guard.interruptible = False
+                history.append(losses)
+                step += 1
+                bar.update(1)
+                bar.set_postfix_str("KL/layer " + " ".join(f"{x:.3g}" for x in history[-1]))
+                if ckpt is not None and (step % recipe.ckpt_every == 0 or step == recipe.steps):
+                    if rank == 0:
+                        save_checkpoint(ckpt, lens, opt, {"step": step, "history": history, "identity": identity})
+                    if world > 1:
+                        dist.barrier()
     finally:
         bar.close()
         for p in frozen:
@@ -375,12 +328,29 @@ def check_finite(per_stream: torch.Tensor, final: torch.Tensor, labels: list[str
     return logged[:-1].cpu()
 
 
-def check_same_run(saved: dict, current: dict, where: Path) -> None:
-    diff = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
-    if diff:
-        detail = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
-        raise ValueError(f"{where} belongs to a different run ({detail}); rerun with the same settings to resume, "
-                         "or pass another --out")
+def short(value: object) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 24 else text[:20] + "..."
+
+
+def check_same_run(saved: dict, current: dict, where: Path, steps_done: object = None) -> None:
+    """Refuse, in one short line naming each field that differs, unless `current` continues the `saved` run:
+    every setting the same, except `steps`, which may change but not below the steps done."""
+    diffs = []
+    for key, now in current.items():
+        then = saved.get(key)
+        if key == "recipe" and isinstance(then, dict) and isinstance(now, dict):
+            diffs += [f"{f} (saved {short(then.get(f))}, now {short(v)})" for f, v in now.items()
+                      if f != "steps" and then.get(f) != v]
+        elif then != now:
+            diffs.append(f"{key} (saved {short(then)}, now {short(now)})")
+    if diffs:
+        raise ValueError(f"{where} belongs to a different run: {'; '.join(diffs)} differ; rerun with the same settings "
+                         "to resume or extend it, or pass another --out")
+    steps = current.get("recipe", {}).get("steps") if isinstance(current.get("recipe"), dict) else None
+    if isinstance(steps_done, int) and isinstance(steps, int) and steps < steps_done:
+        raise ValueError(f"{where} has {steps_done} steps done, more than --steps {steps}; pass --steps {steps_done} "
+                         "or more to resume or extend it, or pass another --out")
 
 
 def non_finite_message(what: str, step: int, streams: list[str], ckpt: Path | None) -> str:

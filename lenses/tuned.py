@@ -7,6 +7,9 @@ untrained lens is exactly the logit lens, and weight decay on (A_l, b_l) pulls t
 >>> tuned(cache.stream(2), 2)                # logits [batch, pos, d_vocab]
 >>> tuned(cache.stream("resid_mid.2"), Stream(2, "resid_mid"))   # with TunedLens(model, resid_mid=True)
 >>> tuned.save("my_lens");  TunedLens.load("my_lens", model)
+>>> TunedLens.load("someone/gpt2-tuned-lens", model)   # a hub repo id, from the local Hugging Face cache
+
+A lens folder is config.json + lens.safetensors + README.md (a model card), a ready Hugging Face model repo.
 """
 
 from __future__ import annotations
@@ -14,17 +17,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lenskit import HookedTransformer, Stream
+from lenskit.loading import resolve_model_folder
 
 from .base import Lens
+from .card import CARD_FILE, model_card
 from .io import CONFIG_FILE, read_config, write_atomic
 
 FORMAT = "lenskit-tuned-lens"
@@ -32,21 +39,26 @@ FORMAT_VERSION = 1
 WEIGHTS_FILE = "lens.safetensors"
 # config.json keys that describe the lens itself; the rest (recipe, data, tokens_seen, ...) is `TunedLens.info`.
 STRUCTURE_KEYS = ("format", "format_version", "model_fingerprint", "model_name", "n_layers", "d_model", "d_vocab",
-                  "resid_mid", "weights")
+                  "resid_mid", "weights", "model_dtype", "model_fingerprints_reduced")
+# A model loaded in a lower precision has other final-norm and unembedding values, so another fingerprint.
+# A lens saved from a float32 model also records the fingerprints of those values rounded to these dtypes.
+REDUCED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def model_fingerprint(model: HookedTransformer) -> str:
+def model_fingerprint(model: HookedTransformer, dtype: torch.dtype | None = None) -> str:
     """sha256 of the final norm and unembedding, the part of the model a lens decodes through.
 
     Each parameter is hashed as its name, its shape, then its values as little-endian float32 in
     C order, so the digest depends on the numbers alone: not on the device, the storage dtype's
     quirks, strides, pickling or the Python version (tuned-lens' hash of a pickle broke on exactly that).
+    With `dtype`, the values are first rounded to that dtype (what the model would hold if loaded in it).
     """
     digest = hashlib.sha256()
     params = {f"ln_final.{n}": p for n, p in model.ln_final.named_parameters()}
     params.update({f"unembed.{n}": p for n, p in model.unembed.named_parameters()})
     for name in sorted(params):
-        values = params[name].detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+        values = params[name].detach().to("cpu")
+        values = (values.to(dtype) if dtype is not None else values).to(torch.float32).contiguous().numpy()
         digest.update(f"{name}:{list(values.shape)}\n".encode())
         digest.update(np.ascontiguousarray(values, dtype="<f4").tobytes())
     return "sha256:" + digest.hexdigest()
@@ -105,7 +117,13 @@ class TunedLens(Lens):
     def transform_hidden(self, h: torch.Tensor, s: Stream) -> torch.Tensor:
         """[..., d_model] -> [..., d_model]: h + A_s h + b_s (the identity at the final stream)."""
         t = self.translator(s)
-        return h if t is None else h + t(h)
+        if t is None:
+            return h
+        if t.weight.dtype == h.dtype:
+            return h + t(h)
+        # A float32 lens on a lower-precision model: translate in float32, read out in the model's dtype.
+        wide = h.to(t.weight.dtype)
+        return (wide + t(wide)).to(h.dtype)
 
     def extra_repr(self) -> str:
         return f"n_layers={self.n_layers}, d_model={self.model.cfg.d_model}, resid_mid={self.has_mid}"
@@ -113,56 +131,145 @@ class TunedLens(Lens):
     # ----------------------------------------------------------------- files
     def config(self) -> dict[str, Any]:
         cfg = self.model.cfg
+        model_dtype = self.model.unembed.weight.dtype
+        reduced = {}
+        if model_dtype == torch.float32:
+            reduced = {name: model_fingerprint(self.model, dtype) for name, dtype in REDUCED_DTYPES.items()}
         return {
             "format": FORMAT, "format_version": FORMAT_VERSION,
             "model_fingerprint": self.fingerprint, "model_name": cfg.name,
+            "model_dtype": str(model_dtype).removeprefix("torch."), "model_fingerprints_reduced": reduced,
             "n_layers": cfg.n_layers, "d_model": cfg.d_model, "d_vocab": cfg.d_vocab,
             "resid_mid": self.has_mid, "weights": WEIGHTS_FILE, **self.info,
         }
 
     def save(self, folder: str | os.PathLike) -> Path:
-        """Write `config.json` and `lens.safetensors` into folder, each atomically (temp file, then rename)."""
+        """Write `lens.safetensors`, `config.json` and a `README.md` model card into folder, each atomically."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         write_atomic(folder / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp), metadata={"format": FORMAT}))
-        text = json.dumps(self.config(), indent=2) + "\n"
+        config = self.config()
+        text = json.dumps(config, indent=2) + "\n"
         write_atomic(folder / CONFIG_FILE, lambda tmp: tmp.write_text(text))
+        card = model_card(config)
+        write_atomic(folder / CARD_FILE, lambda tmp: tmp.write_text(card, encoding="utf-8"))
         return folder
 
     @classmethod
     def load(cls, folder: str | os.PathLike, model: HookedTransformer) -> "TunedLens":
         """Load a lens saved by `save` (or by the tuned-lens package: config.json + params.pt) onto `model`.
 
-        Refused when the lens was trained for a model whose final norm and unembedding differ.
+        `folder` is a local folder, or a hub repo id found in the local Hugging Face cache (downloaded only
+        when the network is allowed, as for models). Refused when the lens was trained for a model whose
+        final norm and unembedding differ. A float32 lens keeps float32 translators on a lower-precision model.
         """
-        folder = Path(folder)
+        folder = resolve_lens_folder(folder)
         config = read_config(folder)
         if config.get("format") != FORMAT:
             if (folder / "params.pt").exists():
                 return import_tuned_lens_package(folder, model)
             raise ValueError(f"{folder / CONFIG_FILE} is not a lenskit tuned lens (format {config.get('format')!r}, "
                              f"expected {FORMAT!r}) and there is no tuned-lens params.pt beside it")
+        check_config(config, folder / CONFIG_FILE)
         check_shape(config, model, folder)
-        here = model_fingerprint(model)
-        if config["model_fingerprint"] != here:
-            raise ValueError(
-                f"the lens in {folder} was trained for the model with fingerprint {config['model_fingerprint']} "
-                f"({config.get('model_name')!r}), but this model's fingerprint is {here} ({model.cfg.name!r}); "
-                "load the model the lens was trained for, or train a new lens with `lenskit train-lens`"
-            )
-        lens = cls(model, resid_mid=bool(config.get("resid_mid", False)))
-        state = load_file(str(folder / config.get("weights", WEIGHTS_FILE)))
-        lens.load_state_dict(checked_state(lens, state, folder))
+        check_fingerprint(config, model, folder)
+        state = read_weights(folder / config["weights"])
+        lens = cls(model, resid_mid=config["resid_mid"])
+        saved = {v.dtype for v in state.values()}
+        if len(saved) == 1 and next(iter(saved)) == torch.float32:
+            lens.to(torch.float32)  # the translators keep the precision they were trained in
+        lens.load_state_dict(checked_state(lens, state, folder / config["weights"]))
         lens.info = {k: v for k, v in config.items() if k not in STRUCTURE_KEYS}
         return lens
 
 
+def resolve_lens_folder(spec: str | os.PathLike) -> Path:
+    """A local lens folder as is; a hub repo id through the local Hugging Face cache (lenskit's model resolution)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        return resolve_model_folder(spec)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {spec}: no such folder; expected a tuned-lens folder written by "
+                                "TunedLens.save or `lenskit train-lens`, or a hub repo id") from None
+    except NotADirectoryError:
+        raise NotADirectoryError(f"{spec} is a file; pass the lens folder that holds {CONFIG_FILE} and {WEIGHTS_FILE}") from None
+    except OSError:
+        raise OSError(f"{spec!r} is not a local lens folder, and not a hub repo in the local Hugging Face cache; on a "
+                      f"machine with network run `hf download {spec}`, or pass the lens folder") from None
+
+
+# What each config.json key must hold: (test, description).
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+CONFIG_TYPES = {
+    "format_version": (_is_int, "an integer"),
+    "model_fingerprint": (lambda v: isinstance(v, str) and v.startswith("sha256:"), "a string 'sha256:...'"),
+    "n_layers": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "d_model": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "resid_mid": (lambda v: isinstance(v, bool), "true or false"),
+    "weights": (lambda v: isinstance(v, str) and v.endswith(".safetensors") and Path(v).name == v,
+                "the name of a .safetensors file in the folder"),
+}
+
+
+def check_config(config: dict, path: Path) -> None:
+    """Every structural key present with the right JSON type; ValueError names the file and the field."""
+    if config.get("format_version") is not None and _is_int(config["format_version"]) and config["format_version"] > FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {config['format_version']} is newer than this lenskit reads "
+                         f"({FORMAT_VERSION}); upgrade lenskit")
+    for key, (ok, want) in CONFIG_TYPES.items():
+        if key not in config:
+            raise ValueError(f"{path} has no {key!r}; a lenskit lens config needs it (save or train the lens again)")
+        if not ok(config[key]):
+            raise ValueError(f"{path}: {key!r} must be {want}, got {json.dumps(config[key])}")
+
+
 def check_shape(config: dict, model: HookedTransformer, folder: Path) -> None:
     for key, ours in (("n_layers", model.cfg.n_layers), ("d_model", model.cfg.d_model)):
-        if config.get(key) != ours:
-            raise ValueError(f"the lens in {folder} has {key}={config.get(key)} but the model has {key}={ours}; "
+        value = config.get(key)
+        if not _is_int(value):
+            raise ValueError(f"the lens config in {folder}: {key!r} must be an integer, got {json.dumps(value)}")
+        if value != ours:
+            raise ValueError(f"the lens in {folder} has {key}={value} but the model has {key}={ours}; "
                              "load the model the lens was trained for")
+
+
+def check_fingerprint(config: dict, model: HookedTransformer, folder: Path) -> None:
+    """The model's final norm and unembedding must be the ones the lens was trained through, up to the rounding
+    of loading the same model in another precision."""
+    saved, here = config["model_fingerprint"], model_fingerprint(model)
+    if saved == here:
+        return
+    ours = str(model.unembed.weight.dtype).removeprefix("torch.")
+    theirs = config.get("model_dtype")
+    reduced = config.get("model_fingerprints_reduced") or {}
+    if isinstance(reduced, dict) and reduced.get(ours) == here:
+        return  # a float32-trained lens on the same model loaded in bfloat16 / float16
+    if theirs in REDUCED_DTYPES and model_fingerprint(model, REDUCED_DTYPES[theirs]) == saved:
+        return  # a lens trained on the reduced-precision model, used on the float32 one
+    dtypes = f" (the lens was trained on a {theirs} model, this one is {ours})" if theirs and theirs != ours else ""
+    raise ValueError(
+        f"the lens in {folder} was trained for another model{dtypes}: lens fingerprint {saved}, this model's "
+        f"{here} ({config.get('model_name')!r} vs {model.cfg.name!r}); load the model the lens was trained for, "
+        "or train a new lens with `lenskit train-lens`"
+    )
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a lens weights file; a missing or unreadable file is one line naming it."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; the lens folder is incomplete (its config.json names it)")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {detail}; "
+                         "save or train the lens again") from None
 
 
 def checked_state(lens: TunedLens, state: dict[str, torch.Tensor], source: Path) -> dict[str, torch.Tensor]:
@@ -174,6 +281,10 @@ def checked_state(lens: TunedLens, state: dict[str, torch.Tensor], source: Path)
     for k, v in state.items():
         if v.shape != expected[k].shape:
             raise ValueError(f"{source}: {k} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
+        if not v.dtype.is_floating_point:
+            raise ValueError(f"{source}: {k} has dtype {v.dtype}; lens weights must be floating point")
+        if not bool(torch.isfinite(v).all()):
+            raise ValueError(f"{source}: {k} holds NaN or inf values; the lens is corrupt or its training diverged")
     return {k: v.to(expected[k]) for k, v in state.items()}
 
 
@@ -188,11 +299,18 @@ def import_tuned_lens_package(folder: str | os.PathLike, model: HookedTransforme
     """
     folder = Path(folder)
     config = read_config(folder)
-    shape = {"n_layers": config.get("num_hidden_layers"), "d_model": config.get("d_model")}
-    check_shape(shape, model, folder)
     if config.get("lens_type", "linear_tuned_lens") != "linear_tuned_lens":
         raise ValueError(f"{folder}: lens_type {config['lens_type']!r} is not supported; expected 'linear_tuned_lens'")
-    raw = torch.load(folder / "params.pt", map_location="cpu", weights_only=True)
+    try:
+        raw = torch.load(folder / "params.pt", map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{folder / 'params.pt'} is not a plain tensor file: it holds pickled Python objects, which "
+                         "lenskit refuses to load: nothing in it was executed; re-save the lens's tensors alone") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ValueError(f"{folder / 'params.pt'} is not a readable PyTorch tensor file (truncated or corrupt?): "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    shape = {"n_layers": config.get("num_hidden_layers"), "d_model": config.get("d_model")}
+    check_shape(shape, model, folder)
     if not isinstance(raw, dict):
         raise ValueError(f"{folder / 'params.pt'} holds a {type(raw).__name__}, expected a state dict of tensors")
     state = {}
@@ -201,6 +319,8 @@ def import_tuned_lens_package(folder: str | os.PathLike, model: HookedTransforme
         index, _, kind = key.partition(".")
         if not index.isdigit() or kind not in ("weight", "bias"):
             raise ValueError(f"{folder / 'params.pt'}: unexpected key {key!r}; expected '<layer>.weight' or '<layer>.bias'")
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{folder / 'params.pt'}: {key!r} holds a {type(value).__name__}, expected a tensor")
         state[f"translators.{index}.{kind}"] = value
     lens = TunedLens(model)
     if config.get("bias", True) is False:  # translators without bias: b_l stays zero

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,6 +208,155 @@ def read_only_out(env: Env) -> Any:
         parent.chmod(0o755)
 
 
+# ----------------------------------------------------------------------------------------- lens and model folders
+def lens_copy(name: str, env: "Env") -> Path:
+    folder = env.path(name)
+    shutil.copytree(env.root / "lens", folder)
+    return folder
+
+
+def lens_with_config(name: str, change: Callable[[dict], Any]) -> Callable[[Env], Path]:
+    """A copy of the good lens folder whose config.json is `change(config)` (or config changed in place)."""
+    def make(env: Env) -> Path:
+        folder = lens_copy(name, env)
+        config = json.loads((folder / "config.json").read_text())
+        changed = change(config)
+        (folder / "config.json").write_text(json.dumps(config if changed is None else changed))
+        return folder
+    return make
+
+
+def lens_with_bytes(name: str, file: str, data: Callable[[bytes], bytes]) -> Callable[[Env], Path]:
+    def make(env: Env) -> Path:
+        folder = lens_copy(name, env)
+        (folder / file).write_bytes(data((folder / file).read_bytes()))
+        return folder
+    return make
+
+
+def load_lens(make: Callable[[Env], Path]) -> Callable[[Env], Any]:
+    return lambda env: TunedLens.load(make(env), env.model)
+
+
+def cli_on_lens(command: str, make: Callable[[Env], Path]) -> Callable[[Env], tuple[int, str]]:
+    """`lenskit lens --lens FOLDER` or `lenskit eval-lens --lens FOLDER` on a folder `make` writes."""
+    def run(env: Env) -> tuple[int, str]:
+        folder = str(make(env))
+        if command == "lens":
+            return cli("lens", "x = 1", "--model", "{root}/model", "--lens", folder)(env)
+        return cli("eval-lens", "--model", "{root}/model", "--lens", folder, "--data", "{root}/data", "--ctx", "16",
+                   "--quiet")(env)
+    return run
+
+
+def set_key(key: str, value: Any) -> Callable[[dict], None]:
+    return lambda config: config.__setitem__(key, value)
+
+
+def drop_key(key: str) -> Callable[[dict], None]:
+    def drop(config: dict) -> None:
+        del config[key]
+    return drop
+
+
+def pickled_params(env: Env) -> Any:
+    """A tuned-lens folder whose params.pt holds a pickled object: refused, never executed."""
+    folder = env.path("pickled_params")
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"d_model": 32, "num_hidden_layers": 3, "lens_type": "linear_tuned_lens"}))
+    torch.save({"0.weight": Payload()}, folder / "params.pt")
+    return TunedLens.load(folder, env.model)
+
+
+class Payload:
+    """Stands for an object whose unpickling would run code; weights_only refuses to build it."""
+
+
+def nan_lens(env: Env) -> Any:
+    from safetensors.torch import load_file, save_file
+
+    folder = lens_copy("nan_lens", env)
+    state = load_file(str(folder / "lens.safetensors"))
+    state["translators.1.weight"][2, 3] = float("inf")
+    save_file(state, str(folder / "lens.safetensors"))
+    return TunedLens.load(folder, env.model)
+
+
+def fp32_lens_on_bf16(env: Env) -> Any:
+    bf16 = lenskit.HookedTransformer.from_pretrained(env.root / "model", dtype="bfloat16")
+    lens = TunedLens.load(env.root / "lens", bf16)
+    return lens(torch.zeros(1, 2, 32, dtype=torch.bfloat16), 1)
+
+
+def check_bf16_readout(env: Env, logits: torch.Tensor) -> None:
+    assert logits.dtype == torch.bfloat16 and logits.shape == (1, 2, env.model.cfg.d_vocab)
+    assert torch.isfinite(logits).all()
+
+
+def saved_lens_modes(env: Env) -> dict[str, int]:
+    old = os.umask(0o022)
+    try:
+        TunedLens(env.model).save(env.path("modes"))
+    finally:
+        os.umask(old)
+    return {p.name: p.stat().st_mode & 0o777 for p in env.path("modes").iterdir()}
+
+
+def model_with_config(name: str, **changes: Any) -> Callable[[Env], Any]:
+    """from_pretrained on a copy of the tiny model whose config.json has `changes`."""
+    def run(env: Env) -> Any:
+        folder = env.path(name)
+        shutil.copytree(env.root / "model", folder)
+        config = json.loads((folder / "config.json").read_text())
+        config.update(changes)
+        (folder / "config.json").write_text(json.dumps(config))
+        return lenskit.HookedTransformer.from_pretrained(folder)
+    return run
+
+
+def model_with_weight(name: str, edit: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Env], Any]:
+    """from_pretrained on a copy of the tiny model whose final-norm weight is `edit(weight)`."""
+    def run(env: Env) -> Any:
+        from safetensors.torch import load_file, save_file
+
+        folder = env.path(name)
+        shutil.copytree(env.root / "model", folder)
+        state = load_file(str(folder / "model.safetensors"))
+        key = next(k for k in state if k.endswith("ln_f.weight"))
+        state[key] = edit(state[key].clone())
+        save_file(state, str(folder / "model.safetensors"))
+        return lenskit.HookedTransformer.from_pretrained(folder)
+    return run
+
+
+def with_nan(w: torch.Tensor) -> torch.Tensor:
+    w[0] = float("nan")
+    return w
+
+
+def timed(run: Callable[[Env], Any], limit_s: float) -> Callable[[Env], Any]:
+    """`run`, which must also fail within limit_s seconds."""
+    def timed_run(env: Env) -> Any:
+        start = time.perf_counter()
+        try:
+            return run(env)
+        finally:
+            assert time.perf_counter() - start < limit_s, f"took more than {limit_s} s"
+    return timed_run
+
+
+
+def rerun_finished(name: str, *changed: str) -> Callable[[Env], tuple[int, str]]:
+    """train-lens into a folder, then again with `changed` flags: a different run must be refused by field."""
+    def run(env: Env) -> tuple[int, str]:
+        out = str(env.path(name))
+        base = (*TRAIN, "--out", out, "--steps", "2", "--tokens-per-step", "32")
+        code, err = cli(*base)(env)
+        assert code == 0, err
+        return cli(*base, *changed)(env)
+    return run
+
+
 ROWS = [
     # --------------------------------------------------------------- Recipe fields (issue 14, item 1)
     Row("recipe tokens_per_step -512", lambda e: Recipe(tokens_per_step=-512), ValueError, ("tokens_per_step", ">= 1", "-512")),
@@ -246,6 +397,10 @@ ROWS = [
         check=lambda e, out: None if not (out / LOCK_FILE).exists() else pytest.fail("lock left behind")),
     Row("--out under a file", cli(*TRAIN, "--out", "{root}/model/config.json/lens", "--steps", "2", "--tokens-per-step", "32"),
         2, ("is a file", "--out")),
+    Row("train-lens rerun with another seed names that field alone", rerun_finished("reseed", "--seed", "7"), 2,
+        ("belongs to a different run", "seed (saved 0, now 7) differ", "pass another --out")),
+    Row("train-lens rerun with fewer steps than done", rerun_finished("fewer", "--steps", "1"), 2,
+        ("2 steps done", "--steps 1", "pass --steps 2 or more")),
     Row("truncated checkpoint on resume", truncated_checkpoint, ValueError, ("corrupt", CHECKPOINT_FILE, "kept", "delete")),
     # --------------------------------------------------------------- token tensors and prompts (item 8)
     Row("int8 tokens", same_as_long(torch.int8), WORKS, check=check_equal),
@@ -307,6 +462,60 @@ ROWS = [
     Row("truncated model weights", truncated_model, ValueError, ("model.safetensors", "truncated or corrupt")),
     Row("lens folder that does not exist", lambda e: TunedLens.load(e.root / "nowhere", e.model), FileNotFoundError,
         ("no config.json", "TunedLens.save")),
+    # --------------------------------------------------------------- lens folders (items 3, 6, 9)
+    Row("load a truncated lens.safetensors", load_lens(lens_with_bytes("cut_lens", "lens.safetensors", lambda b: b[:300])),
+        ValueError, ("lens.safetensors", "truncated or corrupt")),
+    Row("lens --lens with a truncated lens.safetensors",
+        cli_on_lens("lens", lens_with_bytes("cut_lens_cli", "lens.safetensors", lambda b: b[:300])), 2,
+        ("lens.safetensors", "truncated or corrupt")),
+    Row("eval-lens with a truncated lens.safetensors",
+        cli_on_lens("eval-lens", lens_with_bytes("cut_lens_eval", "lens.safetensors", lambda b: b[:300])), 2,
+        ("lens.safetensors", "truncated or corrupt")),
+    Row("lens config.json that is a list", load_lens(lens_with_config("list_cfg", lambda c: [c])), ValueError,
+        ("config.json", "JSON list", "object")),
+    Row("lens --lens with a config.json that is a list", cli_on_lens("lens", lens_with_config("list_cfg_cli", lambda c: [c])),
+        2, ("config.json", "JSON list")),
+    Row('lens config "weights": null', load_lens(lens_with_config("null_weights", set_key("weights", None))), ValueError,
+        ("config.json", "'weights'", "null", ".safetensors")),
+    Row("lens config weights outside the folder", load_lens(lens_with_config("escape", set_key("weights", "../x.safetensors"))),
+        ValueError, ("'weights'", "in the folder")),
+    Row("lens config without model_fingerprint", load_lens(lens_with_config("no_fp", drop_key("model_fingerprint"))),
+        ValueError, ("config.json", "no 'model_fingerprint'")),
+    Row("eval-lens with a config without model_fingerprint",
+        cli_on_lens("eval-lens", lens_with_config("no_fp_eval", drop_key("model_fingerprint"))), 2, ("'model_fingerprint'",)),
+    Row("lens config that is bad JSON", load_lens(lens_with_bytes("bad_json", "config.json", lambda b: b[:-5])), ValueError,
+        ("config.json", "not valid JSON", "line")),
+    Row("lens --lens with bad JSON", cli_on_lens("lens", lens_with_bytes("bad_json_cli", "config.json", lambda b: b"{oops")), 2,
+        ("config.json", "not valid JSON")),
+    Row('lens config n_layers "6"', load_lens(lens_with_config("str_layers", set_key("n_layers", "6"))), ValueError,
+        ("'n_layers'", "integer", '"6"')),
+    Row("lens config n_layers true", load_lens(lens_with_config("bool_layers", set_key("n_layers", True))), ValueError,
+        ("'n_layers'", "integer", "true")),
+    Row('lens config resid_mid "no"', load_lens(lens_with_config("str_mid", set_key("resid_mid", "no"))), ValueError,
+        ("'resid_mid'", "true or false")),
+    Row("lens config from a newer format", load_lens(lens_with_config("newer", set_key("format_version", 99))), ValueError,
+        ("format_version 99", "upgrade lenskit")),
+    Row("lens with NaN or inf weights", nan_lens, ValueError, ("translators.1.weight", "NaN or inf")),
+    Row("tuned-lens params.pt holding a pickle payload", pickled_params, ValueError,
+        ("params.pt", "not a plain tensor file", "nothing in it was executed")),
+    Row("float32 lens on the same model in bfloat16", fp32_lens_on_bf16, WORKS, check=check_bf16_readout),
+    Row("lens files get the umask's permissions, not 0600", saved_lens_modes, WORKS,
+        check=lambda e, modes: None if set(modes.values()) == {0o644} else pytest.fail(f"modes {modes}")),
+    # --------------------------------------------------------------- model configs and weights (items 3, 7, 9)
+    Row("model config n_embd [192]", model_with_config("cfg_list", n_embd=[192]), ValueError, ("n_embd",)),
+    Row("model config n_layer 6.7", model_with_config("cfg_float", n_layer=6.7), ValueError, ("n_layer", "6.7")),
+    Row('model config tie_word_embeddings "false"', model_with_config("cfg_tie", tie_word_embeddings="false"), ValueError,
+        ("tie_word_embeddings",)),
+    Row("model config n_layer true", model_with_config("cfg_bool", n_layer=True), ValueError, ("n_layer",)),
+    Row('model config layer_norm_epsilon "abc"', model_with_config("cfg_eps", layer_norm_epsilon="abc"), ValueError,
+        ("layer_norm_epsilon",)),
+    Row("model config n_layer 3000 fails fast", timed(model_with_config("cfg_deep", n_layer=3000), 10.0), ValueError,
+        ("missing",)),
+    Row("model with a NaN weight", model_with_weight("nan_model", with_nan), ValueError, ("ln_f.weight", "NaN or inf")),
+    Row("model with int32 weights", model_with_weight("int_model", lambda w: w.to(torch.int32)), ValueError,
+        ("ln_f.weight", "int32", "floating point")),
+    Row('from_pretrained(dtype="float16")', lambda e: lenskit.HookedTransformer.from_pretrained(e.root / "model", dtype="float16"),
+        WORKS, check=lambda e, m: None if m.unembed.weight.dtype == torch.float16 else pytest.fail(str(m.unembed.weight.dtype))),
     # --------------------------------------------------------------- CLI arguments (item 9)
     Row("ablate --out with an unknown suffix, before any work",
         cli("ablate", "x = 1", "--block", "0", "--model", "{root}/nowhere", "--out", "{root}/fig.txt"), 2,

@@ -31,21 +31,32 @@ def test_train_then_eval_writes_a_lens_and_a_per_layer_csv(files, tmp_path, caps
     assert config["tokens_seen"] == 10 * 128 and config["recipe"]["seed"] == 1 and config["recipe"]["optimizer"] == "sgd"
     assert config["data"]["n_files"] == 60 and len(config["data"]["files"]) == 60
     assert config["data"]["files"][0]["path"].endswith("snippet_000.py")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "lens.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "lens.safetensors"]
 
-    assert main(args) == 0  # rerun on a finished folder: nothing to do
-    assert "nothing to do" in capsys.readouterr().out
+    assert main(args) == 0  # rerun on a finished folder: nothing to do, and nothing claimed as written
+    printed = capsys.readouterr().out
+    assert "already trained (10 steps); nothing to do" in printed and "wrote" not in printed
+    card = (out / "README.md").read_text()
+    assert "Not evaluated yet" in card
 
     csv = tmp_path / "eval.csv"
     assert main(["eval-lens", "--model", str(files / "model"), "--lens", str(out), "--data", str(files / "heldout"),
-                 "--tokens", "320", "--ctx", "16", "--csv", str(csv), "--quiet"]) == 0
+                 "--tokens", "320", "--ctx", "16", "--csv", str(csv), "--card", "--quiet"]) == 0
     printed = capsys.readouterr().out
-    assert "kl_tuned" in printed and "prediction depth" in printed
+    assert "kl_tuned" in printed and "prediction depth" in printed and "README.md" in printed
     table = pd.read_csv(csv)
     for col in ("layer", "kl_logit", "kl_tuned", "ce_logit", "ce_tuned", "kl_logit_bpb", "kl_tuned_bpb"):
         assert col in table.columns
     assert table["layer"].tolist() == [0, 1, 2, 3]
     assert (table["kl_tuned"][:-1] < table["kl_logit"][:-1]).all()
+    # --card: the same numbers in the model card's table and in config.json, and the lens still loads.
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: lenskit\n") and "- tuned-lens" in card and "Not evaluated" not in card
+    for row in table.itertuples():
+        assert f"| {row.layer} | {row.kl_logit:.4f} | {row.kl_tuned:.4f} | {row.ce_logit:.4f} | {row.ce_tuned:.4f} |" in card
+    saved = json.loads((out / "config.json").read_text())["eval"]
+    assert saved["n_tokens"] == 320 and [r["kl_tuned"] for r in saved["table"]] == pytest.approx(table["kl_tuned"].tolist())
+    assert main(["lens", "x = 1", "--model", str(files / "model"), "--lens", str(out)]) == 0
 
 
 def test_too_few_tokens_fails_before_training(files, tmp_path, capsys):

@@ -44,7 +44,7 @@ def test_train_lens_two_steps(folder, tmp_path):
     out = tmp_path / "lens"
     assert main(["train-lens", "--model", str(folder / "model"), "--data", str(folder / "train"), "--out", str(out),
                  "--steps", "2", "--tokens-per-step", "64", "--ctx", "16", "--quiet"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "lens.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "lens.safetensors"]
 
 
 def test_ablate_a_head(folder, tmp_path, capsys):

@@ -116,7 +116,7 @@ def test_killed_run_resumes_to_the_same_lens_or_refuses_clearly(setup, tmp_path,
         resumed_at = int(proc.stdout.split("resuming from step")[1].split()[0])
         assert 1 <= resumed_at <= STEPS, note
     assert_same_lens(out, want)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "lens.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "lens.safetensors"]
 
 
 def test_a_second_run_into_the_same_folder_refuses(setup, tmp_path):
@@ -145,6 +145,9 @@ def test_a_stale_lock_takes_its_owners_temporary_files_with_it(tmp_path):
     (out / LOCK_FILE).write_text(f"{dead.pid} {socket.gethostname()}\n")
     (out / f".{CHECKPOINT_FILE}.tmp{dead.pid}").write_bytes(b"half a checkpoint")
     (out / f".{CHECKPOINT_FILE}.tmp{dead.pid + 1}").write_bytes(b"someone else's")
+    staging = out / f".lens.safetensors.tmp{dead.pid}"  # write_atomic's folder, with safetensors' own temporary file
+    staging.mkdir()
+    (staging / ".tmpAb12Cd").write_bytes(b"half a lens")
     with folder_lock(out):
         pass
     assert sorted(p.name for p in out.iterdir()) == [f".{CHECKPOINT_FILE}.tmp{dead.pid + 1}"]

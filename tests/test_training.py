@@ -106,14 +106,87 @@ def test_weight_decay_applies_to_A_and_b(tiny):
 def test_finished_run_is_saved_and_a_rerun_does_nothing(tiny, tmp_path):
     model, stream, _ = tiny
     lens = train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "lens.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["README.md", "config.json", "lens.safetensors"]
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["steps_done"] == 12 and config["tokens_seen"] == 12 * 4 * CTX
     assert config["recipe"]["tokens_per_step"] == 4 * CTX and config["data"]["sha256"] == stream.provenance["sha256"]
     again = train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), lens.state_dict().values()))
-    with pytest.raises(ValueError, match="belongs to a different run"):
-        train(TunedLens(model), stream, Recipe(**{**SMALL, "steps": 13}), out=tmp_path / "out", progress=False)
+    with pytest.raises(ValueError, match="belongs to a different run") as refused:
+        train(TunedLens(model), stream, Recipe(**{**SMALL, "seed": 3}), out=tmp_path / "out", progress=False)
+    message = str(refused.value)
+    assert "seed (saved 0, now 3) differ" in message and "\n" not in message and "{" not in message  # no whole dicts
+    assert "lr" not in message and "tokens_per_step" not in message  # only the field that differs
+    with pytest.raises(ValueError, match=r"12 steps done, more than --steps 5; pass --steps 12 or more"):
+        train(TunedLens(model), stream, Recipe(**{**SMALL, "steps": 5}), out=tmp_path / "out", progress=False)
+
+
+def test_extending_a_finished_run_continues_it_with_the_schedule_rederived(tiny, tmp_path, capsys):
+    model, stream, _ = tiny
+    short = train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
+    longer = train(TunedLens(model), stream, Recipe(**{**SMALL, "steps": 16}), out=tmp_path / "out", progress=False)
+    assert "extending the finished lens" in capsys.readouterr().out
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["steps_done"] == 16 and config["recipe"]["steps"] == 16 and len(config["loss_history"]) == 16
+    assert config["loss_history"][:12] == short.info["loss_history"]  # the first 12 steps are kept, not redone
+    assert not torch.equal(longer.translators[0].weight, short.translators[0].weight)
+    # Documented: not the same as a fresh 16-step run (other learning rates for steps 0-11, momentum restarted).
+    fresh = train(TunedLens(model), stream, Recipe(**{**SMALL, "steps": 16}), progress=False)
+    assert not torch.equal(fresh.translators[0].weight, longer.translators[0].weight)
+    # A rerun without --steps takes the saved run's 16 and has nothing to do.
+    again = train(TunedLens(model), stream, Recipe(ctx=CTX, tokens_per_step=4 * CTX, ckpt_every=4), out=tmp_path / "out",
+                  progress=False)
+    assert "already trained (16 steps); nothing to do" in capsys.readouterr().out
+    assert torch.equal(again.translators[0].weight, longer.translators[0].weight)
+
+
+def interrupt_at_call(n: int):
+    """A hook that raises KeyboardInterrupt (what Ctrl-C raises) on its n-th call: inside a step's forward."""
+    calls = {"n": 0}
+
+    def hook(x, hook):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+    return hook
+
+
+def test_ctrl_c_saves_the_steps_done_and_the_same_call_resumes_exactly(tiny, tmp_path):
+    from lenses.interrupt import Interrupted
+
+    model, stream, _ = tiny
+    with model.hooks([("blocks.1.hook_resid_pre", interrupt_at_call(7))]):  # one forward per step: during step 6
+        with pytest.raises(Interrupted, match="interrupted at step 6; run the same command to resume"):
+            train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
+    with safe_open(str(tmp_path / "out" / CHECKPOINT_FILE), "pt") as f:
+        assert json.loads(f.metadata()["meta"])["step"] == 6  # saved at once, not at the next ckpt_every
+    resumed = train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
+    clean = train(TunedLens(model), stream, Recipe(**SMALL), progress=False)
+    assert all(torch.equal(resumed.state_dict()[k], v) for k, v in clean.state_dict().items())
+    assert resumed.info["loss_history"] == clean.info["loss_history"]
+
+
+def test_an_interrupted_run_can_be_extended_from_its_checkpoint(tiny, tmp_path, capsys):
+    model, stream, _ = tiny
+    with model.hooks([("blocks.1.hook_resid_pre", interrupt_at_call(5))]), pytest.raises(KeyboardInterrupt):
+        train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
+    lens = train(TunedLens(model), stream, Recipe(**{**SMALL, "steps": 20}), out=tmp_path / "out", progress=False)
+    out = capsys.readouterr().out
+    assert "resuming from step 4 of 20" in out and "re-derived for 20 steps" in out
+    assert lens.info["steps_done"] == 20 and len(lens.info["loss_history"]) == 20
+
+
+def test_default_steps_give_real_batches_and_fewer_steps_on_small_data():
+    big = Recipe().resolve(n_tokens=10**8, n_ctx=256)
+    assert (big.steps, big.tokens_per_step) == (250, 2**18)  # tuned-lens' recipe where the data allows it
+    medium = Recipe().resolve(n_tokens=10**6, n_ctx=256)  # 3,906 windows: 250 steps would be 15 windows each
+    assert medium.tokens_per_step == 2**13 and medium.steps == 3906 // 32
+    small = Recipe().resolve(n_tokens=10_000, n_ctx=16)
+    assert (small.steps, small.tokens_per_step) == (1, 2**13)
+    tiny_data = Recipe().resolve(n_tokens=100, n_ctx=16)  # less than one default batch: one step of all of it
+    assert (tiny_data.steps, tiny_data.tokens_per_step) == (1, 96)
+    given = Recipe(tokens_per_step=64).resolve(n_tokens=10_000, n_ctx=16)
+    assert given.steps == min(250, 625 // 4)
 
 
 def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(tiny, tmp_path):
@@ -181,6 +254,34 @@ def test_sigkill_then_resume_gives_the_same_weights_as_an_uninterrupted_run(tiny
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((tmp_path / "killed" / "config.json").read_text())["steps_done"] == 150
 
+
+
+@pytest.mark.slow
+def test_sigint_saves_says_how_to_resume_and_the_same_command_resumes(tiny, tmp_path):
+    """Ctrl-C (SIGINT) on the real console program: a checkpoint of the steps done, one line saying so, exit 130,
+    no traceback; the same command then resumes from that step and finishes."""
+    _, _, root = tiny
+    cmd, env = cli("train-lens", "--model", str(root / "model"), "--data", str(root / "data"), "--steps", "150",
+                   "--tokens-per-step", str(2 * CTX), "--ctx", str(CTX), "--ckpt-every", "5", "--quiet",
+                   "--out", str(tmp_path / "out"))
+    ckpt = tmp_path / "out" / CHECKPOINT_FILE
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "run the same command to resume" in lines[0], err
+    step = int(lines[0].split("interrupted at step ")[1].split(";")[0])
+    with safe_open(str(ckpt), "pt") as f:
+        assert json.loads(f.metadata()["meta"])["step"] == step  # the steps done, not the last --ckpt-every
+    assert 0 < step < 150 and "wrote" not in out
+    done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    assert f"resuming from step {step} of 150" in done.stdout
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["steps_done"] == 150
 
 def test_micro_batches_change_memory_not_the_result(tiny):
     model, stream, _ = tiny

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pickle
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import lenskit
 from lenskit import Stream
 from conftest import make_hf_gpt2
 from lenses import LogitLens, TunedLens
+from lenses.card import model_card
 from lenses.tuned import model_fingerprint
 
 
@@ -81,7 +81,7 @@ def test_save_load_gives_identical_outputs_and_no_pickle(model, streams, tmp_pat
     tuned = randomize(TunedLens(model, resid_mid=True))
     tuned.info = {"tokens_seen": 123}
     tuned.save(tmp_path / "lens")
-    assert sorted(p.name for p in (tmp_path / "lens").iterdir()) == ["config.json", "lens.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "lens").iterdir()) == ["README.md", "config.json", "lens.safetensors"]
     raw = (tmp_path / "lens" / "lens.safetensors").read_bytes()
     assert not raw.startswith(b"\x80")  # not a pickle; safetensors starts with its header length
     header_len = int.from_bytes(raw[:8], "little")
@@ -169,7 +169,7 @@ def test_tuned_lens_import_never_unpickles_objects_and_checks_shapes(model, tmp_
     state = {f"{i}.{k}": torch.zeros(d, d) if k == "weight" else torch.zeros(d) for i in range(n) for k in ("weight", "bias")}
     state["0.weight"] = NotATensor()  # a pickled custom class: weights_only refuses it
     write_tuned_lens_package_folder(tmp_path / "evil", state, n, d)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(ValueError, match="not a plain tensor file.*was executed"):
         TunedLens.load(tmp_path / "evil", model)
     state["0.weight"] = torch.zeros(d, d + 1)
     write_tuned_lens_package_folder(tmp_path / "bad", state, n, d)
@@ -221,3 +221,100 @@ def test_lens_folders_written_before_streams_still_load(model, streams, tmp_path
             torch.testing.assert_close(lens(h, l), logit(h + h @ W.T + b, l))
             m, W, b = streams["resid_mid", l], weights[f"mid_translators.{l}.weight"], weights[f"mid_translators.{l}.bias"]
             torch.testing.assert_close(lens(m, Stream(l, "resid_mid")), logit(m + m @ W.T + b, l))
+
+
+# ------------------------------------------------------------------ lens folders for the Hub
+def test_save_writes_a_model_card_with_front_matter_recipe_and_data(model, tmp_path):
+    lens = TunedLens(model)
+    lens.info = {"recipe": {"steps": 7, "lr": 0.1}, "steps_done": 7, "tokens_seen": 7 * 64,
+                 "data": {"inputs": ["corpus/"], "n_files": 3, "n_tokens": 999, "sha256": "f00d" * 16, "files": []}}
+    lens.save(tmp_path / "lens")
+    config = json.loads((tmp_path / "lens" / "config.json").read_text())
+    # A model loaded from a local folder has no hub id: the card says nothing it does not know.
+    assert (tmp_path / "lens" / "README.md").read_text() == model_card(config) and "base_model" not in model_card(config)
+    card = model_card({**config, "model_name": "openai-community/gpt2"})  # as when loaded by hub id
+    front = card.split("---\n")[1]
+    assert front.splitlines() == ["library_name: lenskit", "base_model: openai-community/gpt2", "tags:", "- tuned-lens",
+                                  "- interpretability", "- lenskit"]
+    assert "7 steps, 448 tokens." in card and "| lr | 0.1 |" in card
+    assert '| sha256 | "' + "f00d" * 16 + '" |' in card and "| n_files | 3 |" in card
+    assert "Not evaluated yet" in card
+    assert model_card({**config, "model_name": "gpt2"}) == card  # the short name, under its organisation
+
+
+def test_files_get_the_normal_umask_permissions(model, tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        TunedLens(model).save(tmp_path / "lens")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "lens").iterdir()}
+    assert modes == {"config.json": 0o644, "lens.safetensors": 0o644, "README.md": 0o644}
+
+
+def test_load_takes_a_hub_repo_id_from_the_local_cache_offline(model, streams, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "cache" / "models--someone--tiny-tuned-lens"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    lens = randomize(TunedLens(model))
+    lens.save(repo / "snapshots" / commit)
+    monkeypatch.chdir(tmp_path)  # no folder named like the repo id in the working directory
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    real = huggingface_hub.snapshot_download
+
+    def local_only(*args, **kwargs):
+        assert kwargs.get("local_files_only"), "offline, nothing may try the network"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", local_only)
+    loaded = TunedLens.load("someone/tiny-tuned-lens", model)
+    h = streams["resid_pre", 1]
+    assert torch.equal(loaded(h, 1), lens(h, 1))
+    with pytest.raises(OSError, match="not a hub repo in the local Hugging Face cache.*hf download someone/absent"):
+        TunedLens.load("someone/absent", model)
+
+
+def test_a_float32_lens_works_on_the_same_model_loaded_in_bfloat16(model, streams, tmp_path):
+    lens = randomize(TunedLens(model))
+    lens.save(tmp_path / "lens")
+    model.save_pretrained(tmp_path / "model")
+    bf16 = lenskit.HookedTransformer.from_pretrained(tmp_path / "model", dtype="bfloat16")
+    loaded = TunedLens.load(tmp_path / "lens", bf16)
+    assert loaded.translators[0].weight.dtype == torch.float32  # translators keep their precision
+    h = streams["resid_pre", 1].to(torch.bfloat16)
+    # Reference: the float32 translator on the bf16 stream, then the bf16 model's own readout.
+    t = lens.translators[1]
+    wide = h.float()
+    expected = bf16.readout((wide + t(wide)).to(torch.bfloat16))
+    assert torch.equal(loaded(h, 1), expected)
+    # A lens trained on the bf16 model loads on the float32 one too (the same model, rounded).
+    TunedLens(bf16).save(tmp_path / "bf16_lens")
+    assert TunedLens.load(tmp_path / "bf16_lens", model).fingerprint == model_fingerprint(model)
+    # Another model in bf16 is still refused, naming both dtypes.
+    other = lenskit.HookedTransformer.from_hf(make_hf_gpt2(n_layer=model.cfg.n_layers, n_embd=model.cfg.d_model,
+                                                           n_head=model.cfg.n_heads, vocab_size=model.cfg.d_vocab,
+                                                           n_positions=model.cfg.n_ctx, seed=99)).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="trained on a float32 model, this one is bfloat16"):
+        TunedLens.load(tmp_path / "lens", other)
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary_files(tmp_path):
+    from lenses.io import write_atomic
+
+    target = tmp_path / "config.json"
+    target.write_text("old")
+
+    def half_then_fail(tmp):
+        tmp.write_text("half")
+        (tmp.parent / ".tmpXYZ123").write_text("a writer's own temporary file")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        write_atomic(target, half_then_fail)
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["config.json"]

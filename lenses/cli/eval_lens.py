@@ -1,4 +1,8 @@
-"""`lenskit eval-lens`: the logit lens and a tuned lens side by side, per layer, on held-out text."""
+"""`lenskit eval-lens`: the logit lens and a tuned lens side by side, per layer, on held-out text.
+
+With --card, the per-layer table also goes into the lens folder: under "eval" in its config.json and as
+the Evaluation section of its README.md model card (a lenskit lens folder on this disk only).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ def add_parser(subparsers, name: str) -> None:
                         "0 = all of it)")
     p.add_argument("--ctx", type=int, default=None, help="window length (default: the model's n_ctx)")
     p.add_argument("--csv", default=None, metavar="FILE", help="write the per-layer table (nats per token and bits per byte)")
+    p.add_argument("--card", action="store_true",
+                   help="also write the table into the lens folder's README.md model card (and config.json)")
     p.add_argument("--text-field", default="text", help="the JSONL field that holds the text")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
@@ -34,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
     from ..logit import LogitLens
     from ..tuned import TunedLens
 
+    if args.card:
+        check_card_folder(Path(args.lens))  # before any work
     model = lenskit.HookedTransformer.from_pretrained(args.model)
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files; eval-lens needs one to read text")
@@ -51,4 +59,22 @@ def run(args: argparse.Namespace) -> int:
         Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
         table.to_csv(args.csv, index=False)
         print(f"wrote {args.csv}")
+    if args.card:
+        from ..card import record_eval
+
+        card = record_eval(args.lens, table.to_dict("records"), int(table.attrs["n_tokens"]), stream.provenance.get("sha256"))
+        print(f"wrote the table into {card}")
     return 0
+
+
+def check_card_folder(folder: Path) -> None:
+    """--card writes into a lenskit lens folder on this disk, never into the hub cache or a tuned-lens import."""
+    from ..io import read_config
+    from ..tuned import FORMAT
+
+    if not folder.is_dir():
+        raise ValueError(f"--card writes into a local lens folder, and {folder} is not one; download the lens "
+                         "(e.g. `hf download REPO --local-dir FOLDER`) and pass that folder")
+    if read_config(folder).get("format") != FORMAT:
+        raise ValueError(f"--card: {folder} is not a lenskit lens folder (a tuned-lens import?); save it with "
+                         "TunedLens.save first")

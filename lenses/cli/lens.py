@@ -27,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--model", default=lenskit.DEFAULT_MODEL,
                    help="model folder (Hugging Face GPT-2 layout) or hub name; default: the embedded model")
     p.add_argument("--lens", default="logit", metavar="logit|FOLDER",
-                   help="'logit' for the logit lens, or a folder saved by TunedLens.save (default: logit)")
+                   help="'logit' for the logit lens, a folder saved by TunedLens.save, or a hub repo id (default: logit)")
     p.add_argument("--top-k", type=int, default=5, metavar="K", help="top-k tokens kept per cell for the CSV and hover (default 5)")
     p.add_argument("--out", metavar="FILE", help="write the heatmap to FILE.html (plotly.js inlined, about 5 MB, opens "
                                                  "offline), .png (300 dpi with --size), .svg or .pdf")
@@ -44,14 +44,17 @@ def load_lens(spec: str, model: lenskit.HookedTransformer):
         from lenses.logit import LogitLens
 
         return LogitLens(model)
-    folder = Path(spec)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"--lens {spec!r} is neither 'logit' nor a folder; pass 'logit' or a folder written by TunedLens.save")
     try:
         from lenses.tuned import TunedLens
     except ImportError as e:
         raise ValueError(f"--lens {spec} needs lenses.TunedLens (lenses/tuned.py), which could not be imported: {e}") from e
-    return TunedLens.load(folder, model)
+    try:
+        return TunedLens.load(spec, model)  # a folder, or a hub repo id in the local Hugging Face cache
+    except FileNotFoundError:
+        if Path(spec).is_dir():
+            raise
+        raise FileNotFoundError(f"--lens {spec!r} is neither 'logit' nor a folder; pass 'logit', a folder written by "
+                                "TunedLens.save, or a hub repo id") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,17 +3,26 @@
 Under torchrun the same command trains with DistributedDataParallel (NCCL on GPUs, gloo on CPU):
 
     torchrun --nproc-per-node 2 -m lenses.cli train-lens --data corpus/ --out my_lens
+
+Batch size: with neither --steps nor --tokens-per-step, 250 steps of min(2**18, data tokens / 250)
+tokens, but never fewer than 2**13 tokens a step: small data gets fewer steps, not tiny batches.
+
+Resuming and extending: rerun the same command to resume an interrupted run (Ctrl-C saves a checkpoint
+first). Rerun it with a different --steps (not below the steps done) to extend or shorten a run, finished
+or not: the learning-rate schedule is re-derived for the new total, so the result is not the same as a
+fresh run of that many steps. Any other setting that differs is refused, naming the field.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
 import lenskit
-from lenses.training import Recipe
+from lenses.recipe import DEFAULT_STEPS, MIN_TOKENS_PER_STEP, Recipe
 
 DEFAULT = Recipe()  # every option's default is the recipe's own
 
@@ -24,9 +33,11 @@ def add_parser(subparsers, name: str) -> None:
     p.add_argument("--model", default=lenskit.DEFAULT_MODEL, help="model folder or hub name (default: the embedded model)")
     p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="text files, folders (.py/.txt/.md/... inside) or .jsonl")
     p.add_argument("--out", required=True, metavar="FOLDER", help="where checkpoints and the finished lens go")
-    p.add_argument("--steps", type=int, default=DEFAULT.steps, help=f"optimiser steps (default {DEFAULT.steps}, as tuned-lens)")
+    p.add_argument("--steps", type=int, default=DEFAULT.steps,
+                   help=f"optimiser steps (default {DEFAULT_STEPS}, as tuned-lens, or fewer on small data so that each step "
+                        f"holds at least {MIN_TOKENS_PER_STEP:,} tokens; a rerun with more extends the run)")
     p.add_argument("--tokens-per-step", type=int, default=DEFAULT.tokens_per_step,
-                   help="tokens per step (default: min(2**18, data tokens / steps), a multiple of --ctx)")
+                   help="tokens per step, a multiple of --ctx (default: min(2**18, data tokens / steps))")
     p.add_argument("--seed", type=int, default=DEFAULT.seed, help=f"decides the order of the data windows (default {DEFAULT.seed})")
     p.add_argument("--ctx", type=int, default=DEFAULT.ctx, help="window length in tokens (default: the model's n_ctx)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default=DEFAULT.optimizer,
@@ -44,10 +55,25 @@ def add_parser(subparsers, name: str) -> None:
     p.set_defaults(run=run)
 
 
+def finished_steps(out: Path) -> int | None:
+    """The steps done of a finished lens already in `out` (with no checkpoint beside it), else None."""
+    from ..io import CONFIG_FILE, read_config
+    from ..training import CHECKPOINT_FILE
+
+    if not (out / CONFIG_FILE).is_file() or (out / CHECKPOINT_FILE).exists():
+        return None
+    try:
+        done = read_config(out).get("steps_done")
+    except (OSError, ValueError):
+        return None
+    return done if isinstance(done, int) else None
+
+
 def run(args: argparse.Namespace) -> int:
     from lenskit.data import load_token_stream
 
     from ..lock import check_writable
+    from ..interrupt import Interrupted
     from ..training import init_distributed, train
     from ..tuned import TunedLens
 
@@ -64,11 +90,22 @@ def run(args: argparse.Namespace) -> int:
     if rank == 0:
         print(f"data: {stream.provenance['n_files']} files, {len(stream):,} tokens; model: {model.cfg.name} "
               f"({model.cfg.n_layers} layers); processes: {world}")
+    before = finished_steps(Path(args.out))
     try:
         lens = train(TunedLens(model, resid_mid=args.resid_mid), stream, recipe, out=args.out, progress=not args.quiet)
     except FloatingPointError as e:  # a diverged run: say so plainly, the checkpoint is kept
         print(f"lenskit train-lens: error: {e}", file=sys.stderr)
         return 3
+    except Interrupted as e:  # Ctrl-C: the steps done are checkpointed
+        if rank == 0:
+            print(f"lenskit train-lens: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # outside the steps (saving the finished lens): the last checkpoint stands
+        if rank == 0:
+            print("lenskit train-lens: interrupted; run the same command to resume from the last checkpoint", file=sys.stderr)
+        return 130
+    if before is not None and lens.info.get("steps_done") == before:
+        return 0  # the finished lens was already there; train() said so
     if rank == 0:
         last = lens.info.get("loss_history", [[]])[-1]
         print(f"wrote {args.out}: {lens.info.get('steps_done')} steps, {lens.info.get('tokens_seen', 0):,} tokens; "

@@ -1,0 +1,102 @@
+"""The README.md model card of a lens folder, so that the folder is a ready Hugging Face model repo.
+
+The card is written from the lens's config.json alone: YAML front matter (library_name, base_model when
+the model's hub id is known, tags), then the recipe, the data it was trained on, and the per-layer
+evaluation table that `lenskit eval-lens --card` records under the config's "eval" key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from .io import CONFIG_FILE, read_config, write_atomic
+
+CARD_FILE = "README.md"
+TAGS = ("tuned-lens", "interpretability", "lenskit")
+HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Short GPT-2 names now live under this organisation on the Hub.
+SHORT_GPT2 = {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "distilgpt2"}
+EVAL_COLUMNS = ("layer", "kl_logit", "kl_tuned", "ce_logit", "ce_tuned")
+
+
+def base_model(model_name: Any) -> str | None:
+    """The model's hub repo id when its name is one (not a local path), else None."""
+    if not isinstance(model_name, str) or Path(model_name).expanduser().exists():
+        return None
+    if model_name in SHORT_GPT2:
+        return f"openai-community/{model_name}"
+    return model_name if HUB_REPO_ID.match(model_name) else None
+
+
+def model_card(config: dict[str, Any]) -> str:
+    """The card's Markdown for a lens config (as `TunedLens.config()` writes it)."""
+    base = base_model(config.get("model_name"))
+    front = ["---", "library_name: lenskit"]
+    if base:
+        front.append(f"base_model: {base}")
+    front += ["tags:", *(f"- {t}" for t in TAGS), "---", ""]
+    name = base or config.get("model_name") or "a model"
+    body = [f"# Tuned lens for {name}", "",
+            f"A tuned lens (one affine translator per residual stream, {config.get('n_layers')} layers, "
+            f"d_model {config.get('d_model')}{', with resid_mid translators' if config.get('resid_mid') else ''}) "
+            "written by lenskit. The weights are in "
+            f"`{config.get('weights')}`, the settings in `{CONFIG_FILE}`.", "",
+            "```python", "import lenskit", "from lenses import TunedLens", "",
+            f"model = lenskit.HookedTransformer.from_pretrained({json.dumps(base or config.get('model_name'))})",
+            "lens = TunedLens.load(\"<this repo id or folder>\", model)", "```", "",
+            f"The model's fingerprint (sha256 of its final norm and unembedding): `{config.get('model_fingerprint')}`.", ""]
+    body += _training(config) + _data(config) + _evaluation(config)
+    return "\n".join(front + body).rstrip() + "\n"
+
+
+def _training(config: dict[str, Any]) -> list[str]:
+    recipe = config.get("recipe")
+    if not isinstance(recipe, dict):
+        return ["## Training", "", "No training recipe is recorded (the lens was not trained by lenskit).", ""]
+    rows = [f"| {k} | {json.dumps(v)} |" for k, v in recipe.items()]
+    done = config.get("steps_done")
+    tokens = config.get("tokens_seen")
+    summary = f"{done} step{'' if done == 1 else 's'}, {tokens:,} tokens." if isinstance(done, int) and isinstance(tokens, int) else ""
+    return ["## Training", "", f"Trained with `lenskit train-lens`: {summary}".rstrip(), "",
+            "| recipe | value |", "|---|---|", *rows, ""]
+
+
+def _data(config: dict[str, Any]) -> list[str]:
+    data = config.get("data")
+    if not isinstance(data, dict):
+        return []
+    keys = [k for k in ("inputs", "n_files", "n_documents", "n_tokens", "bytes", "sha256") if k in data]
+    rows = [f"| {k} | {json.dumps(data[k])[:200]} |" for k in keys]
+    return ["## Data", "", "| provenance | value |", "|---|---|", *rows, ""]
+
+
+def _evaluation(config: dict[str, Any]) -> list[str]:
+    ev = config.get("eval")
+    if not isinstance(ev, dict) or not isinstance(ev.get("table"), list):
+        return ["## Evaluation", "", "Not evaluated yet: `lenskit eval-lens --lens FOLDER --data HELD_OUT --card` "
+                "adds the per-layer table here.", ""]
+    lines = ["## Evaluation", "",
+             f"KL(final ‖ lens) and cross-entropy in nats per token on {ev.get('n_tokens', '?'):,} held-out tokens "
+             f"(data sha256 {str(ev.get('data_sha256'))[:12]}), logit lens against this tuned lens:" if isinstance(
+                 ev.get("n_tokens"), int) else "KL and cross-entropy in nats per token, logit lens against this tuned lens:", "",
+             "| " + " | ".join(EVAL_COLUMNS) + " |", "|" + "---|" * len(EVAL_COLUMNS)]
+    for row in ev["table"]:
+        cells = [row.get(c) for c in EVAL_COLUMNS]
+        lines.append("| " + " | ".join(f"{c:.4f}" if isinstance(c, float) else str(c) for c in cells) + " |")
+    return lines + [""]
+
+
+def record_eval(folder: str | Path, table: list[dict[str, Any]], n_tokens: int, data_sha256: str | None) -> Path:
+    """Store an eval-lens table in a lens folder's config.json (key "eval") and rewrite its README.md card."""
+    folder = Path(folder)
+    config = read_config(folder)
+    config["eval"] = {"n_tokens": n_tokens, "data_sha256": data_sha256,
+                      "table": [{c: int(row[c]) if c == "layer" else float(row[c]) for c in EVAL_COLUMNS} for row in table]}
+    text = json.dumps(config, indent=2) + "\n"
+    write_atomic(folder / CONFIG_FILE, lambda tmp: tmp.write_text(text))
+    card = model_card(config)
+    write_atomic(folder / CARD_FILE, lambda tmp: tmp.write_text(card, encoding="utf-8"))
+    return folder / CARD_FILE
