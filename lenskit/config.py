@@ -10,12 +10,16 @@ from typing import Any, Mapping
 
 from .families import GELU_ACTIVATIONS, ROPE_TYPES, config_fields
 
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")  # rmsnorm_offset: gain (1 + weight), Gemma's
+MLPS = ("gelu", "swiglu", "geglu", "swiglu_fused")  # geglu: gated, tanh GELU (Gemma); swiglu_fused: one gate_up (Phi-3)
+NORM_PLACEMENTS = ("pre", "sandwich", "post")  # before each sublayer; before and after (Gemma); after only (OLMo 2)
+LAYER_TYPES = ("full", "sliding")
 POSITIONALS = ("learned", "rotary")
 ACTIVATIONS = GELU_ACTIVATIONS
 _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
-_BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm")
+_BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
+                "qk_norm_per_head", "scale_embed")
+_POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rotary_base")
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,14 @@ class ModelConfig:
     out_bias: bool = True
     mlp_bias: bool | None = None  # None means True for the GELU MLP, False for SwiGLU
     qk_norm: bool = False  # an RMSNorm over d_head on each query and key head (Qwen 3)
+    qk_norm_per_head: bool = True  # False: the q/k norm spans all heads' features at once (OLMo 2)
+    norm_placement: str = "pre"  # see NORM_PLACEMENTS; "sandwich" and "post" add ln1_post / ln2_post
+    scale_embed: bool = False  # the embedding is multiplied by sqrt(d_model), in the model's dtype (Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scores are scaled by this ** -0.5 (None: d_head ** -0.5)
+    attn_softcap: float | None = None  # scores -> c * tanh(scores / c) before the mask (Gemma 2)
+    final_softcap: float | None = None  # logits -> c * tanh(logits / c) at the end of the readout (Gemma 2)
+    layer_types: tuple[str, ...] | None = None  # per block, "full" or "sliding"; None: every block uses sliding_window
+    local_rotary_base: float | None = None  # rotary base of the "sliding" blocks when it differs (Gemma 3)
 
     def __post_init__(self) -> None:
         if self.d_mlp is None:
@@ -79,6 +91,8 @@ class ModelConfig:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.mlp_bias is None:
             object.__setattr__(self, "mlp_bias", self.mlp == "gelu")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if self.rotary_dim is None and self.positional == "rotary":
             object.__setattr__(self, "rotary_dim", self.d_head)
         for field in _INT_FIELDS:
@@ -97,7 +111,18 @@ class ModelConfig:
                 f"ModelConfig.activation={self.activation!r} is not a GELU activation; "
                 f"supported: {sorted(ACTIVATIONS)}"
             )
-        for field, allowed in (("norm", NORMS), ("mlp", MLPS), ("positional", POSITIONALS), ("rope_type", ROPE_TYPES)):
+        for field in _POSITIVE_OR_NONE:
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")):
+                raise ValueError(f"ModelConfig.{field} must be None or a positive number, got {value!r}")
+        if self.layer_types is not None and (len(self.layer_types) != self.n_layers
+                                             or any(t not in LAYER_TYPES for t in self.layer_types)):
+            raise ValueError(f"ModelConfig.layer_types must name one of {LAYER_TYPES} for each of the {self.n_layers} blocks, "
+                             f"got {self.layer_types!r}")
+        if self.layer_types is not None and "sliding" in self.layer_types and self.sliding_window is None:
+            raise ValueError("ModelConfig.layer_types has 'sliding' blocks but sliding_window is None; give the window")
+        for field, allowed in (("norm", NORMS), ("mlp", MLPS), ("positional", POSITIONALS), ("rope_type", ROPE_TYPES),
+                               ("norm_placement", NORM_PLACEMENTS)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}; supported: {allowed}")
         if self.positional == "rotary" and not (isinstance(self.rotary_dim, int) and 0 < self.rotary_dim <= self.d_head
@@ -111,6 +136,12 @@ class ModelConfig:
     def gelu_approximate(self) -> str:
         """The `approximate` argument of `torch.nn.functional.gelu` for this activation."""
         return ACTIVATIONS[self.activation]
+
+    def layer_type(self, layer: int) -> str:
+        """"full" or "sliding" for block `layer`."""
+        if self.layer_types is not None:
+            return self.layer_types[layer]
+        return "full" if self.sliding_window is None else "sliding"
 
     @property
     def is_gpt2(self) -> bool:
@@ -127,6 +158,9 @@ class ModelConfig:
             fields["n_kv_heads"] = None
         if "d_model" in changes and "d_mlp" not in changes:
             fields["d_mlp"] = None
+        if "n_layers" in changes and "layer_types" not in changes and self.layer_types is not None:
+            cycle = self.layer_types  # the pattern repeats: blocks 0..n-1 keep their types, new ones continue it
+            fields["layer_types"] = tuple(cycle[i % len(cycle)] for i in range(changes["n_layers"]))
         fields.update(changes)
         return ModelConfig(**fields)
 
