@@ -229,10 +229,15 @@ def _gemma(r: _Reader, pattern: int) -> dict[str, Any]:
     }
 
 
+def _cap(r: _Reader, key: str, default: float | None) -> float | None:
+    """A soft-cap: absent means transformers' default for the family, an explicit null means no cap."""
+    return None if key in r.d and r.d[key] is None else r.float(key, default)
+
+
 def read_gemma2(r: _Reader) -> dict[str, Any]:
     fields = _gemma(r, pattern=2)
     return {**fields, **_rope(r, fields["d_head"]),
-            "attn_softcap": r.float("attn_logit_softcapping", 50.0), "final_softcap": r.float("final_logit_softcapping", 30.0)}
+            "attn_softcap": _cap(r, "attn_logit_softcapping", 50.0), "final_softcap": _cap(r, "final_logit_softcapping", 30.0)}
 
 
 def read_gemma3_text(r: _Reader) -> dict[str, Any]:
@@ -240,7 +245,7 @@ def read_gemma3_text(r: _Reader) -> dict[str, Any]:
     r.require("attn_logit_softcapping", (None,), None)
     fields = _gemma(r, pattern=r.int("sliding_window_pattern", 6))
     return {**fields, **_gemma3_rope(r, fields["d_head"]), "qk_norm": True,
-            "final_softcap": r.float("final_logit_softcapping", None)}
+            "final_softcap": _cap(r, "final_logit_softcapping", None)}
 
 
 def _gemma3_rope(r: _Reader, head_dim: int) -> dict[str, Any]:
