@@ -101,8 +101,9 @@ def decompose_resid(cache: ActivationCache, stream: int | str | Stream, point: s
     layer, point = s.layer, s.point
     parts: list[tuple[torch.Tensor, str, str, int | None, int | None]] = [
         (_need(cache, "hook_embed", "decompose_resid"), "embed", "embed", None, None),
-        (_need(cache, "hook_pos_embed", "decompose_resid"), "pos_embed", "pos_embed", None, None),
     ]
+    if "blocks.0.attn.hook_rot_q" not in cache:  # rotary models have no position-embedding part
+        parts.append((_need(cache, "hook_pos_embed", "decompose_resid"), "pos_embed", "pos_embed", None, None))
     n_attn = layer + 1 if point in ("resid_mid", "resid_post") else layer  # blocks whose attention wrote already
     n_mlp = layer + 1 if point == "resid_post" else layer  # blocks whose MLP wrote already
     for i in range(n_attn):
@@ -116,8 +117,7 @@ def decompose_resid(cache: ActivationCache, stream: int | str | Stream, point: s
             parts.append((attn_out, f"{i}_attn_out", "attn", i, None))
         if i < n_mlp:
             parts.append((_need(cache, hook_name("mlp_out", i), "decompose_resid"), f"{i}_mlp_out", "mlp", i, None))
-    pos_embed = parts[1][0].expand_as(parts[0][0])  # position embeddings are the same for every sequence
-    tensors = [parts[0][0], pos_embed, *(p[0] for p in parts[2:])]
+    tensors = [p[0].expand_as(parts[0][0]) for p in parts]  # position embeddings are the same for every sequence
     return ResidDecomposition(
         components=torch.stack(tensors),  # [component, batch, pos, d_model]
         labels=[p[1] for p in parts], kinds=[p[2] for p in parts], layers=[p[3] for p in parts],
