@@ -241,13 +241,30 @@ def _pythia(name: str, n_layers: int, d_model: int, n_heads: int, d_vocab: int =
 
 def _llama(name: str, family: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int, d_vocab: int,
            n_ctx: int, tied: bool, base: float, d_head: int | None = None, **extra: Any) -> ModelConfig:
+    fields = dict(norm="rmsnorm", mlp="swiglu", norm_eps=1e-5 if family in ("llama", "mistral", "phi3") else 1e-6,
+                  fused_qkv=False, qk_norm=family == "qwen3")
     return ModelConfig(
         n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head, d_mlp=d_mlp,
-        d_vocab=d_vocab, n_ctx=n_ctx, norm="rmsnorm", mlp="swiglu", norm_eps=1e-5 if family in ("llama", "mistral") else 1e-6,
-        tie_word_embeddings=tied, family=family, positional="rotary", rotary_base=base, fused_qkv=False,
-        qkv_bias=family == "qwen2", out_bias=False, qk_norm=family == "qwen3", name=name, **extra,
+        d_vocab=d_vocab, n_ctx=n_ctx, tie_word_embeddings=tied, family=family, positional="rotary", rotary_base=base,
+        qkv_bias=family == "qwen2", out_bias=False, name=name, **{**fields, **extra},
     )
 
+
+def _gemma(name: str, family: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int, d_vocab: int,
+           n_ctx: int, window: int, pattern: int, **extra: Any) -> ModelConfig:
+    """Gemma 2 (every other block local, soft-caps) or Gemma 3 text (one global block in `pattern`, q/k norms)."""
+    return ModelConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=256, d_mlp=d_mlp,
+        d_vocab=d_vocab, n_ctx=n_ctx, norm="rmsnorm_offset", norm_eps=1e-6, mlp="geglu", activation="gelu_pytorch_tanh",
+        norm_placement="sandwich", scale_embed=True, tie_word_embeddings=True, family=family, positional="rotary",
+        fused_qkv=False, qkv_bias=False, out_bias=False, query_pre_attn_scalar=256.0, sliding_window=window,
+        layer_types=tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers)),
+        bos_token_id=2, eos_token_id=1, name=name, **extra,
+    )
+
+
+_GEMMA2 = dict(attn_softcap=50.0, final_softcap=30.0)
+_GEMMA3 = dict(qk_norm=True, rotary_base=1_000_000.0, local_rotary_base=10000.0)
 
 _LLAMA3 = dict(rope_type="llama3", rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_n_ctx=8192)
 
@@ -279,5 +296,16 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-1.7b": _llama("qwen3-1.7b", "qwen3", 28, 2048, 16, 8, 6144, 151936, 40960, True, 1000000.0, d_head=128),
     "qwen3-4b": _llama("qwen3-4b", "qwen3", 36, 2560, 32, 8, 9728, 151936, 40960, True, 1000000.0, d_head=128),
     "qwen3-8b": _llama("qwen3-8b", "qwen3", 36, 4096, 32, 8, 12288, 151936, 40960, False, 1000000.0, d_head=128),
+    "gemma-2-2b": _gemma("gemma-2-2b", "gemma2", 26, 2304, 8, 4, 9216, 256000, 8192, 4096, 2, **_GEMMA2),
+    "gemma-2-9b": _gemma("gemma-2-9b", "gemma2", 42, 3584, 16, 8, 14336, 256000, 8192, 4096, 2, **_GEMMA2),
+    "gemma-3-1b": _gemma("gemma-3-1b", "gemma3_text", 26, 1152, 4, 1, 6912, 262144, 32768, 512, 6, **_GEMMA3),
+    "gemma-3-4b": _gemma("gemma-3-4b", "gemma3_text", 34, 2560, 8, 4, 10240, 262208, 131072, 1024, 6, **_GEMMA3,
+                         rope_type="linear", rope_factor=8.0),  # the text part of Gemma3ForConditionalGeneration
+    "olmo-2-1b": _llama("olmo-2-1b", "olmo2", 16, 2048, 16, 16, 8192, 100352, 4096, False, 500000.0, qk_norm=True,
+                        qk_norm_per_head=False, norm_placement="post", norm_eps=1e-6, bos_token_id=None, eos_token_id=100257),
+    "olmo-2-7b": _llama("olmo-2-7b", "olmo2", 32, 4096, 32, 32, 11008, 100352, 4096, False, 500000.0, qk_norm=True,
+                        qk_norm_per_head=False, norm_placement="post", norm_eps=1e-6, bos_token_id=None, eos_token_id=100257),
+    "phi-3-mini": _llama("phi-3-mini", "phi3", 32, 3072, 32, 32, 8192, 32064, 4096, False, 10000.0, fused_qkv=True,
+                         mlp="swiglu_fused", sliding_window=2047, bos_token_id=1, eos_token_id=32000),
 }
 """Published shapes by short name (case-insensitive; an organisation prefix is ignored by `from_name`)."""
