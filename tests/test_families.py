@@ -311,3 +311,17 @@ def test_direct_logit_attribution_is_to_the_pre_cap_logits(tokens):
     assert max(abs(a - b) for a, b in zip(capped, want)) > 1e-3  # the cap bites here, and is not what is attributed
     with pytest.raises(ValueError, match="per_head"):
         direct_logit_attribution(model, cache, token=5, per_head=True)
+
+
+def test_fresh_gemma_norms_start_at_the_identity_gain():
+    """(1 + w) norms are initialised with w = 0 (gain 1), the others with weight 1."""
+    from lenskit import ModelConfig
+
+    cfg = ModelConfig.from_name("gemma-3-1b").replace(n_layers=2, d_model=16, n_heads=2, n_kv_heads=1, d_head=8, d_mlp=24,
+                                                      d_vocab=50, n_ctx=32, sliding_window=4, rotary_dim=8)
+    model = HookedTransformer(cfg)
+    for name in ("ln_final", "blocks.0.ln1", "blocks.0.ln1_post", "blocks.1.ln2_post", "blocks.0.attn.q_norm"):
+        norm = model.get_submodule(name)
+        assert torch.equal(norm.weight, torch.zeros_like(norm.weight)) and torch.equal(norm.gain, torch.ones_like(norm.gain))
+    x = torch.randn(2, 3, 16)
+    torch.testing.assert_close(model.ln_final(x), x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt())
