@@ -108,6 +108,9 @@ def decompose_resid(cache: ActivationCache, stream: int | str | Stream, point: s
     n_mlp = layer + 1 if point == "resid_post" else layer  # blocks whose MLP wrote already
     for i in range(n_attn):
         attn_out = _need(cache, hook_name("attn_out", i), "decompose_resid")
+        if per_head and f"blocks.{i}.ln1_post.hook_normalized" in cache:  # Gemma, OLMo 2
+            raise ValueError(f"block {i} normalises attention's output (ln1_post) after its heads are summed, so the "
+                             "heads do not add up to attn_out; decompose with per_head=False")
         if per_head:
             result = _need(cache, hook_name("result", i), "a per-head decomposition")  # [batch, pos, head, d_model]
             for h in range(result.shape[2]):

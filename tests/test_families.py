@@ -311,6 +311,12 @@ def test_direct_logit_attribution_is_to_the_pre_cap_logits(tokens):
     assert max(abs(a - b) for a, b in zip(capped, want)) > 1e-3  # the cap bites here, and is not what is attributed
     with pytest.raises(ValueError, match="per_head"):
         direct_logit_attribution(model, cache, token=5, per_head=True)
+    from lenses.anatomy import decompose_resid
+
+    with pytest.raises(ValueError, match="ln1_post"):
+        decompose_resid(cache, model.cfg.n_layers, per_head=True)
+    parts = decompose_resid(cache, model.cfg.n_layers)  # whole writes, as added to the stream, sum to it
+    torch.testing.assert_close(parts.total(), cache.stream(model.cfg.n_layers), atol=1e-4, rtol=0)
 
 
 def test_fresh_gemma_norms_start_at_the_identity_gain():
