@@ -152,11 +152,18 @@ def direct_logit_attribution(
     centring and the dot product are linear, the rows sum exactly to the model's logit (difference).
     The approximation is in reading a row as an effect: removing a part would also change `s`, which
     this attribution ignores; it measures what each write says directly, not what it causes downstream.
+    For a model with a final logit soft-cap (Gemma 2), attribution is to the pre-cap logits: the rows sum to
+    the logit (difference) before the cap, and `attrs["logit"]` is that pre-cap value, not the capped output.
+    With `per_head`, a model whose attention output is normalised again before it reaches the stream (Gemma,
+    OLMo 2: `ln1_post`) is refused, since its heads' outputs do not add up to the write.
 
     `pos` is one position, or one per sequence (e.g. each prompt's last real token). Returns one row per
     (batch, component) with `batch, position, component, kind, layer, head, attribution`; the frame's
     `attrs["logit"]` holds the target logit (difference) per sequence, computed from the model itself.
     """
+    if per_head and model.cfg.norm_placement != "pre":
+        raise ValueError(f"per_head attribution is not defined for norm_placement={model.cfg.norm_placement!r}: "
+                         "each attention write is normalised (ln1_post) after its heads are summed; use per_head=False")
     final = stream_in(cache, Stream(cache.n_layers), "the final stream")  # [batch, pos, d_model]
     batch, n_pos, d_model = final.shape
     p = _positions(pos, batch, n_pos)
@@ -175,7 +182,7 @@ def direct_logit_attribution(
         comps = comps - comps.mean(-1, keepdim=True)
         x = x - x.mean(-1, keepdim=True)
     scale = (x.pow(2).mean(-1, keepdim=True) + ln.eps).sqrt()  # [batch, 1], as the norm computes it
-    attribution = torch.einsum("cbd,bd->cb", comps / scale * ln.weight, direction)  # [component, batch]
+    attribution = torch.einsum("cbd,bd->cb", comps / scale * ln.gain, direction)  # [component, batch]
     labels, kinds, layers, heads = list(parts.labels), list(parts.kinds), list(parts.layers), list(parts.heads)
     if hasattr(ln, "bias"):
         attribution = torch.cat([attribution, (ln.bias * direction).sum(-1)[None]])
@@ -191,7 +198,7 @@ def direct_logit_attribution(
         "head": pd.array(heads * batch, dtype="Int64"),
         "attribution": attribution.T.flatten().float().cpu().numpy(),
     })
-    logits = model.readout(final[rows, p])  # [batch, d_vocab], the model's own answer
+    logits = model.readout_uncapped(final[rows, p])  # [batch, d_vocab], the model's own answer before any soft-cap
     target = logits.gather(-1, plus_ids[:, None])[:, 0]
     if minus_ids is not None:
         target = target - logits.gather(-1, minus_ids[:, None])[:, 0]

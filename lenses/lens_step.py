@@ -18,7 +18,11 @@ temporaries per stream. Here instead:
   log-softmax and one exp;
 - then one backward from the normed streams with that gradient, through the norm and the translators.
 
-The readout this assumes is the model's: `unembed(ln_final(h))`, a final norm then a linear unembedding.
+The readout this assumes is the model's: `unembed(ln_final(h))`, a final norm then a linear unembedding,
+then, for a model with a final soft-cap c (Gemma 2), logits = c tanh(z / c) of the unembedding's output z.
+With a cap the shortcut through p W_U does not hold (the KL is not linear in z), so each chunk computes the
+capped logits in full and the gradient is written out with the tanh's derivative:
+d KL / d z = (q - p) (1 - tanh(z / c)^2).
 
 >>> objective = TranslatedStreams(lens)           # or DistributedDataParallel(TranslatedStreams(lens))
 >>> kl = kl_step(objective, model.unembed, streams, final_logits, scale=1 / tokens)  # [n_streams]; grads added
@@ -56,16 +60,21 @@ class TranslatedStreams(nn.Module):
 
 
 def kl_step(translate: Callable[[Streams], torch.Tensor], unembed: nn.Linear, streams: Streams, final_logits: torch.Tensor,
-            scale: float, chunk_tokens: int | None = None) -> torch.Tensor:
+            scale: float, chunk_tokens: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Summed KL(final || lens) per stream [n_streams] (float64), and `scale` x its gradient added to the
     translators' `.grad` (one backward through `translate`, so DistributedDataParallel reduces it as usual).
 
     translate: streams -> normed translated streams [stream, tokens, d_model] (a `TranslatedStreams`, maybe
-    wrapped); final_logits [batch, pos, d_vocab], the model's own output for the same tokens.
+    wrapped); final_logits [batch, pos, d_vocab], the model's own output for the same tokens; softcap, the
+    model's final logit soft-cap (`model.cfg.final_softcap`), None for none.
     """
     normed = translate(streams)  # [stream, tokens, d_model]
+    targets = final_logits.reshape(-1, final_logits.shape[-1])
     with torch.no_grad():
-        kl, grad = readout_kl_and_grad(normed.detach(), final_logits.reshape(-1, final_logits.shape[-1]), unembed, chunk_tokens)
+        if softcap is None:
+            kl, grad = readout_kl_and_grad(normed.detach(), targets, unembed, chunk_tokens)
+        else:
+            kl, grad = capped_readout_kl_and_grad(normed.detach(), targets, unembed, softcap, chunk_tokens)
     normed.backward(grad.mul_(scale))
     return kl
 
@@ -119,4 +128,30 @@ def readout_kl_and_grad(normed: torch.Tensor, final_logits: torch.Tensor, unembe
         # d KL / d logits = q - p, so d KL / d x = q W_U - p W_U.
         dx = (q[:r].to(weight.dtype) @ weight).float().view(c, n_streams, d_model) - pw.unsqueeze(1)
         grad[:, t0:t1] = dx.transpose(0, 1)
+    return kl, grad
+
+
+@torch.no_grad()
+def capped_readout_kl_and_grad(normed: torch.Tensor, final_logits: torch.Tensor, unembed: nn.Linear, softcap: float,
+                               chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`readout_kl_and_grad` for a readout ending in a soft-cap: lens logits c tanh(unembed(normed) / c)."""
+    n_streams, n_tokens, d_model = normed.shape
+    weight, bias = unembed.weight, unembed.bias
+    if chunk_tokens is None:
+        chunk_tokens = max(1, max(MIN_ROWS, ROW_BYTES // (4 * weight.shape[0])) // n_streams)
+    kl = torch.zeros(n_streams, dtype=torch.float64, device=normed.device)
+    grad = torch.empty_like(normed)
+    for t0 in range(0, n_tokens, chunk_tokens):
+        t1 = min(t0 + chunk_tokens, n_tokens)
+        logp = torch.log_softmax(final_logits[t0:t1].float(), dim=-1)  # [c, d_vocab]
+        p = logp.exp()
+        x = normed[:, t0:t1]  # [stream, c, d_model]
+        z = (x.to(weight.dtype) @ weight.t()).float()  # [stream, c, d_vocab]
+        if bias is not None:
+            z += bias.float()
+        capped = torch.tanh(z / softcap)
+        logq = torch.log_softmax(capped * softcap, dim=-1)
+        kl += (p * (logp - logq)).nan_to_num_(0.0).sum((1, 2), dtype=torch.float64)  # 0 log 0 = 0 where p = 0
+        dz = (logq.exp_() - p) * (1 - capped.square_())  # d KL / d logits, then through the cap
+        grad[:, t0:t1] = (dz.to(weight.dtype) @ weight).float()
     return kl, grad

@@ -217,7 +217,8 @@ def train_step(objective: nn.Module, lens: TunedLens, opt: torch.optim.Optimizer
             # Forward and backward: [n_streams] summed nats, gradients added. Each rank divides by the step's
             # total tokens and DDP averages over ranks, so the gradient is the mean over every token of the
             # step: identical maths to one process doing all of it.
-            per_stream = kl_step(objective, lens.model.unembed, streams, final, world / recipe.tokens_per_step)
+            per_stream = kl_step(objective, lens.model.unembed, streams, final, world / recipe.tokens_per_step,
+                                 softcap=lens.model.cfg.final_softcap)
             step_loss += check_finite(per_stream, final, labels, world, step, ckpt)
     norm = torch.nn.utils.clip_grad_norm_(lens.parameters(), recipe.clip_grad_norm)
     if not torch.isfinite(norm):

@@ -70,8 +70,10 @@ def block_params(model_or_cfg: ConfigLike) -> pd.DataFrame:
         mlp_w, mlp_b = 2 * d * m, (m + d if cfg.mlp_bias else 0)  # fc_in, fc_out
     else:
         mlp_w, mlp_b = 3 * d * m, (2 * m + d if cfg.mlp_bias else 0)  # gate, fc_in, fc_out
-    norm_w = 2 * d + (2 * cfg.d_head if cfg.qk_norm else 0)  # ln1, ln2 (and the per-head q/k norm gains)
-    norm_b = 2 * d if cfg.norm == "layernorm" else 0
+    n_norms = 4 if cfg.norm_placement == "sandwich" else 2  # ln1, ln2 and/or ln1_post, ln2_post
+    qk = (2 * cfg.d_head if cfg.qk_norm_per_head else a + kv) if cfg.qk_norm else 0  # q/k norm gains: per head, or all heads
+    norm_w = n_norms * d + qk
+    norm_b = n_norms * d if cfg.norm == "layernorm" else 0
     rows = {"attn": (attn_w, attn_b), "mlp": (mlp_w, mlp_b), "norms": (norm_w, norm_b)}
     frame = pd.DataFrame.from_dict(rows, orient="index", columns=["weights", "biases"])
     frame["params"] = frame["weights"] + frame["biases"]
@@ -136,8 +138,10 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
         "per_block": (per_block, "12 d^2 + 13 d for GPT-2 shapes" if cfg.is_gpt2 and cfg.d_mlp == 4 * cfg.d_model else ""),
         "per_block_attn": (int(block.loc["attn", "params"]), "q, k, v and out projections" +
                            (f" (k, v: {cfg.n_kv_heads} of {cfg.n_heads} heads)" if cfg.n_kv_heads != cfg.n_heads else "")),
-        "per_block_mlp": (int(block.loc["mlp", "params"]), "fc_in and fc_out" if cfg.mlp == "gelu" else "gate, fc_in, fc_out (SwiGLU)"),
-        "per_block_norms": (int(block.loc["norms", "params"]), "ln1 and ln2" + (", q/k norms" if cfg.qk_norm else "")),
+        "per_block_mlp": (int(block.loc["mlp", "params"]), "fc_in and fc_out" if cfg.mlp == "gelu" else "gate, fc_in, fc_out (gated MLP)"),
+        "per_block_norms": (int(block.loc["norms", "params"]), {"pre": "ln1 and ln2", "post": "ln1_post and ln2_post",
+                                                               "sandwich": "ln1, ln2, ln1_post and ln2_post"}[cfg.norm_placement]
+                            + (", q/k norms" if cfg.qk_norm else "")),
         "weights": (int(table.weights.sum()), "matrices, embeddings and norm gains"),
         "biases": (int(table.biases.sum()), "linear biases and norm shifts"),
         "mlp_share_of_block": (float(block.loc["mlp", "params"] / per_block), "GPT-2: 2/3"),

@@ -8,8 +8,6 @@ hook_pattern are [batch, head, query_pos, key_pos]; hook_result [batch, pos, hea
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,25 +72,28 @@ class SlidingWindowMask(CausalMask):
         return {"attn_mask": self.allowed(n_pos, device)}
 
 
-def make_mask(cfg: ModelConfig) -> CausalMask:
-    return CausalMask() if cfg.sliding_window is None else SlidingWindowMask(cfg.sliding_window)
+def make_mask(cfg: ModelConfig, layer: int = 0) -> CausalMask:
+    return SlidingWindowMask(cfg.sliding_window) if cfg.layer_type(layer) == "sliding" else CausalMask()
 
 
 class Attention(nn.Module):
     """Multi-head causal self-attention: project, (q/k norm), (rotate), attend, write back.
 
-    PyTorch's fused scaled-dot-product kernel runs unless a hook needs the internals; both paths
-    compute the same function. Under grouped-query attention each group of n_heads / n_kv_heads
-    query heads shares one key/value head.
+    PyTorch's fused scaled-dot-product kernel runs unless a hook needs the internals or the scores are
+    soft-capped (which the kernel cannot do); both paths compute the same function. Under grouped-query
+    attention each group of n_heads / n_kv_heads query heads shares one key/value head. `layer` picks
+    the block's mask and rotary base where the config alternates local and global blocks.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
         self.group = cfg.n_heads // cfg.n_kv_heads
         self.qkv = FusedQKV(cfg) if cfg.fused_qkv else SplitQKV(cfg)
         self.out = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.out_bias)
-        self.mask = make_mask(cfg)
+        self.mask = make_mask(cfg, layer)
+        self.scale = (cfg.d_head if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar) ** -0.5
+        self.softcap = cfg.attn_softcap
         self.hook_q = HookPoint()  # [batch, pos, head, d_head]
         self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
         self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
@@ -101,17 +102,23 @@ class Attention(nn.Module):
         self.hook_z = HookPoint()  # [batch, pos, head, d_head]
         self.hook_result = HookPoint()  # [batch, pos, head, d_model], computed only when hooked
         internals = [self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern]
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_per_head:
             self.q_norm = make_norm(cfg, cfg.d_head)  # over d_head, per head, before rotary
             self.k_norm = make_norm(cfg, cfg.d_head)
+        elif cfg.qk_norm:  # one norm over every head's features at once (OLMo 2); hooks see [batch, pos, head * d_head]
+            self.q_norm = make_norm(cfg, cfg.n_heads * cfg.d_head)
+            self.k_norm = make_norm(cfg, cfg.n_kv_heads * cfg.d_head)
+        if cfg.qk_norm:
             internals += [self.q_norm.hook_scale, self.q_norm.hook_normalized, self.k_norm.hook_scale, self.k_norm.hook_normalized]
         if cfg.positional == "rotary":
-            self.rotary = Rotary(cfg)
+            self.rotary = Rotary(cfg, local=cfg.layer_type(layer) == "sliding")
             self.hook_rot_q = HookPoint()  # [batch, pos, head, d_head]
             self.hook_rot_k = HookPoint()  # [batch, pos, kv_head, d_head]
             internals += [self.hook_rot_q, self.hook_rot_k]
         # Each optional step is chosen here, once; forward calls whichever was chosen.
-        self._norm_qk = self._apply_qk_norm if cfg.qk_norm else _unchanged
+        self._norm_qk = (_unchanged if not cfg.qk_norm else self._apply_qk_norm if cfg.qk_norm_per_head
+                         else self._apply_flat_qk_norm)
+        self._cap = _unchanged_scores if self.softcap is None else self._softcap_scores
         self._rotate_qk = self._apply_rotary if cfg.positional == "rotary" else _unchanged
         self._internals = tuple(internals)
 
@@ -120,11 +127,11 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x)  # [batch, pos, head, d_head], 2 x [batch, pos, kv_head, d_head]
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         q, k = self._rotate_qk(*self._norm_qk(q, k))
-        if any(h.has_hooks() for h in self._internals):
+        if self.softcap is not None or any(h.has_hooks() for h in self._internals):
             z = self._eager(q, k, v)
         else:
             z = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=self.group > 1,
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=self.group > 1, scale=self.scale,
                 **self.mask.sdpa_kwargs(pos, x.device),
             ).transpose(1, 2)  # [batch, pos, head, d_head]
         z = self.hook_z(z)
@@ -137,6 +144,12 @@ class Attention(nn.Module):
     def _apply_qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)
 
+    def _apply_flat_qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
+
+    def _softcap_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(scores / self.softcap) * self.softcap
+
     def _apply_rotary(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.hook_rot_q(self.rotary(q)), self.hook_rot_k(self.rotary(k))
 
@@ -144,7 +157,7 @@ class Attention(nn.Module):
         pos = q.shape[1]
         k = k.repeat_interleave(self.group, dim=2)  # [batch, pos, head, d_head]: query head h reads kv head h // group
         v = v.repeat_interleave(self.group, dim=2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.d_head)  # [batch, head, query_pos, key_pos]
+        scores = self._cap(torch.einsum("bqhd,bkhd->bhqk", q, k) * self.scale)  # [batch, head, query_pos, key_pos]
         allowed = self.mask.allowed(pos, q.device)
         scores = self.hook_attn_scores(scores.masked_fill(~allowed, float("-inf")))
         pattern = self.hook_pattern(scores.softmax(-1))
@@ -153,3 +166,7 @@ class Attention(nn.Module):
 
 def _unchanged(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, k
+
+
+def _unchanged_scores(scores: torch.Tensor) -> torch.Tensor:
+    return scores

@@ -10,12 +10,16 @@ from typing import Any, Mapping
 
 from .families import GELU_ACTIVATIONS, ROPE_TYPES, config_fields
 
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")  # rmsnorm_offset: gain (1 + weight), Gemma's
+MLPS = ("gelu", "swiglu", "geglu", "swiglu_fused")  # geglu: gated, tanh GELU (Gemma); swiglu_fused: one gate_up (Phi-3)
+NORM_PLACEMENTS = ("pre", "sandwich", "post")  # before each sublayer; before and after (Gemma); after only (OLMo 2)
+LAYER_TYPES = ("full", "sliding")
 POSITIONALS = ("learned", "rotary")
 ACTIVATIONS = GELU_ACTIVATIONS
 _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
-_BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm")
+_BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
+                "qk_norm_per_head", "scale_embed")
+_POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rotary_base")
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,14 @@ class ModelConfig:
     out_bias: bool = True
     mlp_bias: bool | None = None  # None means True for the GELU MLP, False for SwiGLU
     qk_norm: bool = False  # an RMSNorm over d_head on each query and key head (Qwen 3)
+    qk_norm_per_head: bool = True  # False: the q/k norm spans all heads' features at once (OLMo 2)
+    norm_placement: str = "pre"  # see NORM_PLACEMENTS; "sandwich" and "post" add ln1_post / ln2_post
+    scale_embed: bool = False  # the embedding is multiplied by sqrt(d_model), in the model's dtype (Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scores are scaled by this ** -0.5 (None: d_head ** -0.5)
+    attn_softcap: float | None = None  # scores -> c * tanh(scores / c) before the mask (Gemma 2)
+    final_softcap: float | None = None  # logits -> c * tanh(logits / c) at the end of the readout (Gemma 2)
+    layer_types: tuple[str, ...] | None = None  # per block, "full" or "sliding"; None: every block uses sliding_window
+    local_rotary_base: float | None = None  # rotary base of the "sliding" blocks when it differs (Gemma 3)
 
     def __post_init__(self) -> None:
         if self.d_mlp is None:
@@ -79,6 +91,8 @@ class ModelConfig:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.mlp_bias is None:
             object.__setattr__(self, "mlp_bias", self.mlp == "gelu")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if self.rotary_dim is None and self.positional == "rotary":
             object.__setattr__(self, "rotary_dim", self.d_head)
         for field in _INT_FIELDS:
@@ -97,7 +111,18 @@ class ModelConfig:
                 f"ModelConfig.activation={self.activation!r} is not a GELU activation; "
                 f"supported: {sorted(ACTIVATIONS)}"
             )
-        for field, allowed in (("norm", NORMS), ("mlp", MLPS), ("positional", POSITIONALS), ("rope_type", ROPE_TYPES)):
+        for field in _POSITIVE_OR_NONE:
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")):
+                raise ValueError(f"ModelConfig.{field} must be None or a positive number, got {value!r}")
+        if self.layer_types is not None and (len(self.layer_types) != self.n_layers
+                                             or any(t not in LAYER_TYPES for t in self.layer_types)):
+            raise ValueError(f"ModelConfig.layer_types must name one of {LAYER_TYPES} for each of the {self.n_layers} blocks, "
+                             f"got {self.layer_types!r}")
+        if self.layer_types is not None and "sliding" in self.layer_types and self.sliding_window is None:
+            raise ValueError("ModelConfig.layer_types has 'sliding' blocks but sliding_window is None; give the window")
+        for field, allowed in (("norm", NORMS), ("mlp", MLPS), ("positional", POSITIONALS), ("rope_type", ROPE_TYPES),
+                               ("norm_placement", NORM_PLACEMENTS)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}; supported: {allowed}")
         if self.positional == "rotary" and not (isinstance(self.rotary_dim, int) and 0 < self.rotary_dim <= self.d_head
@@ -111,6 +136,12 @@ class ModelConfig:
     def gelu_approximate(self) -> str:
         """The `approximate` argument of `torch.nn.functional.gelu` for this activation."""
         return ACTIVATIONS[self.activation]
+
+    def layer_type(self, layer: int) -> str:
+        """"full" or "sliding" for block `layer`."""
+        if self.layer_types is not None:
+            return self.layer_types[layer]
+        return "full" if self.sliding_window is None else "sliding"
 
     @property
     def is_gpt2(self) -> bool:
@@ -127,6 +158,9 @@ class ModelConfig:
             fields["n_kv_heads"] = None
         if "d_model" in changes and "d_mlp" not in changes:
             fields["d_mlp"] = None
+        if "n_layers" in changes and "layer_types" not in changes and self.layer_types is not None:
+            cycle = self.layer_types  # the pattern repeats: blocks 0..n-1 keep their types, new ones continue it
+            fields["layer_types"] = tuple(cycle[i % len(cycle)] for i in range(changes["n_layers"]))
         fields.update(changes)
         return ModelConfig(**fields)
 
@@ -207,13 +241,30 @@ def _pythia(name: str, n_layers: int, d_model: int, n_heads: int, d_vocab: int =
 
 def _llama(name: str, family: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int, d_vocab: int,
            n_ctx: int, tied: bool, base: float, d_head: int | None = None, **extra: Any) -> ModelConfig:
+    fields = dict(norm="rmsnorm", mlp="swiglu", norm_eps=1e-5 if family in ("llama", "mistral", "phi3") else 1e-6,
+                  fused_qkv=False, qk_norm=family == "qwen3")
     return ModelConfig(
         n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head, d_mlp=d_mlp,
-        d_vocab=d_vocab, n_ctx=n_ctx, norm="rmsnorm", mlp="swiglu", norm_eps=1e-5 if family in ("llama", "mistral") else 1e-6,
-        tie_word_embeddings=tied, family=family, positional="rotary", rotary_base=base, fused_qkv=False,
-        qkv_bias=family == "qwen2", out_bias=False, qk_norm=family == "qwen3", name=name, **extra,
+        d_vocab=d_vocab, n_ctx=n_ctx, tie_word_embeddings=tied, family=family, positional="rotary", rotary_base=base,
+        qkv_bias=family == "qwen2", out_bias=False, name=name, **{**fields, **extra},
     )
 
+
+def _gemma(name: str, family: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int, d_vocab: int,
+           n_ctx: int, window: int, pattern: int, **extra: Any) -> ModelConfig:
+    """Gemma 2 (every other block local, soft-caps) or Gemma 3 text (one global block in `pattern`, q/k norms)."""
+    return ModelConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=256, d_mlp=d_mlp,
+        d_vocab=d_vocab, n_ctx=n_ctx, norm="rmsnorm_offset", norm_eps=1e-6, mlp="geglu", activation="gelu_pytorch_tanh",
+        norm_placement="sandwich", scale_embed=True, tie_word_embeddings=True, family=family, positional="rotary",
+        fused_qkv=False, qkv_bias=False, out_bias=False, query_pre_attn_scalar=256.0, sliding_window=window,
+        layer_types=tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers)),
+        bos_token_id=2, eos_token_id=1, name=name, **extra,
+    )
+
+
+_GEMMA2 = dict(attn_softcap=50.0, final_softcap=30.0)
+_GEMMA3 = dict(qk_norm=True, rotary_base=1_000_000.0, local_rotary_base=10000.0)
 
 _LLAMA3 = dict(rope_type="llama3", rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_n_ctx=8192)
 
@@ -245,5 +296,16 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-1.7b": _llama("qwen3-1.7b", "qwen3", 28, 2048, 16, 8, 6144, 151936, 40960, True, 1000000.0, d_head=128),
     "qwen3-4b": _llama("qwen3-4b", "qwen3", 36, 2560, 32, 8, 9728, 151936, 40960, True, 1000000.0, d_head=128),
     "qwen3-8b": _llama("qwen3-8b", "qwen3", 36, 4096, 32, 8, 12288, 151936, 40960, False, 1000000.0, d_head=128),
+    "gemma-2-2b": _gemma("gemma-2-2b", "gemma2", 26, 2304, 8, 4, 9216, 256000, 8192, 4096, 2, **_GEMMA2),
+    "gemma-2-9b": _gemma("gemma-2-9b", "gemma2", 42, 3584, 16, 8, 14336, 256000, 8192, 4096, 2, **_GEMMA2),
+    "gemma-3-1b": _gemma("gemma-3-1b", "gemma3_text", 26, 1152, 4, 1, 6912, 262144, 32768, 512, 6, **_GEMMA3),
+    "gemma-3-4b": _gemma("gemma-3-4b", "gemma3_text", 34, 2560, 8, 4, 10240, 262208, 131072, 1024, 6, **_GEMMA3,
+                         rope_type="linear", rope_factor=8.0),  # the text part of Gemma3ForConditionalGeneration
+    "olmo-2-1b": _llama("olmo-2-1b", "olmo2", 16, 2048, 16, 16, 8192, 100352, 4096, False, 500000.0, qk_norm=True,
+                        qk_norm_per_head=False, norm_placement="post", norm_eps=1e-6, bos_token_id=None, eos_token_id=100257),
+    "olmo-2-7b": _llama("olmo-2-7b", "olmo2", 32, 4096, 32, 32, 11008, 100352, 4096, False, 500000.0, qk_norm=True,
+                        qk_norm_per_head=False, norm_placement="post", norm_eps=1e-6, bos_token_id=None, eos_token_id=100257),
+    "phi-3-mini": _llama("phi-3-mini", "phi3", 32, 3072, 32, 32, 8192, 32064, 4096, False, 10000.0, fused_qkv=True,
+                         mlp="swiglu_fused", sliding_window=2047, bos_token_id=1, eos_token_id=32000),
 }
 """Published shapes by short name (case-insensitive; an organisation prefix is ignored by `from_name`)."""

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 
 # GPT-2's "gelu_new" and PyTorch's tanh GELU are the same function; "gelu" is the exact erf form.
 GELU_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "linear")
 
 
 class _Reader:
@@ -93,7 +93,12 @@ def _rope(r: _Reader, head_dim: int, default_theta: float = 10000.0) -> dict[str
     theta = sub.float("rope_theta", r.float("rope_theta", default_theta))
     fraction = sub.float("partial_rotary_factor", r.float("partial_rotary_factor", 1.0))
     fields: dict[str, Any] = {"positional": "rotary", "rotary_base": theta, "rotary_dim": int(head_dim * fraction)}
-    if rope_type == "llama3":
+    if rope_type == "linear":
+        fields.update(rope_type="linear", rope_factor=sub.float("factor"))
+        extra = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor"})
+        if extra:
+            raise ValueError(f"config field {key} has {extra}, which rope_type='linear' does not use; lenskit refuses to guess")
+    elif rope_type == "llama3":
         fields.update(rope_type="llama3", rope_factor=sub.float("factor"), rope_low_freq_factor=sub.float("low_freq_factor"),
                       rope_high_freq_factor=sub.float("high_freq_factor"),
                       rope_original_n_ctx=sub.int("original_max_position_embeddings"))
@@ -188,9 +193,97 @@ def read_qwen3(r: _Reader) -> dict[str, Any]:
     return {**_llama_like(r, bias, bias, False), "qk_norm": True}
 
 
+_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
+
+
+def _layer_types(r: _Reader, n_layers: int, pattern: int) -> tuple[str, ...]:
+    """Gemma's per-block attention kinds: `layer_types`, or every `pattern`-th block global, the rest sliding."""
+    types = r.d.get("layer_types")
+    if types is None:
+        return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers))
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in _LAYER_TYPES for t in types):
+        raise ValueError(f"config field layer_types={types!r} must list one of {sorted(_LAYER_TYPES)} for each of the "
+                         f"{n_layers} layers (model_type={r.family!r})")
+    return tuple(_LAYER_TYPES[t] for t in types)
+
+
+def _gemma(r: _Reader, pattern: int) -> dict[str, Any]:
+    """What Gemma 2 and Gemma 3 share: (1 + w) RMSNorms before and after each sublayer, a scaled embedding,
+    GELU-gated MLP, query_pre_attn_scalar, alternating sliding-window and global blocks."""
+    r.require("use_bidirectional_attention", (False, None), False)
+    act = r.require("hidden_activation", tuple(GELU_ACTIVATIONS), "gelu_pytorch_tanh")
+    d_model, n_heads = r.int("hidden_size"), r.int("num_attention_heads")
+    n_layers = r.int("num_hidden_layers")
+    bias = r.bool("attention_bias", False)
+    types = _layer_types(r, n_layers, pattern)
+    return {
+        **_common(r),
+        "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads, "d_head": r.int("head_dim", None) or d_model // n_heads,
+        "n_kv_heads": r.int("num_key_value_heads", n_heads), "d_vocab": r.int("vocab_size"),
+        "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
+        "norm_eps": r.float("rms_norm_eps", 1e-6), "norm": "rmsnorm_offset", "mlp": "geglu", "activation": act,
+        "norm_placement": "sandwich", "scale_embed": True, "tie_word_embeddings": r.bool("tie_word_embeddings", True),
+        "fused_qkv": False, "qkv_bias": bias, "out_bias": bias, "mlp_bias": False,
+        "query_pre_attn_scalar": r.float("query_pre_attn_scalar", 256.0), "layer_types": types,
+        "sliding_window": r.int("sliding_window") if "sliding" in types else None,
+    }
+
+
+def _cap(r: _Reader, key: str, default: float | None) -> float | None:
+    """A soft-cap: absent means transformers' default for the family, an explicit null means no cap."""
+    return None if key in r.d and r.d[key] is None else r.float(key, default)
+
+
+def read_gemma2(r: _Reader) -> dict[str, Any]:
+    fields = _gemma(r, pattern=2)
+    return {**fields, **_rope(r, fields["d_head"]),
+            "attn_softcap": _cap(r, "attn_logit_softcapping", 50.0), "final_softcap": _cap(r, "final_logit_softcapping", 30.0)}
+
+
+def read_gemma3_text(r: _Reader) -> dict[str, Any]:
+    # transformers' Gemma 3 attention stores attn_logit_softcapping but never applies it: refused rather than guessed.
+    r.require("attn_logit_softcapping", (None,), None)
+    fields = _gemma(r, pattern=r.int("sliding_window_pattern", 6))
+    return {**fields, **_gemma3_rope(r, fields["d_head"]), "qk_norm": True,
+            "final_softcap": _cap(r, "final_logit_softcapping", None)}
+
+
+def _gemma3_rope(r: _Reader, head_dim: int) -> dict[str, Any]:
+    """Gemma 3's two rotary settings: global blocks (`full_attention`: base, maybe linear scaling) and local
+    blocks (`sliding_attention`: their own base, unscaled). Either transformers 5's per-layer-type
+    `rope_parameters` or 4.x's `rope_theta`, `rope_local_base_freq` and `rope_scaling` (global only)."""
+    params = r.d.get("rope_parameters")
+    if params is None:
+        legacy = {"rope_theta": r.d.get("rope_theta", 1_000_000.0), **{k: r.d[k] for k in ("rope_scaling",) if k in r.d}}
+        glob = _rope(_Reader(legacy, r.family), head_dim)
+        local = _Reader({"rope_local_base_freq": r.d.get("rope_local_base_freq", 10000.0)}, r.family).float("rope_local_base_freq")
+        return {**glob, "local_rotary_base": local}
+    if not isinstance(params, dict) or set(params) - set(_LAYER_TYPES):
+        raise ValueError(f"config field rope_parameters={params!r} must map {sorted(_LAYER_TYPES)} to rotary settings "
+                         f"(model_type={r.family!r})")
+    glob = _rope(_Reader({"rope_parameters": params.get("full_attention") or {"rope_theta": 1_000_000.0}}, r.family), head_dim)
+    local = _rope(_Reader({"rope_parameters": params.get("sliding_attention") or {"rope_theta": 10000.0}}, r.family), head_dim)
+    if local.get("rope_type", "default") != "default" or local["rotary_dim"] != glob["rotary_dim"]:
+        raise ValueError("config field rope_parameters.sliding_attention: lenskit implements only plain rotary with the "
+                         "global blocks' rotary dims for Gemma 3's local blocks")
+    return {**glob, "local_rotary_base": local["rotary_base"]}
+
+
+def read_olmo2(r: _Reader) -> dict[str, Any]:
+    bias = r.bool("attention_bias", False)
+    return {**_llama_like(r, bias, bias, False), "qk_norm": True, "qk_norm_per_head": False, "norm_placement": "post"}
+
+
+def read_phi3(r: _Reader) -> dict[str, Any]:
+    r.int("original_max_position_embeddings", None)  # typed only: it matters to longrope scaling, which _rope refuses
+    return {**_llama_like(r, False, False, False), "fused_qkv": True, "mlp": "swiglu_fused",
+            "sliding_window": r.int("sliding_window", None)}
+
+
 READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
     "gpt2": read_gpt2, "gpt_neox": read_gpt_neox, "llama": read_llama,
     "mistral": read_mistral, "qwen2": read_qwen2, "qwen3": read_qwen3,
+    "gemma2": read_gemma2, "gemma3_text": read_gemma3_text, "olmo2": read_olmo2, "phi3": read_phi3,
 }
 
 

@@ -1,4 +1,4 @@
-"""The MLPs and the blocks that put the pieces together: sequential (pre-LN) or parallel.
+"""The MLPs and the blocks that put the pieces together: sequential (pre-norm, sandwich, post-norm) or parallel.
 
 Architecture options are separate classes chosen once from the config (`make_norm` in norms.py,
 `Attention`'s pieces in attention.py, `make_mlp` and `make_block` here), so each forward reads
@@ -6,6 +6,8 @@ like the maths and has no family branches.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +18,8 @@ from .attention import Attention
 from .hooks import HookPoint
 from .norms import LayerNorm, RMSNorm, make_norm
 
-__all__ = ["Attention", "GeluMLP", "LayerNorm", "ParallelBlock", "RMSNorm", "SwiGLU", "TransformerBlock",
-           "make_block", "make_mlp", "make_norm"]
+__all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "ParallelBlock", "PostNormBlock", "RMSNorm", "SandwichBlock",
+           "SwiGLU", "TransformerBlock", "make_block", "make_mlp", "make_norm"]
 
 
 class GeluMLP(nn.Module):
@@ -38,10 +40,12 @@ class GeluMLP(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Gated MLP: fc_out(silu(gate(x)) * fc_in(x)), biases only where the config has them (Llama's `mlp_bias`)."""
+    """Gated MLP: fc_out(act(gate(x)) * fc_in(x)), biases only where the config has them (Llama's `mlp_bias`).
+    act is SiLU, or for mlp="geglu" (Gemma) the config's GELU."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.act = F.silu if cfg.mlp.startswith("swiglu") else partial(F.gelu, approximate=cfg.gelu_approximate)
         self.gate = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
         self.fc_in = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
         self.fc_out = nn.Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
@@ -52,21 +56,45 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.hook_pre(self.gate(x))
         linear = self.hook_pre_linear(self.fc_in(x))
-        return self.fc_out(self.hook_post(F.silu(pre) * linear))
+        return self.fc_out(self.hook_post(self.act(pre) * linear))
+
+
+class FusedSwiGLU(SwiGLU):
+    """SwiGLU whose gate and up projections are one matrix `gate_up`, [gate rows | up rows] (Phi-3),
+    kept as the checkpoint stores it. Same hooks as SwiGLU."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        del self.gate, self.fc_in
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_mlp, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, linear = self.gate_up(x).chunk(2, dim=-1)
+        pre, linear = self.hook_pre(gate), self.hook_pre_linear(linear)
+        return self.fc_out(self.hook_post(self.act(pre) * linear))
+
+
+MLP_CLASSES = {"gelu": GeluMLP, "swiglu": SwiGLU, "geglu": SwiGLU, "swiglu_fused": FusedSwiGLU}
 
 
 def make_mlp(cfg: ModelConfig) -> nn.Module:
-    return (GeluMLP if cfg.mlp == "gelu" else SwiGLU)(cfg)
+    return MLP_CLASSES[cfg.mlp](cfg)
 
 
 class TransformerBlock(nn.Module):
     """Pre-LN block: each sublayer reads a normalised copy of the stream and adds its write back."""
 
-    def __init__(self, cfg: ModelConfig, dropout: float = 0.0) -> None:
+    PRE_NORMS, POST_NORMS = True, False  # which of ln1/ln2 (before) and ln1_post/ln2_post (after) exist
+
+    def __init__(self, cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> None:
         super().__init__()
-        self.ln1 = make_norm(cfg)
-        self.attn = Attention(cfg)
-        self.ln2 = make_norm(cfg)
+        if self.PRE_NORMS:
+            self.ln1 = make_norm(cfg)
+            self.ln2 = make_norm(cfg)
+        if self.POST_NORMS:
+            self.ln1_post = make_norm(cfg)
+            self.ln2_post = make_norm(cfg)
+        self.attn = Attention(cfg, layer)
         self.mlp = make_mlp(cfg)
         self.dropout = nn.Dropout(dropout)
         self.hook_resid_pre = HookPoint()  # [batch, pos, d_model]
@@ -94,5 +122,38 @@ class ParallelBlock(TransformerBlock):
         return self.hook_resid_post(self.hook_resid_mid(x + attn_out) + mlp_out)
 
 
-def make_block(cfg: ModelConfig, dropout: float = 0.0) -> TransformerBlock:
-    return (ParallelBlock if cfg.parallel_block else TransformerBlock)(cfg, dropout)
+class SandwichBlock(TransformerBlock):
+    """Gemma 2/3's block: each sublayer reads a normalised copy of the stream (ln1, ln2) and its output is
+    normalised again (ln1_post, ln2_post) before it is added. hook_attn_out and hook_mlp_out are the
+    post-norm outputs, exactly what is added to the stream."""
+
+    POST_NORMS = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.hook_resid_pre(x)
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.ln1_post(self.attn(self.ln1(x))))))
+        x = self.hook_resid_post(x + self.hook_mlp_out(self.dropout(self.ln2_post(self.mlp(self.ln2(x))))))
+        return x
+
+
+class PostNormBlock(TransformerBlock):
+    """OLMo 2's block: each sublayer reads the raw stream and its output is normalised (ln1_post,
+    ln2_post) before it is added; there are no norms before the sublayers. hook_attn_out and
+    hook_mlp_out are the normalised writes, exactly what is added to the stream."""
+
+    PRE_NORMS, POST_NORMS = False, True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.hook_resid_pre(x)
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.ln1_post(self.attn(x)))))
+        x = self.hook_resid_post(x + self.hook_mlp_out(self.dropout(self.ln2_post(self.mlp(x)))))
+        return x
+
+
+BLOCK_CLASSES = {"pre": TransformerBlock, "sandwich": SandwichBlock, "post": PostNormBlock}
+
+
+def make_block(cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> TransformerBlock:
+    """Block `layer` (its index picks its mask and rotary base where the config alternates them)."""
+    cls = ParallelBlock if cfg.parallel_block else BLOCK_CLASSES[cfg.norm_placement]
+    return cls(cfg, dropout, layer)

@@ -88,6 +88,21 @@ _LLAMA = Layout(
     top={"embed.weight": "embed_tokens.weight", "ln_final.weight": "norm.weight", "unembed.weight": "lm_head.weight"},
     block=_LLAMA_BLOCK, buffers=r"^layers\.\d+\.self_attn\.rotary_emb\.inv_freq$",
 )
+_GEMMA = Layout(
+    prefix="model.", blocks="layers",
+    top={"embed.weight": "embed_tokens.weight", "ln_final.weight": "norm.weight", "unembed.weight": "lm_head.weight"},
+    block={**_LLAMA_BLOCK, "ln1_post.weight": "post_attention_layernorm.weight",
+           "ln2.weight": "pre_feedforward_layernorm.weight", "ln2_post.weight": "post_feedforward_layernorm.weight"},
+)
+_OLMO2 = Layout(  # post-norms only: transformers' post_attention_layernorm follows attention, as our ln1_post does
+    prefix="model.", blocks="layers", top=_LLAMA.top,
+    block={**_LLAMA_BLOCK, "ln1_post.weight": "post_attention_layernorm.weight",
+           "ln2_post.weight": "post_feedforward_layernorm.weight"},
+)
+_PHI3 = Layout(
+    prefix="model.", blocks="layers", top=_LLAMA.top,
+    block={**_LLAMA_BLOCK, "attn.qkv.weight": "self_attn.qkv_proj.weight", "mlp.gate_up.weight": "mlp.gate_up_proj.weight"},
+)
 LAYOUTS: dict[str, Layout] = {
     "gpt2": Layout(
         prefix="transformer.", blocks="h",
@@ -107,6 +122,7 @@ LAYOUTS: dict[str, Layout] = {
         buffers=r"^layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$|^rotary_emb\.inv_freq$",
     ),
     "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA,
+    "gemma2": _GEMMA, "gemma3_text": _GEMMA, "olmo2": _OLMO2, "phi3": _PHI3,
 }
 
 

@@ -1,5 +1,5 @@
-"""HookedTransformer: a decoder-only transformer (GPT-2, Pythia, Llama, Mistral, Qwen 2/3) whose every
-write to the residual stream passes a named hook point."""
+"""HookedTransformer: a decoder-only transformer (GPT-2, Pythia, Llama, Mistral, Qwen 2/3, Gemma 2/3, OLMo 2,
+Phi-3) whose every write to the residual stream passes a named hook point."""
 
 from __future__ import annotations
 
@@ -46,8 +46,10 @@ class HookedTransformer(WeightViews, HookedRootModule):
             self.pos_embed = nn.Embedding(cfg.n_ctx, cfg.d_model)
             self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
         self._stream_start = self._embed_learned if cfg.positional == "learned" else self._embed_tokens
+        self._embed_scale = _embed_scaled if cfg.scale_embed else _embed_as_is
+        self._cap = _unchanged if cfg.final_softcap is None else self._final_softcap
         self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(make_block(cfg, dropout) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(make_block(cfg, dropout, i) for i in range(cfg.n_layers))
         self.ln_final = make_norm(cfg)
         self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
         self.tie_weights()
@@ -73,11 +75,14 @@ class HookedTransformer(WeightViews, HookedRootModule):
             if name.endswith("bias"):
                 nn.init.zeros_(p)
             elif ".ln" in name or name.startswith("ln_final") or "_norm." in name:
-                nn.init.ones_(p)
+                nn.init.ones_(p)  # Gemma's (1 + w) norms are reset to their own identity below
             elif residual_scaling and name.endswith(("attn.out.weight", "mlp.fc_out.weight")):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layers))
             else:
                 nn.init.normal_(p, 0.0, std)
+        for module in self.modules():
+            if getattr(module, "IDENTITY_WEIGHT", 1.0) != 1.0:
+                nn.init.constant_(module.weight, module.IDENTITY_WEIGHT)
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: TokensLike, return_type: str | None = "logits", *,
@@ -111,12 +116,22 @@ class HookedTransformer(WeightViews, HookedRootModule):
         return self.hook_embed(self.embed(tokens)) + self.hook_pos_embed(self.pos_embed(positions).expand(tokens.shape[0], -1, -1))
 
     def _embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.hook_embed(self.embed(tokens))  # rotary families: positions enter inside attention
+        # rotary families: positions enter inside attention. hook_embed sees the embedding as written, after any scale.
+        return self.hook_embed(self._embed_scale(self.embed(tokens)))
 
     def readout(self, h: torch.Tensor) -> torch.Tensor:
         """The model's whole readout, [..., d_model] -> [..., d_vocab]: final norm (its scale computed on
         this `h`), then the unembedding, then any final soft-cap. Every lens decodes through this."""
+        return self._cap(self.unembed(self.ln_final(h)))
+
+    def readout_uncapped(self, h: torch.Tensor) -> torch.Tensor:
+        """The readout without the final soft-cap (the same as `readout` for a model without one): the
+        logits that direct logit attribution splits into parts."""
         return self.unembed(self.ln_final(h))
+
+    def _final_softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.cfg.final_softcap
+        return torch.tanh(logits / cap) * cap
 
     def run_with_hooks(self, tokens: TokensLike, fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (), **kwargs: Any) -> torch.Tensor:
         """Run with hooks attached for this call only; they are removed even if the call raises."""
@@ -325,3 +340,16 @@ def adds_bos(tokenizer: "PreTrainedTokenizerBase") -> bool:
     """Whether the tokenizer's own encoding, special tokens on, starts a text with its BOS token."""
     bos = tokenizer.bos_token_id
     return bos is not None and tokenizer.encode("a", add_special_tokens=True)[:1] == [bos]
+
+
+def _embed_scaled(x: torch.Tensor) -> torch.Tensor:
+    """x * sqrt(d_model), the multiplier rounded to x's dtype first, as Gemma's checkpoints were trained."""
+    return x * torch.tensor(x.shape[-1] ** 0.5).to(device=x.device, dtype=x.dtype)  # fp32, then x's dtype
+
+
+def _embed_as_is(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x

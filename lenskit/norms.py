@@ -1,4 +1,4 @@
-"""Normalisation pieces: LayerNorm and RMSNorm, each written out, chosen once by `make_norm`.
+"""Normalisation pieces: LayerNorm, RMSNorm and Gemma's (1 + w) RMSNorm, each written out, chosen once by `make_norm`.
 
 Both expose `hook_scale` ([..., 1], the divisor) and `hook_normalized` (the output), and run the fused
 kernel when neither hook is in use; the two paths compute the same function.
@@ -17,6 +17,8 @@ from .hooks import HookPoint
 class LayerNorm(nn.Module):
     """(x - mean) / sqrt(var + eps) * weight + bias, statistics over the last axis only."""
 
+    IDENTITY_WEIGHT = 1.0  # the weight value that leaves the normalised vector unscaled
+
     def __init__(self, d_model: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
@@ -33,10 +35,17 @@ class LayerNorm(nn.Module):
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [batch, pos, 1]
         return self.hook_normalized(x / scale * self.weight + self.bias)
 
+    @property
+    def gain(self) -> torch.Tensor:
+        """The per-feature multiplier applied after dividing by the scale."""
+        return self.weight
+
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight: no centring and no bias. Also the per-head q/k norm
     (Qwen 3), where the last axis is d_head and the hooks see [batch, pos, head, ...]."""
+
+    IDENTITY_WEIGHT = 1.0
 
     def __init__(self, d_model: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -51,8 +60,31 @@ class RMSNorm(nn.Module):
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [batch, pos, 1]
         return self.hook_normalized(x / scale * self.weight)
 
+    @property
+    def gain(self) -> torch.Tensor:
+        return self.weight
 
-NORM_CLASSES = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + weight), computed in float32 and cast back to the
+    input's dtype at the end (as transformers does; in bf16 this rounds once, not twice). A zero weight
+    is the identity gain, so `init_weights` zeroes it."""
+
+    IDENTITY_WEIGHT = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if not (self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()):
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).type_as(x)
+        scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [batch, pos, 1]
+        return self.hook_normalized((xf / scale * (1.0 + self.weight.float())).type_as(x))
+
+    @property
+    def gain(self) -> torch.Tensor:
+        return 1.0 + self.weight
+
+
+NORM_CLASSES = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "rmsnorm_offset": OffsetRMSNorm}
 
 
 def make_norm(cfg: ModelConfig, size: int | None = None) -> nn.Module:

@@ -83,6 +83,9 @@ def resid_parts(cache: "ActivationCache", s: Stream, per_head: bool = False) -> 
     n_mlp = s.layer + 1 if s.point == "resid_post" else s.layer  # blocks whose MLP wrote
     for i in range(n_attn):
         attn_out = need(cache, hook_name("attn_out", i), why)
+        if per_head and post_normed(cache, i):
+            raise ValueError(f"block {i} normalises attention's output (ln1_post) after its heads are summed, so the "
+                             "heads do not add up to attn_out; decompose with per_head=False")
         if per_head:
             result = need(cache, hook_name("result", i), "a per-head decomposition")  # [..., pos, head, d_model]
             parts += [Part(result[..., h, :], f"L{i}H{h}", "head", i, h) for h in range(result.shape[-2])]
@@ -92,6 +95,12 @@ def resid_parts(cache: "ActivationCache", s: Stream, per_head: bool = False) -> 
         if i < n_mlp:
             parts.append(Part(need(cache, hook_name("mlp_out", i), why), f"{i}_mlp_out", "mlp", i, None))
     return parts
+
+
+def post_normed(cache: "ActivationCache", layer: int) -> bool:
+    """Whether block `layer` normalises its attention write after the heads are summed (Gemma, OLMo 2)."""
+    name = f"blocks.{layer}.ln1_post.hook_normalized"
+    return name in cache or (cache.model is not None and name in cache.model.hook_dict)
 
 
 def pinned_norm(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, model: nn.Module) -> torch.Tensor:

@@ -15,12 +15,19 @@ from torch import nn
 from .config import ModelConfig
 
 
-def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """[rotary_dim / 2] angular speeds in fp32, computed as transformers computes them."""
+def inverse_frequencies(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """[rotary_dim / 2] angular speeds in fp32, computed as transformers computes them. `local`: for a
+    sliding-window block of a model whose local blocks have their own, unscaled base (Gemma 3)."""
     dim = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    own_base = local and cfg.local_rotary_base is not None
+    base = cfg.local_rotary_base if own_base else cfg.rotary_base
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if own_base:
+        return inv_freq
     if cfg.rope_type == "llama3":
         inv_freq = _llama3_rescale(inv_freq, cfg)
+    elif cfg.rope_type == "linear":  # positions divided by the factor, i.e. every frequency is
+        inv_freq = inv_freq / cfg.rope_factor
     return inv_freq
 
 
@@ -45,9 +52,9 @@ class Rotary(nn.Module):
     dtype at hand, and grown when a longer prompt arrives; they hold no learned state.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, local: bool = False) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.local = cfg, local
         self.rotary_dim = cfg.rotary_dim
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
         # Chosen once: full rotary needs no split and re-join of the passed-through dims.
@@ -57,7 +64,7 @@ class Rotary(nn.Module):
         """cos and sin, each [pos, rotary_dim], for positions 0..n_pos-1."""
         tables = self._tables
         if tables is None or tables[0].shape[0] < n_pos or tables[0].device != like.device or tables[0].dtype != like.dtype:
-            inv_freq = inverse_frequencies(self.cfg).to(like.device)
+            inv_freq = inverse_frequencies(self.cfg, self.local).to(like.device)
             angles = torch.outer(torch.arange(n_pos, device=like.device, dtype=torch.float32), inv_freq)  # [pos, rotary_dim/2]
             angles = torch.cat([angles, angles], dim=-1)  # [pos, rotary_dim]
             tables = self._tables = (angles.cos().to(like.dtype), angles.sin().to(like.dtype))
@@ -78,4 +85,6 @@ class Rotary(nn.Module):
         return torch.cat([self._rotate_all(rot, cos, sin), rest], dim=-1)
 
     def extra_repr(self) -> str:
+        if self.local and self.cfg.local_rotary_base is not None:
+            return f"rotary_dim={self.rotary_dim}, base={self.cfg.local_rotary_base}, rope_type='default' (local)"
         return f"rotary_dim={self.rotary_dim}, base={self.cfg.rotary_base}, rope_type={self.cfg.rope_type!r}"

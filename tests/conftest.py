@@ -93,6 +93,20 @@ FAMILY_CONFIGS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(_SHAPE, num_key_value_heads=2, sliding_window=5, head_dim=8)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_SHAPE, num_key_value_heads=2)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_SHAPE, num_key_value_heads=2, head_dim=16)),
+    # Gemma: weights 10x larger than usual so that soft-caps this small bite (test_families checks they do), a
+    # query_pre_attn_scalar that is not d_head, one sliding block (window shorter than the prompt) and one global.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        _SHAPE, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=5, initializer_range=0.2,
+        attn_logit_softcapping=1.0, final_logit_softcapping=2.0, pad_token_id=0)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        _SHAPE, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=5, initializer_range=0.2,
+        final_logit_softcapping=2.0, pad_token_id=0, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
+                         "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=10000.0)})),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_SHAPE, num_key_value_heads=2, pad_token_id=0)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        _SHAPE, num_key_value_heads=2, sliding_window=6, pad_token_id=0,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
 }
 FAMILIES = ["gpt2", *FAMILY_CONFIGS]
 

@@ -24,12 +24,20 @@ def hf_attention(block):
     return getattr(block, "attn", None) or getattr(block, "attention", None) or block.self_attn
 
 
+def hf_writes(block) -> tuple:
+    """The modules whose outputs are added to the stream: the attention and the MLP, or, in blocks with a
+    norm after each sublayer (Gemma 2/3, OLMo 2: `post_attention_layernorm` follows attention there), those norms."""
+    if hasattr(block, "post_feedforward_layernorm"):
+        return block.post_attention_layernorm, block.post_feedforward_layernorm
+    return hf_attention(block), block.mlp
+
+
 @torch.no_grad()
 def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Logits and, per block i, `blocks.{i}.hook_resid_pre / attn_out / mlp_out / resid_post` from transformers.
 
-    resid_pre is the input of block i, attn_out the first output of its attention module, mlp_out the
-    output of its MLP, resid_post the block's output (before the final norm for the last block).
+    resid_pre is the input of block i, attn_out and mlp_out what its attention and MLP add to the stream
+    (after any post-sublayer norm, see `hf_writes`), resid_post the block's output (before the final norm for the last block).
     """
     acts: dict[str, torch.Tensor] = {}
     handles = []
@@ -50,8 +58,9 @@ def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torc
         for i, block in enumerate(hf_blocks(hf)):
             name = {p: Stream(i, p).hook_name(n) for p in STREAM_POINTS}
             handles.append(block.register_forward_pre_hook(save_in(name["resid_pre"]), with_kwargs=True))
-            handles.append(hf_attention(block).register_forward_hook(save_out(name["attn_out"])))
-            handles.append(block.mlp.register_forward_hook(save_out(name["mlp_out"])))
+            attn_write, mlp_write = hf_writes(block)
+            handles.append(attn_write.register_forward_hook(save_out(name["attn_out"])))
+            handles.append(mlp_write.register_forward_hook(save_out(name["mlp_out"])))
             handles.append(block.register_forward_hook(save_out(name["resid_post"])))
         logits = hf(tokens).logits
     finally:

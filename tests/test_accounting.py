@@ -77,6 +77,9 @@ def test_gpt2_flops_by_hand():
     {"mlp": "swiglu", "d_mlp": 88},
     {"tie_word_embeddings": False},
     {"d_head": 5, "d_mlp": 50},  # d_attn = 20 != d_model
+    {"norm": "rmsnorm_offset", "norm_placement": "sandwich", "mlp": "geglu", "qk_norm": True},  # Gemma 3's pieces
+    {"norm": "rmsnorm", "norm_placement": "post", "qk_norm": True, "qk_norm_per_head": False, "n_kv_heads": 2},  # OLMo 2's
+    {"norm": "rmsnorm", "mlp": "swiglu_fused", "d_mlp": 40},  # Phi-3's
 ])
 def test_counts_equal_a_real_models_parameters(changes):
     cfg = ModelConfig(n_layers=3, d_model=32, n_heads=4, d_vocab=101, n_ctx=64).replace(**changes)
@@ -85,9 +88,10 @@ def test_counts_equal_a_real_models_parameters(changes):
     assert table.params.sum() == numel(model)
     assert accounting.param_summary(cfg).loc["total", "value"] == numel(model)
     per_block = accounting.block_params(cfg)
-    for component, module_name in [("attn", "attn"), ("mlp", "mlp")]:
-        assert per_block.loc[component, "params"] == numel(getattr(model.blocks[0], module_name))
-    assert per_block.loc["norms", "params"] == numel(model.blocks[0].ln1) + numel(model.blocks[0].ln2)
+    assert per_block.loc["mlp", "params"] == numel(model.blocks[0].mlp)
+    norms = sum(p.numel() for n, p in model.blocks[0].named_parameters() if n.startswith("ln") or "_norm." in n)
+    assert per_block.loc["norms", "params"] == norms
+    assert per_block.loc["attn", "params"] + per_block.loc["mlp", "params"] + norms == numel(model.blocks[0])
     biases = sum(p.numel() for n, p in model.named_parameters() if n.endswith("bias"))
     assert table.biases.sum() == biases
     non_emb = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("blocks.", "ln_final.")))
@@ -138,11 +142,19 @@ _HF_PRESETS = {
     "qwen3-1.7b": ("Qwen3Config", dict(num_hidden_layers=28, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True)),
     "qwen3-4b": ("Qwen3Config", dict(num_hidden_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True)),
     "qwen3-8b": ("Qwen3Config", dict(num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False)),
+    "gemma-2-2b": ("Gemma2Config", dict(num_hidden_layers=26, hidden_size=2304, num_attention_heads=8, num_key_value_heads=4, head_dim=256, intermediate_size=9216, vocab_size=256000)),
+    "gemma-2-9b": ("Gemma2Config", dict(num_hidden_layers=42, hidden_size=3584, num_attention_heads=16, num_key_value_heads=8, head_dim=256, intermediate_size=14336, vocab_size=256000)),
+    "gemma-3-1b": ("Gemma3TextConfig", dict(num_hidden_layers=26, hidden_size=1152, num_attention_heads=4, num_key_value_heads=1, head_dim=256, intermediate_size=6912, vocab_size=262144)),
+    "gemma-3-4b": ("Gemma3TextConfig", dict(num_hidden_layers=34, hidden_size=2560, num_attention_heads=8, num_key_value_heads=4, head_dim=256, intermediate_size=10240, vocab_size=262208)),
+    "olmo-2-1b": ("Olmo2Config", dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, intermediate_size=8192, vocab_size=100352, tie_word_embeddings=False)),
+    "olmo-2-7b": ("Olmo2Config", dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008, vocab_size=100352, tie_word_embeddings=False)),
+    "phi-3-mini": ("Phi3Config", dict(num_hidden_layers=32, hidden_size=3072, num_attention_heads=32, num_key_value_heads=32, intermediate_size=8192, vocab_size=32064, tie_word_embeddings=False, pad_token_id=0)),
 }
 # Published sizes (model cards), to 2 significant digits, as a check on the table above.
 _PUBLISHED_TOTAL = {"pythia-70m": 70e6, "pythia-160m": 162e6, "pythia-12b": 11.8e9, "llama-3.2-1b": 1.24e9,
                     "llama-3.1-8b": 8.03e9, "mistral-7b": 7.24e9, "qwen2.5-0.5b": 0.49e9, "qwen2.5-7b": 7.62e9,
-                    "qwen3-0.6b": 0.6e9, "qwen3-8b": 8.2e9}
+                    "qwen3-0.6b": 0.6e9, "qwen3-8b": 8.2e9, "gemma-2-2b": 2.61e9, "gemma-2-9b": 9.24e9, "gemma-3-1b": 1.0e9,
+                    "olmo-2-7b": 7.30e9, "phi-3-mini": 3.82e9}
 
 
 @pytest.mark.parametrize("name", sorted(_HF_PRESETS))
@@ -174,3 +186,14 @@ def test_flops_count_gqa_and_swiglu():
         model = lenskit.HookedTransformer(cfg.replace(n_layers=1))
     per_block_weights = sum(p.numel() for n, p in model.blocks[0].named_parameters() if p.ndim == 2)
     assert f["attn_proj"] + f["mlp"] == 2 * 32 * per_block_weights
+
+
+def test_gemma2_2b_preset_is_what_its_config_reads_as():
+    """transformers' Gemma2Config defaults are gemma-2-2b's published config: the preset must read the same."""
+    import dataclasses
+
+    import transformers
+
+    read = ModelConfig.from_hf_config(transformers.Gemma2Config().to_dict())
+    preset = ModelConfig.from_name("gemma-2-2b")
+    assert dataclasses.replace(read, name=preset.name, initializer_range=preset.initializer_range) == preset

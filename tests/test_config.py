@@ -165,7 +165,7 @@ def _family_dict(family: str) -> dict:
 # Every config value lenskit refuses, per family: the error names the field.
 REFUSED = [
     ("gpt_neox", {"hidden_act": "relu"}, "hidden_act"),
-    ("gpt_neox", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
+    ("gpt_neox", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type"),
     ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}}, "rope_type"),
@@ -176,7 +176,22 @@ REFUSED = [
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
     ("qwen2", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
     ("qwen3", {"use_sliding_window": True}, "use_sliding_window"),
-    ("llama", {"model_type": "gemma2"}, "model_type"),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}, "factor"),
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma2", {"hidden_activation": "relu"}, "hidden_activation"),
+    ("gemma2", {"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
+    ("gemma2", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type"),
+    ("gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ("gemma3_text", {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}, "sliding_attention"),
+    ("gemma3_text", {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                         "full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e6}}}, "rope_type"),
+    ("gemma3_text", {"rope_parameters": {"chunked_attention": {"rope_type": "default"}}}, "rope_parameters"),
+    ("olmo2", {"hidden_act": "gelu"}, "hidden_act"),
+    ("phi3", {"hidden_act": "gelu"}, "hidden_act"),
+    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 2,
+                                  "long_factor": [2.0] * 2}}, "rope_type"),
+    ("llama", {"model_type": "gemma"}, "model_type"),
     ("llama", {"model_type": None}, "model_type"),
 ]
 
@@ -208,6 +223,10 @@ BAD_TYPES = [
     ("gpt_neox", {"use_parallel_residual": 1}, "use_parallel_residual"),
     ("mistral", {"sliding_window": -4}, "sliding_window"),
     ("qwen2", {"attention_dropout": "0"}, "attention_dropout"),
+    ("gemma2", {"final_logit_softcapping": "30"}, "final_logit_softcapping"),
+    ("gemma2", {"query_pre_attn_scalar": float("inf")}, "query_pre_attn_scalar"),
+    ("gemma3_text", {"sliding_window_pattern": 0, "layer_types": None}, "sliding_window_pattern"),
+    ("phi3", {"sliding_window": 0}, "sliding_window"),
 ]
 
 

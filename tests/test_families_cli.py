@@ -1,4 +1,4 @@
-"""Every CLI command on a tiny random Llama, Pythia and Qwen 3 folder (with a tokenizer), in-process."""
+"""Every CLI command on a tiny random Llama, Pythia, Qwen 3, Gemma 2 and OLMo 2 folder (with a tokenizer), in-process."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tiny_tokenizer import VOCAB, make_tokenizer
 PROMPT = "def add(a, b):\n    return a + b\n"
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt_neox", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "gpt_neox", "qwen3", "gemma2", "olmo2"])
 def folder(request, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp(request.param)
     make_hf_family(request.param, vocab_size=VOCAB, max_position_embeddings=128).save_pretrained(root / "model")
@@ -58,3 +58,5 @@ def test_info(folder, capsys):
     out = capsys.readouterr().out
     model = HookedTransformer.from_pretrained(folder / "model")
     assert f"{sum(p.numel() for p in model.parameters()):,}" in out
+    if model.cfg.family == "gemma2":
+        assert "norm_placement=sandwich scale_embed query_pre_attn_scalar=24 attn_softcap=1 final_softcap=2" in out

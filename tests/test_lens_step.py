@@ -76,8 +76,9 @@ def test_target_tokens_of_zero_probability_add_nothing():
     torch.testing.assert_close(grad, leaf.grad, rtol=1e-4, atol=1e-6)
 
 
-def reference_kl_step(translate, unembed, streams, final, scale, chunk_tokens=None):
+def reference_kl_step(translate, unembed, streams, final, scale, chunk_tokens=None, softcap=None):
     """Yesterday's trainer: autograd through the whole readout and `forward_kl`, stream by stream."""
+    # softcap is unused: the lens decodes through model.readout, which applies any final soft-cap itself.
     per_stream = LensLoss(translate.lens)(streams, final)
     (per_stream.sum() * scale).backward()
     return per_stream.detach().double()

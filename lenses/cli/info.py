@@ -70,6 +70,15 @@ def run(args: argparse.Namespace) -> int:
           + (f" rotary_dim={cfg.rotary_dim} base={cfg.rotary_base:g} rope_type={cfg.rope_type}" if cfg.positional == "rotary" else "")
           + (f" sliding_window={cfg.sliding_window}" if cfg.sliding_window else "")
           + (" parallel_block" if cfg.parallel_block else "") + (" qk_norm" if cfg.qk_norm else ""))
+    extras = [f"norm_placement={cfg.norm_placement}" if cfg.norm_placement != "pre" else "",
+              "scale_embed" if cfg.scale_embed else "",
+              f"query_pre_attn_scalar={cfg.query_pre_attn_scalar:g}" if cfg.query_pre_attn_scalar else "",
+              f"attn_softcap={cfg.attn_softcap:g}" if cfg.attn_softcap else "",
+              f"final_softcap={cfg.final_softcap:g}" if cfg.final_softcap else "",
+              f"sliding_blocks={cfg.layer_types.count('sliding')}/{cfg.n_layers}" if cfg.layer_types else "",
+              f"local_rotary_base={cfg.local_rotary_base:g}" if cfg.local_rotary_base else ""]
+    if any(extras):
+        print("  " + " ".join(e for e in extras if e))
 
     print("\nparameters")
     shown = summary.copy()
