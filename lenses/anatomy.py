@@ -1,8 +1,11 @@
 """Residual-stream anatomy: the stream as a sum of writes, each write's direct effect on a logit, norms by layer.
 
-A pre-LN GPT-2 only ever adds to its stream, so the stream at any point is exactly
+Every family only ever adds to its stream, so the stream at any point is exactly
 
-    embed + pos_embed + sum over earlier blocks of (attn_out + mlp_out)
+    embed (+ pos_embed, where positions are learned) + sum over earlier blocks of (attn_out + mlp_out)
+
+(rotary families have no position term: positions enter inside attention; in a parallel block both
+writes read resid_pre, and the sum is the same)
 
 and each attention write is itself the sum of its heads (`attn.hook_result`) plus the output bias.
 `decompose_resid` returns those parts; `direct_logit_attribution` projects each part on an unembedding
@@ -89,6 +92,21 @@ def location(s: int | str | Stream, point: str | None, n_layers: int) -> Stream:
     return s
 
 
+def has_position_term(cache: ActivationCache, embed: torch.Tensor) -> bool:
+    """Whether the stream starts as embed + pos_embed (learned positions) rather than embed alone (rotary).
+
+    Told from the cache itself: without `hook_pos_embed`, the first stream must equal the token embedding
+    exactly, or a position term was left out of the cache and the decomposition would not sum."""
+    if "hook_pos_embed" in cache:
+        return True
+    first = hook_name("resid_pre", 0)
+    if first in cache and torch.equal(cache[first], embed):
+        return False
+    raise KeyError("decompose_resid needs 'hook_pos_embed' (or, for a rotary model, 'blocks.0.hook_resid_pre' to "
+                   "confirm there is no position term), which this cache does not hold; run "
+                   "model.run_with_cache(tokens) without a names_filter")
+
+
 def decompose_resid(cache: ActivationCache, stream: int | str | Stream, point: str | None = None,
                     per_head: bool = False) -> ResidDecomposition:
     """Split the stream at `stream` (a `Stream`, or a layer with `point`, default resid_pre; an int l alone is
@@ -99,10 +117,11 @@ def decompose_resid(cache: ActivationCache, stream: int | str | Stream, point: s
     """
     s = location(stream, point, cache.n_layers)
     layer, point = s.layer, s.point
-    parts: list[tuple[torch.Tensor, str, str, int | None, int | None]] = [
-        (_need(cache, "hook_embed", "decompose_resid"), "embed", "embed", None, None),
-        (_need(cache, "hook_pos_embed", "decompose_resid"), "pos_embed", "pos_embed", None, None),
-    ]
+    embed = _need(cache, "hook_embed", "decompose_resid")
+    parts: list[tuple[torch.Tensor, str, str, int | None, int | None]] = [(embed, "embed", "embed", None, None)]
+    if has_position_term(cache, embed):
+        pos_embed = _need(cache, "hook_pos_embed", "decompose_resid")  # the same for every sequence
+        parts.append((pos_embed.expand_as(embed), "pos_embed", "pos_embed", None, None))
     n_attn = layer + 1 if point in ("resid_mid", "resid_post") else layer  # blocks whose attention wrote already
     n_mlp = layer + 1 if point == "resid_post" else layer  # blocks whose MLP wrote already
     for i in range(n_attn):
@@ -116,16 +135,20 @@ def decompose_resid(cache: ActivationCache, stream: int | str | Stream, point: s
             parts.append((attn_out, f"{i}_attn_out", "attn", i, None))
         if i < n_mlp:
             parts.append((_need(cache, hook_name("mlp_out", i), "decompose_resid"), f"{i}_mlp_out", "mlp", i, None))
-    pos_embed = parts[1][0].expand_as(parts[0][0])  # position embeddings are the same for every sequence
-    tensors = [parts[0][0], pos_embed, *(p[0] for p in parts[2:])]
     return ResidDecomposition(
-        components=torch.stack(tensors),  # [component, batch, pos, d_model]
+        components=torch.stack([p[0] for p in parts]),  # [component, batch, pos, d_model]
         labels=[p[1] for p in parts], kinds=[p[2] for p in parts], layers=[p[3] for p in parts],
         heads=[p[4] for p in parts], point=point, layer=layer,
     )
 
 
 # ------------------------------------------------------------------ attribution
+def norm_gain(norm: torch.nn.Module) -> torch.Tensor:
+    """The per-feature gain a norm multiplies its normalised input by: `norm.gain()` where the norm defines
+    one (e.g. a (1 + w) parametrisation), else its `weight`."""
+    return norm.gain() if hasattr(norm, "gain") else norm.weight
+
+
 def _token_ids(model: HookedTransformer, token: TokenLike, batch: int) -> torch.Tensor:
     """[batch] token ids from an id, a single-token string, or a [batch] tensor of ids."""
     if isinstance(token, str):
@@ -164,15 +187,17 @@ def direct_logit_attribution(
 
     The final norm is linearised at the actual final stream `x`: its scale `s = sqrt(var(x) + eps)`
     (the RMS for RMSNorm) is held fixed, so a part `c` contributes `centre(c) / s * w . u`, with `w` the
-    norm's gain, `centre` the mean subtraction (LayerNorm only) and `u` the unembedding direction
-    (`W_U[token] - W_U[minus]`). The norm's bias contributes its own row, `ln_final.bias`. Because
-    centring and the dot product are linear, the rows sum exactly to the model's logit (difference).
+    norm's gain (`norm_gain`), `centre` the mean subtraction (LayerNorm only; RMSNorm does not centre) and
+    `u` the unembedding direction (`W_U[token] - W_U[minus]`). A LayerNorm's bias contributes its own row,
+    `ln_final.bias`; RMSNorm has none. Because centring and the dot product are linear, the rows sum
+    exactly to the model's logit (difference), taken before any final soft-cap (which is not linear).
     The approximation is in reading a row as an effect: removing a part would also change `s`, which
     this attribution ignores; it measures what each write says directly, not what it causes downstream.
 
     `pos` is one position, or one per sequence (e.g. each prompt's last real token). Returns one row per
     (batch, component) with `batch, position, component, kind, layer, head, attribution`; the frame's
-    `attrs["logit"]` holds the target logit (difference) per sequence, computed from the model itself.
+    `attrs["logit"]` holds the target logit (difference) per sequence, computed from the model itself
+    (before any final soft-cap).
     """
     final = stream_in(cache, Stream(cache.n_layers), "the final stream")  # [batch, pos, d_model]
     batch, n_pos, d_model = final.shape
@@ -188,13 +213,14 @@ def direct_logit_attribution(
     comps = parts.components[:, rows, p].to(direction.dtype)  # [component, batch, d_model]
     x = final[rows, p].to(direction.dtype)  # [batch, d_model]
     ln = model.ln_final
-    if hasattr(ln, "bias"):  # LayerNorm: the mean is subtracted from every part, as it is from their sum
+    centred = getattr(ln, "bias", None) is not None  # LayerNorm centres; RMSNorm neither centres nor has a bias
+    if centred:  # the mean is subtracted from every part, as it is from their sum
         comps = comps - comps.mean(-1, keepdim=True)
         x = x - x.mean(-1, keepdim=True)
     scale = (x.pow(2).mean(-1, keepdim=True) + ln.eps).sqrt()  # [batch, 1], as the norm computes it
-    attribution = torch.einsum("cbd,bd->cb", comps / scale * ln.weight, direction)  # [component, batch]
+    attribution = torch.einsum("cbd,bd->cb", comps / scale * norm_gain(ln), direction)  # [component, batch]
     labels, kinds, layers, heads = list(parts.labels), list(parts.kinds), list(parts.layers), list(parts.heads)
-    if hasattr(ln, "bias"):
+    if centred:
         attribution = torch.cat([attribution, (ln.bias * direction).sum(-1)[None]])
         labels.append("ln_final.bias"), kinds.append("ln_bias"), layers.append(None), heads.append(None)
 
@@ -208,7 +234,7 @@ def direct_logit_attribution(
         "head": pd.array(heads * batch, dtype="Int64"),
         "attribution": attribution.T.flatten().float().cpu().numpy(),
     })
-    logits = model.readout(final[rows, p])  # [batch, d_vocab], the model's own answer
+    logits = model.unembed(ln(final[rows, p]))  # [batch, d_vocab], the model's own logits before any soft-cap
     target = logits.gather(-1, plus_ids[:, None])[:, 0]
     if minus_ids is not None:
         target = target - logits.gather(-1, minus_ids[:, None])[:, 0]

@@ -135,3 +135,12 @@ def default_model_path() -> Path:
 @pytest.fixture(scope="session")
 def default_model(default_model_path) -> lenskit.HookedTransformer:
     return lenskit.HookedTransformer.from_pretrained(default_model_path)
+
+
+from families import FAMILY_BUILDERS, build_family_model  # noqa: E402 - it builds with make_hf_family above
+
+
+@pytest.fixture(scope="session", params=list(FAMILY_BUILDERS))
+def family_model(request):
+    """A tiny random model of each family in tests/families.py (its transformers twin in `.hf`)."""
+    return build_family_model(request.param)

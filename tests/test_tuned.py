@@ -116,7 +116,7 @@ def test_fingerprint_is_a_hash_of_the_values_alone(model, hf_model, tmp_path):
                     ("unembed.weight", hf_model.lm_head.weight)]:
         arr = t.detach().numpy().astype("<f4")
         digest.update(f"{name}:{list(arr.shape)}\n".encode() + arr.tobytes())
-    assert model_fingerprint(model) == "sha256:" + digest.hexdigest()
+    assert model_fingerprint(model) == "gpt2:sha256:" + digest.hexdigest()
     # Same after a round trip through files, in a fresh process.
     model.save_pretrained(tmp_path / "m")
     code = ("import lenskit; from lenses.tuned import model_fingerprint; "
