@@ -7,6 +7,8 @@ head, parts that sum to the stream) and hand computations (a head's write, a neu
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -151,6 +153,38 @@ def test_fingerprint_tells_a_llama_from_a_qwen3_of_the_same_shape(tmp_path):
     assert "llama:" in message and "qwen3:" in message
 
 
+def write_tuned_lens_package(folder, n_layers: int, d_model: int, bias: bool) -> torch.nn.ModuleList:
+    """What tuned-lens 0.2's `TunedLens.save` writes: `json.dump(TunedLensConfig.to_dict())` to config.json and
+    `torch.save(layer_translators.state_dict())` to params.pt, its translators being nn.Linear(d_model, d_model)."""
+    g = torch.Generator().manual_seed(5)
+    translators = torch.nn.ModuleList(torch.nn.Linear(d_model, d_model, bias=bias) for _ in range(n_layers))
+    with torch.no_grad():
+        for p in translators.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    folder.mkdir(parents=True)
+    config = {"base_model_name_or_path": "EleutherAI/pythia-70m", "d_model": d_model, "num_hidden_layers": n_layers,
+              "bias": bias, "base_model_revision": None, "unembed_hash": None, "lens_type": "linear_tuned_lens"}
+    (folder / "config.json").write_text(json.dumps(config))
+    torch.save(translators.state_dict(), folder / "params.pt")
+    return translators
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("family", ["gpt_neox", "llama"])
+def test_import_a_tuned_lens_package_folder(family, bias, tmp_path):
+    from families import family_model_of
+
+    model = family_model_of(family).model
+    translators = write_tuned_lens_package(tmp_path / "tl", model.cfg.n_layers, model.cfg.d_model, bias)
+    lens = TunedLens.load(tmp_path / "tl", model)
+    assert lens.fingerprint == model_fingerprint(model) and lens.fingerprint.startswith(f"{family}:")
+    h = torch.randn(2, 4, model.cfg.d_model, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for l, t in enumerate(translators):
+            torch.testing.assert_close(lens(h, l), LogitLens(model)(h + t(h), l), atol=1e-5, rtol=1e-5)
+        assert torch.equal(lens(h, model.cfg.n_layers), LogitLens(model)(h, model.cfg.n_layers))
+
+
 # ----------------------------------------------------------------------------------------- ablations
 def test_block_and_sublayer_ablations(family_model, tokens, every):
     model = family_model.model
@@ -241,14 +275,20 @@ def test_parts_sum_to_the_stream_at_every_point(family_model, every, per_head):
     assert ("pos_embed" in kinds) == (model.cfg.positional == "learned")
 
 
-def test_rotary_cache_without_its_first_stream_is_refused(family_model, tokens):
+def test_a_cache_without_the_position_term_is_refused_unless_there_is_none(family_model, tokens):
+    """Without hook_pos_embed the first stream must be the token embedding alone (rotary families);
+    a learned-position model's cache that lacks it is refused, never decomposed without it."""
     model = family_model.model
-    if model.cfg.positional == "learned":
-        pytest.skip("a learned-position model's cache holds hook_pos_embed")
-    names = ["hook_embed", *(f"blocks.{i}.hook_{p}" for i in range(model.cfg.n_layers) for p in ("attn_out", "mlp_out"))]
-    _, cache = model.run_with_cache(tokens, names_filter=names)
+    writes = [f"blocks.{i}.hook_{p}" for i in range(model.cfg.n_layers) for p in ("attn_out", "mlp_out")]
+    _, cache = model.run_with_cache(tokens, names_filter=["hook_embed", *writes])
     with pytest.raises(KeyError, match="hook_pos_embed"):
         decompose_resid(cache, 1)
+    _, cache = model.run_with_cache(tokens, names_filter=["hook_embed", "blocks.0.hook_resid_pre", *writes])
+    if model.cfg.positional == "learned":
+        with pytest.raises(KeyError, match="hook_pos_embed"):
+            decompose_resid(cache, 1)
+    else:
+        torch.testing.assert_close(decompose_resid(cache, 1).total(), model(tokens, stop_at_layer=1), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("per_head", [False, True], ids=["sublayers", "heads"])
