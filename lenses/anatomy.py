@@ -39,7 +39,7 @@ TokenLike = Union[int, str, torch.Tensor]
 class ResidDecomposition:
     """The parts of one residual-stream point. `components` is [component, batch, pos, d_model];
     `labels`, `kinds`, `layers` and `heads` describe each component (layer and head are None where
-    they do not apply). Kinds: `embed`, `pos_embed`, `attn`, `mlp`, and with per-head splits `head`
+    they do not apply). Kinds: `embed`, `pos_embed` (learned positions only), `attn`, `mlp`, and with per-head splits `head`
     and `attn_bias` in place of `attn`."""
 
     components: torch.Tensor
@@ -110,7 +110,8 @@ def has_position_term(cache: ActivationCache, embed: torch.Tensor) -> bool:
 def decompose_resid(cache: ActivationCache, stream: int | str | Stream, point: str | None = None,
                     per_head: bool = False) -> ResidDecomposition:
     """Split the stream at `stream` (a `Stream`, or a layer with `point`, default resid_pre; an int l alone is
-    the stream after l blocks) into the embedding, the position embedding and every attention and MLP write before it.
+    the stream after l blocks) into the embedding, the position embedding (learned-position families only;
+    rotary ones add positions inside attention) and every attention and MLP write before it.
 
     With `per_head`, each attention write becomes its heads' writes (`attn.hook_result`) plus an
     `attn_bias` part, computed as `attn_out - sum(heads)` so the parts still sum exactly to the stream.

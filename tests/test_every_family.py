@@ -15,7 +15,7 @@ import torch
 from golden import hf_reference
 from lens_fixtures import write_text_folder
 from lenses import LogitLens, TunedLens
-from lenses.anatomy import decompose_resid, direct_logit_attribution
+from lenses.anatomy import decompose_resid, direct_logit_attribution, norm_gain
 from lenses.compare import compare_runs
 from lenses.evaluation import evaluate
 from lenses.trajectory import Trajectory
@@ -87,7 +87,7 @@ def test_final_norm_is_recomputed_per_stream(family_model, every):
         ln = model.ln_final
         centred = getattr(ln, "bias", None) is not None
         x, f = (h - h.mean(-1, keepdim=True), final - final.mean(-1, keepdim=True)) if centred else (h, final)
-        stale = model.unembed(x / (f.pow(2).mean(-1, keepdim=True) + ln.eps).sqrt() * ln.weight
+        stale = model.unembed(x / (f.pow(2).mean(-1, keepdim=True) + ln.eps).sqrt() * norm_gain(ln)
                               + (ln.bias if centred else 0))
         assert (stale - lens(h, 1)).abs().max() > 1e-2
 
@@ -305,16 +305,21 @@ def test_direct_logit_attribution_sums_to_the_logit_difference(family_model, tok
 
 
 def test_direct_logit_attribution_of_one_part_by_hand(family_model, every):
-    """The embedding's row through transformers-free arithmetic: centre (LayerNorm only), divide by the
-    final stream's own norm scale, times the gain, dotted with the unembedding row."""
+    """The embedding's row from the final norm's own forward: with its scale held at the final stream's,
+    the norm is linear, so the row is (norm(e) - bias) * scale(e) / scale(x) . u, whatever the gain's form."""
     model = family_model.model
     _, cache = every
     dla = direct_logit_attribution(model, cache, 5, pos=-1)
     x, e = cache.stream(Stream(model.cfg.n_layers))[0, -1], cache["hook_embed"][0, -1]
     ln = model.ln_final
-    if getattr(ln, "bias", None) is not None:
-        x, e = x - x.mean(), e - e.mean()
-    by_hand = (e / (x.pow(2).mean() + ln.eps).sqrt() * ln.weight) @ model.unembed.weight[5]
+    bias = getattr(ln, "bias", None)
+
+    def scale(v):
+        v = v - v.mean() if bias is not None else v  # LayerNorm's scale is of the centred vector
+        return (v.pow(2).mean() + ln.eps).sqrt()
+
+    with torch.no_grad():
+        by_hand = ((ln(e) - (0 if bias is None else bias)) * scale(e) / scale(x)) @ model.unembed.weight[5]
     got = dla[(dla.batch == 0) & (dla.kind == "embed")].attribution.item()
     assert got == pytest.approx(by_hand.item(), abs=1e-5)
 
