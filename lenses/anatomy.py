@@ -1,8 +1,11 @@
 """Residual-stream anatomy: the stream as a sum of writes, each write's direct effect on a logit, norms by layer.
 
-A pre-LN GPT-2 only ever adds to its stream, so the stream at any point is exactly
+Every family only ever adds to its stream, so the stream at any point is exactly
 
-    embed + pos_embed + sum over earlier blocks of (attn_out + mlp_out)
+    embed (+ pos_embed, where positions are learned) + sum over earlier blocks of (attn_out + mlp_out)
+
+(rotary families have no position term: positions enter inside attention; in a parallel block both
+writes read resid_pre, and the sum is the same)
 
 and each attention write is itself the sum of its heads (`attn.hook_result`) plus the output bias.
 `decompose_resid` returns those parts; `direct_logit_attribution` projects each part on an unembedding
@@ -37,7 +40,7 @@ TokenLike = Union[int, str, torch.Tensor]
 class ResidDecomposition:
     """The parts of one residual-stream point. `components` is [component, batch, pos, d_model];
     `labels`, `kinds`, `layers` and `heads` describe each component (layer and head are None where
-    they do not apply). Kinds: `embed`, `pos_embed`, `attn`, `mlp`, and with per-head splits `head`
+    they do not apply). Kinds: `embed`, `pos_embed` (learned positions only), `attn`, `mlp`, and with per-head splits `head`
     and `attn_bias` in place of `attn`."""
 
     components: torch.Tensor
@@ -93,8 +96,8 @@ def location(s: int | str | Stream, point: str | None, n_layers: int) -> Stream:
 def decompose_resid(cache: ActivationCache, stream: int | str | Stream, point: str | None = None,
                     per_head: bool = False) -> ResidDecomposition:
     """Split the stream at `stream` (a `Stream`, or a layer with `point`, default resid_pre; an int l alone is
-    the stream after l blocks) into the embedding, the position embedding (learned positions only) and every
-    attention and MLP write before it (`lenskit.resid.resid_parts`).
+    the stream after l blocks) into the embedding, the position embedding (learned-position families only;
+    rotary ones add positions inside attention) and every attention and MLP write before it.
 
     With `per_head`, each attention write becomes its heads' writes (`attn.hook_result`) plus an
     `attn_bias` part, computed as `attn_out - sum(heads)` so the parts still sum exactly to the stream.
@@ -147,9 +150,10 @@ def direct_logit_attribution(
 
     The final norm is linearised at the actual final stream `x`: its scale `s = sqrt(var(x) + eps)`
     (the RMS for RMSNorm) is held fixed, so a part `c` contributes `centre(c) / s * w . u`, with `w` the
-    norm's gain, `centre` the mean subtraction (LayerNorm only) and `u` the unembedding direction
-    (`W_U[token] - W_U[minus]`). The norm's bias contributes its own row, `ln_final.bias`. Because
-    centring and the dot product are linear, the rows sum exactly to the model's logit (difference).
+    norm's gain (`norm.gain`), `centre` the mean subtraction (LayerNorm only; RMSNorm does not centre) and
+    `u` the unembedding direction (`W_U[token] - W_U[minus]`). A LayerNorm's bias contributes its own row,
+    `ln_final.bias`; RMSNorm has none. Because centring and the dot product are linear, the rows sum
+    exactly to the model's logit (difference), taken before any final soft-cap (which is not linear).
     The approximation is in reading a row as an effect: removing a part would also change `s`, which
     this attribution ignores; it measures what each write says directly, not what it causes downstream.
     For a model with a final logit soft-cap (Gemma 2), attribution is to the pre-cap logits: the rows sum to
@@ -159,7 +163,8 @@ def direct_logit_attribution(
 
     `pos` is one position, or one per sequence (e.g. each prompt's last real token). Returns one row per
     (batch, component) with `batch, position, component, kind, layer, head, attribution`; the frame's
-    `attrs["logit"]` holds the target logit (difference) per sequence, computed from the model itself.
+    `attrs["logit"]` holds the target logit (difference) per sequence, computed from the model itself
+    (before any final soft-cap).
     """
     if per_head and model.cfg.norm_placement != "pre":
         raise ValueError(f"per_head attribution is not defined for norm_placement={model.cfg.norm_placement!r}: "
@@ -178,13 +183,14 @@ def direct_logit_attribution(
     comps = parts.components[:, rows, p].to(direction.dtype)  # [component, batch, d_model]
     x = final[rows, p].to(direction.dtype)  # [batch, d_model]
     ln = model.ln_final
-    if hasattr(ln, "bias"):  # LayerNorm: the mean is subtracted from every part, as it is from their sum
+    centred = getattr(ln, "bias", None) is not None  # LayerNorm centres; RMSNorm neither centres nor has a bias
+    if centred:  # the mean is subtracted from every part, as it is from their sum
         comps = comps - comps.mean(-1, keepdim=True)
         x = x - x.mean(-1, keepdim=True)
     scale = (x.pow(2).mean(-1, keepdim=True) + ln.eps).sqrt()  # [batch, 1], as the norm computes it
     attribution = torch.einsum("cbd,bd->cb", comps / scale * ln.gain, direction)  # [component, batch]
     labels, kinds, layers, heads = list(parts.labels), list(parts.kinds), list(parts.layers), list(parts.heads)
-    if hasattr(ln, "bias"):
+    if centred:
         attribution = torch.cat([attribution, (ln.bias * direction).sum(-1)[None]])
         labels.append("ln_final.bias"), kinds.append("ln_bias"), layers.append(None), heads.append(None)
 

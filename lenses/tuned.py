@@ -46,7 +46,9 @@ REDUCED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def model_fingerprint(model: HookedTransformer, dtype: torch.dtype | None = None) -> str:
-    """sha256 of the final norm and unembedding, the part of the model a lens decodes through.
+    """The model's family, then the sha256 of its final norm and unembedding, the part of the model a lens
+    decodes through: `"llama:sha256:..."`. The family tells apart models whose readouts happen to agree
+    but whose streams do not mean the same (a Llama and a Qwen 3 of one shape), and names both in errors.
 
     Each parameter is hashed as its name, its shape, then its values as little-endian float32 in
     C order, so the digest depends on the numbers alone: not on the device, the storage dtype's
@@ -61,7 +63,7 @@ def model_fingerprint(model: HookedTransformer, dtype: torch.dtype | None = None
         values = (values.to(dtype) if dtype is not None else values).to(torch.float32).contiguous().numpy()
         digest.update(f"{name}:{list(values.shape)}\n".encode())
         digest.update(np.ascontiguousarray(values, dtype="<f4").tobytes())
-    return "sha256:" + digest.hexdigest()
+    return f"{model.cfg.family}:sha256:{digest.hexdigest()}"
 
 
 class TunedLens(Lens):

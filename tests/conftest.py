@@ -129,7 +129,10 @@ def hf_model() -> transformers.GPT2LMHeadModel:
 
 
 @pytest.fixture(scope="session")
-def model(hf_model) -> lenskit.HookedTransformer:
+def model(request, hf_model) -> lenskit.HookedTransformer:
+    """The 3-layer GPT-2 of `hf_model`; under `families.every_family`, each family's tiny model in turn."""
+    if hasattr(request, "param"):
+        return family_model_of(request.param).model
     return lenskit.HookedTransformer.from_hf(hf_model)
 
 
@@ -149,3 +152,12 @@ def default_model_path() -> Path:
 @pytest.fixture(scope="session")
 def default_model(default_model_path) -> lenskit.HookedTransformer:
     return lenskit.HookedTransformer.from_pretrained(default_model_path)
+
+
+from families import FAMILY_BUILDERS, family_model_of  # noqa: E402 - it builds with make_hf_family above
+
+
+@pytest.fixture(scope="session", params=list(FAMILY_BUILDERS))
+def family_model(request):
+    """A tiny random model of each family in tests/families.py (its transformers twin in `.hf`)."""
+    return family_model_of(request.param)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from lenses.compare import COLUMNS, compare_runs, output_summary
 from lenskit.interventions import Block, Head, ablation_hooks
+from families import every_family
 
 
 @torch.no_grad()
@@ -29,6 +30,7 @@ def hf_lens_logits(hf_model, tokens, registrations=()):
     return torch.stack([*(hf_model.lm_head(t.ln_f(streams[i])) for i in range(len(t.h))), logits])
 
 
+@every_family
 def test_columns_and_shape(model, tokens):
     frame = compare_runs(model, tokens[:1], ablation_hooks(model, Head(1, 0)))
     assert list(frame.columns) == COLUMNS
@@ -39,6 +41,7 @@ def test_columns_and_shape(model, tokens):
     assert "batch" in batched.columns and len(batched) == len(frame) * len(tokens)
 
 
+@every_family
 def test_no_edit_means_no_difference(model, tokens):
     frame = compare_runs(model, tokens, [])
     assert (frame["kl"] == 0).all()
@@ -73,6 +76,7 @@ def test_matches_transformers_with_a_skipped_block(model, hf_model, tokens):
     np.testing.assert_allclose(at2["ablated_top_prob"], at1["clean_top_prob"], rtol=0, atol=1e-6)
 
 
+@every_family
 def test_fixed_target_and_output_summary(model, tokens):
     frame = compare_runs(model, tokens[0], ablation_hooks(model, Head(0, [0, 1])), target=42)
     assert (frame["target_token_id"] == 42).all() and frame["clean_target_prob"].notna().all()
@@ -95,6 +99,7 @@ def test_text_prompts_with_padding(tmp_path):
     assert "".join(second) == "import os"
 
 
+@every_family
 def test_plots_draw_the_frame(model, tokens):
     from lenses import plots
 

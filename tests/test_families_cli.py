@@ -1,4 +1,5 @@
-"""Every CLI command on a tiny random Llama, Pythia, Qwen 3, Gemma 2 and OLMo 2 folder (with a tokenizer), in-process."""
+"""Every CLI command on a tiny random folder (with a tokenizer) of every family in tests/families.py, in-process;
+and one command on a family's hub name resolved through a local Hugging Face cache."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import make_hf_family
+from families import FAMILY_BUILDERS
 from lens_fixtures import write_text_folder
 from lenses.cli import main
 from lenskit import HookedTransformer
@@ -17,10 +18,10 @@ from tiny_tokenizer import VOCAB, make_tokenizer
 PROMPT = "def add(a, b):\n    return a + b\n"
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt_neox", "qwen3", "gemma2", "olmo2"])
+@pytest.fixture(scope="module", params=list(FAMILY_BUILDERS))
 def folder(request, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp(request.param)
-    make_hf_family(request.param, vocab_size=VOCAB, max_position_embeddings=128).save_pretrained(root / "model")
+    FAMILY_BUILDERS[request.param](VOCAB).save_pretrained(root / "model")
     make_tokenizer().save_pretrained(str(root / "model"))
     write_text_folder(root / "train", n=30, seed=0)
     return root
@@ -45,6 +46,40 @@ def test_train_lens_two_steps(folder, tmp_path):
     assert main(["train-lens", "--model", str(folder / "model"), "--data", str(folder / "train"), "--out", str(out),
                  "--steps", "2", "--tokens-per-step", "64", "--ctx", "16", "--quiet"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "lens.safetensors"]
+
+
+def test_eval_lens_and_lens_with_a_tuned_lens(folder, tmp_path, capsys):
+    out, csv = tmp_path / "lens", tmp_path / "eval.csv"
+    assert main(["train-lens", "--model", str(folder / "model"), "--data", str(folder / "train"), "--out", str(out),
+                 "--steps", "2", "--tokens-per-step", "64", "--ctx", "16", "--quiet"]) == 0
+    assert main(["eval-lens", "--model", str(folder / "model"), "--lens", str(out), "--data", str(folder / "train"),
+                 "--tokens", "128", "--ctx", "16", "--csv", str(csv), "--quiet"]) == 0
+    table = pd.read_csv(csv)
+    model = HookedTransformer.from_pretrained(folder / "model")
+    assert table.layer.tolist() == list(range(model.cfg.n_layers + 1))
+    assert table.kl_logit.iloc[-1] == pytest.approx(0, abs=1e-5) and table.kl_tuned.iloc[-1] == pytest.approx(0, abs=1e-5)
+    lens_csv = tmp_path / "tuned.csv"
+    assert main(["lens", PROMPT, "--model", str(folder / "model"), "--lens", str(out), "--csv", str(lens_csv)]) == 0
+    assert sorted(pd.read_csv(lens_csv).layer.unique()) == list(range(model.cfg.n_layers + 1))
+
+
+def test_lens_on_a_hub_name_in_the_local_cache(tmp_path, monkeypatch, capsys):
+    """`--model Qwen/Qwen3-0.6B` with the snapshot in the HF cache and the hub offline."""
+    snapshot = tmp_path / "cache" / "models--Qwen--Qwen3-0.6B" / "snapshots" / ("0" * 40)
+    FAMILY_BUILDERS["qwen3"](VOCAB).save_pretrained(snapshot)
+    make_tokenizer().save_pretrained(str(snapshot))
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    csv = tmp_path / "lens.csv"
+    assert main(["lens", PROMPT, "--model", "Qwen/Qwen3-0.6B", "--csv", str(csv)]) == 0
+    model = HookedTransformer.from_pretrained(snapshot)
+    assert model.cfg.family == "qwen3"
+    last = pd.read_csv(csv).query(f"layer == {model.cfg.n_layers}").sort_values("position")
+    with torch.no_grad():
+        assert last.top_token_id.tolist() == model(model.to_tokens(PROMPT))[0].argmax(-1).tolist()
 
 
 def test_ablate_a_head(folder, tmp_path, capsys):

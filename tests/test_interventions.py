@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from families import every_family
 from lenskit.interventions import (Attn, Block, Head, Mlp, Neurons, ablation_hooks, mean_activations,
                                    merge_sites, resample_indices, target_sites)
 
@@ -158,6 +159,7 @@ def test_per_position_mean_over_sequences_of_different_lengths(model, hf_model):
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
+@every_family
 @pytest.mark.parametrize("target", [Block(1), Attn(0), Mlp(2), Head(1, [0, 3]), Neurons(2, [1, 2, 3])])
 def test_mean_over_the_input_itself_is_a_no_op(model, tokens, target):
     one = tokens[:1]
@@ -194,6 +196,7 @@ def test_resample_matches_hf_with_the_drawn_rows(model, hf_model, tokens):
     torch.testing.assert_close(model.run_with_hooks(tokens, fwd_hooks=hooks), expected, atol=ATOL, rtol=0)
 
 
+@every_family
 def test_resample_is_deterministic_by_seed(model, tokens):
     reference = torch.randint(0, 101, (8, 20), generator=torch.Generator().manual_seed(5))
     run = lambda seed: model.run_with_hooks(
@@ -205,6 +208,7 @@ def test_resample_is_deterministic_by_seed(model, tokens):
 
 
 # ------------------------------------------------------------------------- composition, errors
+@every_family
 def test_hooks_compose_with_cache_and_context_and_are_removed(model, tokens):
     clean = model(tokens)
     hooks = ablation_hooks(model, [Head(0, [1, 2]), Neurons(1, 4)], positions=[0, 5])
@@ -220,6 +224,7 @@ def test_hooks_compose_with_cache_and_context_and_are_removed(model, tokens):
     assert not any(hp.has_hooks() for hp in model.hook_dict.values())
 
 
+@every_family
 def test_targets_merge_per_hook_point(model):
     sites = merge_sites([*target_sites(model, Head(1, 0)), *target_sites(model, Head(1, [2, 0])),
                          *target_sites(model, Attn(1)), *target_sites(model, Block(1))])

@@ -6,6 +6,7 @@ import torch
 from lenses import POINTS, LogitLens
 from lenskit import Stream
 from lenskit.stream import stream_hook_names, streams
+from families import every_family
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def tokens():
     return torch.randint(0, 101, (2, 13), generator=torch.Generator().manual_seed(3))
 
 
+@every_family
 def test_last_stream_reproduces_model_logits(model, tokens):
     lens = LogitLens(model)
     logits, cache = model.run_with_cache(tokens)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lenskit.patching import activation_patching, logit_diff, next_token_loss, patching_hooks
+from families import every_family
 
 ATOL = 1e-5
 
@@ -19,6 +20,7 @@ def pair():
     return clean, corrupted
 
 
+@every_family
 def test_patching_every_position_of_the_first_stream_recovers_clean_logits(model, pair):
     clean, corrupted = pair
     _, cache = model.run_with_cache(clean)
@@ -28,6 +30,7 @@ def test_patching_every_position_of_the_first_stream_recovers_clean_logits(model
     assert not torch.allclose(model(corrupted), clean_logits)
 
 
+@every_family
 def test_patching_nothing_leaves_corrupted_logits_unchanged(model, pair):
     clean, corrupted = pair
     _, cache = model.run_with_cache(clean)
@@ -44,6 +47,7 @@ def test_loss_metric_matches_transformers(model, hf_model, pair):
         torch.testing.assert_close(next_token_loss(clean)(model(clean)), expected, atol=1e-5, rtol=0)
 
 
+@every_family
 def test_sweep_identities(model, pair):
     clean, corrupted = pair
     metric = logit_diff(3, 50)

@@ -7,6 +7,7 @@ import torch
 from lenses import LogitLens, Trajectory
 from lenses.base import Lens
 from tiny_tokenizer import make_model_with_tokenizer
+from families import every_family
 
 
 @torch.no_grad()
@@ -55,6 +56,7 @@ def test_rows_agree_with_full_vocab_reference(model, hf_model, tokens):
     assert (df.loc[df.layer == L - 1, "kl_to_final"].abs() < 1e-5).all()
 
 
+@every_family
 def test_chunking_does_not_change_results(model, tokens):
     lens = LogitLens(model)
     a = Trajectory.from_prompt(lens, tokens, top_k=4, chunk_size=1)
@@ -65,6 +67,7 @@ def test_chunking_does_not_change_results(model, tokens):
     assert a.entropy.shape == (model.cfg.n_layers + 1, 2, 9) and a.top_ids.shape == (model.cfg.n_layers + 1, 2, 9, 4)
 
 
+@every_family
 def test_fixed_target_and_single_prompt_frame(model, tokens):
     traj = Trajectory.from_prompt(LogitLens(model), tokens[0], top_k=2, target=7)
     df = traj.to_frame()
@@ -93,6 +96,7 @@ class ShiftLens(Lens):
         return h + self.shift[s.layer]
 
 
+@every_family
 def test_works_with_any_lens(model, tokens):
     lens = ShiftLens(model)
     traj = Trajectory.from_prompt(lens, tokens, top_k=1)

@@ -16,6 +16,7 @@ from conftest import make_hf_gpt2
 from lenses import LogitLens, TunedLens
 from lenses.card import model_card
 from lenses.tuned import model_fingerprint
+from families import every_family
 
 
 def hf_decode(hf_model, h):
@@ -63,6 +64,7 @@ def test_translator_is_residual_affine_and_absent_at_the_last_layer(model, hf_mo
         tuned(streams.accumulated_resid()[0], n + 1)
 
 
+@every_family
 def test_resid_mid_translators(model, streams):
     plain = TunedLens(model)
     with pytest.raises(ValueError, match="no resid_mid translators"):
@@ -77,6 +79,7 @@ def test_resid_mid_translators(model, streams):
     assert len(list(tuned.parameters())) == 4 * model.cfg.n_layers
 
 
+@every_family
 def test_save_load_gives_identical_outputs_and_no_pickle(model, streams, tmp_path):
     tuned = randomize(TunedLens(model, resid_mid=True))
     tuned.info = {"tokens_seen": 123}
@@ -116,7 +119,7 @@ def test_fingerprint_is_a_hash_of_the_values_alone(model, hf_model, tmp_path):
                     ("unembed.weight", hf_model.lm_head.weight)]:
         arr = t.detach().numpy().astype("<f4")
         digest.update(f"{name}:{list(arr.shape)}\n".encode() + arr.tobytes())
-    assert model_fingerprint(model) == "sha256:" + digest.hexdigest()
+    assert model_fingerprint(model) == "gpt2:sha256:" + digest.hexdigest()
     # Same after a round trip through files, in a fresh process.
     model.save_pretrained(tmp_path / "m")
     code = ("import lenskit; from lenses.tuned import model_fingerprint; "
@@ -139,6 +142,7 @@ def write_tuned_lens_package_folder(folder, state, n_layers, d_model, bias=True)
     torch.save(state, folder / "params.pt")
 
 
+@every_family
 @pytest.mark.parametrize("prefix", ["", "layer_translators."])
 def test_import_a_lens_saved_by_the_tuned_lens_package(model, streams, tmp_path, prefix):
     n, d = model.cfg.n_layers, model.cfg.d_model
@@ -164,6 +168,7 @@ class NotATensor:
     pass
 
 
+@every_family
 def test_tuned_lens_import_never_unpickles_objects_and_checks_shapes(model, tmp_path):
     n, d = model.cfg.n_layers, model.cfg.d_model
     state = {f"{i}.{k}": torch.zeros(d, d) if k == "weight" else torch.zeros(d) for i in range(n) for k in ("weight", "bias")}
