@@ -8,6 +8,7 @@ medians, achieved GFLOP/s against a matmul peak measured in the same run, the ca
 
     python benchmarks/bench.py                 # full run: benchmarks/results.md, results.csv, timings.csv
     python benchmarks/bench.py --repeats 3     # a quick look
+    python benchmarks/bench.py --device cuda   # on a GPU: results-cuda.md/.csv (+ trajectory, training step, CUDA peak memory)
 
 TransformerLens is optional (`pip install -e .[bench]`); without it its rows are left out and the
 report says why.
@@ -29,20 +30,24 @@ from tqdm import tqdm
 
 from lenskit import ModelConfig
 
-from bench_cases import (contenders, ensure_model_folder, load_lenskit, load_transformer_lens, load_transformers,
-                         make_tokens, matmul_case, resid_names, timed)
+from bench_cases import (contenders, cuda_peak_memory, ensure_model_folder, gpu_cases, load_lenskit, load_transformer_lens,
+                         load_transformers, make_tokens, matmul_case, resid_names, timed)
 from bench_memory import run_memory
 from bench_report import profile_case, summarize, write_report
 
 HERE = Path(__file__).resolve().parent
 
 
-def run_timings(lk, hf, tl, shapes, repeats: int, warmup: int, seed: int, time_tl_forward: bool) -> pd.DataFrame:
+def run_timings(lk, hf, tl, shapes, repeats: int, warmup: int, seed: int, time_tl_forward: bool,
+                device: str = "cpu") -> pd.DataFrame:
     """Interleaved rounds: each round runs every case once, in an order rotated round by round."""
-    cases: list[tuple[str, str, Callable[[], object]]] = [("-", "matmul_peak", matmul_case())]
+    cases: list[tuple[str, str, Callable[[], object]]] = [("-", "matmul_peak", matmul_case(device=device))]
     for batch, pos in shapes:
-        tokens = make_tokens(batch, pos, lk.cfg.d_vocab, seed)
-        for name, fn in contenders(lk, hf, tl, tokens, lk.cfg.n_layers).items():
+        tokens = make_tokens(batch, pos, lk.cfg.d_vocab, seed).to(device)
+        timed_cases = contenders(lk, hf, tl, tokens, lk.cfg.n_layers)
+        if device != "cpu":
+            timed_cases.update(gpu_cases(lk, tokens))
+        for name, fn in timed_cases.items():
             if name != "tl_forward" or time_tl_forward:  # TL's plain forward is context, not a target
                 cases.append((f"{batch}x{pos}", name, fn))
     for _, _, fn in tqdm(cases, desc="warm-up", leave=False):
@@ -80,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tl-forward", action="store_true", help="also time TransformerLens' plain forward")
     p.add_argument("--tl-memory", action="store_true", help="also measure TransformerLens' cache memory")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda; cuda writes results-cuda.md/.csv instead")
     args = p.parse_args(argv)
+    if args.device != "cpu" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch sees no CUDA device here")
+    args.suffix = "" if args.device == "cpu" else f"-{args.device.split(':')[0]}"
     args.model_dir = args.model_dir or Path.home() / ".cache" / "lenskit" / "bench" / f"gpt2-random-seed{args.seed}"
     args.command = "python benchmarks/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     args.command = args.command.strip()
@@ -89,13 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     shapes = parse_shapes(args.shapes)
     folder = ensure_model_folder(args.model_dir, args.seed)
-    lk, hf = load_lenskit(folder), load_transformers(folder)
-    tl, tl_note = (None, "TransformerLens left out (--no-tl).") if args.no_tl else load_transformer_lens(folder)
+    lk, hf = load_lenskit(folder, args.device), load_transformers(folder, args.device)
+    tl, tl_note = (None, "TransformerLens left out (--no-tl).") if args.no_tl else load_transformer_lens(folder, args.device)
     tl_note = f"\n**TransformerLens rows missing:** {tl_note}\n" if tl is None else ""
     hf_attn = getattr(hf.config, "_attn_implementation", "unknown")
 
     batch, pos = shapes[0]
-    tokens = make_tokens(batch, pos, lk.cfg.d_vocab, args.seed)
+    tokens = make_tokens(batch, pos, lk.cfg.d_vocab, args.seed).to(args.device)
     names = resid_names(lk.cfg.n_layers)
     with torch.inference_mode():
         logits, cache = lk.run_with_cache(tokens, names_filter=names)
@@ -107,9 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     del logits, cache
     print("parity:", parity)
 
-    t = run_timings(lk, hf, tl, shapes, args.repeats, args.warmup, args.seed, args.tl_forward)
+    t = run_timings(lk, hf, tl, shapes, args.repeats, args.warmup, args.seed, args.tl_forward, args.device)
     profiles = {}
-    if not args.no_profile:
+    if args.device != "cpu":  # the CUDA allocator's peak per call, in this process; the CPU's RSS rows do not apply
+        rows = []
+        for b, s in shapes:
+            toks = make_tokens(b, s, lk.cfg.d_vocab, args.seed).to(args.device)
+            cases = {**contenders(lk, hf, tl, toks, lk.cfg.n_layers), **gpu_cases(lk, toks)}
+            rows += [dict(shape=f"{b}x{s}", case=k, cuda_peak_bytes=v) for k, v in cuda_peak_memory(cases).items()]
+        pd.DataFrame(rows).to_csv(args.out_dir / f"memory{args.suffix}.csv", index=False)
+        args.memory_repeats = 0
+    elif not args.no_profile:
         for b, s in shapes:
             cases = contenders(lk, hf, None, make_tokens(b, s, lk.cfg.d_vocab, args.seed), lk.cfg.n_layers)
             for case in ("lenskit_forward", "lenskit_cache", "transformers_forward"):
@@ -126,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(t, mem, ModelConfig.from_name("gpt2"), shapes)
     write_report(args.out_dir, args, t, summary, profiles, parity, tl_note, hf_attn,
                  ModelConfig.from_name("gpt2"), shapes, started)
-    print((args.out_dir / "results.md").read_text())
+    print((args.out_dir / f"results{args.suffix}.md").read_text())
     return 0
 
 

@@ -34,19 +34,19 @@ def ensure_model_folder(folder: Path, seed: int) -> Path:
     return folder
 
 
-def load_lenskit(folder: Path) -> HookedTransformer:
-    return HookedTransformer.from_pretrained(folder).eval()
+def load_lenskit(folder: Path, device: str = "cpu") -> HookedTransformer:
+    return HookedTransformer.from_pretrained(folder, device=device).eval()
 
 
-def load_transformers(folder: Path):
+def load_transformers(folder: Path, device: str = "cpu"):
     import transformers
 
     transformers.logging.set_verbosity_error()
     # The default attention implementation (no attn_implementation argument): what a user gets.
-    return transformers.GPT2LMHeadModel.from_pretrained(str(folder)).eval()
+    return transformers.GPT2LMHeadModel.from_pretrained(str(folder)).to(device).eval()
 
 
-def load_transformer_lens(folder: Path):
+def load_transformer_lens(folder: Path, device: str = "cpu"):
     """TransformerLens' TransformerBridge over the same folder, or the reason it cannot be had."""
     try:
         from transformer_lens.model_bridge import TransformerBridge
@@ -56,7 +56,7 @@ def load_transformer_lens(folder: Path):
 
     logging.getLogger("transformer_lens").setLevel(logging.ERROR)
     try:
-        return TransformerBridge.boot_transformers(str(folder), device="cpu").eval(), ""
+        return TransformerBridge.boot_transformers(str(folder), device=device).eval(), ""
     except Exception as e:  # noqa: BLE001 - any failure to boot is reported, not fatal to the benchmark
         return None, f"TransformerBridge.boot_transformers failed offline: {type(e).__name__}: {e}"
 
@@ -84,17 +84,22 @@ def contenders(lk, hf, tl, tokens: torch.Tensor, n_layers: int) -> dict[str, Cal
 
 def timed(fn: Callable[[], object]) -> float:
     gc.collect()
+    cuda = torch.cuda.is_initialized()  # GPU work is queued: wait for it before and after the clock
     with torch.inference_mode():
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         out = fn()
+        if cuda:
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
     del out
     return seconds
 
 
-def matmul_case(n: int = MATMUL_N) -> Callable[[], object]:
-    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0))
-    b = torch.randn(n, n, generator=torch.Generator().manual_seed(1))
+def matmul_case(n: int = MATMUL_N, device: str = "cpu") -> Callable[[], object]:
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(device)
+    b = torch.randn(n, n, generator=torch.Generator().manual_seed(1)).to(device)
     return lambda: a @ b
 
 
@@ -112,3 +117,42 @@ def forward_flops(cfg: ModelConfig, batch: int, pos: int, causal: bool = False) 
     return batch * pos * (dense + 4 * cfg.n_layers * n_keys * d_attn)
 
 
+
+
+def gpu_cases(lk, tokens: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The GPU run's extra rows: the logit-lens trajectory and one tuned-lens training step (forward, readout KL,
+    translator backward and Adam update) on the same tokens."""
+    from lenses import LogitLens, Trajectory, TunedLens
+    from lenses.lens_step import TranslatedStreams, kl_step
+    from lenses.training import collect_streams
+
+    lens = TunedLens(lk)
+    objective = TranslatedStreams(lens)
+    opt = torch.optim.Adam(lens.parameters(), lr=1e-3)
+
+    def train_step():
+        with torch.inference_mode(False), torch.enable_grad():
+            streams, final = collect_streams(lens, tokens)
+            kl = kl_step(objective, lk.unembed, streams, final, scale=1 / tokens.numel())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return kl
+
+    return {"lenskit_logit_trajectory": lambda: Trajectory.from_prompt(LogitLens(lk), tokens),
+            "lenskit_tuned_train_step": train_step}
+
+
+def cuda_peak_memory(cases: dict[str, Callable[[], object]]) -> dict[str, int]:
+    """Peak CUDA allocator bytes of one call of each case, above what was allocated before it."""
+    peaks = {}
+    for name, fn in cases.items():
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.inference_mode():
+            out = fn()
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+        del out
+    return peaks

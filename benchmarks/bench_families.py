@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 import transformers
 
-import lenskit.loading
 from lenskit import HookedTransformer
 
 SHAPE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4, intermediate_size=2048,
@@ -69,24 +68,19 @@ def main() -> None:
 
     # Without the check, loading only maps the file: no weight is read until the first forward. So the
     # fair figure is load + a first short forward (both variants then have read every weight once).
-    real_check = lenskit.loading.check_values
     short = tokens[:1, :16]
     loads: dict[str, list[float]] = {k: [] for k in ("load_with_check", "load_without_check",
                                                      "load_and_first_forward_with_check", "load_and_first_forward_without_check")}
 
-    def load_and_run() -> None:
+    def load_and_run(check: bool) -> None:
         with torch.inference_mode():
-            HookedTransformer.from_pretrained(folder)(short)
+            HookedTransformer.from_pretrained(folder, check_finite=check)(short)
 
     HookedTransformer.from_pretrained(folder)  # page cache warm
     for _ in range(args.repeats):
-        for suffix, check in (("with_check", real_check), ("without_check", lambda name, t: None)):
-            lenskit.loading.check_values = check
-            try:
-                loads[f"load_{suffix}"].append(timed(lambda: HookedTransformer.from_pretrained(folder)))
-                loads[f"load_and_first_forward_{suffix}"].append(timed(load_and_run))
-            finally:
-                lenskit.loading.check_values = real_check
+        for suffix, check in (("with_check", True), ("without_check", False)):
+            loads[f"load_{suffix}"].append(timed(lambda: HookedTransformer.from_pretrained(folder, check_finite=check)))
+            loads[f"load_and_first_forward_{suffix}"].append(timed(lambda: load_and_run(check)))
     med = {k: statistics.median(v) for k, v in {**times, **loads}.items()}
     load_after = os.getloadavg()[0]
 

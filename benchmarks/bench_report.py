@@ -163,8 +163,10 @@ def write_report(out_dir: Path, args, t: pd.DataFrame, summary: pd.DataFrame, pr
         tl_version = version("transformer-lens")
     except Exception:  # noqa: BLE001 - not installed
         tl_version = "not installed"
-    summary.to_csv(out_dir / "results.csv", index=False)
-    t.to_csv(out_dir / "timings.csv", index=False)
+    suffix = getattr(args, "suffix", "")  # "-cuda" for a GPU run, which leaves the CPU files alone
+    device = getattr(args, "device", "cpu")
+    summary.to_csv(out_dir / f"results{suffix}.csv", index=False)
+    t.to_csv(out_dir / f"timings{suffix}.csv", index=False)
     key = summary[summary.metric.str.match(r"^[a-e]\.") & ~summary.metric.str.contains("paired")]
     targets = key[key.target.notna()][["metric", "shape", "value", "target", "met", "note"]]
     timing = summary[summary.metric.str.startswith("median_ms.")].copy()
@@ -182,7 +184,8 @@ transformers {transformers.__version__} (GPT2LMHeadModel, default attention impl
 transformer-lens {tl_version} (TransformerBridge; it forces `eager` attention so hooks can see patterns),
 lenskit {lenskit.__version__}. One-minute load average {args.load[0]:.1f} at the start and {args.load[-1]:.1f} at the end
 (the machine has {os.cpu_count()} cores; anything above that means other work shared them, so timings are noisy). Weights: the `gpt2` preset with random init, one local folder that all three load
-(`{args.model_dir}`). fp32, CPU, `torch.inference_mode()` for every call. Tokens: random ids, batch x pos as shown.
+(`{args.model_dir}`). fp32, device `{device}`{_gpu_name(device)}, `torch.inference_mode()` for every call. Tokens: random ids,
+batch x pos as shown.
 {tl_note}
 Same weights, same numbers: {', '.join(f'{k} {v:.1e}' for k, v in parity.items())}.
 
@@ -213,5 +216,23 @@ forward, i.e. what keeping the cache costs at the peak. The `alloc` rows count o
 
 {profile_summary(profiles, summary, cfg, shapes)}
 """
-    (out_dir / "results.md").write_text(text, encoding="utf-8")
+    report = out_dir / f"results{suffix}.md"
+    (out_dir / f"results{suffix}.md").write_text(text + kept_sections(report), encoding="utf-8")
+
+
+KEEP_MARKER = "<!-- Hand-written sections below: bench.py keeps everything after this line when it rewrites the file. -->"
+
+
+def kept_sections(report: Path) -> str:
+    """What follows KEEP_MARKER in the existing report (the marker included), so that a rerun loses nothing
+    written by hand or appended by the other benchmarks; a report without the marker keeps nothing."""
+    if not report.exists():
+        return "\n" + KEEP_MARKER + "\n"
+    old = report.read_text(encoding="utf-8")
+    at = old.find(KEEP_MARKER)
+    return "\n" + (old[at:] if at >= 0 else KEEP_MARKER + "\n")
+
+
+def _gpu_name(device: str) -> str:
+    return f" ({torch.cuda.get_device_name()})" if device.startswith("cuda") and torch.cuda.is_available() else ""
 

@@ -102,13 +102,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--skip", nargs="*", default=[], help="contenders to leave out")
+    parser.add_argument("--dtype", default="float32", help="lenskit's model dtype (float32 or bfloat16); the translators "
+                        "stay float32; the package's loop is unchanged (its own bf16 autocast)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     import transformers
 
     transformers.logging.set_verbosity_error()
     folder = Path(lenskit.DEFAULT_MODEL) if args.model == "embedded" else ensure_model_folder(args.model_dir, seed=0)
-    model = lenskit.HookedTransformer.from_pretrained(folder).eval()
+    model = lenskit.HookedTransformer.from_pretrained(folder, dtype=args.dtype).eval()
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(folder)).eval()
     cfg = model.cfg
     ctx = min(args.ctx, cfg.n_ctx, args.tokens)
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     contenders = {k: v for k, v in contenders.items() if k not in args.skip}
     names = list(contenders)
     print(f"{args.model}: {cfg.n_layers} layers, d_model {cfg.d_model}, d_vocab {cfg.d_vocab}; {n_tokens} tokens a step "
-          f"({len(windows)} x {ctx}), {flops / 1e9:.1f} useful GFLOP; threads {args.threads}; "
+          f"({len(windows)} x {ctx}), {flops / 1e9:.1f} useful GFLOP; lenskit model {args.dtype}; threads {args.threads}; "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
     for fn in contenders.values():  # warm-up: first-call allocations and imports
         fn()

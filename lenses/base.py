@@ -38,8 +38,11 @@ class Lens(nn.Module, ABC):
         """h [..., d_model] at the (resolved) stream s -> h' [..., d_model] in the last stream's basis."""
 
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
-        """[..., d_model] -> [..., d_vocab]: final norm (its scale computed on this h) then unembedding."""
-        return self.model.readout(h)
+        """[..., d_model] -> [..., d_vocab]: final norm (its scale computed on this h) then unembedding, in the
+        model's dtype; half-precision logits come out upcast to float32, for the metrics' log-softmax."""
+        dtype = self.model.unembed.weight.dtype
+        logits = self.model.readout(h if h.dtype == dtype else h.to(dtype))
+        return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
     def forward(self, h: torch.Tensor, s: int | str | Stream) -> torch.Tensor:
         """h [..., d_model] at stream s -> logits [..., d_vocab]."""

@@ -56,7 +56,8 @@ class TranslatedStreams(nn.Module):
     def forward(self, streams: Streams) -> torch.Tensor:
         norm = self.lens.model.ln_final
         d_model = self.lens.model.cfg.d_model
-        return torch.stack([norm(self.lens.transform_hidden(h.reshape(-1, d_model), s)) for s, h in streams])
+        dtype = norm.weight.dtype  # float32 translators on a bf16/fp16 model; the norm runs in the model's dtype
+        return torch.stack([norm(self.lens.transform_hidden(h.reshape(-1, d_model), s).to(dtype)) for s, h in streams])
 
 
 def kl_step(translate: Callable[[Streams], torch.Tensor], unembed: nn.Linear, streams: Streams, final_logits: torch.Tensor,

@@ -207,7 +207,7 @@ def extension_note(saved_identity: dict, recipe: Recipe) -> str:
 def train_step(objective: nn.Module, lens: TunedLens, opt: torch.optim.Optimizer, tokens: torch.Tensor, recipe: Recipe,
                step: int, labels: list[str], world: int, ckpt: Path | None) -> list[float]:
     """One optimiser step on this rank's windows `tokens` [n, ctx]; returns the step's KL per stream (nats per token)."""
-    step_loss = torch.zeros(len(labels), dtype=torch.float64)
+    step_loss = torch.zeros(len(labels) + 1, dtype=torch.float64, device=tokens.device)  # + non-finite final count
     chunks = tokens.split(max(1, recipe.micro_batch_tokens // recipe.ctx))
     for i, chunk in enumerate(chunks):
         streams, final = collect_streams(lens, chunk)
@@ -219,10 +219,14 @@ def train_step(objective: nn.Module, lens: TunedLens, opt: torch.optim.Optimizer
             # step: identical maths to one process doing all of it.
             per_stream = kl_step(objective, lens.model.unembed, streams, final, world / recipe.tokens_per_step,
                                  softcap=lens.model.cfg.final_softcap)
-            step_loss += check_finite(per_stream, final, labels, world, step, ckpt)
+            step_loss += loss_record(per_stream, final, world)
     norm = torch.nn.utils.clip_grad_norm_(lens.parameters(), recipe.clip_grad_norm)
-    if not torch.isfinite(norm):
+    # The step's one device -> host copy (on a GPU, its one synchronisation): losses, NaN count and gradient norm.
+    logged = torch.cat([step_loss, norm.double().reshape(1)]).cpu()
+    check_finite(logged[:-1], labels, step, ckpt)
+    if not torch.isfinite(logged[-1]):
         raise FloatingPointError(non_finite_message("gradient norm", step, labels, ckpt))
+    step_loss = logged[:-2]
     for group in opt.param_groups:
         group["lr"] = recipe.lr_at(step)
     opt.step()
@@ -314,19 +318,22 @@ def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: 
     return lens
 
 
-def check_finite(per_stream: torch.Tensor, final: torch.Tensor, labels: list[str], world: int, step: int,
-                 ckpt: Path | None) -> torch.Tensor:
-    """The per-stream loss sums [n] (summed over ranks), or FloatingPointError on every rank if any is NaN/inf."""
-    # The sums, then the count of non-finite final logits (a NaN target can hide inside a KL).
+def loss_record(per_stream: torch.Tensor, final: torch.Tensor, world: int) -> torch.Tensor:
+    """The per-stream loss sums, then the count of non-finite final logits (a NaN target can hide inside a KL),
+    [n + 1] float64, summed over ranks; on the device, without waiting for it."""
     logged = torch.cat([per_stream.detach().double(), (~torch.isfinite(final)).sum().double().reshape(1)])
     if world > 1:
         dist.all_reduce(logged)  # every rank sees a NaN anywhere, so all stop together
+    return logged
+
+
+def check_finite(logged: torch.Tensor, labels: list[str], step: int, ckpt: Path | None) -> None:
+    """FloatingPointError (on every rank alike) if a `loss_record` sum, on the host, holds a NaN/inf."""
     if logged[-1] > 0:
         raise FloatingPointError(non_finite_message("model's own output", step, ["final"], ckpt))
     if not torch.isfinite(logged).all():
         bad = [labels[j] for j in range(len(labels)) if not torch.isfinite(logged[j])]
         raise FloatingPointError(non_finite_message("loss", step, bad, ckpt))
-    return logged[:-1].cpu()
 
 
 def short(value: object) -> str:

@@ -81,7 +81,8 @@ class TunedLens(Lens):
         super().__init__(model)
         d_model, n = model.cfg.d_model, model.cfg.n_layers
         param = model.unembed.weight
-        kwargs = dict(device=param.device, dtype=param.dtype if param.dtype.is_floating_point else torch.float32)
+        # Translators train in float32 even on a bf16/fp16 model (half-precision Adam updates would round away).
+        kwargs = dict(device=param.device, dtype=torch.float64 if param.dtype == torch.float64 else torch.float32)
         self.translators = nn.ModuleList(nn.Linear(d_model, d_model, **kwargs) for _ in range(n))
         self.mid_translators = nn.ModuleList(nn.Linear(d_model, d_model, **kwargs) for _ in range(n)) if resid_mid else None
         self.reset_parameters()

@@ -39,7 +39,9 @@ _LLAMA_BLOCK = {
 
 
 def _transpose(t: torch.Tensor, cfg) -> torch.Tensor:
-    return t.T.contiguous()
+    """A view, not a copy: a transposed weight is as fast in F.linear (benchmarks/results.md, "Big checkpoints")
+    and lets a memory-mapped checkpoint stay mapped."""
+    return t.T
 
 
 def _neox_qkv(t: torch.Tensor, cfg) -> torch.Tensor:

@@ -58,11 +58,11 @@ def expected_shapes(cls: type["HookedTransformer"], cfg: ModelConfig) -> dict[st
 
 
 def convert_hf_state_dict(raw: Mapping[str, torch.Tensor], cfg: ModelConfig,
-                          shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+                          shapes: Mapping[str, tuple[int, ...]], check_finite: bool = True) -> dict[str, torch.Tensor]:
     """A checkpoint of `cfg.family` -> our state dict, checked against our `shapes`. Keys may carry the
     base-model prefix (`transformer.`, `gpt_neox.`, `model.`) or not; stored buffers without learned
     state are skipped; a tied `lm_head` may be present or absent. Any unknown, missing or misshapen key,
-    and any non-float or non-finite tensor, raises naming the tensor."""
+    and any non-float or (unless `check_finite=False`) non-finite tensor, raises naming the tensor."""
     layout = layout_of(cfg.family)
     buffers = buffer_pattern(cfg.family)
     stripped: dict[str, torch.Tensor] = {}
@@ -91,7 +91,7 @@ def convert_hf_state_dict(raw: Mapping[str, torch.Tensor], cfg: ModelConfig,
     state: dict[str, torch.Tensor] = {}
     for theirs, ours in name_map.items():
         stored = stripped[theirs]
-        check_values(theirs, stored)
+        check_values(theirs, stored, check_finite)
         want = layout.stored_shape(ours, shapes[ours])
         if tuple(stored.shape) != want:
             raise CheckpointError(f"tensor {theirs!r} has shape {tuple(stored.shape)}, but config.json implies {want}")
@@ -106,13 +106,16 @@ def convert_hf_state_dict(raw: Mapping[str, torch.Tensor], cfg: ModelConfig,
     return state
 
 
-def check_values(name: str, tensor: torch.Tensor) -> None:
+def check_values(name: str, tensor: torch.Tensor, check_finite: bool = True) -> None:
     """A weight must be floating point and finite; a NaN or inf would poison every forward silently."""
     if not tensor.dtype.is_floating_point:
         raise CheckpointError(f"tensor {name!r} has dtype {tensor.dtype}; weights must be floating point "
                               "(quantised checkpoints are not supported: dequantise first)")
-    # One reduction instead of an elementwise mask: a NaN or inf anywhere makes the sum non-finite.
-    # A sum can also overflow on finite values, so only then is every element looked at.
+    if not check_finite:
+        return
+    # One reduction instead of an elementwise mask: a NaN or inf anywhere makes the sum non-finite. It allocates
+    # nothing the size of the tensor, and reads a memory-mapped file's pages as file pages (not anonymous memory).
+    # A sum can also overflow on finite values (fp16 above 65504), so only then is every element looked at.
     if not bool(torch.isfinite(tensor.sum())) and not bool(torch.isfinite(tensor).all()):
         raise CheckpointError(f"tensor {name!r} holds NaN or inf values; the checkpoint is corrupt or was saved after training diverged")
 
@@ -249,14 +252,14 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
 
 
 def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathLike, dtype: torch.dtype | str | None = None,
-                    device: str | torch.device | None = None) -> "HookedTransformer":
+                    device: str | torch.device | None = None, check_finite: bool = True) -> "HookedTransformer":
     dtype = parse_dtype(dtype)
     folder = resolve_model_folder(name_or_path)
     config_file = folder / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{folder} has no config.json; expected a Hugging Face model folder")
     cfg = ModelConfig.from_json(config_file, name=str(name_or_path))
-    return _assemble(cls, cfg, read_safetensors(folder), load_tokenizer(folder), dtype, device or "cpu")
+    return _assemble(cls, cfg, read_safetensors(folder), load_tokenizer(folder), dtype, device or "cpu", check_finite)
 
 
 def from_hf(cls: type["HookedTransformer"], hf_model: torch.nn.Module, tokenizer=None) -> "HookedTransformer":
@@ -266,10 +269,10 @@ def from_hf(cls: type["HookedTransformer"], hf_model: torch.nn.Module, tokenizer
     return _assemble(cls, cfg, raw, tokenizer, param.dtype, param.device)
 
 
-def _assemble(cls, cfg, raw, tokenizer, dtype, device) -> "HookedTransformer":
+def _assemble(cls, cfg, raw, tokenizer, dtype, device, check_finite: bool = True) -> "HookedTransformer":
     """Build on the meta device, convert the checkpoint against its shapes, then assign the tensors:
     a checkpoint already in `dtype` on the CPU is used in place (memory-mapped), not copied."""
-    state = convert_hf_state_dict(raw, cfg, expected_shapes(cls, cfg))
+    state = convert_hf_state_dict(raw, cfg, expected_shapes(cls, cfg), check_finite)
     with torch.device("meta"):
         model = cls(cfg, tokenizer=tokenizer)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}

@@ -22,18 +22,19 @@ def selection_mask(x: torch.Tensor, positions: Sequence[int] | None = None, axis
                    units: Sequence[int] | None = None) -> torch.Tensor:
     """A bool mask that broadcasts against x [batch, pos, ...]: True at `positions` (all when None) and, with
     `axis`, at `units` along that axis (all when None). Empty lists select nothing."""
-    mask = torch.zeros(x.shape[1], dtype=torch.bool, device=x.device)
+    # Built on the CPU and sent without waiting: indexing a GPU tensor with a Python list would stall the host.
+    mask = torch.zeros(x.shape[1], dtype=torch.bool)
     mask[slice(None) if positions is None else list(positions)] = True
     shape = [1] * x.ndim
     shape[1] = x.shape[1]
     mask = mask.view(shape)  # [1, pos, 1, ...]
     if axis is not None and units is not None:
-        chosen = torch.zeros(x.shape[axis], dtype=torch.bool, device=x.device)
+        chosen = torch.zeros(x.shape[axis], dtype=torch.bool)
         chosen[list(units)] = True
         unit_shape = [1] * x.ndim
         unit_shape[axis] = x.shape[axis]
         mask = mask & chosen.view(unit_shape)  # [1, pos, units, 1, ...]
-    return mask
+    return mask.to(x.device, non_blocking=True)
 
 
 def replace_where(x: torch.Tensor, value: torch.Tensor, positions: Sequence[int] | None = None, axis: int | None = None,

@@ -299,15 +299,18 @@ class HookedTransformer(WeightViews, HookedRootModule):
     # ------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None
+        cls, name_or_path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
+        check_finite: bool = True,
     ) -> "HookedTransformer":
         """Load a local folder in its family's Hugging Face layout, or a hub name via the local HF cache.
 
         `dtype` is a torch dtype or "float32" / "bfloat16" / "float16" (None: float32, the reference
-        numerics); `device` defaults to the CPU. The family comes from config.json's `model_type`."""
+        numerics); `device` defaults to the CPU. The family comes from config.json's `model_type`.
+        A checkpoint already in `dtype` stays memory-mapped (no copy). Every weight is checked for NaN/inf,
+        which reads every byte once; `check_finite=False` skips that for a checkpoint you trust."""
         from .loading import load_pretrained
 
-        return load_pretrained(cls, name_or_path, dtype=dtype, device=device)
+        return load_pretrained(cls, name_or_path, dtype=dtype, device=device, check_finite=check_finite)
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module, tokenizer: "PreTrainedTokenizerBase | None" = None) -> "HookedTransformer":
