@@ -102,14 +102,14 @@ def has_position_term(cache: "ActivationCache", embed: torch.Tensor) -> bool:
 
     A learned-position model's cache (known from `cache.model`, else from `hook_pos_embed` being there) needs
     `hook_pos_embed`. Otherwise the first stream must equal the token embedding exactly, checked on
-    `blocks.0.hook_resid_pre`: a position term left out of the cache would make the parts not sum."""
+    the first block's input: a position term left out of the cache would make the parts not sum."""
     cfg = getattr(cache.model, "cfg", None)
     if "hook_pos_embed" in cache or (cfg is not None and cfg.positional == "learned"):
         return True
     first = hook_name("resid_pre", 0)
     if first in cache and torch.equal(cache[first], embed):
         return False
-    raise KeyError("decomposing the stream needs 'hook_pos_embed' (or, for a rotary model, 'blocks.0.hook_resid_pre' "
+    raise KeyError(f"decomposing the stream needs 'hook_pos_embed' (or, for a rotary model, {first!r} "
                    "to confirm there is no position term), which this cache does not hold; run "
                    "model.run_with_cache(tokens) without a names_filter")
 
