@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,18 @@ def resolve_lens_folder(spec: str | os.PathLike) -> Path:
                       f"machine with network run `hf download {spec}`, or pass the lens folder") from None
 
 
+# A fingerprint: "<family>:sha256:<hex>"; lenses saved before families carry "sha256:<hex>" alone.
+FINGERPRINT = re.compile(r"(?:([A-Za-z0-9_.-]+):)?sha256:([0-9a-f]{64})")
+
+
+def same_fingerprint(saved: object, here: str) -> bool:
+    """`saved` names the model `here` names: equal, or a family-less (older) fingerprint whose digest matches."""
+    a, b = FINGERPRINT.fullmatch(saved) if isinstance(saved, str) else None, FINGERPRINT.fullmatch(here)
+    if a is None or b is None:
+        return False
+    return a.group(2) == b.group(2) and (a.group(1) is None or a.group(1) == b.group(1))
+
+
 # What each config.json key must hold: (test, description).
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -211,7 +224,8 @@ def _is_int(v: object) -> bool:
 
 CONFIG_TYPES = {
     "format_version": (_is_int, "an integer"),
-    "model_fingerprint": (lambda v: isinstance(v, str) and v.startswith("sha256:"), "a string 'sha256:...'"),
+    "model_fingerprint": (lambda v: isinstance(v, str) and FINGERPRINT.fullmatch(v) is not None,
+                          "a string '<family>:sha256:<hex>' (or 'sha256:<hex>' from older lenskit)"),
     "n_layers": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "d_model": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "resid_mid": (lambda v: isinstance(v, bool), "true or false"),
@@ -246,14 +260,14 @@ def check_fingerprint(config: dict, model: HookedTransformer, folder: Path) -> N
     """The model's final norm and unembedding must be the ones the lens was trained through, up to the rounding
     of loading the same model in another precision."""
     saved, here = config["model_fingerprint"], model_fingerprint(model)
-    if saved == here:
+    if same_fingerprint(saved, here):
         return
     ours = str(model.unembed.weight.dtype).removeprefix("torch.")
     theirs = config.get("model_dtype")
     reduced = config.get("model_fingerprints_reduced") or {}
-    if isinstance(reduced, dict) and reduced.get(ours) == here:
+    if isinstance(reduced, dict) and same_fingerprint(reduced.get(ours), here):
         return  # a float32-trained lens on the same model loaded in bfloat16 / float16
-    if theirs in REDUCED_DTYPES and model_fingerprint(model, REDUCED_DTYPES[theirs]) == saved:
+    if theirs in REDUCED_DTYPES and same_fingerprint(saved, model_fingerprint(model, REDUCED_DTYPES[theirs])):
         return  # a lens trained on the reduced-precision model, used on the float32 one
     dtypes = f" (the lens was trained on a {theirs} model, this one is {ours})" if theirs and theirs != ours else ""
     raise ValueError(

@@ -76,7 +76,7 @@ def resid_parts(cache: "ActivationCache", s: Stream, per_head: bool = False) -> 
     why = "decomposing the stream"
     embed = need(cache, "hook_embed", why)
     parts = [Part(embed, "embed", "embed", None, None)]
-    if cache.has_pos_embed:
+    if has_position_term(cache, embed):
         pos = need(cache, "hook_pos_embed", why).expand_as(embed)  # the same for every sequence
         parts.append(Part(pos, "pos_embed", "pos_embed", None, None))
     n_attn = s.layer + 1 if s.point in ("resid_mid", "resid_post") else s.layer  # blocks whose attention wrote
@@ -95,6 +95,23 @@ def resid_parts(cache: "ActivationCache", s: Stream, per_head: bool = False) -> 
         if i < n_mlp:
             parts.append(Part(need(cache, hook_name("mlp_out", i), why), f"{i}_mlp_out", "mlp", i, None))
     return parts
+
+
+def has_position_term(cache: "ActivationCache", embed: torch.Tensor) -> bool:
+    """Whether the stream starts as embed + pos_embed (learned positions) rather than embed alone (rotary).
+
+    A learned-position model's cache (known from `cache.model`, else from `hook_pos_embed` being there) needs
+    `hook_pos_embed`. Otherwise the first stream must equal the token embedding exactly, checked on
+    the first block's input: a position term left out of the cache would make the parts not sum."""
+    cfg = getattr(cache.model, "cfg", None)
+    if "hook_pos_embed" in cache or (cfg is not None and cfg.positional == "learned"):
+        return True
+    first = hook_name("resid_pre", 0)
+    if first in cache and torch.equal(cache[first], embed):
+        return False
+    raise KeyError(f"decomposing the stream needs 'hook_pos_embed' (or, for a rotary model, {first!r} "
+                   "to confirm there is no position term), which this cache does not hold; run "
+                   "model.run_with_cache(tokens) without a names_filter")
 
 
 def post_normed(cache: "ActivationCache", layer: int) -> bool:

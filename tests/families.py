@@ -41,7 +41,9 @@ FAMILY_BUILDERS: dict[str, Callable[[int], transformers.PreTrainedModel]] = {
     "qwen2": lambda vocab: make_hf_family("qwen2", num_hidden_layers=3, vocab_size=vocab),
     "qwen3": lambda vocab: make_hf_family("qwen3", num_hidden_layers=3, vocab_size=vocab),
     "gemma2": lambda vocab: make_hf_family("gemma2", num_hidden_layers=3, vocab_size=vocab),
-    "gemma3_text": lambda vocab: make_hf_family("gemma3_text", num_hidden_layers=3, vocab_size=vocab),
+    "gemma3_text": lambda vocab: make_hf_family(
+        "gemma3_text", num_hidden_layers=3, vocab_size=vocab,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "olmo2": lambda vocab: make_hf_family("olmo2", num_hidden_layers=3, vocab_size=vocab),
     "phi3": lambda vocab: make_hf_family("phi3", num_hidden_layers=3, vocab_size=vocab),
 }

@@ -125,8 +125,10 @@ def test_tuned_lens_trains_evaluates_and_round_trips(family_model, text_stream, 
     model = family_model.model
     recipe = Recipe(steps=8, ctx=16, tokens_per_step=64, lr=0.5)
     lens = train(TunedLens(model), text_stream, recipe, progress=False)
-    history = lens.info["loss_history"]
-    assert all(late < early for early, late in zip(history[0], history[-1]))
+    history = lens.info["loss_history"]  # per step, per layer, each on that step's own batch
+    # Summed over layers: a layer whose logit lens is already close (OLMo 2's last, KL ~0.006) moves less than
+    # the batch-to-batch noise in 8 steps; the per-layer comparison is the evaluation below, on the same tokens.
+    assert sum(history[-1]) < sum(history[0])
     table = evaluate(model, [LogitLens(model), lens], text_stream, ctx=16, progress=False)
     assert (table["kl_tuned"][:-1] < table["kl_logit"][:-1]).all()
     lens.save(tmp_path / "lens")
@@ -193,14 +195,18 @@ def test_block_and_sublayer_ablations(family_model, tokens, every):
     assert torch.equal(cache["resid_post", 0], cache["resid_pre", 0])
     _, cache = model.run_with_cache(tokens, fwd_hooks=ablation_hooks(model, [Attn(1)]))
     assert torch.equal(cache["resid_mid", 1], cache["resid_pre", 1])
-    torch.testing.assert_close(cache["resid_pre", 1], clean["resid_pre", 1], atol=1e-6, rtol=0)  # fused vs eager
+    # fused vs eager attention kernels: rounding relative to the stream's size (Gemma scales its embedding by sqrt(d))
+    torch.testing.assert_close(cache["resid_pre", 1], clean["resid_pre", 1], atol=1e-5, rtol=1e-5)
     _, cache = model.run_with_cache(tokens, fwd_hooks=ablation_hooks(model, [Mlp(1)]))
     assert torch.equal(cache["resid_post", 1], cache["resid_mid", 1])
-    torch.testing.assert_close(cache["resid_mid", 1], clean["resid_mid", 1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(cache["resid_mid", 1], clean["resid_mid", 1], atol=1e-5, rtol=1e-5)
 
 
 def test_head_ablation_removes_exactly_that_query_heads_write(family_model, tokens, every):
-    """Under GQA, heads 2 and 3 share key/value head 1: zeroing head 3 leaves head 2 alone."""
+    """Under GQA, heads 2 and 3 share key/value head 1: zeroing head 3 leaves head 2 alone.
+
+    Where the block normalises attention's output (ln1_post: Gemma 2/3, OLMo 2) the write is that norm of
+    the heads' sum, so the ablated write is the block's own ln1_post of the other heads' sum (plus bias)."""
     model = family_model.model
     _, clean = every
     head = model.cfg.n_heads - 1
@@ -208,7 +214,16 @@ def test_head_ablation_removes_exactly_that_query_heads_write(family_model, toke
     result, clean_result = cache["blocks.1.attn.hook_result"], clean["blocks.1.attn.hook_result"]
     assert torch.equal(result[:, :, head], torch.zeros_like(result[:, :, head]))
     torch.testing.assert_close(result[:, :, :head], clean_result[:, :, :head], atol=1e-6, rtol=0)
-    torch.testing.assert_close(cache["attn_out", 1], clean["attn_out", 1] - clean_result[:, :, head], atol=1e-5, rtol=0)
+    block = model.blocks[1]
+    if block.POST_NORMS:
+        bias = getattr(block.attn.out, "bias", None)
+        kept = clean_result.sum(-2) - clean_result[:, :, head] + (0 if bias is None else bias)
+        with torch.no_grad():
+            want = block.ln1_post(kept)
+        assert (want - clean["attn_out", 1]).abs().max() > 1e-3  # the ablation changed the write
+    else:
+        want = clean["attn_out", 1] - clean_result[:, :, head]
+    torch.testing.assert_close(cache["attn_out", 1], want, atol=1e-5, rtol=1e-5)
     # The head's write by hand: its z through its d_head-column block of the output projection.
     d = model.cfg.d_head
     z = clean["blocks.1.attn.hook_z"][:, :, head]  # [batch, pos, d_head]
@@ -226,9 +241,19 @@ def test_neuron_ablation(family_model, tokens, every):
     post, clean_post = cache["blocks.0.mlp.hook_post"], clean["blocks.0.mlp.hook_post"]
     assert post.shape[-1] == d_mlp and torch.equal(post[..., neurons], torch.zeros_like(post[..., neurons]))
     # Each neuron writes its activation times its column of fc_out; the ablated write lacks exactly those.
-    w_out = model.blocks[0].mlp.fc_out.weight[:, neurons]  # [d_model, 2]
-    torch.testing.assert_close(cache["mlp_out", 0], clean["mlp_out", 0] - clean_post[..., neurons] @ w_out.T,
-                               atol=1e-5, rtol=0)
+    # Where the block normalises the MLP's output (ln2_post), the write is that norm of the MLP's output.
+    block = model.blocks[0]
+    w_out = block.mlp.fc_out.weight[:, neurons]  # [d_model, 2]
+    if block.POST_NORMS:
+        kept = clean_post.clone()
+        kept[..., neurons] = 0
+        with torch.no_grad():
+            want = block.ln2_post(block.mlp.fc_out(kept))
+        unnormed = block.mlp.fc_out(clean_post) - clean_post[..., neurons] @ w_out.T  # the clean output less theirs
+        torch.testing.assert_close(block.mlp.fc_out(kept), unnormed, atol=1e-5, rtol=1e-5)
+    else:
+        want = clean["mlp_out", 0] - clean_post[..., neurons] @ w_out.T
+    torch.testing.assert_close(cache["mlp_out", 0], want, atol=1e-5, rtol=1e-5)
     with pytest.raises(IndexError, match=f"{d_mlp} neurons"):
         ablation_hooks(model, [Neurons(0, d_mlp)])
 
@@ -267,6 +292,10 @@ def test_parts_sum_to_the_stream_at_every_point(family_model, every, per_head):
     model = family_model.model
     _, cache = every
     n = model.cfg.n_layers
+    if per_head and model.blocks[0].POST_NORMS:  # heads are summed before ln1_post: they do not add up to its write
+        with pytest.raises(ValueError, match="per_head=False"):
+            decompose_resid(cache, n, per_head=True)
+        return
     for l in range(n + 1):
         for point in ("resid_pre", "resid_mid", "resid_post") if l < n else ("resid_pre",):
             parts = decompose_resid(cache, l, point, per_head=per_head)
@@ -293,9 +322,16 @@ def test_a_cache_without_the_position_term_is_refused_unless_there_is_none(famil
 
 @pytest.mark.parametrize("per_head", [False, True], ids=["sublayers", "heads"])
 def test_direct_logit_attribution_sums_to_the_logit_difference(family_model, tokens, every, per_head):
+    """Attribution is to the logits before any final soft-cap (Gemma 2/3): `model.readout_uncapped`."""
     model = family_model.model
-    logits, cache = every
+    _, cache = every
     plus, minus = torch.tensor([5, 17]), 9
+    if per_head and model.blocks[0].POST_NORMS:  # heads are summed before ln1_post: no per-head share of the write
+        with pytest.raises(ValueError, match="per_head=False"):
+            direct_logit_attribution(model, cache, plus, minus, pos=[-1, 4], per_head=True)
+        return
+    with torch.no_grad():
+        logits = model.readout_uncapped(cache.stream(Stream(model.cfg.n_layers)))
     dla = direct_logit_attribution(model, cache, plus, minus, pos=[-1, 4], per_head=per_head)
     sums = dla.groupby("batch").attribution.sum().to_numpy()
     want = torch.stack([logits[0, -1, 5] - logits[0, -1, 9], logits[1, 4, 17] - logits[1, 4, 9]])
@@ -332,7 +368,8 @@ def test_a_figure_builds(family_model, every):
     _, cache = every
     fig = logit_lens_heatmap(Trajectory.from_prompt(LogitLens(model), PROMPT, top_k=1))
     assert len(fig.data) >= 1 and fig.data[0].z.shape[0] == model.cfg.n_layers + 1
-    bars = attribution_bars(direct_logit_attribution(model, cache, 5, pos=-1, per_head=True))
+    per_head = not model.blocks[0].POST_NORMS  # per-head attribution is refused under post-norms (tested above)
+    bars = attribution_bars(direct_logit_attribution(model, cache, 5, pos=-1, per_head=per_head))
     assert len(bars.data) >= 1
 
 

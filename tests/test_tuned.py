@@ -213,12 +213,21 @@ def test_lens_folders_written_before_streams_still_load(model, streams, tmp_path
     folder = tmp_path / "old_lens"
     folder.mkdir()
     save_file(weights, str(folder / "lens.safetensors"), metadata={"format": "lenskit-tuned-lens"})
-    config = {"format": "lenskit-tuned-lens", "format_version": 1, "model_fingerprint": model_fingerprint(model),
+    family, legacy = model_fingerprint(model).split(":", 1)  # then "sha256:<hex>", without the family
+    assert family == model.cfg.family and legacy.startswith("sha256:")
+    config = {"format": "lenskit-tuned-lens", "format_version": 1, "model_fingerprint": legacy,
               "model_name": model.cfg.name, "n_layers": n, "d_model": d, "d_vocab": model.cfg.d_vocab,
               "resid_mid": True, "weights": "lens.safetensors", "steps_done": 7}
     (folder / "config.json").write_text(json.dumps(config))
-    lens = TunedLens.load(folder, model)
-    assert lens.has_mid and lens.info == {"steps_done": 7}
+    lens = TunedLens.load(folder, model)  # the family unknown: matched by the digest alone
+    assert lens.has_mid and lens.info == {"steps_done": 7} and lens.fingerprint == model_fingerprint(model)
+    for wrong, refusal in (("sha256:" + "0" * 64, "trained for another model"),
+                           ("llama:" + legacy, "trained for another model"),
+                           ("sha256:xyz", "'model_fingerprint' must be")):
+        (folder / "config.json").write_text(json.dumps(dict(config, model_fingerprint=wrong)))
+        with pytest.raises(ValueError, match=refusal):
+            TunedLens.load(folder, model)
+    (folder / "config.json").write_text(json.dumps(config))
     logit = LogitLens(model)
     with torch.no_grad():
         for l in range(n):
