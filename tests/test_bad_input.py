@@ -289,7 +289,8 @@ def fp32_lens_on_bf16(env: Env) -> Any:
 
 
 def check_bf16_readout(env: Env, logits: torch.Tensor) -> None:
-    assert logits.dtype == torch.bfloat16 and logits.shape == (1, 2, env.model.cfg.d_vocab)
+    # The readout runs in the model's bf16; lenses hand back float32 logits for the metrics (issue 16).
+    assert logits.dtype == torch.float32 and logits.shape == (1, 2, env.model.cfg.d_vocab)
     assert torch.isfinite(logits).all()
 
 
