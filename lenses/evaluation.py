@@ -79,7 +79,7 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
         for name, lens in lenses.items():
             if _linear_readout(model, lens):
                 if final_p_w is None:
-                    final_p_w = _through_unembedding(final_p, model.unembed)
+                    final_p_w = _through_unembedding(final_p, model.unembed) + (final, final_logp)
                 stats, agree = _linear_stats(model, lens, cache, locations, tokens, final_neg_entropy, final_p_w, final_top)
             if not _linear_readout(model, lens) or not all(torch.isfinite(v).all() for v in stats.values()):
                 # any other lens, and infinities (zero-mass tokens), through the full log-softmax and 0 log 0 = 0
@@ -141,15 +141,24 @@ def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens
     n_layers, n = len(locations), batch * pos
     x = torch.stack([model.ln_final(lens.transform_hidden(cache.stream(s), lens.stream(s)).float()).reshape(n, -1)
                      for s in locations])  # [layer, batch * pos, d_model]
-    rows_total, d_vocab = n_layers * n, weight.shape[0]
-    flat = x.reshape(rows_total, -1)
+    p_w, p_b, p_mass, final, final_logp = final_through  # sum p is 1 up to rounding; kept, as in the plain path
+    # A lens that leaves the last stream as it is reads there the model's own output: its rows come from it.
+    reads_final = torch.equal(x[-1], model.ln_final(cache.stream(locations[-1]).float()).reshape(n, -1))
+    rows_total, d_vocab = (n_layers - reads_final) * n, weight.shape[0]
+    flat = x.reshape(n_layers * n, -1)
     # the next token of each row (position pos - 1 has none: a stand-in, dropped below)
     next_ids = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(n).repeat(n_layers)
     chunk = min(rows_total, max(CHUNK_ROWS, CHUNK_BYTES // (4 * d_vocab)))
     z = torch.empty(chunk, d_vocab, dtype=torch.float32, device=x.device)  # reused for every chunk
     e = torch.empty_like(z)
-    lse, entropy, z_next = (torch.empty(rows_total, dtype=torch.float32, device=x.device) for _ in range(3))
-    top = torch.empty(rows_total, dtype=torch.long, device=x.device)
+    lse, entropy, z_next = (torch.empty(n_layers * n, dtype=torch.float32, device=x.device) for _ in range(3))
+    top = torch.empty(n_layers * n, dtype=torch.long, device=x.device)
+    if reads_final:
+        final = final.reshape(n, -1)
+        lse[rows_total:] = final[:, 0] - final_logp.reshape(n, -1)[:, 0]  # log sum_v exp z_v, read off one entry
+        z_next[rows_total:] = final.gather(1, next_ids[:n, None]).squeeze(1)
+        entropy[rows_total:] = -final_neg_entropy.reshape(n)
+        top[rows_total:] = final_top.reshape(n)
     for r0 in range(0, rows_total, chunk):
         r1 = min(r0 + chunk, rows_total)
         out, exp = z[: r1 - r0], e[: r1 - r0]
@@ -166,7 +175,6 @@ def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens
         lse[r0:r1] = peak + log_mass
         shifted_mean = torch.bmm(exp.unsqueeze(1), out.unsqueeze(2)).view(-1) / mass  # sum q (z - peak)
         entropy[r0:r1] = log_mass - shifted_mean  # H = lse - sum q z
-    p_w, p_b, p_mass = final_through  # sum p is 1 up to rounding; kept, as in sum p log q = sum p z - lse sum p
     p_z = torch.einsum("lnd,nd->ln", x, p_w) + p_b  # [layer, batch * pos]
     kl = final_neg_entropy.reshape(1, n) - (p_z - lse.view(n_layers, n) * p_mass)
     ce = (lse - z_next).view(n_layers, batch, pos)[:, :, :-1]
