@@ -135,7 +135,7 @@ def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens
     """`_plain_stats` for a linear readout, every layer of the lens in a few large matmuls and few passes over
     the logits (float32 throughout). With z the logits of one (layer, token) row and lse = log sum_v exp z_v:
     KL(p || q) = sum p log p - (sum p z - lse sum p), where sum p z = x . (p W_U) + p . b needs no logits;
-    CE = lse - z[next]; H(q) = lse - sum q z; top-1 = argmax z."""
+    CE = lse - z[next]; H(q) = lse - sum q z; top-1 agreement from z at the final's top-1 against max z."""
     weight, bias = model.unembed.weight, model.unembed.bias  # float32 (`_linear_readout`)
     batch, pos = tokens.shape
     n_layers, n = len(locations), batch * pos
@@ -152,13 +152,16 @@ def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens
     z = torch.empty(chunk, d_vocab, dtype=torch.float32, device=x.device)  # reused for every chunk
     e = torch.empty_like(z)
     lse, entropy, z_next = (torch.empty(n_layers * n, dtype=torch.float32, device=x.device) for _ in range(3))
-    top = torch.empty(n_layers * n, dtype=torch.long, device=x.device)
+    agree = torch.empty(n_layers * n, dtype=torch.bool, device=x.device)
+    final_ids = final_top.reshape(n).repeat(n_layers)
+    columns = torch.arange(d_vocab, device=x.device)
+    minus_inf = torch.tensor(-torch.inf, device=x.device)
     if reads_final:
         final = final.reshape(n, -1)
         lse[rows_total:] = final[:, 0] - final_logp.reshape(n, -1)[:, 0]  # log sum_v exp z_v, read off one entry
         z_next[rows_total:] = final.gather(1, next_ids[:n, None]).squeeze(1)
         entropy[rows_total:] = -final_neg_entropy.reshape(n)
-        top[rows_total:] = final_top.reshape(n)
+        agree[rows_total:] = True
     for r0 in range(0, rows_total, chunk):
         r1 = min(r0 + chunk, rows_total)
         out, exp = z[: r1 - r0], e[: r1 - r0]
@@ -166,21 +169,24 @@ def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens
             torch.addmm(bias, flat[r0:r1], weight.t(), out=out)
         else:
             torch.matmul(flat[r0:r1], weight.t(), out=out)
-        peak, top[r0:r1] = out.max(-1)
-        z_next[r0:r1] = out.gather(1, next_ids[r0:r1, None]).squeeze(1)
-        out.sub_(peak[:, None])
-        torch.exp(out, out=exp)
-        mass = exp.sum(-1)
-        log_mass = mass.log()
+        peak = out.amax(-1)  # (max with indices, or argmax, is many times slower than amax)
+        out.sub_(peak[:, None])  # z - peak: 0 at the maximum
+        z_next[r0:r1] = out.gather(1, next_ids[r0:r1, None]).squeeze(1) + peak
+        # The lens's top-1 (the first maximum, as argmax) is the final's exactly when the final's top-1 token
+        # has the maximal logit and no token before it does.
+        at_final_top = out.gather(1, final_ids[r0:r1, None]).squeeze(1)
+        torch.where(columns < final_ids[r0:r1, None], out, minus_inf, out=exp)
+        agree[r0:r1] = (at_final_top == 0) & (exp.amax(-1) < 0)
+        torch.softmax(out, -1, out=exp)  # q
+        log_mass = -exp.amax(-1).log()  # the largest q is exp(0) / sum_v exp(z_v - peak)
         lse[r0:r1] = peak + log_mass
-        shifted_mean = torch.bmm(exp.unsqueeze(1), out.unsqueeze(2)).view(-1) / mass  # sum q (z - peak)
-        entropy[r0:r1] = log_mass - shifted_mean  # H = lse - sum q z
+        entropy[r0:r1] = log_mass - torch.linalg.vecdot(exp, out)  # H = lse - sum q z = log_mass - sum q (z - peak)
     p_z = torch.einsum("lnd,nd->ln", x, p_w) + p_b  # [layer, batch * pos]
     kl = final_neg_entropy.reshape(1, n) - (p_z - lse.view(n_layers, n) * p_mass)
     ce = (lse - z_next).view(n_layers, batch, pos)[:, :, :-1]
     stats = {"kl": kl.view(n_layers, batch, pos).mean(-1), "ce": ce.mean(-1),
              "entropy": entropy.view(n_layers, batch, pos).mean(-1)}
-    agree = top.view(n_layers, batch, pos) == final_top
+    agree = agree.view(n_layers, batch, pos)
     return stats, agree
 
 
