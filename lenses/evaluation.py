@@ -154,8 +154,6 @@ def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens
     lse, entropy, z_next = (torch.empty(n_layers * n, dtype=torch.float32, device=x.device) for _ in range(3))
     agree = torch.empty(n_layers * n, dtype=torch.bool, device=x.device)
     final_ids = final_top.reshape(n).repeat(n_layers)
-    columns = torch.arange(d_vocab, device=x.device)
-    minus_inf = torch.tensor(-torch.inf, device=x.device)
     if reads_final:
         final = final.reshape(n, -1)
         lse[rows_total:] = final[:, 0] - final_logp.reshape(n, -1)[:, 0]  # log sum_v exp z_v, read off one entry
@@ -174,9 +172,15 @@ def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens
         z_next[r0:r1] = out.gather(1, next_ids[r0:r1, None]).squeeze(1) + peak
         # The lens's top-1 (the first maximum, as argmax) is the final's exactly when the final's top-1 token
         # has the maximal logit and no token before it does.
-        at_final_top = out.gather(1, final_ids[r0:r1, None]).squeeze(1)
-        torch.where(columns < final_ids[r0:r1, None], out, minus_inf, out=exp)
-        agree[r0:r1] = (at_final_top == 0) & (exp.amax(-1) < 0)
+        ids = final_ids[r0:r1, None]
+        at_final_top = out.gather(1, ids)
+        runner_up = out.scatter_(1, ids, -torch.inf).amax(-1)  # the largest logit of any other token
+        out.scatter_(1, ids, at_final_top)
+        at_final_top = at_final_top.squeeze(1)
+        agree[r0:r1] = (at_final_top == 0) & (runner_up < 0)
+        tied = (at_final_top == 0) & (runner_up == 0)
+        if tied.any():  # another token shares the maximum: argmax takes the first of them
+            agree[r0:r1][tied] = out[tied].argmax(-1) == ids[tied, 0]
         torch.softmax(out, -1, out=exp)  # q
         log_mass = -exp.amax(-1).log()  # the largest q is exp(0) / sum_v exp(z_v - peak)
         lse[r0:r1] = peak + log_mass

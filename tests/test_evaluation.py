@@ -152,6 +152,15 @@ def gpt2_with_unembed_bias():
     return model
 
 
+def gpt2_with_tied_top():
+    """Tokens 3 and 5 share a row of the unembedding and a large bias: every lens's maximum is a tie."""
+    model = gpt2_with_unembed_bias()
+    with torch.no_grad():
+        model.unembed.weight[5] = model.unembed.weight[3]
+        model.unembed.bias[[3, 5]] = 10.0
+    return model
+
+
 def family(name):
     from families import family_model_of
 
@@ -168,10 +177,11 @@ def bf16_gpt2():
 @pytest.mark.parametrize("build, linear", [
     (lambda: family("gpt2"), True),           # no unembedding bias
     (gpt2_with_unembed_bias, True),
+    (gpt2_with_tied_top, True),               # top-1 ties: the first maximum, as argmax
     (lambda: family("llama"), True),          # RMSNorm, untied
     (bf16_gpt2, False),                       # bfloat16 logits: the full log-softmax path, in float32
     (lambda: family("gemma2"), False),        # final soft-cap: the full log-softmax path
-], ids=["gpt2", "unembed-bias", "llama", "bf16", "gemma2-softcap"])
+], ids=["gpt2", "unembed-bias", "tied-top", "llama", "bf16", "gemma2-softcap"])
 def test_linear_readout_path_matches_metrics(build, linear, windows, monkeypatch):
     from lenses import evaluation
 
