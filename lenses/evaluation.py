@@ -149,6 +149,7 @@ def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens
     # the next token of each row (position pos - 1 has none: a stand-in, dropped below)
     next_ids = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(n).repeat(n_layers)
     chunk = min(rows_total, max(CHUNK_ROWS, CHUNK_BYTES // (4 * d_vocab)))
+    weight_t = weight.t().contiguous()  # [d_model, d_vocab]: a few percent faster in the matmul than the transposed view
     z = torch.empty(chunk, d_vocab, dtype=torch.float32, device=x.device)  # reused for every chunk
     e = torch.empty_like(z)
     lse, entropy, z_next = (torch.empty(n_layers * n, dtype=torch.float32, device=x.device) for _ in range(3))
@@ -164,9 +165,9 @@ def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens
         r1 = min(r0 + chunk, rows_total)
         out, exp = z[: r1 - r0], e[: r1 - r0]
         if bias is not None:
-            torch.addmm(bias, flat[r0:r1], weight.t(), out=out)
+            torch.addmm(bias, flat[r0:r1], weight_t, out=out)
         else:
-            torch.matmul(flat[r0:r1], weight.t(), out=out)
+            torch.matmul(flat[r0:r1], weight_t, out=out)
         peak = out.amax(-1)  # (max with indices, or argmax, is many times slower than amax)
         out.sub_(peak[:, None])  # z - peak: 0 at the maximum
         z_next[r0:r1] = out.gather(1, next_ids[r0:r1, None]).squeeze(1) + peak
