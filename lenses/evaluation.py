@@ -29,7 +29,7 @@ from .base import Lens
 
 METRICS = ("kl", "ce", "entropy", "top1_agree", "settled")
 # The linear readout's logits are worked on in chunks of about this many bytes of float32 (two buffers): small
-# enough that the passes after the matmul (max, exp, sums) read them from cache, not memory, which on the
+# enough that the passes after the matmul (amax, softmax, sums) read them from cache, not memory, which on the
 # benchmark machine made evaluation three times faster than 32 MiB chunks; at least CHUNK_ROWS rows, so
 # that the matmul still runs at speed on a large vocabulary.
 CHUNK_BYTES = 4 * 2**20
@@ -149,7 +149,7 @@ def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens
     # the next token of each row (position pos - 1 has none: a stand-in, dropped below)
     next_ids = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(n).repeat(n_layers)
     chunk = min(rows_total, max(CHUNK_ROWS, CHUNK_BYTES // (4 * d_vocab)))
-    weight_t = weight.t().contiguous()  # [d_model, d_vocab]: a few percent faster in the matmul than the transposed view
+    weight_t = weight.t()  # a view: a contiguous copy was a few percent faster here, but doubles W_U's memory
     z = torch.empty(chunk, d_vocab, dtype=torch.float32, device=x.device)  # reused for every chunk
     e = torch.empty_like(z)
     lse, entropy, z_next = (torch.empty(n_layers * n, dtype=torch.float32, device=x.device) for _ in range(3))
