@@ -123,3 +123,83 @@ def test_zero_mass_tokens_give_finite_entropy_and_infinite_kl(model, windows):
     row = tidy[(tidy.layer == 1)].sort_values("window")
     assert row["entropy"].tolist() == pytest.approx(metrics.entropy(logits).mean(-1).tolist(), rel=1e-5)
     assert all(math.isinf(v) and v > 0 for v in row["kl"])  # the model gives those tokens mass; the lens none
+
+
+def metrics_reference(model, lens, windows):
+    """Per (layer, window) kl, ce, entropy, top1_agree from `lenses.metrics` on the lens's full logits."""
+    from lenses import metrics
+    from lenskit.stream import streams
+
+    locations = streams(model.cfg.n_layers)
+    with torch.no_grad():  # caching only the streams, as evaluation does: in bfloat16 a cached attention rounds otherwise
+        final, cache = model.run_with_cache(windows, names_filter=[s.hook_name(model.cfg.n_layers) for s in locations])
+        out = {}
+        for l, s in enumerate(locations):
+            logits = lens(cache.stream(s), s)
+            out[l] = dict(kl=metrics.forward_kl(final, logits).mean(-1),
+                          ce=metrics.cross_entropy(logits[:, :-1], windows[:, 1:]).mean(-1),
+                          entropy=metrics.entropy(logits).mean(-1),
+                          top1_agree=(logits.argmax(-1) == final.argmax(-1)).float().mean(-1))
+    return out
+
+
+def gpt2_with_unembed_bias():
+    import lenskit
+    from conftest import make_hf_gpt2
+
+    model = lenskit.HookedTransformer.from_hf(make_hf_gpt2(seed=3))
+    model.unembed.bias = torch.nn.Parameter(torch.randn(model.cfg.d_vocab, generator=torch.Generator().manual_seed(4)))
+    return model
+
+
+def gpt2_with_tied_top():
+    """Tokens 3 and 5 share a row of the unembedding and a large bias: every lens's maximum is a tie."""
+    model = gpt2_with_unembed_bias()
+    with torch.no_grad():
+        model.unembed.weight[5] = model.unembed.weight[3]
+        model.unembed.bias[[3, 5]] = 10.0
+    return model
+
+
+def family(name):
+    from families import family_model_of
+
+    return family_model_of(name).model
+
+
+def bf16_gpt2():
+    import lenskit
+    from conftest import make_hf_gpt2
+
+    return lenskit.HookedTransformer.from_hf(make_hf_gpt2(seed=5).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("build, linear", [
+    (lambda: family("gpt2"), True),           # no unembedding bias
+    (gpt2_with_unembed_bias, True),
+    (gpt2_with_tied_top, True),               # top-1 ties: the first maximum, as argmax
+    (lambda: family("llama"), True),          # RMSNorm, untied
+    (bf16_gpt2, False),                       # bfloat16 logits: the full log-softmax path, in float32
+    (lambda: family("gemma2"), False),        # final soft-cap: the full log-softmax path
+], ids=["gpt2", "unembed-bias", "tied-top", "llama", "bf16", "gemma2-softcap"])
+def test_linear_readout_path_matches_metrics(build, linear, windows, monkeypatch):
+    from lenses import evaluation
+
+    model = build()
+    assert evaluation._linear_readout(model, LogitLens(model)) is linear
+    # chunks of 7 rows: many chunks, the last one partial, rows of one window split across chunks
+    monkeypatch.setattr(evaluation, "CHUNK_BYTES", 7 * 4 * model.cfg.d_vocab)
+    monkeypatch.setattr(evaluation, "CHUNK_ROWS", 1)
+    windows = windows % model.cfg.d_vocab
+    lenses = {"logit": LogitLens(model), "tuned": tuned_lens(model)}
+    # one batch: a bfloat16 forward pass rounds differently with the batch's shape, and the reference runs all windows
+    tidy = evaluate_windows(model, lenses, windows, batch=len(windows), progress=False)
+    for name, lens in lenses.items():
+        ref = metrics_reference(model, lens, windows)
+        got = tidy[tidy.lens == name]
+        for l, values in ref.items():
+            rows = got[got.layer == l].sort_values("window")
+            for metric, want in values.items():
+                torch.testing.assert_close(torch.tensor(rows[metric].values, dtype=torch.float64), want.double(),
+                                           rtol=1e-5, atol=2e-6,
+                                           msg=f"{name} {metric} layer {l}")
