@@ -194,7 +194,7 @@ def tokens_and_lengths(model: HookedTransformer, prompt: str | Sequence[str] | t
     if is_text(prompt):
         if model.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass token ids, or load from a folder with tokenizer files")
-        tokens, lengths = encode_texts(model.tokenizer, prompt)
+        tokens, lengths = encode_texts(model.tokenizer, prompt, bos=model.bos_id())  # BOS exactly as to_tokens
         return model.validate_tokens(tokens), lengths
     tokens = model.validate_tokens(prompt)
     return tokens, torch.full((tokens.shape[0],), tokens.shape[1])

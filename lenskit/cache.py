@@ -97,12 +97,6 @@ class ActivationCache(Mapping):
         self.has_batch_dim = False
         return self
 
-    @property
-    def has_pos_embed(self) -> bool:
-        """Whether the stream starts with a learned position embedding (False for rotary families)."""
-        cfg = getattr(self.model, "cfg", None)
-        return cfg.positional == "learned" if cfg is not None else "hook_pos_embed" in self._store
-
     # ---------------------------------------------------- TransformerLens stacks
     def _upto(self, layer: int | None, what: str) -> int:
         """TransformerLens's `layer` for stacks: the input of block `layer`, 0..n_layers; None or -1 = all of them."""

@@ -15,7 +15,7 @@ from .config import ModelConfig
 from .generation import generate
 from .hooks import HookedRootModule, HookFn, NameOrPredicate, NamesFilter, HookPoint, layer_of
 from .layers import make_block, make_norm
-from .text import check_unicode, is_text, pad_token_id, right_pad, single_token_id
+from .text import encode_texts, is_text, single_token_id
 from .weights import WeightViews
 
 if TYPE_CHECKING:
@@ -258,18 +258,18 @@ class HookedTransformer(WeightViews, HookedRootModule):
         texts = [text] if isinstance(text, str) else list(text)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError(f"to_tokens needs a string or a non-empty list of strings; got no texts or non-strings: {text!r:.80}")
-        check_unicode(texts)
-        ids = [tok.encode(t, add_special_tokens=False) for t in texts]
-        if prepend_bos is None:
-            prepend_bos = adds_bos(tok)
-        if prepend_bos:
-            bos = tok.bos_token_id if tok.bos_token_id is not None else self.cfg.bos_token_id
-            if bos is None:
-                raise ValueError("prepend_bos=True but neither the tokenizer nor the config defines a BOS token")
-            ids = [[bos, *row] for row in ids]
-        if any(len(row) == 0 for row in ids):
-            raise ValueError("an empty text has no tokens; pass prepend_bos=True or a non-empty string")
-        return right_pad(ids, pad_token_id(tok)).to(self.embed.weight.device)
+        tokens, _ = encode_texts(tok, texts, bos=self.bos_id(prepend_bos))
+        return tokens.to(self.embed.weight.device)
+
+    def bos_id(self, prepend_bos: bool | None = None) -> int | None:
+        """The id `to_tokens` puts first, or None: `prepend_bos=None` follows the checkpoint's tokenizer."""
+        tok = self._need_tokenizer()
+        if not (adds_bos(tok) if prepend_bos is None else prepend_bos):
+            return None
+        bos = tok.bos_token_id if tok.bos_token_id is not None else self.cfg.bos_token_id
+        if bos is None:
+            raise ValueError("prepend_bos=True but neither the tokenizer nor the config defines a BOS token")
+        return bos
 
     def to_single_token(self, text: str) -> int:
         """The id of text that is exactly one token (no BOS), or a ValueError naming its pieces."""

@@ -40,13 +40,15 @@ def check_unicode(texts: Sequence[str]) -> None:
                              "often from non-UTF-8 bytes in a command-line argument); pass UTF-8 text") from None
 
 
-def encode_texts(tokenizer: "PreTrainedTokenizerBase", texts: str | Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokenize each text once: right-padded ids [batch, pos] and each row's real length [batch]."""
+def encode_texts(tokenizer: "PreTrainedTokenizerBase", texts: str | Sequence[str],
+                 bos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenize each text once, with `bos` put first when given: right-padded ids [batch, pos] and each
+    row's real length [batch]. `HookedTransformer.to_tokens` and the lenses both tokenize through this."""
     texts = [texts] if isinstance(texts, str) else list(texts)
     check_unicode(texts)
-    rows = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    rows = [([bos] if bos is not None else []) + tokenizer.encode(t, add_special_tokens=False) for t in texts]
     if not rows or any(len(r) == 0 for r in rows):
-        raise ValueError("an empty text has no tokens; pass a non-empty string")
+        raise ValueError("an empty text has no tokens; pass prepend_bos=True or a non-empty string")
     return right_pad(rows, pad_token_id(tokenizer)), torch.tensor([len(r) for r in rows])
 
 

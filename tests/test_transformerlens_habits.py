@@ -347,6 +347,19 @@ def test_prepend_bos_default_follows_the_tokenizer():
     assert llama.to_tokens("hello world", prepend_bos=False).tolist() == [tokens[0, 1:].tolist()]
 
 
+
+def test_trajectories_tokenize_as_to_tokens_does():
+    """Lenses tokenize through the same helper as `to_tokens`, so a Llama 3-style BOS is there too."""
+    from test_hub import llama3_style_tokenizer
+
+    from lenses import LogitLens, Trajectory
+
+    llama = HookedTransformer.from_hf(make_hf_family("llama"), tokenizer=llama3_style_tokenizer())
+    traj = Trajectory.from_prompt(LogitLens(llama), ["hello world", "hello"])
+    assert traj.tokens.tolist() == llama.to_tokens(["hello world", "hello"]).tolist()
+    assert traj.tokens[0, 0] == llama.tokenizer.bos_token_id
+
+
 def test_to_single_token():
     from tiny_tokenizer import make_model_with_tokenizer
 
