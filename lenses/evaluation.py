@@ -28,12 +28,16 @@ from . import metrics
 from .base import Lens
 
 METRICS = ("kl", "ce", "entropy", "top1_agree", "settled")
-# The linear readout's logits are worked on in chunks of about this many bytes of float32 (two buffers): small
-# enough that the passes after the matmul (amax, softmax, sums) read them from cache, not memory, which on the
-# benchmark machine made evaluation three times faster than 32 MiB chunks; at least CHUNK_ROWS rows, so
-# that the matmul still runs at speed on a large vocabulary.
-CHUNK_BYTES = 16 * 2**20  # measured at 1, 4, 16 and 64 MiB: 16 was fastest with two threads, 4 with one
+# Logits are worked on in chunks of about this many bytes of float32 (two reused buffers), at least CHUNK_ROWS
+# rows so that the matmul still runs at speed on a large vocabulary. With SUB_BYTES below and two threads,
+# 8,192 tokens took 1.39 s at 8 MiB, 1.46 at 4, 1.50 at 16 and 1.68 at 32.
+CHUNK_BYTES = 8 * 2**20
 CHUNK_ROWS = 64
+# The passes over whole rows after the matmul (exp, sums) go through a chunk this many bytes at a time, so that
+# each reads its rows from the core's cache: on the benchmark machine (two threads, 2 MiB L2 each) 1 MiB pieces
+# took 2.2 ms per 1,024 rows of 4,096 logits, against 3.4 ms for whole 16 MiB chunks; smaller pieces pay more
+# for starting each op than they gain.
+SUB_BYTES = 2**20
 
 
 def _named(lenses: Mapping[str, Lens] | Sequence[Lens]) -> dict[str, Lens]:
@@ -68,21 +72,27 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
     rows = []
     for start in tqdm(range(0, len(windows), batch), desc="evaluate", disable=not progress):
         tokens = windows[start: start + batch].to(model.embed.weight.device)
-        final, cache = model.run_with_cache(tokens, names_filter=names)
-        final_top = final.argmax(-1)  # [batch, pos]
+        # The final logits are computed below in chunks from the last stream, into reused memory: a whole
+        # batch of them is a large fresh allocation on every batch.
+        _, cache = model.run_with_cache(tokens, names_filter=names, return_logits=False)
+        last = cache.stream(locations[-1])
         # The final distribution once per batch: KL(final || lens) = sum p log p - sum p log q.
-        final_logp = metrics.log_probs(final)
-        final_p = final_logp.exp()
-        final_neg_entropy = _expect(final_p, final_logp)
+        linear = {name: _linear_readout(model, lens) for name, lens in lenses.items()}
+        # Any other lens compares its full log-softmax with the final one, and a half-precision readout rounds
+        # differently in chunks of another shape: then the whole batch's logits, once, as the forward makes them.
+        whole = model.readout(last) if not all(linear.values()) or last.dtype != torch.float32 else None
+        target = _final_stats(model, last, tokens, whole, with_unembedding=any(linear.values()))
+        final_top = target["top"].view(tokens.shape)  # [batch, pos]
+        final_neg_entropy = target["neg_entropy"].view(tokens.shape)
         next_tokens = tokens[:, 1:, None]
-        final_p_w = None  # (p W_U, p . b, sum p) per token, once per batch, for the linear readouts
+        final_p = None  # [batch, pos, d_vocab], only for lenses that need the full log-softmax
         for name, lens in lenses.items():
-            if _linear_readout(model, lens):
-                if final_p_w is None:
-                    final_p_w = _through_unembedding(final_p, model.unembed) + (final, final_logp)
-                stats, agree = _linear_stats(model, lens, cache, locations, tokens, final_neg_entropy, final_p_w, final_top)
-            if not _linear_readout(model, lens) or not all(torch.isfinite(v).all() for v in stats.values()):
+            if linear[name]:
+                stats, agree = _linear_stats(model, lens, cache, locations, tokens, target)
+            if not linear[name] or not all(torch.isfinite(v).all() for v in stats.values()):
                 # any other lens, and infinities (zero-mass tokens), through the full log-softmax and 0 log 0 = 0
+                if final_p is None:
+                    final_p = metrics.log_probs(model.readout(last) if whole is None else whole).exp()
                 stats, agree = _plain_stats(lens, cache, locations, next_tokens, final_neg_entropy, final_p, final_top)
             # settled at l: agrees at every layer from l to the last (a reverse running AND).
             settled = agree.flip(0).to(torch.int8).cumprod(0).flip(0).bool()
@@ -120,72 +130,120 @@ def _linear_readout(model: HookedTransformer, lens: Lens) -> bool:
             and isinstance(model.unembed, torch.nn.Linear))
 
 
-def _through_unembedding(final_p: torch.Tensor, unembed: torch.nn.Linear) -> tuple[torch.Tensor, ...]:
-    """The final distribution p [batch, pos, d_vocab] -> (p W_U [batch * pos, d_model], p . b, sum p [batch * pos]),
-    float32: sum_v p_v z_v = x . (p W_U) + p . b for the logits z = W_U x + b of any normed stream x."""
-    p = final_p.reshape(-1, final_p.shape[-1])
-    p_w = p @ unembed.weight
-    p_b = p @ unembed.bias if unembed.bias is not None else torch.zeros(len(p), device=p.device)
-    return p_w, p_b, p.sum(-1)
+def _final_stats(model: HookedTransformer, last: torch.Tensor, tokens: torch.Tensor, whole: torch.Tensor | None,
+                 with_unembedding: bool) -> dict[str, torch.Tensor]:
+    """The model's own distribution p, per token, from the last stream [batch, pos, d_model]: its logits
+    (`whole` [batch, pos, d_vocab], or computed a chunk of tokens at a time by `model.readout`, as the forward
+    computes them) reduced in float32:
+    top (the first maximum, as argmax), neg_entropy (sum p log p), lse (log sum_v exp logits), z_next (the
+    next token's logit; the last position's is a stand-in). With the unembedding, the sums a linear readout
+    needs: p_w = p W_U [tokens, d_model], p_b = p . b and mass = sum p, since sum_v p_v z_v = x . (p W_U) + p . b
+    for the logits z = W_U x + b of any normed stream x."""
+    h = last.reshape(-1, last.shape[-1])
+    n, d_vocab = len(h), model.cfg.d_vocab
+    next_ids = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(n)
+    chunk = min(n, max(CHUNK_ROWS, CHUNK_BYTES // (4 * d_vocab)))
+    logp_buf = torch.empty(chunk, d_vocab, dtype=torch.float32, device=h.device)
+    p_buf = torch.empty_like(logp_buf)
+    if whole is None:
+        normed = model.ln_final(h)
+        logits_buf = torch.empty_like(logp_buf)
+    out = {k: torch.empty(n, dtype=torch.float32, device=h.device) for k in ("neg_entropy", "lse", "mass", "p_b", "z_next")}
+    out["top"] = torch.empty(n, dtype=torch.long, device=h.device)
+    unembed = model.unembed
+    if with_unembedding:
+        out["p_w"] = torch.empty(n, unembed.weight.shape[1], dtype=torch.float32, device=h.device)
+    for t0 in range(0, n, chunk):
+        t1 = min(t0 + chunk, n)
+        if whole is not None:
+            f = whole.view(n, -1)[t0:t1].float()
+        else:  # a linear readout in float32 (`_linear_readout`): into a reused buffer, as the lenses' chunks
+            f = linear_readout(normed[t0:t1], model.unembed, logits_buf[: t1 - t0])
+        out["z_next"][t0:t1] = f.gather(1, next_ids[t0:t1, None]).squeeze(1)
+        out["top"][t0:t1] = f.max(-1).indices  # the first maximum, as argmax, in 0.6x argmax's time
+        logp = torch.log_softmax(f, -1, out=logp_buf[: t1 - t0])
+        out["lse"][t0:t1] = f[:, 0] - logp[:, 0]  # log sum_v exp z_v, read off one entry
+        p = torch.exp(logp, out=p_buf[: t1 - t0])
+        out["mass"][t0:t1] = p.sum(-1)  # 1 up to rounding; kept, as in the plain path
+        if with_unembedding:
+            out["p_w"][t0:t1] = p @ unembed.weight
+            out["p_b"][t0:t1] = p @ unembed.bias if unembed.bias is not None else 0.0
+        neg_entropy = logp.mul_(p).sum(-1)  # in place: no temporary
+        if not torch.isfinite(neg_entropy).all():  # a zero-mass token (logit -inf): 0 log 0 = 0, from a fresh log p
+            neg_entropy = _expect(p, torch.log_softmax(f, -1))
+        out["neg_entropy"][t0:t1] = neg_entropy
+    return out
+
+
+def linear_readout(x: torch.Tensor, unembed: torch.nn.Linear, out: torch.Tensor) -> torch.Tensor:
+    """unembed(x) for normed streams x [rows, d_model], written into `out` [rows, d_vocab]. The weight is used
+    as a transposed view: a contiguous copy was a few percent faster, but doubles W_U's memory."""
+    if unembed.bias is not None:
+        return torch.addmm(unembed.bias, x, unembed.weight.t(), out=out)
+    return torch.matmul(x, unembed.weight.t(), out=out)
 
 
 def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens: torch.Tensor,
-                  final_neg_entropy: torch.Tensor, final_through: tuple[torch.Tensor, ...],
-                  final_top: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                  target: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """`_plain_stats` for a linear readout, every layer of the lens in a few large matmuls and few passes over
     the logits (float32 throughout). With z the logits of one (layer, token) row and lse = log sum_v exp z_v:
     KL(p || q) = sum p log p - (sum p z - lse sum p), where sum p z = x . (p W_U) + p . b needs no logits;
     CE = lse - z[next]; H(q) = lse - sum q z; top-1 agreement from z at the final's top-1 against max z."""
-    weight, bias = model.unembed.weight, model.unembed.bias  # float32 (`_linear_readout`)
     batch, pos = tokens.shape
     n_layers, n = len(locations), batch * pos
     x = torch.stack([model.ln_final(lens.transform_hidden(cache.stream(s), lens.stream(s)).float()).reshape(n, -1)
                      for s in locations])  # [layer, batch * pos, d_model]
-    p_w, p_b, p_mass, final, final_logp = final_through  # sum p is 1 up to rounding; kept, as in the plain path
+    p_w, p_b, p_mass, final_neg_entropy = target["p_w"], target["p_b"], target["mass"], target["neg_entropy"]
     # A lens that leaves the last stream as it is reads there the model's own output: its rows come from it.
     reads_final = torch.equal(x[-1], model.ln_final(cache.stream(locations[-1]).float()).reshape(n, -1))
-    rows_total, d_vocab = (n_layers - reads_final) * n, weight.shape[0]
+    rows_total, d_vocab = (n_layers - reads_final) * n, model.unembed.weight.shape[0]  # float32 (`_linear_readout`)
     flat = x.reshape(n_layers * n, -1)
     # the next token of each row (position pos - 1 has none: a stand-in, dropped below)
     next_ids = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(n).repeat(n_layers)
     chunk = min(rows_total, max(CHUNK_ROWS, CHUNK_BYTES // (4 * d_vocab)))
-    weight_t = weight.t()  # a view: a contiguous copy was a few percent faster here, but doubles W_U's memory
     z = torch.empty(chunk, d_vocab, dtype=torch.float32, device=x.device)  # reused for every chunk
     e = torch.empty_like(z)
-    lse, entropy, z_next = (torch.empty(n_layers * n, dtype=torch.float32, device=x.device) for _ in range(3))
-    agree = torch.empty(n_layers * n, dtype=torch.bool, device=x.device)
-    final_ids = final_top.reshape(n).repeat(n_layers)
-    if reads_final:
-        final = final.reshape(n, -1)
-        lse[rows_total:] = final[:, 0] - final_logp.reshape(n, -1)[:, 0]  # log sum_v exp z_v, read off one entry
-        z_next[rows_total:] = final.gather(1, next_ids[:n, None]).squeeze(1)
-        entropy[rows_total:] = -final_neg_entropy.reshape(n)
-        agree[rows_total:] = True
+    # Per row: the logit at the final's top-1 token, the largest other logit, the largest logit, the next
+    # token's logit, S = sum_v exp(z_v - peak) >= 1 and sum_v exp(z_v - peak) (z_v - peak).
+    at_top, runner_up, peak, z_next, mass, weighted = (torch.empty(n_layers * n, dtype=torch.float32, device=x.device)
+                                                       for _ in range(6))
+    ties = []  # (rows, whether argmax there is the final's top-1) where the final's top-1 ties with another token
+    sub = max(1, SUB_BYTES // (4 * d_vocab))
+    final_ids = target["top"].repeat(n_layers)
     for r0 in range(0, rows_total, chunk):
         r1 = min(r0 + chunk, rows_total)
         out, exp = z[: r1 - r0], e[: r1 - r0]
-        if bias is not None:
-            torch.addmm(bias, flat[r0:r1], weight_t, out=out)
-        else:
-            torch.matmul(flat[r0:r1], weight_t, out=out)
-        peak = out.amax(-1)  # (max with indices, or argmax, is many times slower than amax)
-        out.sub_(peak[:, None])  # z - peak: 0 at the maximum
-        z_next[r0:r1] = out.gather(1, next_ids[r0:r1, None]).squeeze(1) + peak
+        linear_readout(flat[r0:r1], model.unembed, out)
         # The lens's top-1 (the first maximum, as argmax) is the final's exactly when the final's top-1 token
-        # has the maximal logit and no token before it does.
+        # has a larger logit than any other token, or ties with the largest and no token before it does. One
+        # pass finds the largest other logit (max with indices, or argmax, is many times slower than amax).
         ids = final_ids[r0:r1, None]
-        at_final_top = out.gather(1, ids)
-        runner_up = out.scatter_(1, ids, -torch.inf).amax(-1)  # the largest logit of any other token
-        out.scatter_(1, ids, at_final_top)
-        at_final_top = at_final_top.squeeze(1)
-        agree[r0:r1] = (at_final_top == 0) & (runner_up < 0)
-        tied = (at_final_top == 0) & (runner_up == 0)
+        torch.gather(out, 1, ids, out=at_top[r0:r1, None])
+        torch.amax(out.scatter_(1, ids, -torch.inf), -1, out=runner_up[r0:r1])
+        out.scatter_(1, ids, at_top[r0:r1, None])
+        torch.maximum(runner_up[r0:r1], at_top[r0:r1], out=peak[r0:r1])
+        tied = at_top[r0:r1] == runner_up[r0:r1]
         if tied.any():  # another token shares the maximum: argmax takes the first of them
-            agree[r0:r1][tied] = out[tied].argmax(-1) == ids[tied, 0]
-        torch.softmax(out, -1, out=exp)  # q
-        log_mass = -exp.amax(-1).log()  # the largest q is exp(0) / sum_v exp(z_v - peak)
-        lse[r0:r1] = peak + log_mass
-        entropy[r0:r1] = log_mass - torch.linalg.vecdot(exp, out)  # H = lse - sum q z = log_mass - sum q (z - peak)
+            ties.append((r0 + tied.nonzero().squeeze(1), out[tied].argmax(-1) == ids[tied, 0]))
+        torch.gather(out, 1, next_ids[r0:r1, None], out=z_next[r0:r1, None])
+        # The passes over whole rows, a few rows at a time so that they run in the core's cache.
+        for s0 in range(r0, r1, sub):
+            s1 = min(s0 + sub, r1)
+            rows, exps = out[s0 - r0: s1 - r0], exp[s0 - r0: s1 - r0]
+            rows.sub_(peak[s0:s1, None])  # z - peak: 0 at the maximum, so exp cannot overflow
+            torch.sum(torch.exp(rows, out=exps), -1, out=mass[s0:s1])
+            torch.sum(exps.mul_(rows), -1, out=weighted[s0:s1])
+    agree = at_top > runner_up
+    for rows, value in ties:
+        agree[rows] = value
+    log_mass = mass.log()
+    lse = peak + log_mass
+    entropy = log_mass - weighted / mass  # H = lse - sum q z = log S - sum q (z - peak)
+    if reads_final:
+        lse[rows_total:] = target["lse"]
+        z_next[rows_total:] = target["z_next"]
+        entropy[rows_total:] = -final_neg_entropy.reshape(n)
+        agree[rows_total:] = True
     p_z = torch.einsum("lnd,nd->ln", x, p_w) + p_b  # [layer, batch * pos]
     kl = final_neg_entropy.reshape(1, n) - (p_z - lse.view(n_layers, n) * p_mass)
     ce = (lse - z_next).view(n_layers, batch, pos)[:, :, :-1]
@@ -196,10 +254,10 @@ def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens
 
 
 def _expect(p: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    """sum_v p(v) f(v) over the last axis as one batched dot product (no [batch, pos, d_vocab] temporary).
+    """sum_v p(v) f(v) over the last axis (a row-wise dot product: 4x faster than the same as a batched matmul).
     Where that is not finite, e.g. a token of zero mass meeting log 0 = -inf, it is summed again with
     `metrics`' convention 0 * f = 0 (NaN probabilities stay NaN)."""
-    out = torch.einsum("...v,...v->...", p, f)
+    out = torch.linalg.vecdot(p, f)
     if not torch.isfinite(out).all():
         out = torch.where(p == 0, torch.zeros((), dtype=f.dtype, device=f.device), p * f).sum(-1)
     return out

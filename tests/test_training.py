@@ -216,6 +216,18 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(tiny, t
     assert all(torch.equal(resumed.state_dict()[k], clean[k]) for k in clean)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None])
+def test_loss_record_flags_any_non_finite_final_logit(bad):
+    from lenses.training import loss_record
+
+    final = torch.randn(2, 5, 11)
+    if bad is not None:
+        final[1, 3, 7] = bad
+    logged = loss_record(torch.tensor([1.5, 2.5]), final, world=1)
+    assert logged.dtype == torch.float64 and logged[:2].tolist() == [1.5, 2.5]
+    assert logged[-1].item() == (0.0 if bad is None else 1.0)
+
+
 def cli(*args):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     return [sys.executable, "-m", "lenses.cli", *args], env
