@@ -49,7 +49,7 @@ def _named(lenses: Mapping[str, Lens] | Sequence[Lens]) -> dict[str, Lens]:
     return named
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequence[Lens], windows: torch.Tensor,
                      batch: int = 8, progress: bool = True) -> pd.DataFrame:
     """windows [n_windows, ctx] -> tidy DataFrame, one row per (lens, layer, window):
@@ -227,12 +227,12 @@ def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens
             ties.append((r0 + tied.nonzero().squeeze(1), out[tied].argmax(-1) == ids[tied, 0]))
         torch.gather(out, 1, next_ids[r0:r1, None], out=z_next[r0:r1, None])
         # The passes over whole rows, a few rows at a time so that they run in the core's cache.
-        for s0 in range(r0, r1, sub):
-            s1 = min(s0 + sub, r1)
-            rows, exps = out[s0 - r0: s1 - r0], exp[s0 - r0: s1 - r0]
-            rows.sub_(peak[s0:s1, None])  # z - peak: 0 at the maximum, so exp cannot overflow
-            torch.sum(torch.exp(rows, out=exps), -1, out=mass[s0:s1])
-            torch.sum(exps.mul_(rows), -1, out=weighted[s0:s1])
+        pieces = zip(out.split(sub), exp.split(sub), peak[r0:r1, None].split(sub), mass[r0:r1].split(sub),
+                     weighted[r0:r1].split(sub))
+        for rows, exps, row_peak, row_mass, row_weighted in pieces:
+            rows.sub_(row_peak)  # z - peak: 0 at the maximum, so exp cannot overflow
+            torch.sum(torch.exp(rows, out=exps), -1, out=row_mass)
+            torch.sum(exps.mul_(rows), -1, out=row_weighted)
     agree = at_top > runner_up
     for rows, value in ties:
         agree[rows] = value
