@@ -1,5 +1,6 @@
 """Tuned-lens training, side by side: lenskit's `train`, the same trainer with plain autograd through the
-readout (the computation before `lenses/lens_step.py`), and the tuned-lens package's own loop.
+readout (the computation before `lenses/lens_step.py`), and the tuned-lens package's own loop, as it ships
+(its decoding under bf16 autocast) and with autocast off (every matmul in fp32, as lenskit's on an fp32 model).
 
 Every round times one optimiser step of each contender on the same windows (the order rotated from round to
 round, so a busy minute slows all alike), plus an [N, N] @ [N, N] fp32 matmul for the machine's peak. The
@@ -122,11 +123,13 @@ def main(argv: list[str] | None = None) -> None:
         "lenskit": lambda: lenskit_step(model, windows, args.micro_batch_tokens, autograd=False),
         "lenskit_autograd": lambda: lenskit_step(model, windows, args.micro_batch_tokens, autograd=True),
     }
-    if "tuned_lens" not in args.skip:
+    if "tuned_lens" not in args.skip or "tuned_lens_fp32" not in args.skip:
         from tuned_lens_package import PackageTrainer
 
         package = PackageTrainer(hf, args.micro_batch_tokens)
         contenders["tuned_lens"] = lambda: package.step(windows)
+        package_fp32 = PackageTrainer(hf, args.micro_batch_tokens, autocast=False)
+        contenders["tuned_lens_fp32"] = lambda: package_fp32.step(windows)
     contenders = {k: v for k, v in contenders.items() if k not in args.skip}
     names = list(contenders)
     print(f"{args.model}: {cfg.n_layers} layers, d_model {cfg.d_model}, d_vocab {cfg.d_vocab}; {n_tokens} tokens a step "
@@ -149,18 +152,19 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nload at the end {os.getloadavg()[0]:.2f}; matmul peak (median) {peak_flops / 1e9:.1f} GFLOP/s; "
           f"RSS with the models loaded {rss_kib('VmRSS') / 2**20:.2f} GiB\n")
     print("| contender | step s (median) | tokens/s | useful GFLOP/s | fraction of peak | peak RSS rise GiB | "
-          "step / tuned-lens (ratio of medians) | median of per-round ratios |")
-    print("|---|---|---|---|---|---|---|---|")
+          "step / tuned-lens (ratio of medians) | median of per-round ratios | step / tuned-lens in fp32 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in names:
         step = statistics.median(times[name])
-        ratio = per_round = "-"
+        ratio = per_round = vs_fp32 = "-"
         if "tuned_lens" in times:
             ratio = f"{step / statistics.median(times['tuned_lens']):.2f}"
             per_round = f"{statistics.median(a / b for a, b in zip(times[name], times['tuned_lens'])):.2f}"
+        if "tuned_lens_fp32" in times:
+            vs_fp32 = f"{step / statistics.median(times['tuned_lens_fp32']):.2f}"
         fraction = statistics.median(flops / t / (2 * MATMUL_N**3 / m) for t, m in zip(times[name], matmul))
         print(f"| {name} | {step:.3f} | {n_tokens / step:,.0f} | {flops / step / 1e9:.1f} | {flops / step / peak_flops:.2f} "
-              f"(per round {fraction:.2f}) | {max(peaks[name]):.2f} | {ratio} | {per_round} |")
-
+              f"(per round {fraction:.2f}) | {max(peaks[name]):.2f} | {ratio} | {per_round} | {vs_fp32} |")
 
 if __name__ == "__main__":
     main()

@@ -65,9 +65,10 @@ class PackageTrainer:
     """`step(windows)`: one optimiser step of the package's loop on these windows [n, ctx]; returns seconds
     from the first batch handed out to the end of `opt.step()` (setup and saving are left out)."""
 
-    def __init__(self, hf_model, micro_batch_tokens: int = 2048) -> None:
+    def __init__(self, hf_model, micro_batch_tokens: int = 2048, autocast: bool = True) -> None:
         self.ingredients, self.train_loop = import_package()
         self.hf_model, self.micro_batch_tokens = hf_model, micro_batch_tokens
+        self.autocast = autocast  # False: its loop with `torch.autocast` a no-op, so every matmul runs in fp32
         self.out = tempfile.TemporaryDirectory(prefix="tuned-lens-bench-")
 
     def step(self, windows: torch.Tensor) -> float:
@@ -90,8 +91,14 @@ class PackageTrainer:
             return opt
 
         train.opt.create_optim = create_optim
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            train.execute()
+        saved = torch.autocast
+        if not self.autocast:  # the loop looks `th.autocast` up on the torch module at each use
+            torch.autocast = lambda *args, **kwargs: contextlib.nullcontext()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                train.execute()
+        finally:
+            torch.autocast = saved
         if loader.started is None or len(done) != 1:
             raise RuntimeError(f"the package's loop took {len(done)} optimiser steps, expected 1")
         return done[0] - loader.started
