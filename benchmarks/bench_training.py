@@ -37,8 +37,9 @@ from lenses.training import LensLoss, Recipe, train  # noqa: E402
 from lenskit.data import TokenStream  # noqa: E402
 
 
-def autograd_kl_step(translate, unembed, streams, final, scale, chunk_tokens=None):
-    """The step before lens_step.py: autograd through the readout and `forward_kl`, every stream's graph held."""
+def autograd_kl_step(translate, unembed, streams, final, scale, chunk_tokens=None, softcap=None):
+    """The step before lens_step.py: autograd through the readout and `forward_kl`, every stream's graph held
+    (the lens's own readout applies any soft-cap, so `softcap` needs no handling here)."""
     per_stream = LensLoss(translate.lens)(streams, final)
     (per_stream.sum() * scale).backward()
     return per_stream.detach().double()

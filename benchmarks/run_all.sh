@@ -21,11 +21,14 @@ run() {
     local name=$1
     shift
     echo "start $name $(date -u +%H:%M:%S) load $(cut -d' ' -f1 /proc/loadavg): $*" | tee -a "$logs/run_all.txt"
-    "$@" > "$logs/$name.txt" 2>&1
-    echo "end   $name $(date -u +%H:%M:%S) load $(cut -d' ' -f1 /proc/loadavg)" | tee -a "$logs/run_all.txt"
+    local status=0
+    "$@" > "$logs/$name.txt" 2>&1 || status=$?
+    echo "end   $name $(date -u +%H:%M:%S) load $(cut -d' ' -f1 /proc/loadavg) exit $status" | tee -a "$logs/run_all.txt"
+    failed=$((failed + (status != 0)))
 }
 
-run bench python benchmarks/bench.py --repeats 5 --memory-repeats 1 --no-profile
+failed=0
+run bench python benchmarks/bench.py --repeats 5 --memory-repeats 3 --no-profile
 run training python benchmarks/bench_training.py --rounds 5
 run eval python benchmarks/bench_eval.py --tokens 8192 --steps 4 --repeats 7 --threads 2
 run loading python benchmarks/bench_loading.py --rounds 3 --csv benchmarks/loading.csv
@@ -33,4 +36,5 @@ run bf16 python benchmarks/bench_bf16.py --rounds 5
 run training_bf16 python benchmarks/bench_training.py --rounds 3 --dtype bfloat16 --skip lenskit_autograd
 run training_gpt2 python benchmarks/bench_training.py --model gpt2 --tokens 512 --rounds 2 --skip lenskit_autograd
 run startup python benchmarks/bench_startup.py --runs 5
-echo "done $(date -u +%H:%M:%S)" | tee -a "$logs/run_all.txt"
+echo "done $(date -u +%H:%M:%S), $failed script(s) failed" | tee -a "$logs/run_all.txt"
+exit $((failed > 0))
