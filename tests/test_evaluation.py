@@ -203,3 +203,16 @@ def test_linear_readout_path_matches_metrics(build, linear, windows, monkeypatch
                 torch.testing.assert_close(torch.tensor(rows[metric].values, dtype=torch.float64), want.double(),
                                            rtol=1e-5, atol=2e-6,
                                            msg=f"{name} {metric} layer {l}")
+
+
+@pytest.mark.parametrize("cols", [4096, 50257, 300, 255, 1000, 100])
+def test_first_max_is_argmax(cols):
+    from lenses.evaluation import first_max
+
+    f = torch.randn(64, cols, generator=torch.Generator().manual_seed(cols))
+    f[3, 7] = f[3, cols - 9] = 1e3  # a tie between two blocks: the first wins
+    f[5, -1] = 1e3                  # the maximum in a short last block
+    f[6] = 0.0                      # every column ties
+    f[8, 50] = float("nan")         # NaN counts as the maximum, as in argmax
+    f[9, 10:20] = 2e3               # a tie inside one block
+    assert torch.equal(first_max(f), f.argmax(-1))
