@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from lenskit import Stream
+from lenskit.linear import linear  # a half-precision model's matmuls as its layers run them
 
 from .tuned import TunedLens
 
@@ -107,13 +108,13 @@ def readout_kl_and_grad(normed: torch.Tensor, final_logits: torch.Tensor, unembe
         p = logp.exp()
         neg_entropy = torch.linalg.vecdot(p, logp)  # sum_v p log p (0 where p = 0: log p is finite); bmm was 4x slower
         p_mass = p.sum(-1)  # 1 up to rounding
-        pw = (p.to(weight.dtype) @ weight).float()  # [c, d_model]
+        pw = linear(p.to(weight.dtype), weight.t()).float()  # [c, d_model]: p W_U
         x = normed[:, t0:t1].transpose(0, 1).reshape(c, n_streams, d_model)  # [pos-chunk, stream, d_model]
         out = logits[:r]
         if weight.dtype == torch.float32:
             torch.matmul(x.reshape(r, d_model), weight.t(), out=out)
         else:
-            out.copy_(x.reshape(r, d_model).to(weight.dtype) @ weight.t())  # the model's dtype in the matmul only
+            out.copy_(linear(x.reshape(r, d_model).to(weight.dtype), weight))  # the model's dtype in the matmul only
         if bias is not None:
             out.add_(bias)
         torch.log_softmax(out, dim=-1, out=q[:r])
@@ -126,7 +127,7 @@ def readout_kl_and_grad(normed: torch.Tensor, final_logits: torch.Tensor, unembe
         kl += (neg_entropy.unsqueeze(-1) - cross).sum(0, dtype=torch.float64)
         q[:r].exp_()
         # d KL / d logits = q - p, so d KL / d x = q W_U - p W_U.
-        dx = (q[:r].to(weight.dtype) @ weight).float().view(c, n_streams, d_model) - pw.unsqueeze(1)
+        dx = linear(q[:r].to(weight.dtype), weight.t()).float().view(c, n_streams, d_model) - pw.unsqueeze(1)
         grad[:, t0:t1] = dx.transpose(0, 1)
     return kl, grad
 
@@ -145,14 +146,14 @@ def capped_readout_kl_and_grad(normed: torch.Tensor, final_logits: torch.Tensor,
         logp = torch.log_softmax(final_logits[t0:t1].float(), dim=-1)  # [c, d_vocab]
         p = logp.exp()
         x = normed[:, t0:t1]  # [stream, c, d_model]
-        z = (x.to(weight.dtype) @ weight.t()).float()  # [stream, c, d_vocab]
+        z = linear(x.to(weight.dtype), weight).float()  # [stream, c, d_vocab]
         if bias is not None:
             z += bias.float()
         capped = torch.tanh(z / softcap)
         logq = torch.log_softmax(capped * softcap, dim=-1)
         kl += (p * (logp - logq)).nan_to_num_(0.0).sum((1, 2), dtype=torch.float64)  # 0 log 0 = 0 where p = 0
         dz = (logq.exp_() - p) * (1 - capped.square_())  # d KL / d logits, then through the cap
-        grad[:, t0:t1] = (dz.to(weight.dtype) @ weight).float()
+        grad[:, t0:t1] = linear(dz.to(weight.dtype), weight.t()).float()
     return kl, grad
 
 

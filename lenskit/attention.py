@@ -14,11 +14,12 @@ from torch import nn
 
 from .config import ModelConfig
 from .hooks import HookPoint
+from .linear import Linear
 from .norms import make_norm
 from .rotary import Rotary
 
 
-class FusedQKV(nn.Linear):
+class FusedQKV(Linear):
     """One projection to [q heads | k heads | v heads] (GPT-2; NeoX after its per-head layout is unpacked)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -39,9 +40,9 @@ class SplitQKV(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.d_head = cfg.d_head
-        self.q = nn.Linear(cfg.d_model, cfg.n_heads * cfg.d_head, bias=cfg.qkv_bias)
-        self.k = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
-        self.v = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.q = Linear(cfg.d_model, cfg.n_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.k = Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.v = Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, pos, _ = x.shape
@@ -90,7 +91,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
         self.group = cfg.n_heads // cfg.n_kv_heads
         self.qkv = FusedQKV(cfg) if cfg.fused_qkv else SplitQKV(cfg)
-        self.out = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.out_bias)
+        self.out = Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.out_bias)
         self.mask = make_mask(cfg, layer)
         self.scale = (cfg.d_head if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar) ** -0.5
         self.softcap = cfg.attn_softcap

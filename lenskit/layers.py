@@ -16,6 +16,7 @@ from torch import nn
 from .config import ModelConfig
 from .attention import Attention
 from .hooks import HookPoint
+from .linear import Linear
 from .norms import LayerNorm, RMSNorm, make_norm
 
 __all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "ParallelBlock", "PostNormBlock", "RMSNorm", "SandwichBlock",
@@ -28,8 +29,8 @@ class GeluMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.approximate = cfg.gelu_approximate
-        self.fc_in = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
-        self.fc_out = nn.Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        self.fc_in = Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
+        self.fc_out = Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
 
@@ -46,9 +47,9 @@ class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.act = F.silu if cfg.mlp.startswith("swiglu") else partial(F.gelu, approximate=cfg.gelu_approximate)
-        self.gate = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
-        self.fc_in = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
-        self.fc_out = nn.Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        self.gate = Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
+        self.fc_in = Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
+        self.fc_out = Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp], the gate's pre-activation
         self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
@@ -66,7 +67,7 @@ class FusedSwiGLU(SwiGLU):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         del self.gate, self.fc_in
-        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_mlp, bias=cfg.mlp_bias)
+        self.gate_up = Linear(cfg.d_model, 2 * cfg.d_mlp, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, linear = self.gate_up(x).chunk(2, dim=-1)

@@ -15,6 +15,7 @@ from .config import ModelConfig
 from .generation import generate
 from .hooks import HookedRootModule, HookFn, NameOrPredicate, NamesFilter, HookPoint, layer_of
 from .layers import make_block, make_norm
+from .linear import Linear
 from .text import encode_texts, is_text, single_token_id
 from .weights import WeightViews
 
@@ -51,7 +52,7 @@ class HookedTransformer(WeightViews, HookedRootModule):
         self.dropout = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(make_block(cfg, dropout, i) for i in range(cfg.n_layers))
         self.ln_final = make_norm(cfg)
-        self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
+        self.unembed = Linear(cfg.d_model, cfg.d_vocab, bias=False)
         self.tie_weights()
         self.setup_hooks()
         self.init_weights()
