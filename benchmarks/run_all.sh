@@ -2,7 +2,7 @@
 # Every CPU benchmark, one after the other, in one sitting: the "one idle-machine run" that
 # benchmarks/results.md reports. Each script's output goes to benchmarks/logs/<name>.txt; run_all.txt notes
 # when each started and ended and the one-minute load average then (above the core count means other work
-# shared the machine). About 40 minutes on a 2-core machine, most of it the GPT-2-shaped training rounds and
+# shared the machine). About 20 minutes on a 2-core machine, most of it bench.py, the bf16 forward and
 # the loading benchmark (which writes ~4 GiB of checkpoints under ~/.cache/lenskit/bench the first time).
 #
 #   bash benchmarks/run_all.sh            # needs `pip install -e ".[bench]"`
@@ -28,11 +28,11 @@ run() {
 }
 
 failed=0
-run bench python benchmarks/bench.py --repeats 5 --memory-repeats 3 --no-profile
-run training python benchmarks/bench_training.py --rounds 5
-run eval python benchmarks/bench_eval.py --tokens 8192 --steps 4 --repeats 7 --threads 2
+run bench python benchmarks/bench.py --repeats 9 --memory-repeats 3 --no-profile
+run training python benchmarks/bench_training.py --rounds 7
+run eval python benchmarks/bench_eval.py --tokens 8192 --steps 4 --repeats 11 --threads 2
 run loading python benchmarks/bench_loading.py --rounds 3 --csv benchmarks/loading.csv
-run bf16 python benchmarks/bench_bf16.py --rounds 5
+run bf16 python benchmarks/bench_bf16.py --rounds 7
 run training_bf16 python benchmarks/bench_training.py --rounds 3 --dtype bfloat16 --skip lenskit_autograd
 run training_gpt2 python benchmarks/bench_training.py --model gpt2 --tokens 512 --rounds 2 --skip lenskit_autograd
 run startup python benchmarks/bench_startup.py --runs 5
