@@ -160,7 +160,7 @@ def _final_stats(model: HookedTransformer, last: torch.Tensor, tokens: torch.Ten
         else:  # a linear readout in float32 (`_linear_readout`): into a reused buffer, as the lenses' chunks
             f = linear_readout(normed[t0:t1], model.unembed, logits_buf[: t1 - t0])
         out["z_next"][t0:t1] = f.gather(1, next_ids[t0:t1, None]).squeeze(1)
-        out["top"][t0:t1] = first_max(f)
+        out["top"][t0:t1] = metrics.first_max(f)
         logp = torch.log_softmax(f, -1, out=logp_buf[: t1 - t0])
         out["lse"][t0:t1] = f[:, 0] - logp[:, 0]  # log sum_v exp z_v, read off one entry
         p = torch.exp(logp, out=p_buf[: t1 - t0])
@@ -173,23 +173,6 @@ def _final_stats(model: HookedTransformer, last: torch.Tensor, tokens: torch.Ten
             neg_entropy = _expect(p, torch.log_softmax(f, -1))
         out["neg_entropy"][t0:t1] = neg_entropy
     return out
-
-
-def first_max(f: torch.Tensor, block: int = 64) -> torch.Tensor:
-    """The index of each row's first maximum, as `argmax` (NaN counts as the maximum), in about a fifth of
-    its time on the CPU: the largest value of every block of `block` columns (amax, a fast reduction), the
-    first block holding the row's maximum, then the first maximum inside that block."""
-    rows, cols = f.shape
-    if cols < 4 * block:
-        return f.max(-1).indices
-    whole = cols // block * block
-    blocks = f[:, :whole].view(rows, -1, block).amax(-1)  # [rows, cols // block]
-    if whole < cols:
-        blocks = torch.cat([blocks, f[:, whole:].amax(-1, keepdim=True)], 1)
-    b = blocks.max(-1).indices  # the first block that holds the maximum
-    start = (b * block)[:, None] + torch.arange(block, device=f.device)
-    inside = f.gather(1, start.clamp_(max=cols - 1))  # the last block may be short: its clamped columns repeat
-    return b * block + inside.max(-1).indices
 
 
 def linear_readout(x: torch.Tensor, unembed: torch.nn.Linear, out: torch.Tensor) -> torch.Tensor:

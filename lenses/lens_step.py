@@ -14,8 +14,8 @@ temporaries per stream. Here instead:
   tokens in one matmul), in two reused buffers. The KL's gradient with respect to the lens logits is
   written down directly, d/dlogits KL(p || q) = q - p. The target's log-softmax and p W_U [tokens, d_model]
   are computed once per token; p W_U gives both sum_v p logits = x . (p W_U) and the target's half of the
-  gradient, (q - p) W_U = q W_U - p W_U, so each chunk of logits is touched only by the two matmuls, one
-  log-softmax and one exp;
+  gradient, (q - p) W_U = q W_U - p W_U, so each chunk of logits is touched only by the two matmuls and
+  one softmax (its log-sum-exp read off q at the target's top-1 token, lse = z_i - log q_i);
 - then one backward from the normed streams with that gradient, through the norm and the translators.
 
 The readout this assumes is the model's: `unembed(ln_final(h))`, a final norm then a linear unembedding,
@@ -38,6 +38,7 @@ from torch import nn
 from lenskit import Stream
 from lenskit.linear import linear  # a half-precision model's matmuls as its layers run them
 
+from .metrics import first_max
 from .tuned import TunedLens
 
 Streams = Sequence[tuple[Stream, torch.Tensor]]  # (s, h [batch, pos, d_model]), as training collects them
@@ -97,7 +98,7 @@ def readout_kl_and_grad(normed: torch.Tensor, final_logits: torch.Tensor, unembe
     chunk_tokens = even_chunks(n_tokens, chunk_tokens or max(1, max(MIN_ROWS, ROW_BYTES // (4 * d_vocab)) // n_streams))
     rows = chunk_tokens * n_streams
     logits = torch.empty(rows, d_vocab, dtype=torch.float32, device=normed.device)  # reused for every chunk
-    q = torch.empty_like(logits)  # log q, then q
+    q = torch.empty_like(logits)
     kl = torch.zeros(n_streams, dtype=torch.float64, device=normed.device)
     grad = torch.empty_like(normed)
     for t0 in range(0, n_tokens, chunk_tokens):
@@ -109,6 +110,8 @@ def readout_kl_and_grad(normed: torch.Tensor, final_logits: torch.Tensor, unembe
         neg_entropy = torch.linalg.vecdot(p, logp)  # sum_v p log p (0 where p = 0: log p is finite); bmm was 4x slower
         p_mass = p.sum(-1)  # 1 up to rounding
         pw = linear(p.to(weight.dtype), weight.t()).float()  # [c, d_model]: p W_U
+        # every stream's row of a token reads its log-sum-exp off the target's top-1 token, where q is rarely tiny
+        top = first_max(final_logits[t0:t1]).repeat_interleave(n_streams)[:, None]  # [r, 1]
         x = normed[:, t0:t1].transpose(0, 1).reshape(c, n_streams, d_model)  # [pos-chunk, stream, d_model]
         out = logits[:r]
         if weight.dtype == torch.float32:
@@ -117,15 +120,20 @@ def readout_kl_and_grad(normed: torch.Tensor, final_logits: torch.Tensor, unembe
             out.copy_(linear(x.reshape(r, d_model).to(weight.dtype), weight))  # the model's dtype in the matmul only
         if bias is not None:
             out.add_(bias)
-        torch.log_softmax(out, dim=-1, out=q[:r])
-        lse = (out[:, 0] - q[:r, 0]).view(c, n_streams)  # log sum_v exp(logits), read off one entry
+        torch.softmax(out, dim=-1, out=q[:r])
+        # log sum_v exp(z_v) = z_i - log q_i for any token i: one pass fewer than a log-softmax then exp
+        q_top = q[:r].gather(1, top).squeeze(1)
+        lse = out.gather(1, top).squeeze(1) - q_top.log()
+        tiny = q_top < 1e-30  # q_i too small to carry its digits (or 0): that row's log-sum-exp in full
+        if tiny.any():
+            lse[tiny] = torch.logsumexp(out[tiny], dim=-1)
+        lse = lse.view(c, n_streams)
         # sum_v p log q = sum_v p logits - lse sum_v p, and sum_v p logits = x . (p W_U) (+ p . bias)
         p_logits = torch.bmm(x.float(), pw.unsqueeze(-1)).view(c, n_streams)
         if bias is not None:
             p_logits += (p @ bias.float()).unsqueeze(-1)
         cross = p_logits - lse * p_mass.unsqueeze(-1)
         kl += (neg_entropy.unsqueeze(-1) - cross).sum(0, dtype=torch.float64)
-        q[:r].exp_()
         # d KL / d logits = q - p, so d KL / d x = q W_U - p W_U.
         dx = linear(q[:r].to(weight.dtype), weight.t()).float().view(c, n_streams, d_model) - pw.unsqueeze(1)
         grad[:, t0:t1] = dx.transpose(0, 1)

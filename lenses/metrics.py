@@ -21,6 +21,23 @@ import torch
 LN2 = math.log(2.0)
 
 
+def first_max(f: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """The index of each row's first maximum, as `argmax` (NaN counts as the maximum), in about a fifth of
+    its time on the CPU: the largest value of every block of `block` columns (amax, a fast reduction), the
+    first block holding the row's maximum, then the first maximum inside that block."""
+    rows, cols = f.shape
+    if cols < 4 * block:
+        return f.max(-1).indices
+    whole = cols // block * block
+    blocks = f[:, :whole].view(rows, -1, block).amax(-1)  # [rows, cols // block]
+    if whole < cols:
+        blocks = torch.cat([blocks, f[:, whole:].amax(-1, keepdim=True)], 1)
+    b = blocks.max(-1).indices  # the first block that holds the maximum
+    start = (b * block)[:, None] + torch.arange(block, device=f.device)
+    inside = f.gather(1, start.clamp_(max=cols - 1))  # the last block may be short: its clamped columns repeat
+    return b * block + inside.max(-1).indices
+
+
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
     """[..., d_vocab] logits -> log-probabilities, upcast to float32 when the input is half precision."""
     if not logits.dtype.is_floating_point:

@@ -207,7 +207,7 @@ def test_linear_readout_path_matches_metrics(build, linear, windows, monkeypatch
 
 @pytest.mark.parametrize("cols", [4096, 50257, 300, 255, 1000, 100])
 def test_first_max_is_argmax(cols):
-    from lenses.evaluation import first_max
+    from lenses.metrics import first_max
 
     f = torch.randn(64, cols, generator=torch.Generator().manual_seed(cols))
     f[3, 7] = f[3, cols - 9] = 1e3  # a tie between two blocks: the first wins

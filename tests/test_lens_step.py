@@ -76,6 +76,26 @@ def test_target_tokens_of_zero_probability_add_nothing():
     torch.testing.assert_close(grad, leaf.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_rows_where_the_lens_gives_the_targets_top_token_almost_nothing():
+    # lens rows whose q at the target's top-1 token is below 1e-30 (or 0) take their log-sum-exp in full
+    torch.manual_seed(1)
+    unembed = torch.nn.Linear(8, 20, bias=False)
+    with torch.no_grad():
+        unembed.weight[3] = -40.0  # token 3: logit -40 x sum(normed)
+    normed = torch.rand(2, 6, 8) + 0.5  # positive, so token 3's lens logit is about -40 x 8 = -320
+    final = torch.randn(6, 20)
+    final[:, 3] = 30.0  # the target's top-1 token, every position
+    q_top = torch.softmax(unembed(normed), -1)[..., 3]
+    assert (q_top < 1e-30).all()
+    kl, grad = readout_kl_and_grad(normed, final, unembed, chunk_tokens=4)
+    leaf = normed.clone().requires_grad_(True)
+    expected = torch.stack([forward_kl(final, unembed(leaf[s])).sum() for s in range(2)])
+    expected.sum().backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(grad).all()
+    torch.testing.assert_close(kl, expected.detach().double(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad, leaf.grad, rtol=1e-4, atol=1e-5)
+
+
 def reference_kl_step(translate, unembed, streams, final, scale, chunk_tokens=None, softcap=None):
     """Yesterday's trainer: autograd through the whole readout and `forward_kl`, stream by stream."""
     # softcap is unused: the lens decodes through model.readout, which applies any final soft-cap itself.
