@@ -13,10 +13,21 @@ from lenskit import HookedTransformer
 
 @pytest.fixture
 def mode(monkeypatch):
+    monkeypatch.setattr(L, "MIN_ROWS", 1)  # the small test inputs take the upcast path too
+
     def set_mode(value: str) -> None:
         monkeypatch.setattr(L, "HALF_MATMUL", value)
 
     return set_mode
+
+
+def test_few_rows_multiply_natively_even_where_upcasting_is_chosen(monkeypatch):
+    monkeypatch.setattr(L, "HALF_MATMUL", "float32")
+    w = torch.randn(6, 8).bfloat16()
+    few = torch.randn(L.MIN_ROWS - 1, 8).bfloat16()
+    many = torch.randn(2, L.MIN_ROWS // 2, 8).bfloat16()
+    assert torch.equal(L.linear(few, w), F.linear(few, w))
+    assert torch.equal(L.linear(many, w), L.upcast_linear(many, w))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
