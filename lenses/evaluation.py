@@ -22,6 +22,7 @@ from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 
 from lenskit import HookedTransformer
 from lenskit.data import TokenStream
+from lenskit.linear import linear_into
 from lenskit.stream import streams
 
 from . import metrics
@@ -49,7 +50,7 @@ def _named(lenses: Mapping[str, Lens] | Sequence[Lens]) -> dict[str, Lens]:
     return named
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: tensors a module caches during the run (rotary tables) must stay usable by autograd later
 def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequence[Lens], windows: torch.Tensor,
                      batch: int = 8, progress: bool = True) -> pd.DataFrame:
     """windows [n_windows, ctx] -> tidy DataFrame, one row per (lens, layer, window):
@@ -81,7 +82,7 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
         # Any other lens compares its full log-softmax with the final one, and a half-precision readout rounds
         # differently in chunks of another shape: then the whole batch's logits, once, as the forward makes them.
         whole = model.readout(last) if not all(linear.values()) or last.dtype != torch.float32 else None
-        target = _final_stats(model, last, tokens, whole, with_unembedding=any(linear.values()))
+        target = _final_stats(model, last, tokens, whole)
         final_top = target["top"].view(tokens.shape)  # [batch, pos]
         final_neg_entropy = target["neg_entropy"].view(tokens.shape)
         next_tokens = tokens[:, 1:, None]
@@ -130,57 +131,28 @@ def _linear_readout(model: HookedTransformer, lens: Lens) -> bool:
             and isinstance(model.unembed, torch.nn.Linear))
 
 
-def _final_stats(model: HookedTransformer, last: torch.Tensor, tokens: torch.Tensor, whole: torch.Tensor | None,
-                 with_unembedding: bool) -> dict[str, torch.Tensor]:
-    """The model's own distribution p, per token, from the last stream [batch, pos, d_model]: its logits
-    (`whole` [batch, pos, d_vocab], or computed a chunk of tokens at a time by `model.readout`, as the forward
-    computes them) reduced in float32:
-    top (the first maximum, as argmax), neg_entropy (sum p log p), lse (log sum_v exp logits), z_next (the
-    next token's logit; the last position's is a stand-in). With the unembedding, the sums a linear readout
-    needs: p_w = p W_U [tokens, d_model], p_b = p . b and mass = sum p, since sum_v p_v z_v = x . (p W_U) + p . b
-    for the logits z = W_U x + b of any normed stream x."""
+def _final_stats(model: HookedTransformer, last: torch.Tensor, tokens: torch.Tensor,
+                 whole: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """`metrics.target_sums` of the model's own logits for every token of the batch, plus z_next (the next
+    token's logit; the last position's is a stand-in). The logits are `whole` [batch, pos, d_vocab] when given,
+    else computed from the last stream [batch, pos, d_model] a chunk of tokens at a time into one reused buffer
+    (a linear float32 readout, `_linear_readout`): a whole batch of them is a large fresh allocation."""
+    weight, bias = model.unembed.weight, model.unembed.bias
     h = last.reshape(-1, last.shape[-1])
-    n, d_vocab = len(h), model.cfg.d_vocab
+    n, d_vocab = len(h), weight.shape[0]
     next_ids = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(n)
     chunk = min(n, max(CHUNK_ROWS, CHUNK_BYTES // (4 * d_vocab)))
-    logp_buf = torch.empty(chunk, d_vocab, dtype=torch.float32, device=h.device)
-    p_buf = torch.empty_like(logp_buf)
+    buffers = torch.empty(3, chunk, d_vocab, dtype=torch.float32, device=h.device)  # logits, then scratch
     if whole is None:
         normed = model.ln_final(h)
-        logits_buf = torch.empty_like(logp_buf)
-    out = {k: torch.empty(n, dtype=torch.float32, device=h.device) for k in ("neg_entropy", "lse", "mass", "p_b", "z_next")}
-    out["top"] = torch.empty(n, dtype=torch.long, device=h.device)
-    unembed = model.unembed
-    if with_unembedding:
-        out["p_w"] = torch.empty(n, unembed.weight.shape[1], dtype=torch.float32, device=h.device)
+    parts = []
     for t0 in range(0, n, chunk):
         t1 = min(t0 + chunk, n)
-        if whole is not None:
-            f = whole.view(n, -1)[t0:t1].float()
-        else:  # a linear readout in float32 (`_linear_readout`): into a reused buffer, as the lenses' chunks
-            f = linear_readout(normed[t0:t1], model.unembed, logits_buf[: t1 - t0])
-        out["z_next"][t0:t1] = f.gather(1, next_ids[t0:t1, None]).squeeze(1)
-        out["top"][t0:t1] = metrics.first_max(f)
-        logp = torch.log_softmax(f, -1, out=logp_buf[: t1 - t0])
-        out["lse"][t0:t1] = f[:, 0] - logp[:, 0]  # log sum_v exp z_v, read off one entry
-        p = torch.exp(logp, out=p_buf[: t1 - t0])
-        out["mass"][t0:t1] = p.sum(-1)  # 1 up to rounding; kept, as in the plain path
-        if with_unembedding:
-            out["p_w"][t0:t1] = p @ unembed.weight
-            out["p_b"][t0:t1] = p @ unembed.bias if unembed.bias is not None else 0.0
-        neg_entropy = logp.mul_(p).sum(-1)  # in place: no temporary
-        if not torch.isfinite(neg_entropy).all():  # a zero-mass token (logit -inf): 0 log 0 = 0, from a fresh log p
-            neg_entropy = _expect(p, torch.log_softmax(f, -1))
-        out["neg_entropy"][t0:t1] = neg_entropy
-    return out
-
-
-def linear_readout(x: torch.Tensor, unembed: torch.nn.Linear, out: torch.Tensor) -> torch.Tensor:
-    """unembed(x) for normed streams x [rows, d_model], written into `out` [rows, d_vocab]. The weight is used
-    as a transposed view: a contiguous copy was a few percent faster, but doubles W_U's memory."""
-    if unembed.bias is not None:
-        return torch.addmm(unembed.bias, x, unembed.weight.t(), out=out)
-    return torch.matmul(x, unembed.weight.t(), out=out)
+        f = whole.view(n, -1)[t0:t1] if whole is not None else linear_into(normed[t0:t1], weight, bias, buffers[0, : t1 - t0])
+        sums = metrics.target_sums(f, weight, bias, scratch=buffers[1:])
+        sums["z_next"] = f.gather(1, next_ids[t0:t1, None]).squeeze(1).float()
+        parts.append(sums)
+    return {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
 
 
 def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens: torch.Tensor,
@@ -213,7 +185,7 @@ def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens
     for r0 in range(0, rows_total, chunk):
         r1 = min(r0 + chunk, rows_total)
         out, exp = z[: r1 - r0], e[: r1 - r0]
-        linear_readout(flat[r0:r1], model.unembed, out)
+        linear_into(flat[r0:r1], model.unembed.weight, model.unembed.bias, out)
         # The lens's top-1 (the first maximum, as argmax) is the final's exactly when the final's top-1 token
         # has a larger logit than any other token, or ties with the largest and no token before it does. One
         # pass finds the largest other logit (max with indices, or argmax, is many times slower than amax).

@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from lenskit import Stream
-from lenskit.linear import linear  # a half-precision model's matmuls as its layers run them
+from lenskit.linear import linear, linear_into  # a half-precision model's matmuls as its layers run them
 
-from .metrics import first_max
+from .metrics import target_sums
 from .tuned import TunedLens
 
 Streams = Sequence[tuple[Stream, torch.Tensor]]  # (s, h [batch, pos, d_model]), as training collects them
@@ -99,41 +99,22 @@ def readout_kl_and_grad(normed: torch.Tensor, final_logits: torch.Tensor, unembe
     rows = chunk_tokens * n_streams
     logits = torch.empty(rows, d_vocab, dtype=torch.float32, device=normed.device)  # reused for every chunk
     q = torch.empty_like(logits)
+    scratch = torch.empty(2, chunk_tokens, d_vocab, dtype=torch.float32, device=normed.device)  # the target's
     kl = torch.zeros(n_streams, dtype=torch.float64, device=normed.device)
     grad = torch.empty_like(normed)
     for t0 in range(0, n_tokens, chunk_tokens):
         t1 = min(t0 + chunk_tokens, n_tokens)
         c, r = t1 - t0, (t1 - t0) * n_streams
-        # The target, once per token: p, sum_v p log p, and p through the unembedding, p W_U [c, d_model].
-        logp = torch.log_softmax(final_logits[t0:t1].float(), dim=-1)  # [c, d_vocab]
-        p = logp.exp()
-        neg_entropy = torch.linalg.vecdot(p, logp)  # sum_v p log p (0 where p = 0: log p is finite); bmm was 4x slower
-        p_mass = p.sum(-1)  # 1 up to rounding
-        pw = linear(p.to(weight.dtype), weight.t()).float()  # [c, d_model]: p W_U
-        # every stream's row of a token reads its log-sum-exp off the target's top-1 token, where q is rarely tiny
-        top = first_max(final_logits[t0:t1]).repeat_interleave(n_streams)[:, None]  # [r, 1]
+        # The target, once per token: its top-1, sum_v p log p, sum_v p, and p through the unembedding.
+        target = target_sums(final_logits[t0:t1], weight, bias, scratch)
+        pw = target["p_w"]  # [c, d_model]
         x = normed[:, t0:t1].transpose(0, 1).reshape(c, n_streams, d_model)  # [pos-chunk, stream, d_model]
-        out = logits[:r]
-        if weight.dtype == torch.float32:
-            torch.matmul(x.reshape(r, d_model), weight.t(), out=out)
-        else:
-            out.copy_(linear(x.reshape(r, d_model).to(weight.dtype), weight))  # the model's dtype in the matmul only
-        if bias is not None:
-            out.add_(bias)
-        torch.softmax(out, dim=-1, out=q[:r])
-        # log sum_v exp(z_v) = z_i - log q_i for any token i: one pass fewer than a log-softmax then exp
-        q_top = q[:r].gather(1, top).squeeze(1)
-        lse = out.gather(1, top).squeeze(1) - q_top.log()
-        tiny = q_top < 1e-30  # q_i too small to carry its digits (or 0): that row's log-sum-exp in full
-        if tiny.any():
-            lse[tiny] = torch.logsumexp(out[tiny], dim=-1)
-        lse = lse.view(c, n_streams)
+        out = linear_into(x.reshape(r, d_model), weight, bias, logits[:r])  # the model's dtype in the matmul only
+        lse = softmax_and_lse(out, q[:r], target["top"].repeat_interleave(n_streams)).view(c, n_streams)
         # sum_v p log q = sum_v p logits - lse sum_v p, and sum_v p logits = x . (p W_U) (+ p . bias)
-        p_logits = torch.bmm(x.float(), pw.unsqueeze(-1)).view(c, n_streams)
-        if bias is not None:
-            p_logits += (p @ bias.float()).unsqueeze(-1)
-        cross = p_logits - lse * p_mass.unsqueeze(-1)
-        kl += (neg_entropy.unsqueeze(-1) - cross).sum(0, dtype=torch.float64)
+        p_logits = torch.bmm(x.float(), pw.unsqueeze(-1)).view(c, n_streams) + target["p_b"].unsqueeze(-1)
+        cross = p_logits - lse * target["mass"].unsqueeze(-1)
+        kl += (target["neg_entropy"].unsqueeze(-1) - cross).sum(0, dtype=torch.float64)
         # d KL / d logits = q - p, so d KL / d x = q W_U - p W_U.
         dx = linear(q[:r].to(weight.dtype), weight.t()).float().view(c, n_streams, d_model) - pw.unsqueeze(1)
         grad[:, t0:t1] = dx.transpose(0, 1)
@@ -163,6 +144,27 @@ def capped_readout_kl_and_grad(normed: torch.Tensor, final_logits: torch.Tensor,
         dz = (logq.exp_() - p) * (1 - capped.square_())  # d KL / d logits, then through the cap
         grad[:, t0:t1] = linear(dz.to(weight.dtype), weight.t()).float()
     return kl, grad
+
+
+def softmax_and_lse(logits: torch.Tensor, q: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """q := softmax(logits) in place of the buffer `q` [rows, d_vocab]; returns log sum_v exp(logits) [rows].
+
+    On the CPU the log-sum-exp is read off q at one token per row, `ref` (the target's top-1, where q is rarely
+    tiny): lse = z_i - log q_i, one pass fewer than a log-softmax then an exp; rows where that q is below 1e-30
+    (too small to carry its digits) take theirs in full. That check waits for its result, so on other devices,
+    which must not synchronise inside a step, the log-softmax comes first and q is its exp."""
+    if logits.device.type != "cpu":
+        torch.log_softmax(logits, dim=-1, out=q)
+        lse = logits[:, 0] - q[:, 0]
+        q.exp_()
+        return lse
+    torch.softmax(logits, dim=-1, out=q)
+    q_ref = q.gather(1, ref[:, None]).squeeze(1)
+    lse = logits.gather(1, ref[:, None]).squeeze(1) - q_ref.log()
+    tiny = q_ref < 1e-30
+    if tiny.any():
+        lse[tiny] = torch.logsumexp(logits[tiny], dim=-1)
+    return lse
 
 
 def even_chunks(n_tokens: int, at_most: int) -> int:

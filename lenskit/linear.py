@@ -49,6 +49,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """`linear(x, weight, bias)` written into the float32 buffer `out` [..., out_features]: straight into it for
+    float32 weights (no temporary), else computed as the layer computes it, in the weight's dtype, and upcast."""
+    if weight.dtype == out.dtype:
+        if bias is not None:
+            return torch.addmm(bias, x, weight.t(), out=out)
+        return torch.matmul(x, weight.t(), out=out)
+    return out.copy_(linear(x.to(weight.dtype), weight, bias))
+
+
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear in float32 on exactly upcast operands, rounded to the weight's dtype; the weight converted
     BLOCK_BYTES at a time (blocks of output features)."""

@@ -216,3 +216,13 @@ def test_first_max_is_argmax(cols):
     f[8, 50] = float("nan")         # NaN counts as the maximum, as in argmax
     f[9, 10:20] = 2e3               # a tie inside one block
     assert torch.equal(first_max(f), f.argmax(-1))
+
+
+def test_a_model_evaluated_can_still_be_trained_through(windows):
+    # evaluation must not leave inference-mode tensors in the model's caches (a rotary family's cos/sin tables)
+    model = family("llama")
+    windows = windows % model.cfg.d_vocab
+    evaluate_windows(model, [LogitLens(model)], windows, batch=len(windows), progress=False)
+    model.zero_grad(set_to_none=True)
+    model(windows).float().logsumexp(-1).mean().backward()
+    assert model.embed.weight.grad is not None and torch.isfinite(model.embed.weight.grad).all()
