@@ -15,7 +15,7 @@ temporaries per stream. Here instead:
   written down directly, d/dlogits KL(p || q) = q - p. The target's log-softmax and p W_U [tokens, d_model]
   are computed once per token; p W_U gives both sum_v p logits = x . (p W_U) and the target's half of the
   gradient, (q - p) W_U = q W_U - p W_U, so each chunk of logits is touched only by the two matmuls and
-  one softmax (its log-sum-exp read off q at the target's top-1 token, lse = z_i - log q_i);
+  one softmax (on the CPU its log-sum-exp is read off q at the target's top-1 token, lse = z_i - log q_i);
 - then one backward from the normed streams with that gradient, through the norm and the translators.
 
 The readout this assumes is the model's: `unembed(ln_final(h))`, a final norm then a linear unembedding,
