@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import lenskit  # noqa: E402
 from lenskit.data import load_token_stream  # noqa: E402
-from lenses import LogitLens, TunedLens  # noqa: E402
+from lenses import LogitLens, TunedLens, row_stats  # noqa: E402
 from lenses.evaluation import evaluate  # noqa: E402
 from lenses.training import Recipe, train  # noqa: E402
 
@@ -62,12 +62,24 @@ def main() -> None:
     def run_eval() -> None:
         evaluate(model, {"logit": LogitLens(model), "tuned": tuned}, stream, tokens=args.tokens, progress=False)
 
+    def run_eval_torch_ops() -> None:  # the row statistics from torch ops, as where the kernel cannot be built
+        row_stats.FUSED = "torch"
+        try:
+            run_eval()
+        finally:
+            row_stats.FUSED = "auto"
+
+    kernel = row_stats.kernel_available()  # builds it first if needed, outside the timings
+    capability = torch.backends.cpu.get_cpu_capability()
+    print(f"row statistics: {'C++ kernel, ' + capability if kernel else 'torch ops (no kernel for ' + capability + ')'}")
     load_start = os.getloadavg()[0]
     cases = {"train-lens": (run_train, per_step * args.steps), "eval-lens": (run_eval, args.tokens // ctx * ctx)}
+    if kernel:
+        cases["eval-lens, torch-op row statistics"] = (run_eval_torch_ops, args.tokens // ctx * ctx)
     for fn, _ in cases.values():
         fn()  # warm-up
     times = {name: [] for name in cases}
-    for r in range(args.repeats):  # interleaved, the order alternating, so that a slow minute slows both alike
+    for r in range(args.repeats):  # interleaved, the order alternating, so that a slow minute slows all alike
         for name in (list(cases) if r % 2 == 0 else list(cases)[::-1]):
             start = time.perf_counter()
             cases[name][0]()
@@ -90,8 +102,11 @@ def main() -> None:
     section = (f"{MARK}\n\n`python benchmarks/bench_eval.py --tokens {args.tokens} --steps {args.steps} --repeats {args.repeats} "
                f"--threads {args.threads}`: the embedded model, held-out standard-library text, windows of {ctx} tokens, "
                f"{args.repeats} interleaved rounds, medians, one-minute load average {load_start:.1f} at the start and "
-               f"{os.getloadavg()[0]:.1f} at the end (both cases share the machine alike). eval-lens scores the logit and a tuned lens at every layer; train-lens "
-               f"adds the backward pass and the optimizer step.\n\n| case | tokens | median s | tokens/s |\n|---|---|---|---|\n"
+               f"{os.getloadavg()[0]:.1f} at the end (every case shares the machine alike). eval-lens scores the logit and a tuned lens at every layer; train-lens "
+               f"adds the backward pass and the optimizer step. eval-lens's row statistics (lenses/row_stats.py) come from "
+               + (f"its C++ kernel ({capability}); the third row takes them from torch ops instead, as on a machine where the kernel cannot be built."
+                  if kernel else f"torch ops: no kernel for this CPU ({capability}).")
+               + "\n\n| case | tokens | median s | tokens/s |\n|---|---|---|---|\n"
                + "".join(f"| {r['case']} | {r['tokens']} | {r['median_s']:.2f} | {r['tokens_per_s']:.0f} |\n" for r in results.values())
                + f"\neval / train: {ratio:.2f} (target >= 1); median of the per-round ratios: {per_round:.2f}\n")
     report = out / "results.md"

@@ -27,18 +27,14 @@ from lenskit.stream import streams
 
 from . import metrics
 from .base import Lens
+from .row_stats import row_stats
 
 METRICS = ("kl", "ce", "entropy", "top1_agree", "settled")
 # Logits are worked on in chunks of about this many bytes of float32 (two reused buffers), at least CHUNK_ROWS
-# rows so that the matmul still runs at speed on a large vocabulary. With SUB_BYTES below and two threads,
-# 8,192 tokens took 1.39 s at 8 MiB, 1.46 at 4, 1.50 at 16 and 1.68 at 32.
+# rows so that the matmul still runs at speed on a large vocabulary. With torch ops for the row statistics
+# and two threads, 8,192 tokens took 1.39 s at 8 MiB, 1.46 at 4, 1.50 at 16 and 1.68 at 32.
 CHUNK_BYTES = 8 * 2**20
 CHUNK_ROWS = 64
-# The passes over whole rows after the matmul (exp, sums) go through a chunk this many bytes at a time, so that
-# each reads its rows from the core's cache: on the benchmark machine (two threads, 2 MiB L2 each) 1 MiB pieces
-# took 2.2 ms per 1,024 rows of 4,096 logits, against 3.4 ms for whole 16 MiB chunks; smaller pieces pay more
-# for starting each op than they gain.
-SUB_BYTES = 2**20
 
 
 def _named(lenses: Mapping[str, Lens] | Sequence[Lens]) -> dict[str, Lens]:
@@ -174,40 +170,22 @@ def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens
     next_ids = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(n).repeat(n_layers)
     chunk = min(rows_total, max(CHUNK_ROWS, CHUNK_BYTES // (4 * d_vocab)))
     z = torch.empty(chunk, d_vocab, dtype=torch.float32, device=x.device)  # reused for every chunk
-    e = torch.empty_like(z)
-    # Per row: the logit at the final's top-1 token, the largest other logit, the largest logit, the next
-    # token's logit, S = sum_v exp(z_v - peak) >= 1 and sum_v exp(z_v - peak) (z_v - peak).
-    at_top, runner_up, peak, z_next, mass, weighted = (torch.empty(n_layers * n, dtype=torch.float32, device=x.device)
-                                                       for _ in range(6))
-    ties = []  # (rows, whether argmax there is the final's top-1) where the final's top-1 ties with another token
-    sub = max(1, SUB_BYTES // (4 * d_vocab))
+    scratch = torch.empty_like(z)
+    # Per row: the logit at the final's top-1 token, the largest other logit, the next token's logit,
+    # S = sum_v exp(z_v - peak) >= 1, sum_v exp(z_v - peak) (z_v - peak), and whether the lens's top-1 (the
+    # first maximum, as argmax) is the final's.
+    at_top, runner_up, z_next, mass, weighted = (torch.empty(n_layers * n, dtype=torch.float32, device=x.device)
+                                                 for _ in range(5))
+    agree = torch.empty(n_layers * n, dtype=torch.bool, device=x.device)
     final_ids = target["top"].repeat(n_layers)
     for r0 in range(0, rows_total, chunk):
         r1 = min(r0 + chunk, rows_total)
-        out, exp = z[: r1 - r0], e[: r1 - r0]
+        out = z[: r1 - r0]
         linear_into(flat[r0:r1], model.unembed.weight, model.unembed.bias, out)
-        # The lens's top-1 (the first maximum, as argmax) is the final's exactly when the final's top-1 token
-        # has a larger logit than any other token, or ties with the largest and no token before it does. One
-        # pass finds the largest other logit (max with indices, or argmax, is many times slower than amax).
-        ids = final_ids[r0:r1, None]
-        torch.gather(out, 1, ids, out=at_top[r0:r1, None])
-        torch.amax(out.scatter_(1, ids, -torch.inf), -1, out=runner_up[r0:r1])
-        out.scatter_(1, ids, at_top[r0:r1, None])
-        torch.maximum(runner_up[r0:r1], at_top[r0:r1], out=peak[r0:r1])
-        tied = at_top[r0:r1] == runner_up[r0:r1]
-        if tied.any():  # another token shares the maximum: argmax takes the first of them
-            ties.append((r0 + tied.nonzero().squeeze(1), out[tied].argmax(-1) == ids[tied, 0]))
         torch.gather(out, 1, next_ids[r0:r1, None], out=z_next[r0:r1, None])
-        # The passes over whole rows, a few rows at a time so that they run in the core's cache.
-        pieces = zip(out.split(sub), exp.split(sub), peak[r0:r1, None].split(sub), mass[r0:r1].split(sub),
-                     weighted[r0:r1].split(sub))
-        for rows, exps, row_peak, row_mass, row_weighted in pieces:
-            rows.sub_(row_peak)  # z - peak: 0 at the maximum, so exp cannot overflow
-            torch.sum(torch.exp(rows, out=exps), -1, out=row_mass)
-            torch.linalg.vecdot(exps, rows, out=row_weighted)
-    agree = at_top > runner_up
-    for rows, value in ties:
-        agree[rows] = value
+        row_stats(out, final_ids[r0:r1], at_top[r0:r1], runner_up[r0:r1], mass[r0:r1], weighted[r0:r1],
+                  agree[r0:r1], scratch)
+    peak = torch.maximum(runner_up, at_top)
     log_mass = mass.log()
     lse = peak + log_mass
     entropy = log_mass - weighted / mass  # H = lse - sum q z = log S - sum q (z - peak)

@@ -182,9 +182,11 @@ def bf16_gpt2():
     (bf16_gpt2, False),                       # bfloat16 logits: the full log-softmax path, in float32
     (lambda: family("gemma2"), False),        # final soft-cap: the full log-softmax path
 ], ids=["gpt2", "unembed-bias", "tied-top", "llama", "bf16", "gemma2-softcap"])
-def test_linear_readout_path_matches_metrics(build, linear, windows, monkeypatch):
-    from lenses import evaluation
+@pytest.mark.parametrize("fused", ["auto", "torch"])  # the row statistics from the C++ kernel (where built), or torch ops
+def test_linear_readout_path_matches_metrics(build, linear, fused, windows, monkeypatch):
+    from lenses import evaluation, row_stats
 
+    monkeypatch.setattr(row_stats, "FUSED", fused)
     model = build()
     assert evaluation._linear_readout(model, LogitLens(model)) is linear
     # chunks of 7 rows: many chunks, the last one partial, rows of one window split across chunks
