@@ -127,6 +127,17 @@ def _linear_readout(model: HookedTransformer, lens: Lens) -> bool:
             and isinstance(model.unembed, torch.nn.Linear))
 
 
+def _next_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """tokens [batch, pos] -> the next token at every position [batch * pos]; position pos - 1 has none, so it
+    gets a stand-in (the window's first token) that every cross-entropy drops."""
+    return torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(-1)
+
+
+def _chunk_rows(rows: int, d_vocab: int) -> int:
+    """Rows of logits per chunk: about CHUNK_BYTES of float32, at least CHUNK_ROWS, at most `rows`."""
+    return min(rows, max(CHUNK_ROWS, CHUNK_BYTES // (4 * d_vocab)))
+
+
 def _final_stats(model: HookedTransformer, last: torch.Tensor, tokens: torch.Tensor,
                  whole: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """`metrics.target_sums` of the model's own logits for every token of the batch, plus z_next (the next
@@ -136,8 +147,8 @@ def _final_stats(model: HookedTransformer, last: torch.Tensor, tokens: torch.Ten
     weight, bias = model.unembed.weight, model.unembed.bias
     h = last.reshape(-1, last.shape[-1])
     n, d_vocab = len(h), weight.shape[0]
-    next_ids = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(n)
-    chunk = min(n, max(CHUNK_ROWS, CHUNK_BYTES // (4 * d_vocab)))
+    next_ids = _next_ids(tokens)
+    chunk = _chunk_rows(n, d_vocab)
     buffers = torch.empty(3, chunk, d_vocab, dtype=torch.float32, device=h.device)  # logits, then scratch
     if whole is None:
         normed = model.ln_final(h)
@@ -166,9 +177,8 @@ def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens
     reads_final = torch.equal(x[-1], model.ln_final(cache.stream(locations[-1]).float()).reshape(n, -1))
     rows_total, d_vocab = (n_layers - reads_final) * n, model.unembed.weight.shape[0]  # float32 (`_linear_readout`)
     flat = x.reshape(n_layers * n, -1)
-    # the next token of each row (position pos - 1 has none: a stand-in, dropped below)
-    next_ids = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(n).repeat(n_layers)
-    chunk = min(rows_total, max(CHUNK_ROWS, CHUNK_BYTES // (4 * d_vocab)))
+    next_ids = _next_ids(tokens).repeat(n_layers)  # the next token of each row; stand-ins dropped below
+    chunk = _chunk_rows(rows_total, d_vocab)
     z = torch.empty(chunk, d_vocab, dtype=torch.float32, device=x.device)  # reused for every chunk
     scratch = torch.empty_like(z)
     # Per row: the logit at the final's top-1 token, the largest other logit, the next token's logit,
