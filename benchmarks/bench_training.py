@@ -29,18 +29,19 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the autograd reference the tests use
 import lenskit  # noqa: E402
 import lenses.training  # noqa: E402
 from bench_cases import MATMUL_N, ensure_model_folder, forward_flops  # noqa: E402
 from lenses import TunedLens  # noqa: E402
-from lenses.training import LensLoss, Recipe, train  # noqa: E402
+from autograd_reference import autograd_kl  # noqa: E402
+from lenses.training import Recipe, train  # noqa: E402
 from lenskit.data import TokenStream  # noqa: E402
 
 
-def autograd_kl_step(translate, unembed, streams, final, scale, chunk_tokens=None, softcap=None):
-    """The step before lens_step.py: autograd through the readout and `forward_kl`, every stream's graph held
-    (the lens's own readout applies any soft-cap, so `softcap` needs no handling here)."""
-    per_stream = LensLoss(translate.lens)(streams, final)
+def autograd_kl_step(translate, readout, streams, final, scale, chunk_tokens=None):
+    """Plain autograd through the readout and `forward_kl`, every stream's graph held (lens_step's contender)."""
+    per_stream = autograd_kl(translate.lens, streams, final)
     (per_stream.sum() * scale).backward()
     return per_stream.detach().double()
 

@@ -1,8 +1,15 @@
-"""Train lenskit's embedded default model: a small GPT-2 on the running Python's standard library source.
+"""Train lenskit's embedded models on the running Python's standard library source: the small GPT-2
+(`stdlib-gpt2`, the default) and its Llama-architecture sibling (`stdlib-llama`).
 
-Reproduce (resumes from runs/default_model/ when interrupted):
+Reproduce (each resumes from its --work folder when interrupted):
 
     python experiments/train_default_model.py --out lenskit/default_model
+    python experiments/train_default_model.py --arch llama --tokenizer lenskit/default_model \
+        --work runs/stdlib_llama --out lenskit/stdlib_llama
+
+The two runs hold everything fixed except the architecture: the corpus split, the tokenizer (the
+sibling reuses the GPT-2's files), the token stream, the batch order (a function of seed and step),
+the token budget, the optimiser, the schedule and the seed.
 
 The tokenizer is a byte-level BPE with 4,096 entries trained on the training split and saved in
 GPT-2's own file format (vocab.json + merges.txt). GPT-2's 50,257-row unembedding would be ~4x the
@@ -13,7 +20,9 @@ Python source better.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import math
 import os
 import platform
@@ -116,6 +125,36 @@ def save_atomic(tensors: dict, meta: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
+ARCHS = ("gpt2", "llama")
+
+
+def llama_d_mlp(d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, vocab: int, target: int) -> int:
+    """The SwiGLU width (a multiple of 8) whose tied Llama has the parameter count nearest `target`."""
+    d_head = d_model // n_heads
+    fixed = vocab * d_model + d_model + n_layers * (2 * d_model * d_model + 2 * d_model * n_kv_heads * d_head + 2 * d_model)
+    return 8 * round((target - fixed) / (n_layers * 3 * d_model) / 8)
+
+
+def model_config(args: argparse.Namespace, vocab: int, eot: int) -> ModelConfig:
+    common = dict(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads, d_vocab=vocab, n_ctx=args.ctx,
+                  bos_token_id=eot, eos_token_id=eot, name=args.name or f"lenskit-stdlib-{args.arch}")
+    if args.arch == "gpt2":
+        return ModelConfig(**common, d_mlp=args.d_mlp)
+    # Tied like the GPT-2, so the embedding is the same 786k parameters in both and the comparison is of the blocks.
+    gpt2 = ModelConfig(**common)
+    target = sum(p.numel() for p in lenskit.HookedTransformer(gpt2).parameters())
+    d_mlp = args.d_mlp or llama_d_mlp(args.d_model, args.layers, args.heads, args.kv_heads, vocab, target)
+    return ModelConfig(**common, family="llama", norm="rmsnorm", mlp="swiglu", positional="rotary", n_kv_heads=args.kv_heads,
+                       d_mlp=d_mlp, fused_qkv=False, qkv_bias=False, out_bias=False, mlp_bias=False, norm_eps=1e-5,
+                       rotary_base=10000.0, tie_word_embeddings=True)
+
+
+def autocast(args: argparse.Namespace):
+    if args.autocast == "bf16":
+        return torch.autocast(device_type=torch.device(args.device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="lenskit/default_model")
@@ -132,6 +171,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ckpt-every", type=int, default=50)
+    ap.add_argument("--arch", choices=ARCHS, default="gpt2")
+    ap.add_argument("--kv-heads", type=int, default=2, help="llama only: key/value heads (grouped-query attention)")
+    ap.add_argument("--d-mlp", type=int, default=None,
+                    help="default: 4 * d_model for gpt2; for llama, the SwiGLU width that matches the GPT-2's parameter count")
+    ap.add_argument("--tokenizer", default=None, help="reuse this folder's vocab.json + merges.txt instead of training a BPE")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--autocast", choices=("none", "bf16"), default="none", help="bf16 autocast of the forward and backward")
+    ap.add_argument("--name", default=None, help="the model's name (default: lenskit-stdlib-ARCH)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     work, out = Path(args.work), Path(args.out)
@@ -140,6 +187,10 @@ def main() -> None:
     # ---- corpus, tokenizer, token streams (cached in work/)
     train_text, val_text, corpus = split_corpus()
     tok_dir = work / "tokenizer"
+    if args.tokenizer and not (tok_dir / "merges.txt").exists():
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        for f in ("vocab.json", "merges.txt"):
+            shutil.copy(Path(args.tokenizer) / f, tok_dir / f)
     if not (tok_dir / "merges.txt").exists():
         print(f"training a {args.vocab}-entry byte-level BPE on {corpus['train_files']} files", flush=True)
         train_tokenizer(train_text, args.vocab, tok_dir)
@@ -153,12 +204,11 @@ def main() -> None:
     print(f"train {len(train_tokens):,} tokens, held-out {len(val_tokens):,} tokens", flush=True)
 
     eot = tokenizer.convert_tokens_to_ids(EOT)
-    cfg = ModelConfig(
-        n_layers=args.layers, d_model=args.d_model, n_heads=args.heads, d_vocab=len(tokenizer), n_ctx=args.ctx,
-        bos_token_id=eot, eos_token_id=eot, name="lenskit-stdlib-gpt2",
-    )
+    cfg = model_config(args, len(tokenizer), eot)
     torch.manual_seed(args.seed)
     model = lenskit.HookedTransformer(cfg, tokenizer=tokenizer)  # GPT-2 init, 1/sqrt(2N) residual scaling
+    model.to(args.device)
+    print(f"{args.arch}: {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -182,6 +232,7 @@ def main() -> None:
         state.setdefault("unembed.weight", state["embed.weight"])  # tied, so saved once
         model.load_state_dict(state)
         model.tie_weights()
+        tensors = {k: v.to(args.device) for k, v in tensors.items()}
         for i, p in enumerate(model.parameters()):
             if f"opt.{i}.exp_avg" in tensors:
                 opt.state[p] = {"step": tensors[f"opt.{i}.step"].reshape(()), "exp_avg": tensors[f"opt.{i}.exp_avg"],
@@ -193,17 +244,19 @@ def main() -> None:
         tensors = {f"model.{k}": v for k, v in model.state_dict().items() if k != "unembed.weight" or not cfg.tie_word_embeddings}
         for i, p in enumerate(model.parameters()):
             for key, value in opt.state.get(p, {}).items():
-                tensors[f"opt.{i}.{key}"] = value.reshape(1) if value.ndim == 0 else value
+                tensors[f"opt.{i}.{key}"] = (value.reshape(1) if value.ndim == 0 else value).cpu()
         save_atomic(tensors, {"step": step, "elapsed": elapsed, "losses": losses}, ckpt)
 
     model.train()
     bar = tqdm(total=args.steps, initial=step, desc="train", dynamic_ncols=True, mininterval=5)
     while step < args.steps:
         t0 = time.time()
-        x = batch_at(train_tokens, step, args.seed, args.batch, args.ctx)
+        x = batch_at(train_tokens, step, args.seed, args.batch, args.ctx).to(args.device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        with autocast(args):
+            logits = model(x[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {loss.item()} at step {step}; the last checkpoint in {ckpt} is intact")
         opt.zero_grad(set_to_none=True)
@@ -219,14 +272,16 @@ def main() -> None:
             checkpoint()
     bar.close()
 
-    # ---- export in the HF GPT-2 layout, then measure and write the model card
+    # ---- export in the family's HF layout, then measure and write the model card
     model.eval()
+    model.cpu()
     model.save_pretrained(out)
     card = {
         "corpus": corpus, "tokenizer": {"kind": "byte-level BPE (tokenizers), GPT-2 file format", "vocab": len(tokenizer)},
         "config": cfg.to_hf_dict(), "params": sum(p.numel() for p in model.parameters()),
         "steps": step, "batch": args.batch, "ctx": args.ctx, "tokens_seen": step * args.batch * args.ctx,
-        "train_seconds": round(elapsed, 1), "lr": args.lr, "seed": args.seed,
+        "train_seconds": round(elapsed, 1), "lr": args.lr, "seed": args.seed, "device": args.device,
+        "autocast": args.autocast, "threads": args.threads,
         "final_train_loss": sum(losses[-50:]) / len(losses[-50:]),
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
     }

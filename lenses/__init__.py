@@ -11,6 +11,7 @@ from typing import Any
 # Every name is imported on first use, so that `lenskit --help` (lenses.cli) starts without torch,
 # pandas or plotly.
 _LAZY = {
+    "BasisLens": ("lenses.base", "BasisLens"),
     "Lens": ("lenses.base", "Lens"),
     "LogitLens": ("lenses.logit", "LogitLens"),
     "POINTS": ("lenses.logit", "POINTS"),
@@ -33,4 +34,4 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-__all__ = ["Lens", "LogitLens", "POINTS", "Trajectory", "TunedLens", "metrics", "plots"]
+__all__ = ["BasisLens", "Lens", "LogitLens", "POINTS", "Trajectory", "TunedLens", "metrics", "plots"]

@@ -1,5 +1,16 @@
 """The lens interface: a lens maps a place in the residual stream (a `lenskit.Stream`, or a bare int l: the
-stream after l blocks) to logits."""
+stream after l blocks) to logits.
+
+Two kinds, told apart by their class, never by which methods a subclass overrides:
+
+- `BasisLens`: moves `h` within the model's basis (`transform_hidden`), then decodes it with the model's
+  own `Readout` (final norm recomputed on the moved stream, unembedding, any soft-cap). The logit lens,
+  the tuned lens and the Jacobian lens are of this kind.
+- any other `Lens`: computes logits its own way (`forward`), for example by running the model again.
+
+Evaluation, trajectories and plots take either: they ask the lens for logits (`lens(h, s)`, or
+`lens.logits_into(rows, s, out)` into a reused buffer).
+"""
 
 from __future__ import annotations
 
@@ -15,9 +26,7 @@ from lenskit.stream import as_stream
 class Lens(nn.Module, ABC):
     """`lens(h, s) -> logits`: decode the stream at `s`, a `Stream` or an int l for `Stream(l)`, the stream
     after l blocks (0..n_layers; l = n_layers is the model's own output; negative l counts back from n_layers).
-
-    A subclass says only how it moves `h` into the final layer's basis (`transform_hidden`); decoding
-    is always the model's own final norm, recomputed on the transformed stream, then the unembedding.
+    Logits come out in float32 (upcast from a half-precision model) for the metrics.
     """
 
     def __init__(self, model: HookedTransformer) -> None:
@@ -33,24 +42,42 @@ class Lens(nn.Module, ABC):
         """`s` as a Stream checked against the model, with a non-negative layer."""
         return as_stream(s).resolve(self.n_layers)
 
-    @abstractmethod
-    def transform_hidden(self, h: torch.Tensor, s: Stream) -> torch.Tensor:
-        """h [..., d_model] at the (resolved) stream s -> h' [..., d_model] in the last stream's basis."""
-
-    def unembed(self, h: torch.Tensor) -> torch.Tensor:
-        """[..., d_model] -> [..., d_vocab]: final norm (its scale computed on this h) then unembedding, in the
-        model's dtype; half-precision logits come out upcast to float32, for the metrics' log-softmax."""
-        dtype = self.model.unembed.weight.dtype
-        logits = self.model.readout(h if h.dtype == dtype else h.to(dtype))
-        return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-
-    def forward(self, h: torch.Tensor, s: int | str | Stream) -> torch.Tensor:
-        """h [..., d_model] at stream s -> logits [..., d_vocab]."""
+    def check_hidden(self, h: torch.Tensor) -> None:
         if h.shape[-1] != self.model.cfg.d_model:
             raise ValueError(f"expected a stream with d_model={self.model.cfg.d_model} in the last axis, got shape {tuple(h.shape)}")
-        return self.unembed(self.transform_hidden(h, self.stream(s)))
+
+    @abstractmethod
+    def forward(self, h: torch.Tensor, s: int | str | Stream) -> torch.Tensor:
+        """h [..., d_model] at stream s -> logits [..., d_vocab] (float32)."""
+
+    def logits_into(self, h: torch.Tensor, s: Stream, out: torch.Tensor) -> torch.Tensor:
+        """Rows h [rows, d_model] at the (resolved) stream s -> their logits written into the float32 buffer
+        out [rows, d_vocab]. Evaluation calls this; a lens may write straight into `out`."""
+        return out.copy_(self(h, s))
 
     def decode(self, cache: ActivationCache, s: int | str | Stream, point: str | None = None) -> torch.Tensor:
         """Logits [batch, pos, d_vocab] of the stream at `s` read from a cache (`point` names the point of a bare layer)."""
         s = as_stream(s, point)
         return self(cache.stream(s), s)
+
+
+class BasisLens(Lens):
+    """A lens that moves `h` into the last stream's basis and decodes it with the model's `Readout`.
+
+    A subclass writes only `transform_hidden(h, s)`; the logit lens is the identity.
+    """
+
+    @abstractmethod
+    def transform_hidden(self, h: torch.Tensor, s: Stream) -> torch.Tensor:
+        """h [..., d_model] at the (resolved) stream s -> h' [..., d_model] in the last stream's basis."""
+
+    def forward(self, h: torch.Tensor, s: int | str | Stream) -> torch.Tensor:
+        self.check_hidden(h)
+        h = self.transform_hidden(h, self.stream(s))
+        dtype = self.model.unembed.weight.dtype
+        logits = self.model.readout(h if h.dtype == dtype else h.to(dtype))
+        return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+    def logits_into(self, h: torch.Tensor, s: Stream, out: torch.Tensor) -> torch.Tensor:
+        self.check_hidden(h)
+        return self.model.readout.into(self.transform_hidden(h, s), out)

@@ -22,17 +22,19 @@ from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 
 from lenskit import HookedTransformer
 from lenskit.data import TokenStream
-from lenskit.linear import linear_into
 from lenskit.stream import streams
 
 from . import metrics
 from .base import Lens
-from .row_stats import row_stats
+from .metrics import first_max
 
 METRICS = ("kl", "ce", "entropy", "top1_agree", "settled")
-# Logits are worked on in chunks of about this many bytes of float32 (two reused buffers), at least CHUNK_ROWS
-# rows so that the matmul still runs at speed on a large vocabulary. With torch ops for the row statistics
-# and two threads, 8,192 tokens took 1.39 s at 8 MiB, 1.46 at 4, 1.50 at 16 and 1.68 at 32.
+# Logits are worked on a chunk of tokens at a time, in four reused float32 buffers of [rows, d_vocab]: about
+# CHUNK_BYTES each, and at least CHUNK_ROWS rows so that the readout matmul still runs at speed on a large
+# vocabulary. Beyond the model's forward and the cached streams ([n_layers + 1, batch, pos, d_model]),
+# evaluation therefore holds at most 4 * max(CHUNK_BYTES, CHUNK_ROWS * 4 * d_vocab) bytes of logits, whatever
+# the number of layers, tokens or lenses: 32 MiB for d_vocab <= 32k, 4 * 64 rows * 4 bytes * d_vocab above
+# (128 MiB at 128k; tests/test_evaluation.py measures it).
 CHUNK_BYTES = 8 * 2**20
 CHUNK_ROWS = 64
 
@@ -57,6 +59,9 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
     - top1_agree: fraction of positions where the lens's top-1 equals the final top-1;
     - settled: fraction of positions whose prediction depth is <= layer. The prediction depth of a token
       is the first layer from which the lens's top-1 stays equal to the final top-1 through the last layer.
+
+    Every lens takes the same path: its logits for a chunk of tokens at one stream (`Lens.logits_into`),
+    then the same statistics. "final" is the model's own readout of the last stream.
     """
     lenses = _named(lenses)
     for name, lens in lenses.items():
@@ -69,158 +74,72 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
     rows = []
     for start in tqdm(range(0, len(windows), batch), desc="evaluate", disable=not progress):
         tokens = windows[start: start + batch].to(model.embed.weight.device)
-        # The final logits are computed below in chunks from the last stream, into reused memory: a whole
-        # batch of them is a large fresh allocation on every batch.
         _, cache = model.run_with_cache(tokens, names_filter=names, return_logits=False)
-        last = cache.stream(locations[-1])
-        # The final distribution once per batch: KL(final || lens) = sum p log p - sum p log q.
-        linear = {name: _linear_readout(model, lens) for name, lens in lenses.items()}
-        # Any other lens compares its full log-softmax with the final one, and a half-precision readout rounds
-        # differently in chunks of another shape: then the whole batch's logits, once, as the forward makes them.
-        whole = model.readout(last) if not all(linear.values()) or last.dtype != torch.float32 else None
-        target = _final_stats(model, last, tokens, whole)
-        final_top = target["top"].view(tokens.shape)  # [batch, pos]
-        final_neg_entropy = target["neg_entropy"].view(tokens.shape)
-        next_tokens = tokens[:, 1:, None]
-        final_p = None  # [batch, pos, d_vocab], only for lenses that need the full log-softmax
-        for name, lens in lenses.items():
-            if linear[name]:
-                stats, agree = _linear_stats(model, lens, cache, locations, tokens, target)
-            if not linear[name] or not all(torch.isfinite(v).all() for v in stats.values()):
-                # any other lens, and infinities (zero-mass tokens), through the full log-softmax and 0 log 0 = 0
-                if final_p is None:
-                    final_p = metrics.log_probs(model.readout(last) if whole is None else whole).exp()
-                stats, agree = _plain_stats(lens, cache, locations, next_tokens, final_neg_entropy, final_p, final_top)
+        per_token = _per_token_stats(model, lenses, [cache.stream(s) for s in locations], locations, tokens)
+        for name, stats in per_token.items():
+            shape = (len(locations), *tokens.shape)  # [layer, batch, pos]
+            agree = stats.pop("agree").view(shape)
             # settled at l: agrees at every layer from l to the last (a reverse running AND).
             settled = agree.flip(0).to(torch.int8).cumprod(0).flip(0).bool()
-            stats["top1_agree"] = agree.float().mean(-1)
-            stats["settled"] = settled.float().mean(-1)
-            values = {k: stats[k].tolist() for k in METRICS}  # [layer][window] floats
-            for layer in range(len(names)):
+            values = {"kl": stats["kl"].view(shape).mean(-1), "ce": stats["ce"].view(shape)[:, :, :-1].mean(-1),
+                      "entropy": stats["entropy"].view(shape).mean(-1), "top1_agree": agree.float().mean(-1),
+                      "settled": settled.float().mean(-1)}
+            values = {k: v.tolist() for k, v in values.items()}  # [layer][window] floats
+            for layer in range(len(locations)):
                 for b in range(tokens.shape[0]):
                     rows.append({"lens": name, "layer": layer, "window": start + b, **{k: values[k][layer][b] for k in METRICS}})
     return pd.DataFrame(rows)
 
 
-def _plain_stats(lens: Lens, cache, locations, next_tokens: torch.Tensor, final_neg_entropy: torch.Tensor,
-                 final_p: torch.Tensor, final_top: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Any lens, from its full log-softmax at every layer: ({kl, ce, entropy: [layer, batch]}, agree [layer, batch, pos])."""
-    stats = {k: [] for k in ("kl", "ce", "entropy")}
-    agree = []
-    for s in locations:
-        logq = metrics.log_probs(lens(cache.stream(s), s))  # [batch, pos, d_vocab], one softmax per layer
-        stats["kl"].append((final_neg_entropy - _expect(final_p, logq)).mean(-1))
-        stats["ce"].append(-logq[:, :-1].gather(-1, next_tokens).squeeze(-1).mean(-1))
-        stats["entropy"].append(-_expect(logq.exp(), logq).mean(-1))
-        agree.append(logq.argmax(-1) == final_top)
-    return {k: torch.stack(v) for k, v in stats.items()}, torch.stack(agree)
+def _per_token_stats(model: HookedTransformer, lenses: dict[str, Lens], hs: list[torch.Tensor], locations,
+                     tokens: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+    """{lens: {kl, ce, entropy: float32, agree: bool}} of shape [layer, batch * pos], a chunk of tokens at a time.
 
-
-def _linear_readout(model: HookedTransformer, lens: Lens) -> bool:
-    """Whether the lens's logits are `unembed(ln_final(transform_hidden(h)))` with no soft-cap after them: a
-    readout linear after the norm, which `_linear_stats` may evaluate without a full log-softmax. Float32 models
-    only: in bfloat16 the same logits computed in chunks of other shapes round differently, which turns near-ties
-    of the top-1 (even at the last layer) the other way, so half-precision models keep the plain path."""
-    return (model.cfg.final_softcap is None and type(model).readout is HookedTransformer.readout
-            and model.unembed.weight.dtype == torch.float32
-            and type(lens).forward is Lens.forward and type(lens).unembed is Lens.unembed
-            and isinstance(model.unembed, torch.nn.Linear))
-
-
-def _next_ids(tokens: torch.Tensor) -> torch.Tensor:
-    """tokens [batch, pos] -> the next token at every position [batch * pos]; position pos - 1 has none, so it
-    gets a stand-in (the window's first token) that every cross-entropy drops."""
-    return torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(-1)
-
-
-def _chunk_rows(rows: int, d_vocab: int) -> int:
-    """Rows of logits per chunk: about CHUNK_BYTES of float32, at least CHUNK_ROWS, at most `rows`."""
-    return min(rows, max(CHUNK_ROWS, CHUNK_BYTES // (4 * d_vocab)))
-
-
-def _final_stats(model: HookedTransformer, last: torch.Tensor, tokens: torch.Tensor,
-                 whole: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """`metrics.target_sums` of the model's own logits for every token of the batch, plus z_next (the next
-    token's logit; the last position's is a stand-in). The logits are `whole` [batch, pos, d_vocab] when given,
-    else computed from the last stream [batch, pos, d_model] a chunk of tokens at a time into one reused buffer
-    (a linear float32 readout, `_linear_readout`): a whole batch of them is a large fresh allocation."""
-    weight, bias = model.unembed.weight, model.unembed.bias
-    h = last.reshape(-1, last.shape[-1])
-    n, d_vocab = len(h), weight.shape[0]
-    next_ids = _next_ids(tokens)
-    chunk = _chunk_rows(n, d_vocab)
-    buffers = torch.empty(3, chunk, d_vocab, dtype=torch.float32, device=h.device)  # logits, then scratch
-    if whole is None:
-        normed = model.ln_final(h)
-    parts = []
+    With z a row of lens logits, peak its largest value and e_v = exp(z_v - peak): lse = peak + log sum e,
+    H(q) = log sum e - sum e (z - peak) / sum e, CE = lse - z[next]. With the final's own e^f, peak^f:
+    KL(p || q) = sum p log p - sum p log q = (sum e^f (z^f - peak^f) - sum e^f (z - peak)) / sum e^f
+    + log sum e - log sum e^f, which is exactly 0 where z = z^f (the last stream)."""
+    n_layers, d_model = len(locations), hs[0].shape[-1]
+    flat = [h.reshape(-1, d_model) for h in hs]  # [batch * pos, d_model] per stream
+    n, d_vocab = len(flat[0]), model.readout.d_vocab
+    next_ids = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(-1)  # position pos-1's is a stand-in, dropped later
+    chunk = min(n, max(CHUNK_ROWS, CHUNK_BYTES // (4 * d_vocab)))
+    final_z, final_e, z, scratch = torch.empty(4, chunk, d_vocab, dtype=torch.float32, device=flat[0].device)
+    out = {name: {k: torch.empty(n_layers, n, dtype=torch.float32, device=z.device) for k in ("kl", "ce", "entropy")}
+           for name in lenses}
+    for name in lenses:
+        out[name]["agree"] = torch.empty(n_layers, n, dtype=torch.bool, device=z.device)
     for t0 in range(0, n, chunk):
         t1 = min(t0 + chunk, n)
-        f = whole.view(n, -1)[t0:t1] if whole is not None else linear_into(normed[t0:t1], weight, bias, buffers[0, : t1 - t0])
-        sums = metrics.target_sums(f, weight, bias, scratch=buffers[1:])
-        sums["z_next"] = f.gather(1, next_ids[t0:t1, None]).squeeze(1).float()
-        parts.append(sums)
-    return {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
-
-
-def _linear_stats(model: HookedTransformer, lens: Lens, cache, locations, tokens: torch.Tensor,
-                  target: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """`_plain_stats` for a linear readout, every layer of the lens in a few large matmuls and few passes over
-    the logits (float32 throughout). With z the logits of one (layer, token) row and lse = log sum_v exp z_v:
-    KL(p || q) = sum p log p - (sum p z - lse sum p), where sum p z = x . (p W_U) + p . b needs no logits;
-    CE = lse - z[next]; H(q) = lse - sum q z; top-1 agreement from z at the final's top-1 against max z."""
-    batch, pos = tokens.shape
-    n_layers, n = len(locations), batch * pos
-    x = torch.stack([model.ln_final(lens.transform_hidden(cache.stream(s), lens.stream(s)).float()).reshape(n, -1)
-                     for s in locations])  # [layer, batch * pos, d_model]
-    p_w, p_b, p_mass, final_neg_entropy = target["p_w"], target["p_b"], target["mass"], target["neg_entropy"]
-    # A lens that leaves the last stream as it is reads there the model's own output: its rows come from it.
-    reads_final = torch.equal(x[-1], model.ln_final(cache.stream(locations[-1]).float()).reshape(n, -1))
-    rows_total, d_vocab = (n_layers - reads_final) * n, model.unembed.weight.shape[0]  # float32 (`_linear_readout`)
-    flat = x.reshape(n_layers * n, -1)
-    next_ids = _next_ids(tokens).repeat(n_layers)  # the next token of each row; stand-ins dropped below
-    chunk = _chunk_rows(rows_total, d_vocab)
-    z = torch.empty(chunk, d_vocab, dtype=torch.float32, device=x.device)  # reused for every chunk
-    scratch = torch.empty_like(z)
-    # Per row: the logit at the final's top-1 token, the largest other logit, the next token's logit,
-    # S = sum_v exp(z_v - peak) >= 1, sum_v exp(z_v - peak) (z_v - peak), and whether the lens's top-1 (the
-    # first maximum, as argmax) is the final's.
-    at_top, runner_up, z_next, mass, weighted = (torch.empty(n_layers * n, dtype=torch.float32, device=x.device)
-                                                 for _ in range(5))
-    agree = torch.empty(n_layers * n, dtype=torch.bool, device=x.device)
-    final_ids = target["top"].repeat(n_layers)
-    for r0 in range(0, rows_total, chunk):
-        r1 = min(r0 + chunk, rows_total)
-        out = z[: r1 - r0]
-        linear_into(flat[r0:r1], model.unembed.weight, model.unembed.bias, out)
-        torch.gather(out, 1, next_ids[r0:r1, None], out=z_next[r0:r1, None])
-        row_stats(out, final_ids[r0:r1], at_top[r0:r1], runner_up[r0:r1], mass[r0:r1], weighted[r0:r1],
-                  agree[r0:r1], scratch)
-    peak = torch.maximum(runner_up, at_top)
-    log_mass = mass.log()
-    lse = peak + log_mass
-    entropy = log_mass - weighted / mass  # H = lse - sum q z = log S - sum q (z - peak)
-    if reads_final:
-        lse[rows_total:] = target["lse"]
-        z_next[rows_total:] = target["z_next"]
-        entropy[rows_total:] = -final_neg_entropy.reshape(n)
-        agree[rows_total:] = True
-    p_z = torch.einsum("lnd,nd->ln", x, p_w) + p_b  # [layer, batch * pos]
-    kl = final_neg_entropy.reshape(1, n) - (p_z - lse.view(n_layers, n) * p_mass)
-    ce = (lse - z_next).view(n_layers, batch, pos)[:, :, :-1]
-    stats = {"kl": kl.view(n_layers, batch, pos).mean(-1), "ce": ce.mean(-1),
-             "entropy": entropy.view(n_layers, batch, pos).mean(-1)}
-    agree = agree.view(n_layers, batch, pos)
-    return stats, agree
-
-
-def _expect(p: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    """sum_v p(v) f(v) over the last axis (a row-wise dot product: 4x faster than the same as a batched matmul).
-    Where that is not finite, e.g. a token of zero mass meeting log 0 = -inf, it is summed again with
-    `metrics`' convention 0 * f = 0 (NaN probabilities stay NaN)."""
-    out = torch.linalg.vecdot(p, f)
-    if not torch.isfinite(out).all():
-        out = torch.where(p == 0, torch.zeros((), dtype=f.dtype, device=f.device), p * f).sum(-1)
+        rows = slice(t0, t1)
+        f = model.readout.into(flat[-1][rows], final_z[: t1 - t0])
+        f_e, buf = final_e[: t1 - t0], scratch[: t1 - t0]
+        top, _, f_log_mass, f_weighted, f_mass = _row_stats(f, f_e, buf)  # f_e kept for every lens and layer
+        for name, lens in lenses.items():
+            o = out[name]
+            for l, s in enumerate(locations):
+                zl = lens.logits_into(flat[l][rows], s, z[: t1 - t0])
+                z_next = zl.gather(1, next_ids[rows, None]).squeeze(1)
+                ids, peak, log_mass, weighted, mass = _row_stats(zl, buf)
+                cross = torch.mul(f_e, zl, out=buf).sum(-1)  # sum e^f (z - peak): zl was shifted in place
+                o["kl"][l, rows] = (f_weighted - cross) / f_mass + (log_mass - f_log_mass)
+                o["ce"][l, rows] = peak + log_mass - z_next
+                o["entropy"][l, rows] = log_mass - weighted / mass
+                o["agree"][l, rows] = ids == top
     return out
+
+
+def _row_stats(z: torch.Tensor, e: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """For logits z [rows, d_vocab] (float32, a buffer: shifted in place to z - peak, -inf clamped to the
+    lowest float so that 0 * (z - peak) is 0): (first maximum, as argmax; peak; log sum e; sum e (z - peak);
+    sum e), with e := exp(z - peak) written into the buffer `e`. Without `scratch`, e is used up by the last sum."""
+    ids = first_max(z)
+    peak = z.gather(1, ids[:, None])
+    z.sub_(peak).clamp_(min=torch.finfo(z.dtype).min)
+    torch.exp(z, out=e)
+    mass = e.sum(-1)
+    weighted = (e.mul_(z) if scratch is None else torch.mul(e, z, out=scratch)).sum(-1)
+    return ids, peak.squeeze(1), mass.log(), weighted, mass
 
 
 def per_layer(tidy: pd.DataFrame, n_tokens: int | None = None, n_bytes: int | None = None) -> pd.DataFrame:

@@ -1,10 +1,10 @@
-"""One training run per output folder: an exclusive lock file holding its owner's pid.
+"""One training run per output folder: a kernel lock (`flock`) on `--out/.lenskit.lock`.
 
 Two `train-lens` runs into one `--out` would overwrite each other's checkpoints and one result would be
-lost in silence. The first run creates `--out/.lenskit.lock` atomically (O_CREAT | O_EXCL) and removes it
-when it ends, also on an exception or Ctrl-C; a second run finds it and refuses. A lock left by a run
-that was killed (its pid no longer exists on this host) is stale and is cleared, with any temporary file
-that run was writing when it died.
+lost in silence. A run holds the lock while it trains, and a second run is refused at once. The kernel
+drops the lock when its holder exits, however it exits (SIGKILL included), so a lock is never stale: a
+killed run's lock file is one the next run simply locks. The file names its holder (pid and host) for the
+refusal message only. Without fcntl (Windows) the `filelock` package takes the lock, and names no pid.
 
 >>> with folder_lock("my_lens"):
 ...     ...  # train into my_lens
@@ -12,15 +12,19 @@ that run was writing when it died.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import shutil
 import socket
-import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
 
 LOCK_FILE = ".lenskit.lock"
 
@@ -47,86 +51,68 @@ def check_writable(folder: str | os.PathLike) -> None:
         raise PermissionError(f"cannot write to {folder}{where}: permission denied; choose a writable --out")
 
 
-def _owner(path: Path) -> tuple[int | None, str]:
-    """(pid, host) written in a lock file; pid None when the file is empty or unreadable."""
-    try:
-        pid, _, host = path.read_text(encoding="utf-8").strip().partition(" ")
-        return int(pid), host
-    except (OSError, ValueError):
-        return None, ""
+def _lock(path: Path) -> Callable[[], None] | None:
+    """Lock `path` without waiting and return the function that unlocks it, or None if another process holds it."""
+    if fcntl is None:  # Windows: msvcrt's lock, which the OS also drops when its holder dies
+        import filelock
 
-
-def _alive(pid: int) -> bool:
-    if os.name == "nt":  # os.kill(pid, 0) would signal the process there; keep the lock
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, under another user
-        return True
-    return True
-
-
-def acquire(folder: str | os.PathLike) -> Path:
-    """Create the lock file in `folder` (made if missing) or raise FolderLockedError; returns its path."""
-    folder = Path(folder)
-    check_writable(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / LOCK_FILE
-    for _ in range(3):
+        lock = filelock.FileLock(path, timeout=0)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            pid, host = _owner(path)
-            if pid is not None and (host != socket.gethostname() or _alive(pid)):
-                raise FolderLockedError(
-                    f"{folder} is in use by another training run (pid {pid} on {host or 'this host'}); wait for it to "
-                    f"finish or pass another --out. If no run is using it, delete {path}") from None
-            if pid is None and _young(path):
-                raise FolderLockedError(f"{folder} is being locked by another run just now; pass another --out, "
-                                        f"or delete {path} if no run is using it") from None
-            path.unlink(missing_ok=True)  # stale: its owner was killed
-            if pid is not None:
-                for partial in folder.glob(f".*.tmp{pid}"):  # what it was writing when killed (see write_atomic)
-                    if partial.is_dir():
-                        shutil.rmtree(partial, ignore_errors=True)
-                    else:
-                        partial.unlink(missing_ok=True)
-            continue
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(f"{os.getpid()} {socket.gethostname()}\n")
-        return path
-    raise FolderLockedError(f"could not lock {folder}: another run keeps taking {path}; pass another --out")
+            lock.acquire()
+        except filelock.Timeout:
+            return None
+        return lock.release
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # we locked a file its last holder had just unlinked: lock the one now at `path`
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+
+    def unlock() -> None:
+        path.unlink(missing_ok=True)  # before unlocking, so a run that opened it meanwhile sees it gone (above)
+        os.close(fd)
+
+    return unlock
 
 
-def _young(path: Path, seconds: float = 5.0) -> bool:
-    """An empty lock file younger than this may be a run writing its pid right now."""
-    try:
-        return time.time() - path.stat().st_mtime < seconds
-    except OSError:
-        return False
+def _holder(path: Path) -> str:
+    with contextlib.suppress(OSError, ValueError):  # unreadable on Windows; empty while its holder writes it
+        pid, host = path.read_text(encoding="utf-8").split()
+        return f" (pid {pid} on {host})"
+    return ""
 
 
-def release(path: Path) -> None:
-    """Remove the lock file if it is still ours."""
-    pid, _ = _owner(path)
-    if pid == os.getpid():
-        path.unlink(missing_ok=True)
-
-
-@contextmanager
+@contextlib.contextmanager
 def folder_lock(folder: str | os.PathLike) -> Iterator[Path]:
-    """Hold `folder`'s lock for the body of a `with` block; released however the block ends.
+    """Hold `folder`'s lock (the folder is made if missing) for the body of a `with` block, or raise
+    FolderLockedError at once if another run holds it.
 
     Folders the lock had to make are removed again if the body left them empty (a refused run leaves no trace)."""
     folder = Path(folder).absolute()
     made = [p for p in (folder, *folder.parents) if not p.exists()]
-    path = acquire(folder)
+    check_writable(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_FILE
+    unlock = _lock(path)
+    if unlock is None:
+        raise FolderLockedError(f"{folder} is in use by another training run{_holder(path)}; wait for it to finish "
+                                "or pass another --out")
     try:
+        for partial in folder.glob(".*.tmp[0-9]*"):  # write_atomic's staging folders, left by a run killed mid-write
+            shutil.rmtree(partial, ignore_errors=True)
         yield path
     finally:
-        release(path)
+        unlock()
         for p in made:  # deepest first
             try:
                 p.rmdir()

@@ -8,21 +8,18 @@ which tokens the write by itself pushes up.
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 
-from lenskit import ActivationCache, Stream
+from lenskit import Stream
 from lenskit.stream import POINTS as STREAM_POINTS
-from lenskit.stream import streams
 
-from .base import Lens
+from .base import BasisLens
 
 # Points of a block that can be read through a lens (see `lenskit.Stream`).
 POINTS = tuple(STREAM_POINTS)
 
 
-class LogitLens(Lens):
+class LogitLens(BasisLens):
     """`unembed(ln_final(h))` for the stream after any number of blocks, with no trained parameters.
 
     The final norm's scale is recomputed on every `h` it reads. (Reusing the last layer's cached
@@ -38,9 +35,3 @@ class LogitLens(Lens):
 
     def transform_hidden(self, h: torch.Tensor, s: Stream) -> torch.Tensor:
         return h  # the logit lens reads every stream as if it were the last one
-
-    def decode_all(self, cache: ActivationCache, point: str = "resid_pre") -> Iterator[tuple[Stream, torch.Tensor]]:
-        """(stream, logits [batch, pos, d_vocab]) for every layer of `point`, one at a time, so only one
-        layer's logits are alive."""
-        for s in streams(self.n_layers, point):
-            yield s, self.unembed(cache.stream(s))

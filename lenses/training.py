@@ -41,7 +41,6 @@ from .io import CONFIG_FILE, read_config, write_atomic
 from .recipe import Recipe
 from .lock import locks_out_folder
 from .lens_step import TranslatedStreams, kl_step
-from .metrics import forward_kl
 from .tuned import TunedLens
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
@@ -52,18 +51,6 @@ def make_optimizer(params: list[nn.Parameter], recipe: Recipe) -> torch.optim.Op
         # PyTorch's momentum amplifies the step by 1 / (1 - momentum); lr = 1 - momentum undoes that (tuned-lens).
         return torch.optim.SGD(params, lr=recipe.lr, momentum=recipe.momentum, nesterov=True, weight_decay=recipe.weight_decay)
     return torch.optim.Adam(params, lr=recipe.lr, betas=(recipe.momentum, 0.999), amsgrad=True, weight_decay=recipe.weight_decay)
-
-
-class LensLoss(nn.Module):
-    """The training objective by plain autograd: per-stream KL(final || lens). `lens_step.kl_step` computes the same faster."""
-
-    def __init__(self, lens: TunedLens) -> None:
-        super().__init__()
-        self.lens = lens
-
-    def forward(self, streams: list[tuple[Stream, torch.Tensor]], final_logits: torch.Tensor) -> torch.Tensor:
-        """streams [(s, h [batch, pos, d_model])], final logits [batch, pos, d_vocab] -> summed KL per stream [n]."""
-        return torch.stack([forward_kl(final_logits, self.lens(h, s)).sum() for s, h in streams])
 
 
 def stream_label(s: Stream) -> str:
@@ -217,8 +204,7 @@ def train_step(objective: nn.Module, lens: TunedLens, opt: torch.optim.Optimizer
             # Forward and backward: [n_streams] summed nats, gradients added. Each rank divides by the step's
             # total tokens and DDP averages over ranks, so the gradient is the mean over every token of the
             # step: identical maths to one process doing all of it.
-            per_stream = kl_step(objective, lens.model.unembed, streams, final, world / recipe.tokens_per_step,
-                                 softcap=lens.model.cfg.final_softcap)
+            per_stream = kl_step(objective, lens.model.readout, streams, final, world / recipe.tokens_per_step)
             step_loss += loss_record(per_stream, final, world)
     norm = torch.nn.utils.clip_grad_norm_(lens.parameters(), recipe.clip_grad_norm)
     # The step's one device -> host copy (on a GPU, its one synchronisation): losses, NaN count and gradient norm.

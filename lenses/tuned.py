@@ -31,7 +31,7 @@ from torch import nn
 from lenskit import HookedTransformer, Stream
 from lenskit.loading import resolve_model_folder
 
-from .base import Lens
+from .base import BasisLens
 from .card import CARD_FILE, model_card
 from .io import CONFIG_FILE, read_config, write_atomic
 
@@ -67,7 +67,7 @@ def model_fingerprint(model: HookedTransformer, dtype: torch.dtype | None = None
     return f"{model.cfg.family}:sha256:{digest.hexdigest()}"
 
 
-class TunedLens(Lens):
+class TunedLens(BasisLens):
     """`tuned(h, l)`: decode stream l (after l blocks) through its translator, then the model's final norm
     and unembedding. Stream l = n_layers is the model's own output and has no translator.
 

@@ -33,6 +33,11 @@ class FusedQKV(Linear):
         return (q.view(batch, pos, -1, self.d_head), k.view(batch, pos, -1, self.d_head),
                 v.view(batch, pos, -1, self.d_head))  # [batch, pos, head | kv_head, d_head]
 
+    def parts(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        """(weight [out, d_model], bias [out] or None) of q, k and v: views of the fused parameters."""
+        biases = (None, None, None) if self.bias is None else self.bias.split(self.sizes)
+        return tuple(zip(self.weight.split(self.sizes, dim=0), biases))
+
 
 class SplitQKV(nn.Module):
     """Three projections `q`, `k`, `v` (Llama, Mistral, Qwen), as the checkpoints store them."""
@@ -48,6 +53,10 @@ class SplitQKV(nn.Module):
         batch, pos, _ = x.shape
         return (self.q(x).view(batch, pos, -1, self.d_head), self.k(x).view(batch, pos, -1, self.d_head),
                 self.v(x).view(batch, pos, -1, self.d_head))  # [batch, pos, head | kv_head, d_head]
+
+    def parts(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        """(weight [out, d_model], bias [out] or None) of q, k and v."""
+        return tuple((linear.weight, linear.bias) for linear in (self.q, self.k, self.v))
 
 
 class CausalMask:
@@ -138,9 +147,60 @@ class Attention(nn.Module):
         z = self.hook_z(z)
         if not self.hook_result.has_hooks():
             return self.out(z.reshape(batch, pos, self.n_heads * self.d_head))
-        w_o = self.out.weight.T.reshape(self.n_heads, self.d_head, -1)  # [head, d_head, d_model]
-        result = self.hook_result(torch.einsum("bphd,hdm->bphm", z, w_o))  # [batch, pos, head, d_model]
+        result = self.hook_result(torch.einsum("bphd,hdm->bphm", z, self.W_O))  # [batch, pos, head, d_model]
         return result.sum(2) if self.out.bias is None else result.sum(2) + self.out.bias
+
+    # TransformerLens's views of the weights (`x @ W + b`, stacked over layers by lenskit.weights). Under GQA
+    # W_K, W_V, b_K, b_V have one entry per query head, query head h reading kv head h // group, as
+    # TransformerLens shows them. An absent bias reads as zeros.
+    @property
+    def W_Q(self) -> torch.Tensor:
+        """[head, d_model, d_head]"""
+        return self._per_head(0)
+
+    @property
+    def W_K(self) -> torch.Tensor:
+        """[head, d_model, d_head], kv heads repeated"""
+        return self._per_head(1)
+
+    @property
+    def W_V(self) -> torch.Tensor:
+        """[head, d_model, d_head], kv heads repeated"""
+        return self._per_head(2)
+
+    @property
+    def b_Q(self) -> torch.Tensor:
+        """[head, d_head]"""
+        return self._per_head(0, bias=True)
+
+    @property
+    def b_K(self) -> torch.Tensor:
+        """[head, d_head], kv heads repeated"""
+        return self._per_head(1, bias=True)
+
+    @property
+    def b_V(self) -> torch.Tensor:
+        """[head, d_head], kv heads repeated"""
+        return self._per_head(2, bias=True)
+
+    @property
+    def W_O(self) -> torch.Tensor:
+        """[head, d_head, d_model]: head h's slice of the output projection (a view of it)"""
+        return self.out.weight.T.reshape(self.n_heads, self.d_head, -1)
+
+    @property
+    def b_O(self) -> torch.Tensor:
+        """[d_model]"""
+        return self.out.weight.new_zeros(self.out.out_features) if self.out.bias is None else self.out.bias
+
+    def _per_head(self, i: int, bias: bool = False) -> torch.Tensor:
+        """q (0), k (1) or v (2): weight [head, d_model, d_head] or bias [head, d_head], kv heads repeated."""
+        weight, b = self.qkv.parts()[i]
+        if bias:
+            t = (weight.new_zeros(weight.shape[0]) if b is None else b).view(-1, self.d_head)  # [head | kv_head, d_head]
+        else:
+            t = weight.view(-1, self.d_head, weight.shape[1]).transpose(1, 2)  # [head | kv_head, d_model, d_head]
+        return t.repeat_interleave(self.n_heads // t.shape[0], dim=0)  # query head h reads kv head h // group
 
     def _apply_qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)

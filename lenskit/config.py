@@ -1,4 +1,7 @@
-"""Model configuration: a frozen dataclass, presets of published shapes, and conversion from HF `config.json`."""
+"""Model configuration: a frozen dataclass and its conversion from and to HF `config.json`.
+
+The presets of published shapes live with their families in `lenskit.families` (`PRESETS` is re-exported here).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .families import GELU_ACTIVATIONS, ROPE_TYPES, config_fields
+from .readers import GELU_ACTIVATIONS, ROPE_TYPES
 
 NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")  # rmsnorm_offset: gain (1 + weight), Gemma's
 MLPS = ("gelu", "swiglu", "geglu", "swiglu_fused")  # geglu: gated, tanh GELU (Gemma); swiglu_fused: one gate_up (Phi-3)
@@ -150,17 +153,54 @@ class ModelConfig:
                 and self.d_head * self.n_heads == self.d_model and self.n_kv_heads == self.n_heads)
 
     def replace(self, **changes: Any) -> "ModelConfig":
-        """A copy with some fields changed; derived fields follow unless given explicitly."""
+        """A copy with some fields changed. A field derived from others follows them, unless it is given too:
+
+        - d_head: d_model // n_heads when either changes (also where the preset's heads are wider, Qwen 3, Gemma);
+        - n_kv_heads: keeps the group of query heads per kv head (MHA stays MHA); raises if the new n_heads
+          is not a multiple of it;
+        - d_mlp: keeps the MLP's width ratio d_mlp / d_model (rounded): 4 for GPT-2, 3.5 for Llama 3.1 8B;
+        - rotary_dim: keeps its fraction of d_head (Pythia's quarter, Phi-3's whole), rounded down to even;
+        - query_pre_attn_scalar: keeps its ratio to d_head (Gemma's scores are scaled by d_head ** -0.5);
+        - mlp_bias: when mlp changes, the new MLP's default, unless the old value differed from the old default;
+        - layer_types: its repeating pattern continues over the new n_layers (Gemma 3's five local, one global).
+
+        >>> small = ModelConfig.from_name("pythia-70m").replace(n_layers=2, d_model=64, n_heads=4)
+        >>> small.d_head, small.rotary_dim, small.d_mlp
+        (16, 4, 256)
+        """
+        def usable(value: Any) -> bool:  # derive only from positive ints; __post_init__ refuses anything else
+            return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+        def given(name: str) -> bool:
+            return name in changes and usable(changes[name])
+
         fields = dataclasses.asdict(self)
+        d_head = changes.get("d_head", self.d_head)
         if ("d_model" in changes or "n_heads" in changes) and "d_head" not in changes:
-            fields["d_head"] = None
-        if "n_heads" in changes and "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
-            fields["n_kv_heads"] = None
-        if "d_model" in changes and "d_mlp" not in changes:
-            fields["d_mlp"] = None
-        if "n_layers" in changes and "layer_types" not in changes and self.layer_types is not None:
-            cycle = self.layer_types  # the pattern repeats: blocks 0..n-1 keep their types, new ones continue it
-            fields["layer_types"] = tuple(cycle[i % len(cycle)] for i in range(changes["n_layers"]))
+            fields["d_head"] = None  # __post_init__: d_model // n_heads, or the error saying why not
+            d_model, n_heads = changes.get("d_model", self.d_model), changes.get("n_heads", self.n_heads)
+            d_head = d_model // n_heads if usable(d_model) and usable(n_heads) and d_model % n_heads == 0 else None
+        if given("n_heads") and "n_kv_heads" not in changes:
+            group = self.n_heads // self.n_kv_heads
+            if changes["n_heads"] % group:
+                raise ValueError(
+                    f"{self.name} has {group} query heads per kv head ({self.n_heads} heads, {self.n_kv_heads} kv heads) "
+                    f"and n_heads={changes['n_heads']} is not a multiple of {group}; pass n_kv_heads as well"
+                )
+            fields["n_kv_heads"] = changes["n_heads"] // group
+        if given("d_model") and "d_mlp" not in changes:
+            fields["d_mlp"] = max(1, round(changes["d_model"] * self.d_mlp / self.d_model))
+        if usable(d_head) and d_head != self.d_head:
+            if "rotary_dim" not in changes and self.rotary_dim is not None:
+                fields["rotary_dim"] = max(2, d_head * self.rotary_dim // self.d_head // 2 * 2)
+            if "query_pre_attn_scalar" not in changes and self.query_pre_attn_scalar is not None:
+                fields["query_pre_attn_scalar"] = self.query_pre_attn_scalar * d_head / self.d_head
+        if "mlp" in changes and "mlp_bias" not in changes and self.mlp_bias == (self.mlp == "gelu"):
+            fields["mlp_bias"] = None  # __post_init__: the new MLP's default
+        if given("n_layers") and "layer_types" not in changes and self.layer_types is not None:
+            types = self.layer_types  # its shortest period repeats: blocks keep their types, new ones continue it
+            period = next(p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types)))
+            fields["layer_types"] = tuple(types[i % period] for i in range(changes["n_layers"]))
         fields.update(changes)
         return ModelConfig(**fields)
 
@@ -168,6 +208,8 @@ class ModelConfig:
     @classmethod
     def from_name(cls, name: str) -> "ModelConfig":
         """A preset by name (see `PRESETS`); an organisation prefix such as `openai-community/` is fine."""
+        from .families import PRESETS  # families builds its presets from this module
+
         key = name.split("/")[-1].lower()
         if key not in PRESETS:
             raise KeyError(f"no preset named {name!r}; presets: {sorted(PRESETS)}")
@@ -179,6 +221,8 @@ class ModelConfig:
         """Build from a Hugging Face config (a `PretrainedConfig` or the dict of `config.json`); the
         family comes from `model_type`. A field whose behaviour lenskit does not implement raises,
         naming the field, rather than being silently ignored."""
+        from .families import config_fields  # families imports this module
+
         d = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf)
         return cls(**config_fields(d), name=name)
 
@@ -195,117 +239,17 @@ class ModelConfig:
         return cls.from_hf_config(data, name=name)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The `config.json` that `transformers.GPT2LMHeadModel` reads for this architecture."""
-        if not self.is_gpt2:
-            raise ValueError(
-                f"family={self.family!r}, norm={self.norm!r}, mlp={self.mlp!r}: saving in the Hugging Face layout is "
-                "implemented for the plain GPT-2 architecture only; keep the checkpoint folder you loaded from"
-            )
-        return {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "n_layer": self.n_layers,
-            "n_embd": self.d_model,
-            "n_head": self.n_heads,
-            "n_inner": self.d_mlp,
-            "vocab_size": self.d_vocab,
-            "n_positions": self.n_ctx,
-            "layer_norm_epsilon": self.norm_eps,
-            "activation_function": self.activation,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "initializer_range": self.initializer_range,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
-            "scale_attn_weights": True,
-            "use_cache": True,
-        }
+        """The `config.json` that transformers' class for this family (`Family.hf_class`) and lenskit both read as
+        this config; one the family cannot express is refused, naming the fields."""
+        from .families import family_of  # families imports this module
+
+        return family_of(self.family).hf_config(self)
 
 
-def _gpt2(name: str, n_layers: int, d_model: int, n_heads: int) -> ModelConfig:
-    return ModelConfig(
-        n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_vocab=50257, n_ctx=1024,
-        bos_token_id=50256, eos_token_id=50256, name=name,
-    )
+def __getattr__(name: str) -> Any:
+    """`PRESETS`, from `lenskit.families` on first use: families builds them from ModelConfig, so it imports this module."""
+    if name == "PRESETS":
+        from .families import PRESETS
 
-
-def _pythia(name: str, n_layers: int, d_model: int, n_heads: int, d_vocab: int = 50304) -> ModelConfig:
-    return ModelConfig(
-        n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_vocab=d_vocab, n_ctx=2048, activation="gelu",
-        tie_word_embeddings=False, family="gpt_neox", positional="rotary", rotary_dim=d_model // n_heads // 4,
-        parallel_block=True, bos_token_id=0, eos_token_id=0, name=name,
-    )
-
-
-def _llama(name: str, family: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int, d_vocab: int,
-           n_ctx: int, tied: bool, base: float, d_head: int | None = None, **extra: Any) -> ModelConfig:
-    fields = dict(norm="rmsnorm", mlp="swiglu", norm_eps=1e-5 if family in ("llama", "mistral", "phi3") else 1e-6,
-                  fused_qkv=False, qk_norm=family == "qwen3")
-    return ModelConfig(
-        n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head, d_mlp=d_mlp,
-        d_vocab=d_vocab, n_ctx=n_ctx, tie_word_embeddings=tied, family=family, positional="rotary", rotary_base=base,
-        qkv_bias=family == "qwen2", out_bias=False, name=name, **{**fields, **extra},
-    )
-
-
-def _gemma(name: str, family: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int, d_vocab: int,
-           n_ctx: int, window: int, pattern: int, **extra: Any) -> ModelConfig:
-    """Gemma 2 (every other block local, soft-caps) or Gemma 3 text (one global block in `pattern`, q/k norms)."""
-    return ModelConfig(
-        n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=256, d_mlp=d_mlp,
-        d_vocab=d_vocab, n_ctx=n_ctx, norm="rmsnorm_offset", norm_eps=1e-6, mlp="geglu", activation="gelu_pytorch_tanh",
-        norm_placement="sandwich", scale_embed=True, tie_word_embeddings=True, family=family, positional="rotary",
-        fused_qkv=False, qkv_bias=False, out_bias=False, query_pre_attn_scalar=256.0, sliding_window=window,
-        layer_types=tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers)),
-        bos_token_id=2, eos_token_id=1, name=name, **extra,
-    )
-
-
-_GEMMA2 = dict(attn_softcap=50.0, final_softcap=30.0)
-_GEMMA3 = dict(qk_norm=True, rotary_base=1_000_000.0, local_rotary_base=10000.0)
-
-_LLAMA3 = dict(rope_type="llama3", rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_n_ctx=8192)
-
-PRESETS: dict[str, ModelConfig] = {
-    "gpt2": _gpt2("gpt2", 12, 768, 12),
-    "gpt2-medium": _gpt2("gpt2-medium", 24, 1024, 16),
-    "gpt2-large": _gpt2("gpt2-large", 36, 1280, 20),
-    "gpt2-xl": _gpt2("gpt2-xl", 48, 1600, 25),
-    "pythia-70m": _pythia("pythia-70m", 6, 512, 8),
-    "pythia-160m": _pythia("pythia-160m", 12, 768, 12),
-    "pythia-410m": _pythia("pythia-410m", 24, 1024, 16),
-    "pythia-1b": _pythia("pythia-1b", 16, 2048, 8),
-    "pythia-1.4b": _pythia("pythia-1.4b", 24, 2048, 16),
-    "pythia-2.8b": _pythia("pythia-2.8b", 32, 2560, 32),
-    "pythia-6.9b": _pythia("pythia-6.9b", 32, 4096, 32, d_vocab=50432),
-    "pythia-12b": _pythia("pythia-12b", 36, 5120, 40, d_vocab=50688),
-    "llama-3.2-1b": _llama("llama-3.2-1b", "llama", 16, 2048, 32, 8, 8192, 128256, 131072, True, 500000.0,
-                           rope_factor=32.0, **_LLAMA3),
-    "llama-3.2-3b": _llama("llama-3.2-3b", "llama", 28, 3072, 24, 8, 8192, 128256, 131072, True, 500000.0,
-                           rope_factor=32.0, **_LLAMA3),
-    "llama-3.1-8b": _llama("llama-3.1-8b", "llama", 32, 4096, 32, 8, 14336, 128256, 131072, False, 500000.0,
-                           rope_factor=8.0, **_LLAMA3),
-    "mistral-7b": _llama("mistral-7b", "mistral", 32, 4096, 32, 8, 14336, 32000, 32768, False, 10000.0,
-                         sliding_window=4096),
-    "qwen2.5-0.5b": _llama("qwen2.5-0.5b", "qwen2", 24, 896, 14, 2, 4864, 151936, 32768, True, 1000000.0),
-    "qwen2.5-1.5b": _llama("qwen2.5-1.5b", "qwen2", 28, 1536, 12, 2, 8960, 151936, 32768, True, 1000000.0),
-    "qwen2.5-7b": _llama("qwen2.5-7b", "qwen2", 28, 3584, 28, 4, 18944, 152064, 131072, False, 1000000.0),
-    "qwen3-0.6b": _llama("qwen3-0.6b", "qwen3", 28, 1024, 16, 8, 3072, 151936, 40960, True, 1000000.0, d_head=128),
-    "qwen3-1.7b": _llama("qwen3-1.7b", "qwen3", 28, 2048, 16, 8, 6144, 151936, 40960, True, 1000000.0, d_head=128),
-    "qwen3-4b": _llama("qwen3-4b", "qwen3", 36, 2560, 32, 8, 9728, 151936, 40960, True, 1000000.0, d_head=128),
-    "qwen3-8b": _llama("qwen3-8b", "qwen3", 36, 4096, 32, 8, 12288, 151936, 40960, False, 1000000.0, d_head=128),
-    "gemma-2-2b": _gemma("gemma-2-2b", "gemma2", 26, 2304, 8, 4, 9216, 256000, 8192, 4096, 2, **_GEMMA2),
-    "gemma-2-9b": _gemma("gemma-2-9b", "gemma2", 42, 3584, 16, 8, 14336, 256000, 8192, 4096, 2, **_GEMMA2),
-    "gemma-3-1b": _gemma("gemma-3-1b", "gemma3_text", 26, 1152, 4, 1, 6912, 262144, 32768, 512, 6, **_GEMMA3),
-    "gemma-3-4b": _gemma("gemma-3-4b", "gemma3_text", 34, 2560, 8, 4, 10240, 262208, 131072, 1024, 6, **_GEMMA3,
-                         rope_type="linear", rope_factor=8.0),  # the text part of Gemma3ForConditionalGeneration
-    "olmo-2-1b": _llama("olmo-2-1b", "olmo2", 16, 2048, 16, 16, 8192, 100352, 4096, False, 500000.0, qk_norm=True,
-                        qk_norm_per_head=False, norm_placement="post", norm_eps=1e-6, bos_token_id=None, eos_token_id=100257),
-    "olmo-2-7b": _llama("olmo-2-7b", "olmo2", 32, 4096, 32, 32, 11008, 100352, 4096, False, 500000.0, qk_norm=True,
-                        qk_norm_per_head=False, norm_placement="post", norm_eps=1e-6, bos_token_id=None, eos_token_id=100257),
-    "phi-3-mini": _llama("phi-3-mini", "phi3", 32, 3072, 32, 32, 8192, 32064, 4096, False, 10000.0, fused_qkv=True,
-                         mlp="swiglu_fused", sliding_window=2047, bos_token_id=1, eos_token_id=32000),
-}
-"""Published shapes by short name (case-insensitive; an organisation prefix is ignored by `from_name`)."""
+        return PRESETS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

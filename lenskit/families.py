@@ -1,298 +1,224 @@
-"""Reading a Hugging Face `config.json` for each supported `model_type` into `ModelConfig` fields.
+"""The registry of supported model families: one `Family` record per Hugging Face `model_type`.
 
-One reader per family. Each reads the fields it implements with strict types, and refuses, by name,
-any field whose value would make the checkpoint compute something lenskit does not implement. The
-readers return plain dicts of `ModelConfig` keyword arguments, so this module does not import config.
+A record holds everything lenskit knows about a family: its config reader and writer, its checkpoint
+layout, transformers' class names, its published shapes (presets) and the tiny random config the tests
+build. Everything else derives from `FAMILIES`: the loader's dispatch, the list of supported types in
+the refusal message, `lenskit.PRESETS`, `lenskit info`'s help, tests/families.py's parametrisation and
+the README check. Adding a dense family is a record here, a reader in `readers.py` and a writer in
+`writers.py` (plus a layout in `layouts.py` when its names are new).
+
+>>> family_of("llama").hf_class
+'LlamaForCausalLM'
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-# GPT-2's "gelu_new" and PyTorch's tanh GELU are the same function; "gelu" is the exact erf form.
-GELU_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
-ROPE_TYPES = ("default", "llama3", "linear")
+from . import readers, writers
+from .config import ModelConfig
+from .layouts import GEMMA, GPT2, GPT_NEOX, LLAMA, OLMO2, PHI3, Layout
 
 
-class _Reader:
-    """Typed access to one config dict; every error names the field."""
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face `model_type`, written once."""
 
-    def __init__(self, d: Mapping[str, Any], family: str) -> None:
-        self.d, self.family = d, family
+    model_type: str  # config.json's `model_type`, e.g. "llama"
+    hf_class: str  # transformers' causal-LM class, config.json's `architectures` entry, e.g. "LlamaForCausalLM"
+    hf_config_class: str  # transformers' config class, e.g. "LlamaConfig"
+    models: str  # the published models of the family, as README's families table lists them
+    read: Callable[..., dict[str, Any]]  # config.json -> ModelConfig keyword arguments (lenskit.readers)
+    write: Callable[[ModelConfig], dict[str, Any]] | None  # ModelConfig -> config.json fields; None: no saving
+    layout: Layout  # checkpoint names and stored shapes
+    presets: Mapping[str, ModelConfig]  # published shapes by lowercase short name
+    tiny: Mapping[str, Any]  # `hf_config_class` kwargs of the tiny random model the golden tests build
+    # What makes `tiny` the 3-block model (the GPT-2 fixture's depth) every test above the model runs on.
+    tiny_3_blocks: Mapping[str, Any] = field(default_factory=lambda: {"num_hidden_layers": 3})
 
-    def _bad(self, key: str, want: str) -> ValueError:
-        return ValueError(f"config field {key}={self.d[key]!r} must be {want} (model_type={self.family!r})")
-
-    def int(self, key: str, default: Any = ..., positive: bool = True) -> int | None:
-        if key not in self.d or self.d[key] is None:
-            if default is ...:
-                raise ValueError(f"config.json lacks required field {key!r} for model_type={self.family!r}")
-            return default
-        value = self.d[key]
-        if isinstance(value, bool) or not isinstance(value, int) or (positive and value <= 0):
-            raise self._bad(key, "a positive integer" if positive else "an integer")
-        return value
-
-    def float(self, key: str, default: Any = ...) -> float:
-        if key not in self.d or self.d[key] is None:
-            if default is ...:
-                raise ValueError(f"config.json lacks required field {key!r} for model_type={self.family!r}")
-            return default
-        value = self.d[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise self._bad(key, "a finite number")
-        return float(value)
-
-    def bool(self, key: str, default: bool) -> bool:
-        value = self.d.get(key, default)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self._bad(key, "true or false (a JSON boolean, not a string or number)")
-        return value
-
-    def token_id(self, key: str) -> int | None:
-        value = self.d.get(key)
-        if isinstance(value, list):  # several EOS ids: the first is the one text generation stops on
-            value = value[0] if value else None
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise self._bad(key, "a non-negative integer token id")
-        return value
-
-    def require(self, key: str, supported: tuple, default: Any = None) -> Any:
-        """The field's value, refused unless it is one of `supported` (absent counts as `default`)."""
-        value = self.d.get(key, default)
-        if value not in supported:
-            raise ValueError(
-                f"config field {key}={value!r} is not supported for model_type={self.family!r}; "
-                f"lenskit implements {list(supported)}"
-            )
-        return value
+    def hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
+        """The `config.json` of `cfg` that `transformers` (class `hf_class`) and lenskit both read as `cfg`.
+        A config the family cannot express is refused, naming the fields that would not come back."""
+        if self.write is None:
+            raise ValueError(f"saving model_type={self.model_type!r} in the Hugging Face layout is not implemented; "
+                             "keep the checkpoint folder you loaded from")
+        if cfg.family != self.model_type:
+            raise ValueError(f"a {cfg.family!r} config cannot be written as model_type={self.model_type!r}")
+        written = {"architectures": [self.hf_class], "model_type": self.model_type, **self.write(cfg)}
+        try:
+            back = ModelConfig(**readers.read_config(written, self.model_type, self.read), name=cfg.name)
+        except ValueError as e:
+            raise ValueError(f"this config cannot be saved as model_type={self.model_type!r}: {e}") from e
+        lost = [f"{f.name}={getattr(cfg, f.name)!r} (would read back as {getattr(back, f.name)!r})"
+                for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(back, f.name)]
+        if lost:
+            raise ValueError(f"a model_type={self.model_type!r} config.json cannot express {'; '.join(lost)}; "
+                             "saving in the Hugging Face layout needs the family's own architecture")
+        return written
 
 
-def _rope(r: _Reader, head_dim: int, default_theta: float = 10000.0) -> dict[str, Any]:
-    """Rotary fields from either spelling: transformers 5's `rope_parameters` or 4.x's `rope_theta` + `rope_scaling`."""
-    d = r.d
-    params = d.get("rope_parameters")
-    key = "rope_parameters"
-    if params is None:
-        params, key = d.get("rope_scaling"), "rope_scaling"
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise ValueError(f"config field {key}={params!r} must be an object")
-    if isinstance(next(iter(params.values()), None), dict):
-        raise ValueError(f"config field {key} holds per-layer-type rotary settings; lenskit implements one setting for every layer")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"config field {key}.rope_type={rope_type!r} is not supported; lenskit implements {list(ROPE_TYPES)}")
-    sub = _Reader(params, r.family)
-    theta = sub.float("rope_theta", r.float("rope_theta", default_theta))
-    fraction = sub.float("partial_rotary_factor", r.float("partial_rotary_factor", 1.0))
-    fields: dict[str, Any] = {"positional": "rotary", "rotary_base": theta, "rotary_dim": int(head_dim * fraction)}
-    if rope_type == "linear":
-        fields.update(rope_type="linear", rope_factor=sub.float("factor"))
-        extra = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor"})
-        if extra:
-            raise ValueError(f"config field {key} has {extra}, which rope_type='linear' does not use; lenskit refuses to guess")
-    elif rope_type == "llama3":
-        fields.update(rope_type="llama3", rope_factor=sub.float("factor"), rope_low_freq_factor=sub.float("low_freq_factor"),
-                      rope_high_freq_factor=sub.float("high_freq_factor"),
-                      rope_original_n_ctx=sub.int("original_max_position_embeddings"))
-    else:
-        extra = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
-        if extra:
-            raise ValueError(f"config field {key} has {extra}, which rope_type='default' does not use; lenskit refuses to guess")
-    return fields
+def _named(*configs: ModelConfig) -> dict[str, ModelConfig]:
+    return {c.name: c for c in configs}
 
 
-def _common(r: _Reader) -> dict[str, Any]:
-    return {
-        "family": r.family,
-        "bos_token_id": r.token_id("bos_token_id"),
-        "eos_token_id": r.token_id("eos_token_id"),
-        "initializer_range": r.float("initializer_range", 0.02),
-    }
+# ------------------------------------------------------------------ presets: published shapes
+def _gpt2(name: str, n_layers: int, d_model: int, n_heads: int) -> ModelConfig:
+    return ModelConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_vocab=50257, n_ctx=1024,
+        bos_token_id=50256, eos_token_id=50256, name=name,
+    )
 
 
-def read_gpt2(r: _Reader) -> dict[str, Any]:
-    refuse = {"add_cross_attention": False, "scale_attn_by_inverse_layer_idx": False,
-              "reorder_and_upcast_attn": False, "scale_attn_weights": True}
-    for field, supported in refuse.items():
-        r.require(field, (supported,), supported)
-    act = r.d.get("activation_function", "gelu_new")
-    if act not in GELU_ACTIVATIONS:
-        raise ValueError(f"config field activation_function={act!r} is not a GPT-2 activation; supported: {sorted(GELU_ACTIVATIONS)}")
-    return {
-        **_common(r),
-        "n_layers": r.int("n_layer"), "d_model": r.int("n_embd"), "n_heads": r.int("n_head"),
-        "d_vocab": r.int("vocab_size"), "n_ctx": r.int("n_positions"), "d_mlp": r.int("n_inner", None),
-        "norm_eps": r.float("layer_norm_epsilon", 1e-5), "activation": act,
-        "tie_word_embeddings": r.bool("tie_word_embeddings", True),
-    }
+def _pythia(name: str, n_layers: int, d_model: int, n_heads: int, d_vocab: int = 50304) -> ModelConfig:
+    return ModelConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_vocab=d_vocab, n_ctx=2048, activation="gelu",
+        tie_word_embeddings=False, family="gpt_neox", positional="rotary", rotary_dim=d_model // n_heads // 4,
+        parallel_block=True, bos_token_id=0, eos_token_id=0, name=name,
+    )
 
 
-def read_gpt_neox(r: _Reader) -> dict[str, Any]:
-    act = r.require("hidden_act", tuple(GELU_ACTIVATIONS), "gelu")
-    d_model, n_heads = r.int("hidden_size"), r.int("num_attention_heads")
-    bias = r.bool("attention_bias", True)
-    return {
-        **_common(r),
-        "n_layers": r.int("num_hidden_layers"), "d_model": d_model, "n_heads": n_heads,
-        "d_vocab": r.int("vocab_size"), "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
-        "norm_eps": r.float("layer_norm_eps", 1e-5), "activation": act,
-        "tie_word_embeddings": r.bool("tie_word_embeddings", False),
-        "parallel_block": r.bool("use_parallel_residual", True), "fused_qkv": True, "qkv_bias": bias, "out_bias": bias,
-        **_rope(_Reader({"partial_rotary_factor": r.d.get("rotary_pct", 0.25), "rope_theta": r.d.get("rotary_emb_base", 10000.0),
-                         **{k: r.d[k] for k in ("rope_parameters", "rope_scaling") if k in r.d}}, r.family), d_model // n_heads),
-    }
+def _llama(name: str, family: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int, d_vocab: int,
+           n_ctx: int, tied: bool, base: float, d_head: int | None = None, **extra: Any) -> ModelConfig:
+    fields = dict(norm="rmsnorm", mlp="swiglu", norm_eps=1e-5 if family in ("llama", "mistral", "phi3") else 1e-6,
+                  fused_qkv=False, qk_norm=family == "qwen3")
+    return ModelConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head, d_mlp=d_mlp,
+        d_vocab=d_vocab, n_ctx=n_ctx, tie_word_embeddings=tied, family=family, positional="rotary", rotary_base=base,
+        qkv_bias=family == "qwen2", out_bias=False, name=name, **{**fields, **extra},
+    )
 
 
-def _llama_like(r: _Reader, qkv_bias: bool, out_bias: bool, mlp_bias: bool) -> dict[str, Any]:
-    r.require("hidden_act", ("silu",), "silu")
-    d_model, n_heads = r.int("hidden_size"), r.int("num_attention_heads")
-    d_head = r.int("head_dim", None) or d_model // n_heads
-    return {
-        **_common(r),
-        "n_layers": r.int("num_hidden_layers"), "d_model": d_model, "n_heads": n_heads, "d_head": d_head,
-        "n_kv_heads": r.int("num_key_value_heads", n_heads), "d_vocab": r.int("vocab_size"),
-        "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
-        "norm_eps": r.float("rms_norm_eps", 1e-6), "norm": "rmsnorm", "mlp": "swiglu",
-        "tie_word_embeddings": r.bool("tie_word_embeddings", False), "fused_qkv": False,
-        "qkv_bias": qkv_bias, "out_bias": out_bias, "mlp_bias": mlp_bias, **_rope(r, d_head),
-    }
+def _gemma(name: str, family: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int, d_vocab: int,
+           n_ctx: int, window: int, pattern: int, **extra: Any) -> ModelConfig:
+    """Gemma 2 (every other block local, soft-caps) or Gemma 3 text (one global block in `pattern`, q/k norms)."""
+    return ModelConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=256, d_mlp=d_mlp,
+        d_vocab=d_vocab, n_ctx=n_ctx, norm="rmsnorm_offset", norm_eps=1e-6, mlp="geglu", activation="gelu_pytorch_tanh",
+        norm_placement="sandwich", scale_embed=True, tie_word_embeddings=True, family=family, positional="rotary",
+        fused_qkv=False, qkv_bias=False, out_bias=False, query_pre_attn_scalar=256.0, sliding_window=window,
+        layer_types=tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers)),
+        bos_token_id=2, eos_token_id=1, name=name, **extra,
+    )
 
 
-def read_llama(r: _Reader) -> dict[str, Any]:
-    bias = r.bool("attention_bias", False)
-    return _llama_like(r, bias, bias, r.bool("mlp_bias", False))
+_GEMMA2 = dict(attn_softcap=50.0, final_softcap=30.0)
+_GEMMA3 = dict(qk_norm=True, rotary_base=1_000_000.0, local_rotary_base=10000.0)
+_LLAMA3 = dict(rope_type="llama3", rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_n_ctx=8192)
+_OLMO2 = dict(qk_norm=True, qk_norm_per_head=False, norm_placement="post", norm_eps=1e-6, bos_token_id=None,
+              eos_token_id=100257)
+
+# ------------------------------------------------------------------ tiny test configs
+# Each exercises what makes the family itself: partial rotary and the parallel block (gpt_neox), GQA and
+# llama3 rotary scaling (llama), a sliding window shorter than the test prompts (mistral), q/k/v biases
+# (qwen2), q/k norms and a d_head that is not d_model / n_heads (qwen3).
+_SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, vocab_size=101,
+              max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+# Gemma: weights 10x larger than usual so that soft-caps this small bite (test_families checks they do), a
+# query_pre_attn_scalar that is not d_head, one sliding block (window shorter than the prompt) and one global.
+_GEMMA_TINY = dict(_SHAPE, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=5,
+                   initializer_range=0.2, final_logit_softcapping=2.0, pad_token_id=0)
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family(
+        "gpt2", "GPT2LMHeadModel", "GPT2Config", "GPT-2, the embedded model", readers.read_gpt2, writers.write_gpt2, GPT2,
+        presets=_named(_gpt2("gpt2", 12, 768, 12), _gpt2("gpt2-medium", 24, 1024, 16), _gpt2("gpt2-large", 36, 1280, 20),
+                       _gpt2("gpt2-xl", 48, 1600, 25)),
+        tiny=dict(n_layer=3, n_embd=32, n_head=4, vocab_size=101, n_positions=64, bos_token_id=0, eos_token_id=0,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        tiny_3_blocks={},
+    ),
+    Family(
+        "gpt_neox", "GPTNeoXForCausalLM", "GPTNeoXConfig", "Pythia", readers.read_gpt_neox, writers.write_gpt_neox,
+        GPT_NEOX,
+        presets=_named(_pythia("pythia-70m", 6, 512, 8), _pythia("pythia-160m", 12, 768, 12),
+                       _pythia("pythia-410m", 24, 1024, 16), _pythia("pythia-1b", 16, 2048, 8),
+                       _pythia("pythia-1.4b", 24, 2048, 16), _pythia("pythia-2.8b", 32, 2560, 32),
+                       _pythia("pythia-6.9b", 32, 4096, 32, d_vocab=50432), _pythia("pythia-12b", 36, 5120, 40, d_vocab=50688)),
+        tiny=dict(_SHAPE, rotary_pct=0.5, rotary_emb_base=1000.0, use_parallel_residual=True, hidden_act="gelu",
+                  hidden_dropout=0.0, attention_dropout=0.0, layer_norm_eps=1e-5),
+    ),
+    Family(
+        "llama", "LlamaForCausalLM", "LlamaConfig", "Llama 2, 3, 3.1, 3.2, TinyLlama, SmolLM", readers.read_llama,
+        writers.write_llama, LLAMA,
+        presets=_named(
+            _llama("llama-3.2-1b", "llama", 16, 2048, 32, 8, 8192, 128256, 131072, True, 500000.0, rope_factor=32.0, **_LLAMA3),
+            _llama("llama-3.2-3b", "llama", 28, 3072, 24, 8, 8192, 128256, 131072, True, 500000.0, rope_factor=32.0, **_LLAMA3),
+            _llama("llama-3.1-8b", "llama", 32, 4096, 32, 8, 14336, 128256, 131072, False, 500000.0, rope_factor=8.0,
+                   **_LLAMA3)),
+        tiny=dict(_SHAPE, num_key_value_heads=2, rms_norm_eps=1e-6,
+                  rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                       high_freq_factor=4.0, original_max_position_embeddings=16)),
+    ),
+    Family(
+        "mistral", "MistralForCausalLM", "MistralConfig", "Mistral 7B", readers.read_mistral, writers.write_mistral, LLAMA,
+        presets=_named(_llama("mistral-7b", "mistral", 32, 4096, 32, 8, 14336, 32000, 32768, False, 10000.0,
+                              sliding_window=4096)),
+        tiny=dict(_SHAPE, num_key_value_heads=2, sliding_window=5, head_dim=8),
+    ),
+    Family(
+        "qwen2", "Qwen2ForCausalLM", "Qwen2Config", "Qwen 2, 2.5", readers.read_qwen2, writers.write_qwen2, LLAMA,
+        presets=_named(_llama("qwen2.5-0.5b", "qwen2", 24, 896, 14, 2, 4864, 151936, 32768, True, 1000000.0),
+                       _llama("qwen2.5-1.5b", "qwen2", 28, 1536, 12, 2, 8960, 151936, 32768, True, 1000000.0),
+                       _llama("qwen2.5-7b", "qwen2", 28, 3584, 28, 4, 18944, 152064, 131072, False, 1000000.0)),
+        tiny=dict(_SHAPE, num_key_value_heads=2),
+    ),
+    Family(
+        "qwen3", "Qwen3ForCausalLM", "Qwen3Config", "Qwen 3", readers.read_qwen3, writers.write_qwen3, LLAMA,
+        presets=_named(_llama("qwen3-0.6b", "qwen3", 28, 1024, 16, 8, 3072, 151936, 40960, True, 1000000.0, d_head=128),
+                       _llama("qwen3-1.7b", "qwen3", 28, 2048, 16, 8, 6144, 151936, 40960, True, 1000000.0, d_head=128),
+                       _llama("qwen3-4b", "qwen3", 36, 2560, 32, 8, 9728, 151936, 40960, True, 1000000.0, d_head=128),
+                       _llama("qwen3-8b", "qwen3", 36, 4096, 32, 8, 12288, 151936, 40960, False, 1000000.0, d_head=128)),
+        tiny=dict(_SHAPE, num_key_value_heads=2, head_dim=16),
+    ),
+    Family(
+        "gemma2", "Gemma2ForCausalLM", "Gemma2Config", "Gemma 2", readers.read_gemma2, writers.write_gemma2, GEMMA,
+        presets=_named(_gemma("gemma-2-2b", "gemma2", 26, 2304, 8, 4, 9216, 256000, 8192, 4096, 2, **_GEMMA2),
+                       _gemma("gemma-2-9b", "gemma2", 42, 3584, 16, 8, 14336, 256000, 8192, 4096, 2, **_GEMMA2)),
+        tiny=dict(_GEMMA_TINY, attn_logit_softcapping=1.0),
+    ),
+    Family(
+        "gemma3_text", "Gemma3ForCausalLM", "Gemma3TextConfig", "Gemma 3 (text only: 1B, or the text part of 4B+)",
+        readers.read_gemma3_text, writers.write_gemma3_text, GEMMA,
+        presets=_named(_gemma("gemma-3-1b", "gemma3_text", 26, 1152, 4, 1, 6912, 262144, 32768, 512, 6, **_GEMMA3),
+                       _gemma("gemma-3-4b", "gemma3_text", 34, 2560, 8, 4, 10240, 262208, 131072, 1024, 6, **_GEMMA3,
+                              rope_type="linear", rope_factor=8.0)),  # the text part of Gemma3ForConditionalGeneration
+        tiny=dict(_GEMMA_TINY, layer_types=["sliding_attention", "full_attention"],
+                  rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
+                                   "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=10000.0)}),
+        tiny_3_blocks=dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    ),
+    Family(
+        "olmo2", "Olmo2ForCausalLM", "Olmo2Config", "OLMo 2", readers.read_olmo2, writers.write_olmo2, OLMO2,
+        presets=_named(_llama("olmo-2-1b", "olmo2", 16, 2048, 16, 16, 8192, 100352, 4096, False, 500000.0, **_OLMO2),
+                       _llama("olmo-2-7b", "olmo2", 32, 4096, 32, 32, 11008, 100352, 4096, False, 500000.0, **_OLMO2)),
+        tiny=dict(_SHAPE, num_key_value_heads=2, pad_token_id=0),
+    ),
+    Family(
+        "phi3", "Phi3ForCausalLM", "Phi3Config", "Phi-3 (4k context)", readers.read_phi3, writers.write_phi3, PHI3,
+        presets=_named(_llama("phi-3-mini", "phi3", 32, 3072, 32, 32, 8192, 32064, 4096, False, 10000.0, fused_qkv=True,
+                              mlp="swiglu_fused", sliding_window=2047, bos_token_id=1, eos_token_id=32000)),
+        tiny=dict(_SHAPE, num_key_value_heads=2, sliding_window=6, pad_token_id=0,
+                  rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+    ),
+)}
+
+PRESETS: dict[str, ModelConfig] = {name: cfg for f in FAMILIES.values() for name, cfg in f.presets.items()}
+"""Published shapes by short name (case-insensitive; an organisation prefix is ignored by `ModelConfig.from_name`)."""
 
 
-def read_mistral(r: _Reader) -> dict[str, Any]:
-    return {**_llama_like(r, False, False, False), "sliding_window": r.int("sliding_window", None)}
-
-
-def _no_qwen_sliding(r: _Reader) -> None:
-    r.require("use_sliding_window", (False, None), False)
-    types = r.d.get("layer_types")
-    if types is not None and any(t != "full_attention" for t in types):
-        raise ValueError("config field layer_types has non-'full_attention' layers; lenskit implements only full attention for qwen")
-
-
-def read_qwen2(r: _Reader) -> dict[str, Any]:
-    _no_qwen_sliding(r)
-    return _llama_like(r, True, False, False)
-
-
-def read_qwen3(r: _Reader) -> dict[str, Any]:
-    _no_qwen_sliding(r)
-    bias = r.bool("attention_bias", False)
-    return {**_llama_like(r, bias, bias, False), "qk_norm": True}
-
-
-_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
-
-
-def _layer_types(r: _Reader, n_layers: int, pattern: int) -> tuple[str, ...]:
-    """Gemma's per-block attention kinds: `layer_types`, or every `pattern`-th block global, the rest sliding."""
-    types = r.d.get("layer_types")
-    if types is None:
-        return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers))
-    if not isinstance(types, list) or len(types) != n_layers or any(t not in _LAYER_TYPES for t in types):
-        raise ValueError(f"config field layer_types={types!r} must list one of {sorted(_LAYER_TYPES)} for each of the "
-                         f"{n_layers} layers (model_type={r.family!r})")
-    return tuple(_LAYER_TYPES[t] for t in types)
-
-
-def _gemma(r: _Reader, pattern: int) -> dict[str, Any]:
-    """What Gemma 2 and Gemma 3 share: (1 + w) RMSNorms before and after each sublayer, a scaled embedding,
-    GELU-gated MLP, query_pre_attn_scalar, alternating sliding-window and global blocks."""
-    r.require("use_bidirectional_attention", (False, None), False)
-    act = r.require("hidden_activation", tuple(GELU_ACTIVATIONS), "gelu_pytorch_tanh")
-    d_model, n_heads = r.int("hidden_size"), r.int("num_attention_heads")
-    n_layers = r.int("num_hidden_layers")
-    bias = r.bool("attention_bias", False)
-    types = _layer_types(r, n_layers, pattern)
-    return {
-        **_common(r),
-        "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads, "d_head": r.int("head_dim", None) or d_model // n_heads,
-        "n_kv_heads": r.int("num_key_value_heads", n_heads), "d_vocab": r.int("vocab_size"),
-        "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
-        "norm_eps": r.float("rms_norm_eps", 1e-6), "norm": "rmsnorm_offset", "mlp": "geglu", "activation": act,
-        "norm_placement": "sandwich", "scale_embed": True, "tie_word_embeddings": r.bool("tie_word_embeddings", True),
-        "fused_qkv": False, "qkv_bias": bias, "out_bias": bias, "mlp_bias": False,
-        "query_pre_attn_scalar": r.float("query_pre_attn_scalar", 256.0), "layer_types": types,
-        "sliding_window": r.int("sliding_window") if "sliding" in types else None,
-    }
-
-
-def _cap(r: _Reader, key: str, default: float | None) -> float | None:
-    """A soft-cap: absent means transformers' default for the family, an explicit null means no cap."""
-    return None if key in r.d and r.d[key] is None else r.float(key, default)
-
-
-def read_gemma2(r: _Reader) -> dict[str, Any]:
-    fields = _gemma(r, pattern=2)
-    return {**fields, **_rope(r, fields["d_head"]),
-            "attn_softcap": _cap(r, "attn_logit_softcapping", 50.0), "final_softcap": _cap(r, "final_logit_softcapping", 30.0)}
-
-
-def read_gemma3_text(r: _Reader) -> dict[str, Any]:
-    # transformers' Gemma 3 attention stores attn_logit_softcapping but never applies it: refused rather than guessed.
-    r.require("attn_logit_softcapping", (None,), None)
-    fields = _gemma(r, pattern=r.int("sliding_window_pattern", 6))
-    return {**fields, **_gemma3_rope(r, fields["d_head"]), "qk_norm": True,
-            "final_softcap": _cap(r, "final_logit_softcapping", None)}
-
-
-def _gemma3_rope(r: _Reader, head_dim: int) -> dict[str, Any]:
-    """Gemma 3's two rotary settings: global blocks (`full_attention`: base, maybe linear scaling) and local
-    blocks (`sliding_attention`: their own base, unscaled). Either transformers 5's per-layer-type
-    `rope_parameters` or 4.x's `rope_theta`, `rope_local_base_freq` and `rope_scaling` (global only)."""
-    params = r.d.get("rope_parameters")
-    if params is None:
-        legacy = {"rope_theta": r.d.get("rope_theta", 1_000_000.0), **{k: r.d[k] for k in ("rope_scaling",) if k in r.d}}
-        glob = _rope(_Reader(legacy, r.family), head_dim)
-        local = _Reader({"rope_local_base_freq": r.d.get("rope_local_base_freq", 10000.0)}, r.family).float("rope_local_base_freq")
-        return {**glob, "local_rotary_base": local}
-    if not isinstance(params, dict) or set(params) - set(_LAYER_TYPES):
-        raise ValueError(f"config field rope_parameters={params!r} must map {sorted(_LAYER_TYPES)} to rotary settings "
-                         f"(model_type={r.family!r})")
-    glob = _rope(_Reader({"rope_parameters": params.get("full_attention") or {"rope_theta": 1_000_000.0}}, r.family), head_dim)
-    local = _rope(_Reader({"rope_parameters": params.get("sliding_attention") or {"rope_theta": 10000.0}}, r.family), head_dim)
-    if local.get("rope_type", "default") != "default" or local["rotary_dim"] != glob["rotary_dim"]:
-        raise ValueError("config field rope_parameters.sliding_attention: lenskit implements only plain rotary with the "
-                         "global blocks' rotary dims for Gemma 3's local blocks")
-    return {**glob, "local_rotary_base": local["rotary_base"]}
-
-
-def read_olmo2(r: _Reader) -> dict[str, Any]:
-    bias = r.bool("attention_bias", False)
-    return {**_llama_like(r, bias, bias, False), "qk_norm": True, "qk_norm_per_head": False, "norm_placement": "post"}
-
-
-def read_phi3(r: _Reader) -> dict[str, Any]:
-    r.int("original_max_position_embeddings", None)  # typed only: it matters to longrope scaling, which _rope refuses
-    return {**_llama_like(r, False, False, False), "fused_qkv": True, "mlp": "swiglu_fused",
-            "sliding_window": r.int("sliding_window", None)}
-
-
-READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
-    "gpt2": read_gpt2, "gpt_neox": read_gpt_neox, "llama": read_llama,
-    "mistral": read_mistral, "qwen2": read_qwen2, "qwen3": read_qwen3,
-    "gemma2": read_gemma2, "gemma3_text": read_gemma3_text, "olmo2": read_olmo2, "phi3": read_phi3,
-}
+def family_of(model_type: Any) -> Family:
+    """The record of `model_type`; an unknown one is refused, listing the supported types."""
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise ValueError(f"model_type={model_type!r} is not supported; lenskit implements {sorted(FAMILIES)}")
+    return FAMILIES[model_type]
 
 
 def config_fields(d: Mapping[str, Any]) -> dict[str, Any]:
-    """`ModelConfig` keyword arguments for a Hugging Face config dict, or a one-line error."""
-    model_type = d.get("model_type")
-    if model_type not in READERS:
-        raise ValueError(f"config field model_type={model_type!r} is not supported; lenskit implements {sorted(READERS)}")
-    r = _Reader(d, model_type)
-    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        r.float(key, 0.0)  # typed only: dropout is off at inference and lenskit's own `dropout` governs training
-    return READERS[model_type](r)
+    """`ModelConfig` keyword arguments for a Hugging Face config dict, or a one-line error naming the field."""
+    try:
+        family = family_of(d.get("model_type"))
+    except ValueError as e:
+        raise ValueError(f"config field {e}") from None
+    return readers.read_config(d, family.model_type, family.read)

@@ -23,7 +23,59 @@ __all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "ParallelBlock", 
            "SwiGLU", "TransformerBlock", "make_block", "make_mlp", "make_norm"]
 
 
-class GeluMLP(nn.Module):
+class MLP(nn.Module):
+    """What every MLP piece shows of its weights, as TransformerLens does (`x @ W + b`, the views of
+    `model.blocks[l].mlp`): `W_in`, `W_gate` [d_model, d_mlp], `W_out` [d_mlp, d_model], `b_in`, `b_gate`
+    [d_mlp], `b_out` [d_model]. `W_in` is the linear (ungated) input; `W_gate` and `b_gate` are None for an
+    ungated MLP; an absent bias reads as zeros. The weights are views of the parameters, the zeros are new.
+
+    Each piece says where its input projections are (`_linear_in`, `_gate_in`); the views are written once, here.
+    """
+
+    fc_in: nn.Linear
+    fc_out: nn.Linear
+
+    def _linear_in(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The linear input's weight [d_mlp, d_model] and bias [d_mlp] or None."""
+        return self.fc_in.weight, self.fc_in.bias
+
+    def _gate_in(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The gate's weight [d_mlp, d_model] and bias [d_mlp] or None; None for an ungated MLP."""
+        return None
+
+    @property
+    def W_in(self) -> torch.Tensor:
+        return self._linear_in()[0].T
+
+    @property
+    def b_in(self) -> torch.Tensor:
+        return _or_zeros(*self._linear_in())
+
+    @property
+    def W_gate(self) -> torch.Tensor | None:
+        gate = self._gate_in()
+        return None if gate is None else gate[0].T
+
+    @property
+    def b_gate(self) -> torch.Tensor | None:
+        gate = self._gate_in()
+        return None if gate is None else _or_zeros(*gate)
+
+    @property
+    def W_out(self) -> torch.Tensor:
+        return self.fc_out.weight.T
+
+    @property
+    def b_out(self) -> torch.Tensor:
+        return _or_zeros(self.fc_out.weight, self.fc_out.bias)
+
+
+def _or_zeros(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`bias` [out], or zeros [out] for a layer without one (weight [out, in])."""
+    return weight.new_zeros(weight.shape[0]) if bias is None else bias
+
+
+class GeluMLP(MLP):
     """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> GELU (the config's form) -> d_model."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -40,7 +92,7 @@ class GeluMLP(nn.Module):
         return self.fc_out(post)
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(MLP):
     """Gated MLP: fc_out(act(gate(x)) * fc_in(x)), biases only where the config has them (Llama's `mlp_bias`).
     act is SiLU, or for mlp="geglu" (Gemma) the config's GELU."""
 
@@ -59,10 +111,13 @@ class SwiGLU(nn.Module):
         linear = self.hook_pre_linear(self.fc_in(x))
         return self.fc_out(self.hook_post(self.act(pre) * linear))
 
+    def _gate_in(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.gate.weight, self.gate.bias
+
 
 class FusedSwiGLU(SwiGLU):
     """SwiGLU whose gate and up projections are one matrix `gate_up`, [gate rows | up rows] (Phi-3),
-    kept as the checkpoint stores it. Same hooks as SwiGLU."""
+    kept as the checkpoint stores it. Same hooks and weight views as SwiGLU (`W_gate`, `W_in` are its halves)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
@@ -74,11 +129,22 @@ class FusedSwiGLU(SwiGLU):
         pre, linear = self.hook_pre(gate), self.hook_pre_linear(linear)
         return self.fc_out(self.hook_post(self.act(pre) * linear))
 
+    def _linear_in(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._half(1)
+
+    def _gate_in(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._half(0)
+
+    def _half(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """gate_up's gate (0) or up (1) rows [d_mlp, d_model] and bias, as forward splits its output."""
+        bias = self.gate_up.bias
+        return self.gate_up.weight.chunk(2, dim=0)[i], None if bias is None else bias.chunk(2)[i]
+
 
 MLP_CLASSES = {"gelu": GeluMLP, "swiglu": SwiGLU, "geglu": SwiGLU, "swiglu_fused": FusedSwiGLU}
 
 
-def make_mlp(cfg: ModelConfig) -> nn.Module:
+def make_mlp(cfg: ModelConfig) -> MLP:
     return MLP_CLASSES[cfg.mlp](cfg)
 
 

@@ -2,14 +2,18 @@
 need reshaping, and the buffers old checkpoints carry that hold no learned state.
 
 Names inside a block are written once per family as `ours -> theirs`; the full map is generated from
-our own state-dict keys, so a bias the config turns off is simply not expected.
+our own state-dict keys, so a bias the config turns off is simply not expected. A block-local name may
+be a template whose `{placeholders}` stand for indices inside the block: one entry
+`"mlp.experts.{e}.gate.weight": "mlp.experts.{e}.gate_proj.weight"` names every expert's gate. Which
+`model_type` stores its weights in which layout is the registry's business (`lenskit.families`).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from functools import lru_cache
+from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -38,7 +42,7 @@ _LLAMA_BLOCK = {
 }
 
 
-def _transpose(t: torch.Tensor, cfg) -> torch.Tensor:
+def _transposed(t: torch.Tensor, cfg) -> torch.Tensor:
     """A view, not a copy: a transposed weight is as fast in F.linear (benchmarks/results.md, "Big checkpoints")
     and lets a memory-mapped checkpoint stay mapped."""
     return t.T
@@ -50,6 +54,46 @@ def _neox_qkv(t: torch.Tensor, cfg) -> torch.Tensor:
     return t.reshape(cfg.n_heads, 3, cfg.d_head, *rest).transpose(0, 1).reshape(-1, *rest)
 
 
+def _neox_qkv_interleaved(t: torch.Tensor, cfg) -> torch.Tensor:
+    """Ours, [3, head, d_head, ...], back to NeoX's per-head interleave [head, 3, d_head, ...]."""
+    rest = t.shape[1:]
+    return t.reshape(3, cfg.n_heads, cfg.d_head, *rest).transpose(0, 1).reshape(-1, *rest)
+
+
+@dataclass(frozen=True)
+class Reshape:
+    """How a checkpoint stores one of our tensors: `load` turns the stored tensor into ours, `save` is its
+    inverse (None: the family cannot be saved), `shape` maps our shape to the stored one."""
+
+    load: Callable[[torch.Tensor, object], torch.Tensor]
+    save: Callable[[torch.Tensor, object], torch.Tensor] | None
+    shape: Callable[[tuple[int, ...]], tuple[int, ...]] = tuple
+
+
+TRANSPOSE = Reshape(_transposed, _transposed, lambda shape: tuple(reversed(shape)))
+NEOX_QKV = Reshape(_neox_qkv, _neox_qkv_interleaved)
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+@lru_cache(maxsize=None)
+def _template(name: str) -> re.Pattern:
+    """`mlp.experts.{e}.gate.weight` -> a pattern for it in which each placeholder is a decimal index."""
+    parts = _PLACEHOLDER.split(name)  # literal, placeholder, literal, ...
+    return re.compile("".join(re.escape(p) if k % 2 == 0 else rf"(?P<{p}>\d+)" for k, p in enumerate(parts)))
+
+
+def _lookup(table: Mapping[str, object], local: str) -> tuple[str, dict[str, str]] | None:
+    """The entry of `table` that names `local`, with its placeholders' values: an exact name first, else the
+    first template that matches the whole of `local`."""
+    if local in table:
+        return local, {}
+    for name in table:
+        if "{" in name and (m := _template(name).fullmatch(local)):
+            return name, m.groupdict()
+    return None
+
+
 @dataclass(frozen=True)
 class Layout:
     """How one family's checkpoint names and stores our parameters."""
@@ -57,80 +101,103 @@ class Layout:
     prefix: str  # the base model's prefix, e.g. "model."; keys may come with or without it
     blocks: str  # the block list inside the base model, e.g. "layers"
     top: dict[str, str]  # ours -> theirs, outside the blocks (the unembedding has no prefix)
-    block: dict[str, str]  # ours -> theirs, inside one block
-    reshape: dict[str, Callable] = field(default_factory=dict)  # block-local ours -> theirs-to-ours
+    block: dict[str, str]  # ours -> theirs, inside one block; names may be templates (see the module docstring)
+    reshape: dict[str, Reshape] = field(default_factory=dict)  # block-local ours (as in `block`) -> how it is stored
     buffers: str = r"$^"  # regex, on unprefixed names, of stored buffers to skip
     aliases: dict[str, str] = field(default_factory=dict)  # other spellings -> the file's, e.g. in-memory names
 
-    def name_map(self, our_keys, n_layers: int) -> dict[str, str]:
+    def __post_init__(self) -> None:
+        for ours, theirs in self.block.items():
+            extra = set(_PLACEHOLDER.findall(theirs)) - set(_PLACEHOLDER.findall(ours))
+            if extra:
+                raise ValueError(f"layout entry {ours!r} -> {theirs!r}: placeholders {sorted(extra)} are missing on our side")
+        unknown = sorted(set(self.reshape) - set(self.block))
+        if unknown:
+            raise ValueError(f"layout reshapes {unknown}, which its block name map does not name")
+
+    def name_map(self, our_keys: Iterable[str], n_layers: int) -> dict[str, str]:
         """theirs (unprefixed, except the unembedding) -> ours, for every key in `our_keys`."""
         out = {}
         for ours in our_keys:
             if ours.startswith("blocks."):
                 _, i, local = ours.split(".", 2)
-                if local not in self.block:
+                found = _lookup(self.block, local)
+                if found is None:
                     raise KeyError(f"no checkpoint name for our parameter {ours!r} in this layout")
-                out[f"{self.blocks}.{i}.{self.block[local]}"] = ours
+                name, index = found
+                out[f"{self.blocks}.{i}.{self.block[name].format(**index)}"] = ours
             else:
                 if ours not in self.top:
                     raise KeyError(f"no checkpoint name for our parameter {ours!r} in this layout")
                 out[self.top[ours]] = ours
         return out
 
+    def reshape_of(self, ours: str) -> Reshape | None:
+        """How the checkpoint stores our parameter `ours`; None when as is."""
+        if not ours.startswith("blocks."):
+            return None
+        found = _lookup(self.reshape, ours.split(".", 2)[2])
+        return None if found is None else self.reshape[found[0]]
+
     def stored_shape(self, ours: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape the checkpoint stores our parameter `ours` of shape `shape` in."""
-        return tuple(reversed(shape)) if self.transform(ours) is _transpose else shape
+        how = self.reshape_of(ours)
+        return tuple(shape) if how is None else how.shape(tuple(shape))
 
-    def transform(self, ours: str) -> Callable | None:
-        return self.reshape.get(ours.split(".", 2)[2]) if ours.startswith("blocks.") else None
+    def to_ours(self, ours: str, stored: torch.Tensor, cfg) -> torch.Tensor:
+        """The checkpoint's tensor for our parameter `ours`, as ours."""
+        how = self.reshape_of(ours)
+        return stored if how is None else how.load(stored, cfg)
+
+    def to_stored(self, ours: str, tensor: torch.Tensor, cfg) -> torch.Tensor:
+        """Our parameter `ours` as the checkpoint stores it: the inverse of `to_ours`."""
+        how = self.reshape_of(ours)
+        if how is None:
+            return tensor
+        if how.save is None:
+            raise ValueError(f"the checkpoint stores {ours!r} through {how.load.__name__}, which has no inverse in "
+                             "lenskit/layouts.py; saving this family in its Hugging Face layout is not implemented")
+        return how.save(tensor, cfg)
+
+    def is_buffer(self, name: str) -> bool:
+        """Whether an unprefixed checkpoint name is a stored buffer without learned state."""
+        return re.match(self.buffers, name) is not None
 
 
-_LLAMA = Layout(
+GPT2 = Layout(
+    prefix="transformer.", blocks="h",
+    top={"embed.weight": "wte.weight", "pos_embed.weight": "wpe.weight", "ln_final.weight": "ln_f.weight",
+         "ln_final.bias": "ln_f.bias", "unembed.weight": "lm_head.weight"},
+    block=_GPT2_BLOCK,
+    # GPT-2's Conv1D stores weights as [in, out]; nn.Linear wants [out, in].
+    reshape={k: TRANSPOSE for k in ("attn.qkv.weight", "attn.out.weight", "mlp.fc_in.weight", "mlp.fc_out.weight")},
+    buffers=r"^h\.\d+\.attn\.(bias|masked_bias)$",
+)
+GPT_NEOX = Layout(
+    prefix="gpt_neox.", blocks="layers",
+    top={"embed.weight": "embed_in.weight", "ln_final.weight": "final_layer_norm.weight",
+         "ln_final.bias": "final_layer_norm.bias", "unembed.weight": "embed_out.weight"},
+    block=_NEOX_BLOCK, reshape={"attn.qkv.weight": NEOX_QKV, "attn.qkv.bias": NEOX_QKV},
+    aliases={"lm_head.weight": "embed_out.weight"},  # transformers 5 names it so in memory, not on disk
+    buffers=r"^layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$|^rotary_emb\.inv_freq$",
+)
+LLAMA = Layout(
     prefix="model.", blocks="layers",
     top={"embed.weight": "embed_tokens.weight", "ln_final.weight": "norm.weight", "unembed.weight": "lm_head.weight"},
     block=_LLAMA_BLOCK, buffers=r"^layers\.\d+\.self_attn\.rotary_emb\.inv_freq$",
 )
-_GEMMA = Layout(
+GEMMA = Layout(
     prefix="model.", blocks="layers",
     top={"embed.weight": "embed_tokens.weight", "ln_final.weight": "norm.weight", "unembed.weight": "lm_head.weight"},
     block={**_LLAMA_BLOCK, "ln1_post.weight": "post_attention_layernorm.weight",
            "ln2.weight": "pre_feedforward_layernorm.weight", "ln2_post.weight": "post_feedforward_layernorm.weight"},
 )
-_OLMO2 = Layout(  # post-norms only: transformers' post_attention_layernorm follows attention, as our ln1_post does
-    prefix="model.", blocks="layers", top=_LLAMA.top,
+OLMO2 = Layout(  # post-norms only: transformers' post_attention_layernorm follows attention, as our ln1_post does
+    prefix="model.", blocks="layers", top=LLAMA.top,
     block={**_LLAMA_BLOCK, "ln1_post.weight": "post_attention_layernorm.weight",
            "ln2_post.weight": "post_feedforward_layernorm.weight"},
 )
-_PHI3 = Layout(
-    prefix="model.", blocks="layers", top=_LLAMA.top,
+PHI3 = Layout(
+    prefix="model.", blocks="layers", top=LLAMA.top,
     block={**_LLAMA_BLOCK, "attn.qkv.weight": "self_attn.qkv_proj.weight", "mlp.gate_up.weight": "mlp.gate_up_proj.weight"},
 )
-LAYOUTS: dict[str, Layout] = {
-    "gpt2": Layout(
-        prefix="transformer.", blocks="h",
-        top={"embed.weight": "wte.weight", "pos_embed.weight": "wpe.weight", "ln_final.weight": "ln_f.weight",
-             "ln_final.bias": "ln_f.bias", "unembed.weight": "lm_head.weight"},
-        block=_GPT2_BLOCK,
-        # GPT-2's Conv1D stores weights as [in, out]; nn.Linear wants [out, in].
-        reshape={k: _transpose for k in ("attn.qkv.weight", "attn.out.weight", "mlp.fc_in.weight", "mlp.fc_out.weight")},
-        buffers=r"^h\.\d+\.attn\.(bias|masked_bias)$",
-    ),
-    "gpt_neox": Layout(
-        prefix="gpt_neox.", blocks="layers",
-        top={"embed.weight": "embed_in.weight", "ln_final.weight": "final_layer_norm.weight",
-             "ln_final.bias": "final_layer_norm.bias", "unembed.weight": "embed_out.weight"},
-        block=_NEOX_BLOCK, reshape={"attn.qkv.weight": _neox_qkv, "attn.qkv.bias": _neox_qkv},
-        aliases={"lm_head.weight": "embed_out.weight"},  # transformers 5 names it so in memory, not on disk
-        buffers=r"^layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$|^rotary_emb\.inv_freq$",
-    ),
-    "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA,
-    "gemma2": _GEMMA, "gemma3_text": _GEMMA, "olmo2": _OLMO2, "phi3": _PHI3,
-}
-
-
-def layout_of(family: str) -> Layout:
-    return LAYOUTS[family]
-
-
-def buffer_pattern(family: str) -> re.Pattern:
-    return re.compile(LAYOUTS[family].buffers)

@@ -2,7 +2,7 @@
 
 Converting a checkpoint is a pure function from a flat name -> tensor mapping (and our parameter
 shapes, read from a model built on the meta device) to our state dict: the family's declarative name
-map and reshape list (layouts.py), and a check of every key, shape, dtype and value. Nothing is guessed and nothing is silently initialised. Files are read with safetensors
+map and reshape list (layouts.py, found through the registry in families.py), and a check of every key, shape, dtype and value. Nothing is guessed and nothing is silently initialised. Files are read with safetensors
 (memory-mapped); pickle checkpoints are refused, never opened.
 """
 
@@ -18,8 +18,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import PRESETS, ModelConfig
-from .layouts import buffer_pattern, layout_of
+from .config import ModelConfig
+from .families import PRESETS, family_of
 from .tokenizer import load_tokenizer, save_tokenizer
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def hf_name_map(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) -> dict
     """Every checkpoint name (without the base-model prefix) -> our name, for the parameters in `shapes`.
     A tied unembedding is not expected in the file (it may be there; then it must equal the embedding)."""
     keys = [k for k in shapes if not (cfg.tie_word_embeddings and k == "unembed.weight")]
-    return layout_of(cfg.family).name_map(keys, cfg.n_layers)
+    return family_of(cfg.family).layout.name_map(keys, cfg.n_layers)
 
 
 def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -63,15 +63,14 @@ def convert_hf_state_dict(raw: Mapping[str, torch.Tensor], cfg: ModelConfig,
     base-model prefix (`transformer.`, `gpt_neox.`, `model.`) or not; stored buffers without learned
     state are skipped; a tied `lm_head` may be present or absent. Any unknown, missing or misshapen key,
     and any non-float or (unless `check_finite=False`) non-finite tensor, raises naming the tensor."""
-    layout = layout_of(cfg.family)
-    buffers = buffer_pattern(cfg.family)
+    layout = family_of(cfg.family).layout
     stripped: dict[str, torch.Tensor] = {}
     for key, tensor in raw.items():
         name = key.removeprefix(layout.prefix)
         name = layout.aliases.get(name, name)
         if name in stripped:
             raise CheckpointError(f"checkpoint holds {name!r} twice, under {key!r} and another spelling (prefix or alias)")
-        if buffers.match(name):
+        if layout.is_buffer(name):
             continue
         stripped[name] = tensor
     tied_head = layout.top["unembed.weight"]
@@ -95,9 +94,7 @@ def convert_hf_state_dict(raw: Mapping[str, torch.Tensor], cfg: ModelConfig,
         want = layout.stored_shape(ours, shapes[ours])
         if tuple(stored.shape) != want:
             raise CheckpointError(f"tensor {theirs!r} has shape {tuple(stored.shape)}, but config.json implies {want}")
-        transform = layout.transform(ours)
-        tensor = stored if transform is None else transform(stored, cfg)
-        state[ours] = tensor
+        state[ours] = layout.to_ours(ours, stored, cfg)
     if cfg.tie_word_embeddings:
         embed = state["embed.weight"]
         if lm_head is not None and (lm_head.shape != embed.shape or not torch.equal(lm_head, embed)):
@@ -120,17 +117,16 @@ def check_values(name: str, tensor: torch.Tensor, check_finite: bool = True) -> 
         raise CheckpointError(f"tensor {name!r} holds NaN or inf values; the checkpoint is corrupt or was saved after training diverged")
 
 
-def to_hf_state_dict(model: "HookedTransformer") -> dict[str, torch.Tensor]:
-    """The inverse of `convert_hf_state_dict` for GPT-2, with GPT2LMHeadModel's `transformer.` prefix."""
-    if model.cfg.family != "gpt2":
-        raise ValueError(f"saving in the Hugging Face layout is implemented for gpt2 only, not {model.cfg.family!r}")
-    layout = layout_of("gpt2")
-    ours = model.state_dict()
+def to_hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of `convert_hf_state_dict`: our state dict under the family's checkpoint names (with the
+    base-model prefix, as transformers' causal-LM class saves them) and in its stored shapes. A tied
+    unembedding is left out, as transformers leaves it out."""
+    layout = family_of(cfg.family).layout
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
     out = {}
-    for hf, name in hf_name_map(model.cfg, model_shapes(model)).items():
-        tensor = ours[name].detach()
-        tensor = tensor.T if layout.transform(name) is not None else tensor
-        key = hf if hf == "lm_head.weight" else f"{layout.prefix}{hf}"
+    for theirs, ours in hf_name_map(cfg, shapes).items():
+        tensor = layout.to_stored(ours, state[ours].detach(), cfg)
+        key = theirs if theirs == layout.top["unembed.weight"] else f"{layout.prefix}{theirs}"
         out[key] = tensor.contiguous().cpu()
     return out
 
@@ -282,10 +278,14 @@ def _assemble(cls, cfg, raw, tokenizer, dtype, device, check_finite: bool = True
 
 
 def save_pretrained(model: "HookedTransformer", folder: str | os.PathLike) -> None:
+    """The family's Hugging Face folder: config.json, model.safetensors and the tokenizer files. Both are
+    built before anything is written, so a family or config that cannot be saved leaves the folder as it was."""
+    config = model.cfg.to_hf_dict()
+    tensors = to_hf_state_dict(model.state_dict(), model.cfg)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(model.cfg.to_hf_dict(), indent=2) + "\n", encoding="utf-8")
-    save_file(to_hf_state_dict(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     # A stale shard index would take precedence over the file just written.
     (folder / "model.safetensors.index.json").unlink(missing_ok=True)
     if model.tokenizer is not None:

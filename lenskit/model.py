@@ -16,6 +16,7 @@ from .generation import generate
 from .hooks import HookedRootModule, HookFn, NameOrPredicate, NamesFilter, HookPoint, layer_of
 from .layers import make_block, make_norm
 from .linear import Linear
+from .readout import Readout
 from .text import encode_texts, is_text, single_token_id
 from .weights import WeightViews
 
@@ -48,11 +49,12 @@ class HookedTransformer(WeightViews, HookedRootModule):
             self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
         self._stream_start = self._embed_learned if cfg.positional == "learned" else self._embed_tokens
         self._embed_scale = _embed_scaled if cfg.scale_embed else _embed_as_is
-        self._cap = _unchanged if cfg.final_softcap is None else self._final_softcap
         self.dropout = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(make_block(cfg, dropout, i) for i in range(cfg.n_layers))
         self.ln_final = make_norm(cfg)
         self.unembed = Linear(cfg.d_model, cfg.d_vocab, bias=False)
+        # Not a submodule: it holds ln_final and unembed themselves, so state dicts and hook names are unchanged.
+        self.readout = Readout(self.ln_final, self.unembed, cfg.final_softcap)
         self.tie_weights()
         self.setup_hooks()
         self.init_weights()
@@ -120,19 +122,9 @@ class HookedTransformer(WeightViews, HookedRootModule):
         # rotary families: positions enter inside attention. hook_embed sees the embedding as written, after any scale.
         return self.hook_embed(self._embed_scale(self.embed(tokens)))
 
-    def readout(self, h: torch.Tensor) -> torch.Tensor:
-        """The model's whole readout, [..., d_model] -> [..., d_vocab]: final norm (its scale computed on
-        this `h`), then the unembedding, then any final soft-cap. Every lens decodes through this."""
-        return self._cap(self.unembed(self.ln_final(h)))
-
     def readout_uncapped(self, h: torch.Tensor) -> torch.Tensor:
-        """The readout without the final soft-cap (the same as `readout` for a model without one): the
-        logits that direct logit attribution splits into parts."""
-        return self.unembed(self.ln_final(h))
-
-    def _final_softcap(self, logits: torch.Tensor) -> torch.Tensor:
-        cap = self.cfg.final_softcap
-        return torch.tanh(logits / cap) * cap
+        """`model.readout.uncapped(h)`: the logits before any final soft-cap, which attribution splits into parts."""
+        return self.readout.uncapped(h)
 
     def run_with_hooks(self, tokens: TokensLike, fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (), **kwargs: Any) -> torch.Tensor:
         """Run with hooks attached for this call only; they are removed even if the call raises."""
@@ -352,8 +344,4 @@ def _embed_scaled(x: torch.Tensor) -> torch.Tensor:
 
 
 def _embed_as_is(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def _unchanged(x: torch.Tensor) -> torch.Tensor:
     return x

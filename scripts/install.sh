@@ -29,11 +29,6 @@ fi
 
 "$PY" -m pip install --quiet -e ".[dev]"
 
-# eval-lens's row-statistics kernel, compiled once per machine into torch's extension cache (about 25 s), so
-# that the first evaluation does not wait for it. Without a compiler eval-lens uses torch ops instead.
-"$PY" -c "from lenses.row_stats import prebuild; prebuild()" \
-    || echo "install.sh: the row-statistics kernel did not build; eval-lens uses torch ops instead" >&2
-
 # Check that a static export really works here (a few seconds: it starts the browser once).
 "$PY" -c "from lenses.plots import check_static_export; check_static_export()" \
     || echo "install.sh: static figure export does not work here; .html export still does" >&2

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 import lenskit
+from lenskit.families import FAMILIES as REGISTRY
 
 transformers.logging.set_verbosity_error()
 torch.set_num_threads(1)  # the CI machine has 2 cores; tests also run beside other work
@@ -47,24 +48,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 _STATUS = pytest.StashKey[str | None]()
 
 
-def make_hf_gpt2(n_layer: int = 3, n_embd: int = 32, n_head: int = 4, vocab_size: int = 101, n_positions: int = 64,
-                 seed: int = 0, **kwargs) -> transformers.GPT2LMHeadModel:
-    """A random fp32 GPT2LMHeadModel in eval mode, with LayerNorm gains and biases moved away from 1 and 0
-    so that a wrong norm implementation cannot hide behind the identity."""
-    torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(
-        n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size, n_positions=n_positions,
-        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        attn_implementation="eager", **kwargs,
-    )
-    model = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".ln_" in name or "ln_f" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            elif name.endswith(".bias"):
-                p.add_(torch.randn_like(p) * 0.05)
-    return model
+def make_hf_gpt2(seed: int = 0, **overrides) -> transformers.GPT2LMHeadModel:
+    """A random fp32 GPT2LMHeadModel in eval mode (the registry's tiny GPT-2: 3 layers, d_model 32, vocabulary
+    101, unless `overrides` say otherwise, e.g. `n_layer=2`), with LayerNorm gains and biases moved away from 1
+    and 0 so that a wrong norm implementation cannot hide behind the identity."""
+    return make_hf_family("gpt2", seed=seed, **overrides)
 
 
 def _perturb(model: torch.nn.Module) -> None:
@@ -77,44 +65,14 @@ def _perturb(model: torch.nn.Module) -> None:
                 p.add_(torch.randn_like(p) * 0.05)
 
 
-# Tiny configs, one per family, each exercising what makes the family itself: partial rotary and the
-# parallel block (gpt_neox), GQA and llama3 rotary scaling (llama), a sliding window shorter than the
-# test prompts (mistral), q/k/v biases (qwen2), q/k norms and a d_head that is not d_model / n_heads (qwen3).
-_SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, vocab_size=101,
-              max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
-FAMILY_CONFIGS = {
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
-        _SHAPE, rotary_pct=0.5, rotary_emb_base=1000.0, use_parallel_residual=True, hidden_act="gelu",
-        hidden_dropout=0.0, attention_dropout=0.0, layer_norm_eps=1e-5)),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
-        _SHAPE, num_key_value_heads=2, rms_norm_eps=1e-6,
-        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                             high_freq_factor=4.0, original_max_position_embeddings=16))),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_SHAPE, num_key_value_heads=2, sliding_window=5, head_dim=8)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_SHAPE, num_key_value_heads=2)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_SHAPE, num_key_value_heads=2, head_dim=16)),
-    # Gemma: weights 10x larger than usual so that soft-caps this small bite (test_families checks they do), a
-    # query_pre_attn_scalar that is not d_head, one sliding block (window shorter than the prompt) and one global.
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
-        _SHAPE, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=5, initializer_range=0.2,
-        attn_logit_softcapping=1.0, final_logit_softcapping=2.0, pad_token_id=0)),
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        _SHAPE, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=5, initializer_range=0.2,
-        final_logit_softcapping=2.0, pad_token_id=0, layer_types=["sliding_attention", "full_attention"],
-        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
-                         "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=10000.0)})),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_SHAPE, num_key_value_heads=2, pad_token_id=0)),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
-        _SHAPE, num_key_value_heads=2, sliding_window=6, pad_token_id=0,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
-}
-FAMILIES = ["gpt2", *FAMILY_CONFIGS]
+# One tiny config per family, from the registry (lenskit.families: each record's `tiny`, which says what it
+# exercises): model_type -> (transformers config class, model class, config kwargs). The golden tests use them.
+FAMILY_CONFIGS = {t: (f.hf_config_class, f.hf_class, dict(f.tiny)) for t, f in REGISTRY.items()}
+FAMILIES = list(FAMILY_CONFIGS)
 
 
 def make_hf_family(family: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
     """A random fp32 transformers causal LM of `family`, eager attention, eval mode, perturbed norms."""
-    if family == "gpt2":
-        return make_hf_gpt2(seed=seed, **overrides)
     config_cls, model_cls, kwargs = FAMILY_CONFIGS[family]
     torch.manual_seed(seed)
     cfg = getattr(transformers, config_cls)(**{**kwargs, **overrides}, attn_implementation="eager")

@@ -3,13 +3,14 @@
 `FAMILY_BUILDERS` is the one list the family-parametrised tests read (conftest's `family_model` fixture):
 a family name -> a function returning a random transformers model of that family (3 layers and d_model 32,
 the shape of conftest's GPT-2 so that tests written for it run unchanged; GQA where the family has it,
-untied where the family is). Adding a family to every test above the model
-is one line here. `every_family` runs an existing test that takes the `model` fixture on each of them:
+untied where the family is). It derives from the registry (`lenskit.families`: each record's `tiny` config
+with its `tiny_3_blocks` overrides), so a registered family is in every test above the model without a line
+here. `every_family` runs an existing test that takes the `model` fixture on each of them:
 
 >>> @every_family
 ... def test_something(model, tokens): ...
 
-The configs themselves are conftest's `FAMILY_CONFIGS`, the ones the golden tests use.
+The configs themselves are conftest's `FAMILY_CONFIGS` (the registry's), the ones the golden tests use.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 import transformers
 
 import lenskit
+from lenskit.families import FAMILIES
 from tiny_tokenizer import VOCAB, make_tokenizer
 
 
@@ -32,21 +34,12 @@ def make_hf_family(family: str, **overrides) -> transformers.PreTrainedModel:
     return build(family, **overrides)
 
 
+def _builder(family: str) -> Callable[[int], transformers.PreTrainedModel]:
+    return lambda vocab: make_hf_family(family, vocab_size=vocab, **FAMILIES[family].tiny_3_blocks)
+
+
 # Each builder gets the vocabulary size of the tiny tokenizer, so text works on every family model.
-FAMILY_BUILDERS: dict[str, Callable[[int], transformers.PreTrainedModel]] = {
-    "gpt2": lambda vocab: make_hf_family("gpt2", vocab_size=vocab),
-    "gpt_neox": lambda vocab: make_hf_family("gpt_neox", num_hidden_layers=3, vocab_size=vocab),
-    "llama": lambda vocab: make_hf_family("llama", num_hidden_layers=3, vocab_size=vocab),
-    "mistral": lambda vocab: make_hf_family("mistral", num_hidden_layers=3, vocab_size=vocab),
-    "qwen2": lambda vocab: make_hf_family("qwen2", num_hidden_layers=3, vocab_size=vocab),
-    "qwen3": lambda vocab: make_hf_family("qwen3", num_hidden_layers=3, vocab_size=vocab),
-    "gemma2": lambda vocab: make_hf_family("gemma2", num_hidden_layers=3, vocab_size=vocab),
-    "gemma3_text": lambda vocab: make_hf_family(
-        "gemma3_text", num_hidden_layers=3, vocab_size=vocab,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
-    "olmo2": lambda vocab: make_hf_family("olmo2", num_hidden_layers=3, vocab_size=vocab),
-    "phi3": lambda vocab: make_hf_family("phi3", num_hidden_layers=3, vocab_size=vocab),
-}
+FAMILY_BUILDERS: dict[str, Callable[[int], transformers.PreTrainedModel]] = {t: _builder(t) for t in FAMILIES}
 
 
 @dataclass(frozen=True)

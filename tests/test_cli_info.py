@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 import lenskit
 from lenses.cli import main
@@ -43,3 +44,20 @@ def test_info_defaults_to_the_embedded_model(default_model, capsys):
     out = capsys.readouterr().out
     assert f"{sum(p.numel() for p in default_model.parameters()):,}" in out
     assert f"n_layers={default_model.cfg.n_layers} d_model={default_model.cfg.d_model}" in out
+
+
+def test_info_help_lists_every_registered_family_and_preset(capsys, monkeypatch):
+    from lenskit.families import FAMILIES
+
+    monkeypatch.setenv("COLUMNS", "100000")  # one line: argparse would otherwise wrap inside names at hyphens
+    with pytest.raises(SystemExit):
+        main(["info", "--help"])
+    text = capsys.readouterr().out
+    for model_type, family in FAMILIES.items():
+        assert f"{model_type}: {', '.join(family.presets)}" in text, f"`lenskit info --help` omits {model_type}'s presets"
+
+
+@pytest.mark.parametrize("name", sorted(lenskit.PRESETS))
+def test_info_runs_on_every_preset(name, capsys):
+    assert main(["info", "--model", name]) == 0
+    assert f"family={lenskit.PRESETS[name].family} " in capsys.readouterr().out

@@ -155,6 +155,74 @@ def test_replace_recomputes_derived_fields():
         cfg.replace(activation="relu")
 
 
+def _shrunk(name: str) -> ModelConfig:
+    """Preset `name` at 2 layers, 16-wide heads, and as many heads as keep its GQA group (4 where it can)."""
+    preset = PRESETS[name]
+    group = preset.n_heads // preset.n_kv_heads
+    n_heads = group * max(1, 4 // group)
+    return preset.replace(n_layers=2, d_model=16 * n_heads, n_heads=n_heads, d_vocab=50, n_ctx=32)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_shrinks_and_runs(name):
+    import torch
+
+    from lenskit import HookedTransformer
+
+    preset, small = PRESETS[name], _shrunk(name)
+    assert (small.n_layers, small.d_head, small.d_vocab) == (2, 16, 50)
+    assert small.n_heads // small.n_kv_heads == preset.n_heads // preset.n_kv_heads  # the GQA group is kept
+    assert small.d_mlp == round(small.d_model * preset.d_mlp / preset.d_model)  # and the MLP's width ratio
+    if preset.rotary_dim is not None:  # and the rotary fraction of d_head: Pythia's quarter, the others' whole
+        assert small.rotary_dim / small.d_head == preset.rotary_dim / preset.d_head
+    if preset.query_pre_attn_scalar is not None:
+        assert small.query_pre_attn_scalar / small.d_head == preset.query_pre_attn_scalar / preset.d_head
+    if preset.layer_types is not None:
+        assert small.layer_types == preset.layer_types[:2]
+    same = {f.name for f in dataclasses.fields(ModelConfig)} - {
+        "n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_head", "n_kv_heads", "d_mlp", "rotary_dim",
+        "query_pre_attn_scalar", "layer_types"}
+    assert all(getattr(small, f) == getattr(preset, f) for f in same)
+    model = HookedTransformer(small).eval()
+    with torch.no_grad():
+        logits = model(torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(0)))
+    assert logits.shape == (1, 6, 50) and torch.isfinite(logits).all()
+
+
+def test_replace_keeps_fields_given_explicitly():
+    phi3 = PRESETS["phi-3-mini"]
+    small = phi3.replace(d_model=64, n_heads=4)  # rotary_dim used to stay 96 > d_head and raise
+    assert (small.d_head, small.rotary_dim, small.n_kv_heads) == (16, 16, 4)
+    given = dict(d_model=64, n_heads=4, n_kv_heads=2, d_head=32, d_mlp=100, rotary_dim=8)
+    assert {f: getattr(phi3.replace(**given), f) for f in given} == given
+    qwen3 = PRESETS["qwen3-0.6b"]  # d_head 128 is wider than d_model / n_heads: kept while neither changes
+    assert qwen3.replace(n_layers=2).d_head == 128 and qwen3.replace(d_mlp=64).d_head == 128
+    gemma = PRESETS["gemma-2-2b"]
+    assert gemma.replace(d_head=64, query_pre_attn_scalar=100.0).query_pre_attn_scalar == 100.0
+    assert gemma.replace(n_layers=3, layer_types=("full",) * 3).layer_types == ("full",) * 3
+    assert PRESETS["gpt2"].replace(mlp="swiglu", mlp_bias=True).mlp_bias
+
+
+def test_replace_keeps_proportions():
+    pythia = PRESETS["pythia-160m"]  # rotary over a quarter of each head
+    assert pythia.rotary_dim == pythia.d_head // 4
+    assert pythia.replace(d_model=256, n_heads=4).rotary_dim == 16  # d_head 64
+    assert pythia.replace(d_head=32).rotary_dim == 8
+    assert pythia.replace(d_head=4).rotary_dim == 2  # the least that rotates, rounded to even
+    llama = PRESETS["llama-3.1-8b"]  # 32 heads share 8 kv heads; d_mlp = 3.5 d_model
+    assert llama.replace(n_heads=8, d_model=512).n_kv_heads == 2
+    assert llama.replace(d_model=512, n_heads=8).d_mlp == 1792
+    assert PRESETS["gpt2"].replace(n_heads=4).n_kv_heads == 4  # MHA stays MHA
+    with pytest.raises(ValueError, match="7 query heads per kv head.*pass n_kv_heads"):
+        PRESETS["qwen2.5-0.5b"].replace(d_model=64, n_heads=4)
+    assert PRESETS["qwen2.5-0.5b"].replace(d_model=64, n_heads=4, n_kv_heads=2).n_kv_heads == 2
+    gemma3 = PRESETS["gemma-3-1b"]  # 26 blocks, every sixth global: the pattern continues past 26
+    assert gemma3.replace(n_layers=36).layer_types == tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(36))
+    assert PRESETS["gemma-2-2b"].replace(n_layers=5).layer_types == ("sliding", "full") * 2 + ("sliding",)
+    assert PRESETS["gpt2"].replace(mlp="swiglu").mlp_bias is False  # the gated MLP's default
+    assert PRESETS["llama-3.2-1b"].replace(mlp="gelu").mlp_bias is True
+
+
 # ------------------------------------------------------------------ families
 def _family_dict(family: str) -> dict:
     from conftest import make_hf_family

@@ -1,11 +1,15 @@
-"""Golden parity of every family against transformers' own class, and the stream identities.
+"""Golden parity of every family against transformers' own class, the stream identities, and the registry
+(lenskit.families): presets, config.json both ways, and saving in each family's own layout.
 
-Each family's tiny config (conftest.FAMILY_CONFIGS) exercises what makes it itself: partial rotary and
+Each family's tiny config (the registry's `tiny`, conftest.FAMILY_CONFIGS) exercises what makes it itself: partial rotary and
 the parallel block (Pythia), GQA and llama3 rotary scaling (Llama), a sliding window shorter than the
 prompt (Mistral), q/k/v biases (Qwen 2), per-head q/k norms with d_head != d_model / n_heads (Qwen 3).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import json
 
 import pytest
 import torch
@@ -13,7 +17,7 @@ import transformers
 from conftest import FAMILIES, FAMILY_CONFIGS, make_hf_family
 from golden import assert_golden, hf_attention, hf_blocks, max_diff
 
-from lenskit import HookedTransformer
+from lenskit import PRESETS, HookedTransformer
 
 ALL_HOOKS = lambda name: True  # noqa: E731 - every hook on: the eager attention path
 
@@ -191,9 +195,80 @@ def test_gemma3_legacy_rope_spelling_agrees():
     assert ModelConfig.from_hf_config(new) == ModelConfig.from_hf_config(legacy)
 
 
-def test_family_configs_cover_every_non_gpt2_family():
-    assert set(FAMILIES) == {"gpt2", *FAMILY_CONFIGS} == {"gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3",
-                                                          "gemma2", "gemma3_text", "olmo2", "phi3"}
+# ----------------------------------------------------------- the registry and saving in each family's layout
+def test_presets_and_test_tables_derive_from_the_registry():
+    import lenskit
+    from families import FAMILY_BUILDERS
+    from lenskit.families import FAMILIES as REGISTRY
+
+    assert FAMILIES == list(FAMILY_CONFIGS) == list(FAMILY_BUILDERS) == list(REGISTRY) == [
+        "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "phi3"]
+    assert lenskit.PRESETS == {name: cfg for f in REGISTRY.values() for name, cfg in f.presets.items()}
+    assert sum(len(f.presets) for f in REGISTRY.values()) == len(lenskit.PRESETS)  # no name in two families
+    for model_type, family in REGISTRY.items():
+        assert family.model_type == model_type and family.presets, model_type
+        assert all(cfg.family == model_type and cfg.name == name == name.lower() for name, cfg in family.presets.items())
+        assert isinstance(make_hf_family(model_type), getattr(transformers, family.hf_class))
+        assert HookedTransformer.from_hf(make_hf_family(model_type)).cfg.family == model_type
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_writes_a_config_json_that_both_libraries_read_back(name):
+    from lenskit import ModelConfig
+    from lenskit.families import family_of
+
+    preset = PRESETS[name]
+    written = json.loads(json.dumps(preset.to_hf_dict()))  # as it is on disk
+    assert written["architectures"] == [family_of(preset.family).hf_class] and written["model_type"] == preset.family
+    assert ModelConfig.from_hf_config(written, name=name) == preset
+    theirs = getattr(transformers, family_of(preset.family).hf_config_class).from_dict(written)
+    assert ModelConfig.from_hf_config(theirs, name=name) == preset
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_our_save_loads_in_transformers_and_back(family, tied, tmp_path, tokens):
+    """save_pretrained writes the family's own folder: transformers' class loads every tensor of it and
+    computes our logits, and lenskit loads it back to the same model."""
+    from lenskit.families import family_of
+
+    ours = HookedTransformer.from_hf(make_hf_family(family, tie_word_embeddings=tied, seed=5))
+    ours.save_pretrained(tmp_path / "saved")
+    theirs, info = getattr(transformers, family_of(family).hf_class).from_pretrained(
+        tmp_path / "saved", attn_implementation="eager", output_loading_info=True)
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+    assert theirs.config.tie_word_embeddings == tied
+    again = HookedTransformer.from_pretrained(tmp_path / "saved")
+    assert dataclasses.replace(again.cfg, name=ours.cfg.name) == ours.cfg
+    with torch.no_grad():
+        logits = ours(tokens)
+        assert max_diff(theirs.eval()(tokens).logits, logits) <= 1e-4
+        assert torch.equal(again(tokens), logits)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_saved_gqa_llama_loads_in_llama_for_causal_lm(tied, tmp_path, tokens):
+    hf = make_hf_family("llama", tie_word_embeddings=tied, num_key_value_heads=2, seed=6)
+    ours = HookedTransformer.from_hf(hf)
+    assert ours.cfg.n_kv_heads == 2 < ours.cfg.n_heads == 4
+    ours.save_pretrained(tmp_path / "llama")
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "llama", attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert max_diff(theirs(tokens).logits, ours(tokens)) <= 1e-4
+        assert max_diff(theirs(tokens).logits, hf(tokens).logits) <= 1e-4
+        assert torch.equal(HookedTransformer.from_pretrained(tmp_path / "llama")(tokens), ours(tokens))
+
+
+def test_saving_refuses_what_the_family_cannot_express(tmp_path):
+    from lenskit.families import FAMILIES as REGISTRY
+
+    cfg = HookedTransformer.from_hf(make_hf_family("llama")).cfg
+    with pytest.raises(ValueError, match=r"model_type='llama' config.json cannot express out_bias=True"):
+        dataclasses.replace(cfg, qkv_bias=False, out_bias=True).to_hf_dict()
+    with pytest.raises(ValueError, match=r"cannot express norm='layernorm'"):
+        HookedTransformer(dataclasses.replace(cfg, norm="layernorm")).save_pretrained(tmp_path / "layernorm")
+    assert not (tmp_path / "layernorm").exists()  # nothing written
+    with pytest.raises(ValueError, match=r"saving model_type='llama' in the Hugging Face layout is not implemented"):
+        dataclasses.replace(REGISTRY["llama"], write=None).hf_config(cfg)
 
 
 # ----------------------------------------------------------- Gemma 2/3, OLMo 2, Phi-3: stream and readout
@@ -271,7 +346,9 @@ def test_gemma_blocks_alternate_window_and_rotary_base(tokens):
 def test_tuned_lens_step_through_a_final_soft_cap_equals_autograd(tokens):
     from lenses import TunedLens
     from lenses.lens_step import TranslatedStreams, kl_step
-    from lenses.training import LensLoss, collect_streams
+    from autograd_reference import autograd_kl
+    from lenses.training import collect_streams
+    from lenskit.readout import Readout
 
     model = HookedTransformer.from_hf(make_hf_family("gemma2"))
     for p in model.parameters():
@@ -281,19 +358,18 @@ def test_tuned_lens_step_through_a_final_soft_cap_equals_autograd(tokens):
         for p in lens.parameters():
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
     streams, final = collect_streams(lens, tokens)
-    reference = LensLoss(lens)(streams, final)
+    reference = autograd_kl(lens, streams, final)
     (reference.sum() * 0.5).backward()
     expected = {k: p.grad.clone() for k, p in lens.named_parameters()}
     lens.zero_grad(set_to_none=True)
-    kl = kl_step(TranslatedStreams(lens), model.unembed, streams, final, scale=0.5, chunk_tokens=7,
-                 softcap=model.cfg.final_softcap)
+    kl = kl_step(TranslatedStreams(lens), model.readout, streams, final, scale=0.5, chunk_tokens=7)
     torch.testing.assert_close(kl, reference.double(), rtol=1e-5, atol=1e-5)
     for k, want in expected.items():
         assert want.abs().max() > 0, k
         torch.testing.assert_close(lens.get_parameter(k).grad, want, rtol=1e-4, atol=1e-7, msg=k)
     # Without the cap's derivative the step would be wrong: the uncapped readout gives another gradient.
     lens.zero_grad(set_to_none=True)
-    kl_step(TranslatedStreams(lens), model.unembed, streams, final, scale=0.5)
+    kl_step(TranslatedStreams(lens), Readout(model.ln_final, model.unembed, None), streams, final, scale=0.5)
     assert any(max_diff(lens.get_parameter(k).grad, want) > 1e-4 for k, want in expected.items())
 
 

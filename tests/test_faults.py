@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from lens_fixtures import write_text_folder, write_tiny_model
-from lenses.lock import LOCK_FILE
+from lenses.lock import LOCK_FILE, FolderLockedError, folder_lock
 from lenses.training import CHECKPOINT_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +50,15 @@ def environment() -> dict[str, str]:
 
 def train(root: Path, out: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command(root, out), capture_output=True, text=True, timeout=600, env=environment())
+
+
+def hold_lock(out: Path) -> subprocess.Popen:
+    """A live process that holds `out`'s lock until it is killed; returns once it holds it."""
+    code = (f"import time\nfrom lenses.lock import folder_lock\nwith folder_lock({str(out)!r}):\n"
+            "    print('locked', flush=True)\n    time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=environment())
+    assert holder.stdout.readline() == "locked\n", "the lock holder did not start"
+    return holder
 
 
 def kill_at_random_step(root: Path, out: Path, rng: random.Random) -> None:
@@ -94,8 +102,6 @@ def test_killed_run_resumes_to_the_same_lens_or_refuses_clearly(setup, tmp_path,
     if not ckpt.exists():  # the kill landed after the run finished: the lens must already be the reference one
         assert_same_lens(out, want)
         return
-    assert (out / LOCK_FILE).exists(), f"a killed run leaves its lock behind, which the rerun must clear {note}"
-
     if truncate:
         finished = (out / "lens.safetensors").exists()  # killed between saving the lens and removing the checkpoint
         size = ckpt.stat().st_size
@@ -122,32 +128,40 @@ def test_killed_run_resumes_to_the_same_lens_or_refuses_clearly(setup, tmp_path,
 def test_a_second_run_into_the_same_folder_refuses(setup, tmp_path):
     root, _ = setup
     out = tmp_path / "lens"
-    out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    holder = hold_lock(out)
     try:
-        (out / LOCK_FILE).write_text(f"{holder.pid} {socket.gethostname()}\n")
         proc = train(root, out)
         assert_one_line_refusal(proc, "in use by another training run", f"pid {holder.pid}", "--out")
         assert (out / LOCK_FILE).read_text().split()[0] == str(holder.pid)  # the live owner keeps its lock
         assert not (out / CHECKPOINT_FILE).exists()
     finally:
         holder.kill()
-        holder.wait()
+        holder.communicate()
 
 
-def test_a_stale_lock_takes_its_owners_temporary_files_with_it(tmp_path):
-    from lenses.lock import folder_lock
-
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+def test_a_lock_held_by_a_process_killed_with_sigkill_is_free_at_once(tmp_path):
     out = tmp_path / "lens"
-    out.mkdir()
-    (out / LOCK_FILE).write_text(f"{dead.pid} {socket.gethostname()}\n")
-    (out / f".{CHECKPOINT_FILE}.tmp{dead.pid}").write_bytes(b"half a checkpoint")
-    (out / f".{CHECKPOINT_FILE}.tmp{dead.pid + 1}").write_bytes(b"someone else's")
-    staging = out / f".lens.safetensors.tmp{dead.pid}"  # write_atomic's folder, with safetensors' own temporary file
-    staging.mkdir()
+    holder = hold_lock(out)
+    try:
+        with pytest.raises(FolderLockedError, match=f"in use by another training run \\(pid {holder.pid} "):
+            with folder_lock(out):
+                pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.communicate(timeout=60)
+    assert holder.returncode == -signal.SIGKILL
+    assert (out / LOCK_FILE).exists()  # the killed holder's file is left, unlocked: nothing to clear
+    with folder_lock(out):
+        assert (out / LOCK_FILE).read_text().split()[0] == str(os.getpid())
+    assert list(out.iterdir()) == []
+
+
+def test_the_next_lock_holder_clears_the_staging_folders_of_a_run_killed_mid_write(tmp_path):
+    out = tmp_path / "lens"
+    staging = out / ".lens.safetensors.tmp12345"  # write_atomic's folder, with safetensors' own temporary file
+    staging.mkdir(parents=True)
     (staging / ".tmpAb12Cd").write_bytes(b"half a lens")
+    (out / ".notes.tmp").write_bytes(b"not write_atomic's")
     with folder_lock(out):
         pass
-    assert sorted(p.name for p in out.iterdir()) == [f".{CHECKPOINT_FILE}.tmp{dead.pid + 1}"]
+    assert sorted(p.name for p in out.iterdir()) == [".notes.tmp"]

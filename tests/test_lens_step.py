@@ -11,7 +11,9 @@ from lens_fixtures import write_text_folder, write_tiny_model
 from lenses import TunedLens
 from lenses.lens_step import TranslatedStreams, kl_step, readout_kl_and_grad
 from lenses.metrics import forward_kl
-from lenses.training import LensLoss, Recipe, collect_streams, train
+from autograd_reference import autograd_kl
+from lenses.training import Recipe, collect_streams, train
+from lenskit.readout import Readout
 from lenskit.data import load_token_stream
 
 CTX = 16
@@ -48,10 +50,10 @@ def test_step_matches_autograd_through_forward_kl(tiny, chunk_tokens):
     lens = random_lens(model, resid_mid=True)
     tokens = stream.windows(CTX)[:3]  # [3, CTX]: 48 tokens
     streams, final = collect_streams(lens, tokens)
-    reference = LensLoss(lens)(streams, final)  # [2 * n_layers]
+    reference = autograd_kl(lens, streams, final)  # [2 * n_layers]
     (reference.sum() * 0.25).backward()
     expected = grads(lens)
-    kl = kl_step(TranslatedStreams(lens), model.unembed, streams, final, scale=0.25, chunk_tokens=chunk_tokens)
+    kl = kl_step(TranslatedStreams(lens), model.readout, streams, final, scale=0.25, chunk_tokens=chunk_tokens)
     got = grads(lens)
     assert kl.shape == (2 * model.cfg.n_layers,) and kl.dtype == torch.float64
     torch.testing.assert_close(kl, reference.double(), rtol=1e-5, atol=1e-5)
@@ -67,7 +69,7 @@ def test_target_tokens_of_zero_probability_add_nothing():
     final = torch.randn(5, 20)
     final[:, :7] = -1e4  # these tokens' target probability underflows to exactly 0 in float32
     assert (final.log_softmax(-1).exp()[:, :7] == 0).all()
-    kl, grad = readout_kl_and_grad(normed, final, unembed, chunk_tokens=2)
+    kl, grad = readout_kl_and_grad(normed, final, Readout(torch.nn.Identity(), unembed, None), chunk_tokens=2)
     expected = torch.stack([forward_kl(final, unembed(normed[s])).sum() for s in range(2)])
     assert torch.isfinite(kl).all() and torch.isfinite(grad).all()
     torch.testing.assert_close(kl, expected.double(), rtol=1e-5, atol=1e-5)
@@ -77,7 +79,7 @@ def test_target_tokens_of_zero_probability_add_nothing():
 
 
 def test_rows_where_the_lens_gives_the_targets_top_token_almost_nothing():
-    # lens rows whose q at the target's top-1 token is below 1e-30 (or 0) take their log-sum-exp in full
+    # lens rows whose q at the target's top-1 token is below 1e-30 (or 0): still exact
     torch.manual_seed(1)
     unembed = torch.nn.Linear(8, 20, bias=False)
     with torch.no_grad():
@@ -87,7 +89,7 @@ def test_rows_where_the_lens_gives_the_targets_top_token_almost_nothing():
     final[:, 3] = 30.0  # the target's top-1 token, every position
     q_top = torch.softmax(unembed(normed), -1)[..., 3]
     assert (q_top < 1e-30).all()
-    kl, grad = readout_kl_and_grad(normed, final, unembed, chunk_tokens=4)
+    kl, grad = readout_kl_and_grad(normed, final, Readout(torch.nn.Identity(), unembed, None), chunk_tokens=4)
     leaf = normed.clone().requires_grad_(True)
     expected = torch.stack([forward_kl(final, unembed(leaf[s])).sum() for s in range(2)])
     expected.sum().backward()
@@ -96,10 +98,9 @@ def test_rows_where_the_lens_gives_the_targets_top_token_almost_nothing():
     torch.testing.assert_close(grad, leaf.grad, rtol=1e-4, atol=1e-5)
 
 
-def reference_kl_step(translate, unembed, streams, final, scale, chunk_tokens=None, softcap=None):
-    """Yesterday's trainer: autograd through the whole readout and `forward_kl`, stream by stream."""
-    # softcap is unused: the lens decodes through model.readout, which applies any final soft-cap itself.
-    per_stream = LensLoss(translate.lens)(streams, final)
+def reference_kl_step(translate, readout, streams, final, scale, chunk_tokens=None):
+    """Plain autograd through the whole readout and `forward_kl`, stream by stream."""
+    per_stream = autograd_kl(translate.lens, streams, final)
     (per_stream.sum() * scale).backward()
     return per_stream.detach().double()
 

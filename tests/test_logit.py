@@ -78,8 +78,6 @@ def test_sublayer_points_equal_transformers(model, hf_model, tokens, hf_referenc
         with torch.no_grad():
             got = lens.decode(cache, i, point=point)
         torch.testing.assert_close(got, hf_decode(hf_model, ref_h), atol=1e-4, rtol=1e-4)
-    layers = [s.layer for s, _ in lens.decode_all(cache, point)]
-    assert layers == list(range(model.cfg.n_layers))
 
 
 def test_final_norm_is_recomputed_on_each_stream(model, tokens):

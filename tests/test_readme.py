@@ -176,3 +176,26 @@ def test_readme_python_blocks_run(in_scratch_copy, default_model_path):
             exec(compile(body, f"README.md python block {i + 1}", "exec"), namespace)
         except Exception as e:
             raise AssertionError(f"README python block {i + 1} raised {type(e).__name__}: {e}\n{body}") from e
+
+
+def families_table() -> list[list[str]]:
+    """The body rows of the table under README's "## Model families", as stripped cells."""
+    section = re.split(r"^## Model families\n", TEXT, flags=re.M)
+    assert len(section) == 2, "README.md needs one '## Model families' section with the families table"
+    body = re.split(r"^## ", section[1], flags=re.M)[0]
+    rows = [line.strip() for line in body.splitlines() if line.strip().startswith("|")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]  # past the header and |---|
+
+
+def test_readme_families_table_is_the_registry():
+    from lenskit.families import FAMILIES
+
+    rows = families_table()
+    listed = [row[0].strip("`") for row in rows]
+    assert listed == list(FAMILIES), (
+        f"README's Model families table lists {listed}, the registry (lenskit/families.py) {list(FAMILIES)}: "
+        "add, remove or reorder the table's rows to match")
+    for row in rows:
+        family = FAMILIES[row[0].strip("`")]
+        assert row[1] == family.models, f"README's {family.model_type} row names models {row[1]!r}, the registry {family.models!r}"
+        assert f"`{family.hf_class}`" in row[-1], f"README's {family.model_type} row should claim parity with `{family.hf_class}`"

@@ -9,7 +9,15 @@ import pandas as pd
 
 import lenskit
 from lenskit import accounting
-from lenskit.config import PRESETS, ModelConfig
+from lenskit.config import ModelConfig
+from lenskit.families import FAMILIES, PRESETS
+
+
+def model_help() -> str:
+    """`--model`'s help: every registered family with its presets, from the registry."""
+    presets = "; ".join(f"{t}: {', '.join(f.presets)}" if f.presets else t for t, f in FAMILIES.items())
+    return ("a model folder, a preset name by model_type (" + presets + "; an organisation prefix such as "
+            "EleutherAI/ is fine) or a hub name in the local Hugging Face cache; default: the embedded model")
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
@@ -18,11 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         description="Print a model's parameter counts (per block: attention, MLP, norms; weights and biases "
                     "apart), its non-embedding total and FLOPs per token. Reads only the config, never the weights.",
     )
-    p.add_argument("--model", default=None,
-                   help="a model folder, a preset name (gpt2..gpt2-xl, pythia-70m..pythia-12b, llama-3.2-1b, "
-                        "llama-3.2-3b, llama-3.1-8b, mistral-7b, qwen2.5-0.5b/1.5b/7b, qwen3-0.6b/1.7b/4b/8b; an "
-                        "organisation prefix such as EleutherAI/ is fine) or a hub name in the local Hugging Face "
-                        "cache; default: the embedded model")
+    p.add_argument("--model", default=None, help=model_help())
     p.add_argument("--n-ctx", type=int, default=None, help="context length for the FLOP count (default: the model's)")
     p.add_argument("--tokens", type=float, default=None, help="also print the training compute 6ND for this many tokens")
     p.add_argument("--csv", default=None, help="write the per-component parameter table to this CSV file")

@@ -1,0 +1,77 @@
+"""The model's readout: final norm, unembedding, then any final logit soft-cap. Written once, here.
+
+Everything that turns a residual vector into next-token logits goes through `Readout`: the model's own
+forward, every lens, the tuned-lens training step, evaluation and direct logit attribution. A change to
+the readout (a new family's cap, a bias) is one edit.
+
+>>> model.readout(h)                  # [..., d_model] -> logits [..., d_vocab], as the model computes them
+>>> model.readout.uncapped(h)         # before the soft-cap (what attribution splits into parts)
+>>> model.readout.into(h, out)        # float32 logits written into a reused [rows, d_vocab] buffer
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .linear import linear, linear_into
+
+
+class Readout:
+    """`cap(unembed(norm(h)))`, with the norm's scale computed on this `h`.
+
+    It holds the model's own `ln_final` and `unembed` modules (not copies), so moving or editing the
+    model moves and edits its readout. `softcap` is the final logit cap c (logits = c tanh(z / c)) or None.
+    """
+
+    def __init__(self, norm: nn.Module, unembed: nn.Linear, softcap: float | None) -> None:
+        self.norm, self.unembed, self.softcap = norm, unembed, softcap
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., d_model] -> logits [..., d_vocab] in the model's dtype."""
+        return self.cap_(self.unembed(self.norm(h)))
+
+    def uncapped(self, h: torch.Tensor) -> torch.Tensor:
+        """The logits before any final soft-cap (the same as calling the readout for a model without one)."""
+        return self.unembed(self.norm(h))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The unembedding [d_vocab, d_model]."""
+        return self.unembed.weight
+
+    @property
+    def d_vocab(self) -> int:
+        return self.unembed.weight.shape[0]
+
+    def normed(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm of h, in the model's dtype (h is cast to it first)."""
+        dtype = self.unembed.weight.dtype
+        return self.norm(h if h.dtype == dtype else h.to(dtype))
+
+    def into(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The readout of rows h [rows, d_model] written into the float32 buffer out [rows, d_vocab]."""
+        return self.normed_into(self.normed(h), out)
+
+    def normed_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`into` for rows that are already through the final norm: unembedding, then the cap, into `out`.
+        A half-precision model's logits are computed, capped included, in its dtype, as its forward does."""
+        weight, bias = self.unembed.weight, self.unembed.bias
+        if weight.dtype != out.dtype:
+            return out.copy_(self.cap_(linear(x.to(weight.dtype), weight, bias)))
+        return self.cap_(linear_into(x, weight, bias, out))
+
+    def cap_(self, z: torch.Tensor) -> torch.Tensor:
+        """The final soft-cap applied to z in place where the model has one; z itself otherwise."""
+        if self.softcap is None:
+            return z
+        if torch.is_grad_enabled() and z.requires_grad:
+            return torch.tanh(z / self.softcap) * self.softcap  # out of place, so autograd sees it
+        return z.div_(self.softcap).tanh_().mul_(self.softcap)
+
+    def cap_backward_(self, grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """grad w.r.t. the capped logits -> grad w.r.t. the unembedding's output, in place. With logits =
+        c tanh(z / c), d logits / d z = 1 - (logits / c)^2, read off the capped logits themselves."""
+        if self.softcap is None:
+            return grad
+        return grad.mul_(1 - (logits / self.softcap).square_())

@@ -1,0 +1,124 @@
+"""Writing a `ModelConfig` as its family's Hugging Face `config.json`: one writer per family, the way back
+from `readers.py`.
+
+Each writer returns the family's fields in the spelling transformers 5 writes (`rope_parameters`, not
+`rope_theta` + `rope_scaling`). A writer does not judge whether the family can express a config: the
+registry (`Family.hf_config`) reads what was written back through the family's reader and refuses, by
+field, a config that does not come back unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+
+_LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}
+
+
+def _common(cfg: "ModelConfig") -> dict[str, Any]:
+    # No pad id: lenskit does not keep one (the tokenizer does), and some families' defaults (Phi-3's 32000)
+    # lie outside a small vocabulary, which transformers refuses.
+    return {
+        "vocab_size": cfg.d_vocab, "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": None, "initializer_range": cfg.initializer_range, "tie_word_embeddings": cfg.tie_word_embeddings,
+    }
+
+
+def _int_if_whole(x: float | None) -> float | int | None:
+    """transformers 5's Gemma configs type query_pre_attn_scalar as an int and refuse 256.0."""
+    return int(x) if isinstance(x, float) and x.is_integer() else x
+
+
+def _rope(cfg: "ModelConfig", base: float | None = None, scaled: bool = True, partial: bool = False) -> dict[str, Any]:
+    """`rope_parameters` for our rotary fields, at `base` (default `rotary_base`); unscaled if not `scaled`.
+    `partial_rotary_factor` is written when not 1, or always with `partial` (NeoX's default is 0.25)."""
+    params: dict[str, Any] = {"rope_type": cfg.rope_type if scaled else "default",
+                              "rope_theta": cfg.rotary_base if base is None else base}
+    rotary_dim = cfg.rotary_dim or cfg.d_head
+    if partial or rotary_dim != cfg.d_head:
+        params["partial_rotary_factor"] = rotary_dim / cfg.d_head
+    if params["rope_type"] == "linear":
+        params["factor"] = cfg.rope_factor
+    elif params["rope_type"] == "llama3":
+        params.update(factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                      high_freq_factor=cfg.rope_high_freq_factor,
+                      original_max_position_embeddings=cfg.rope_original_n_ctx)
+    return params
+
+
+def write_gpt2(cfg: "ModelConfig") -> dict[str, Any]:
+    return {
+        "n_layer": cfg.n_layers, "n_embd": cfg.d_model, "n_head": cfg.n_heads, "n_inner": cfg.d_mlp,
+        "vocab_size": cfg.d_vocab, "n_positions": cfg.n_ctx, "layer_norm_epsilon": cfg.norm_eps,
+        "activation_function": cfg.activation, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "initializer_range": cfg.initializer_range, "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True, "use_cache": True,
+    }
+
+
+def write_gpt_neox(cfg: "ModelConfig") -> dict[str, Any]:
+    return {
+        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "intermediate_size": cfg.d_mlp, "max_position_embeddings": cfg.n_ctx, "layer_norm_eps": cfg.norm_eps,
+        "hidden_act": cfg.activation, "use_parallel_residual": cfg.parallel_block, "attention_bias": cfg.qkv_bias,
+        "rope_parameters": _rope(cfg, partial=True), **_common(cfg),
+        "hidden_dropout": 0.0, "attention_dropout": 0.0,
+    }
+
+
+def _llama_like(cfg: "ModelConfig", head_dim: bool = True) -> dict[str, Any]:
+    """What the SwiGLU families share; `head_dim` only where transformers reads it (not Qwen 2, OLMo 2, Phi-3)."""
+    return {
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        **({"head_dim": cfg.d_head} if head_dim else {}), "hidden_act": "silu", "max_position_embeddings": cfg.n_ctx,
+        "rms_norm_eps": cfg.norm_eps, **_common(cfg), "rope_parameters": _rope(cfg), "attention_dropout": 0.0,
+    }
+
+
+def write_llama(cfg: "ModelConfig") -> dict[str, Any]:
+    return {**_llama_like(cfg), "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias}
+
+
+def write_mistral(cfg: "ModelConfig") -> dict[str, Any]:
+    return {**_llama_like(cfg), "sliding_window": cfg.sliding_window}
+
+
+def write_qwen2(cfg: "ModelConfig") -> dict[str, Any]:
+    return {**_llama_like(cfg, head_dim=False), "use_sliding_window": False}
+
+
+def write_qwen3(cfg: "ModelConfig") -> dict[str, Any]:
+    return {**_llama_like(cfg), "attention_bias": cfg.qkv_bias, "use_sliding_window": False}
+
+
+def write_olmo2(cfg: "ModelConfig") -> dict[str, Any]:
+    return {**_llama_like(cfg, head_dim=False), "attention_bias": cfg.qkv_bias}
+
+
+def write_phi3(cfg: "ModelConfig") -> dict[str, Any]:
+    return {**_llama_like(cfg, head_dim=False), "sliding_window": cfg.sliding_window}
+
+
+def _gemma(cfg: "ModelConfig") -> dict[str, Any]:
+    return {
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head,
+        "hidden_activation": cfg.activation, "max_position_embeddings": cfg.n_ctx, "rms_norm_eps": cfg.norm_eps,
+        **_common(cfg), "attention_bias": cfg.qkv_bias, "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar),
+        "sliding_window": cfg.sliding_window,
+        "layer_types": [_LAYER_TYPES[cfg.layer_type(i)] for i in range(cfg.n_layers)],
+        "final_logit_softcapping": cfg.final_softcap, "attention_dropout": 0.0,
+    }
+
+
+def write_gemma2(cfg: "ModelConfig") -> dict[str, Any]:
+    return {**_gemma(cfg), "rope_parameters": _rope(cfg), "attn_logit_softcapping": cfg.attn_softcap}
+
+
+def write_gemma3_text(cfg: "ModelConfig") -> dict[str, Any]:
+    local = cfg.rotary_base if cfg.local_rotary_base is None else cfg.local_rotary_base
+    return {**_gemma(cfg), "attn_logit_softcapping": None,
+            "rope_parameters": {"sliding_attention": _rope(cfg, base=local, scaled=False), "full_attention": _rope(cfg)}}

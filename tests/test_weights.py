@@ -1,0 +1,160 @@
+"""lenskit.weights: TransformerLens's weight views, owned by each block's attention and MLP and stacked over
+layers, on every family. The views are checked as identities: they recompute what the modules computed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lenskit
+from lenskit import HookedTransformer, ModelConfig
+from lenskit.layers import MLP
+
+TOKENS = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(3))
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+
+
+def act(cfg: ModelConfig, pre: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation, from the config alone (SiLU for SwiGLU, the config's GELU otherwise)."""
+    return F.silu(pre) if cfg.mlp in ("swiglu", "swiglu_fused") else F.gelu(pre, approximate=cfg.gelu_approximate)
+
+
+def mlp_io(model: HookedTransformer, tokens: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict]:
+    """Each block's MLP input and output [batch, pos, d_model] (whatever the block form), and the MLP hooks."""
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    handles = [block.mlp.register_forward_hook(lambda mod, args, out: seen.append((args[0], out)))
+               for block in model.blocks]
+    try:
+        with torch.no_grad():
+            _, cache = model.run_with_cache(tokens, names_filter=lambda name: ".mlp.hook_" in name)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen, cache
+
+
+def test_shapes(family_model):
+    model = family_model.model
+    c = model.cfg
+    gated = c.mlp != "gelu"
+    assert model.W_in.shape == (c.n_layers, c.d_model, c.d_mlp)
+    assert model.W_out.shape == (c.n_layers, c.d_mlp, c.d_model)
+    assert model.b_in.shape == (c.n_layers, c.d_mlp) and model.b_out.shape == (c.n_layers, c.d_model)
+    if gated:
+        assert model.W_gate.shape == (c.n_layers, c.d_model, c.d_mlp) and model.b_gate.shape == (c.n_layers, c.d_mlp)
+    else:
+        assert model.W_gate is None and model.b_gate is None
+    assert model.W_Q.shape == model.W_K.shape == model.W_V.shape == (c.n_layers, c.n_heads, c.d_model, c.d_head)
+    assert model.b_Q.shape == model.b_K.shape == model.b_V.shape == (c.n_layers, c.n_heads, c.d_head)
+    assert model.W_O.shape == (c.n_layers, c.n_heads, c.d_head, c.d_model) and model.b_O.shape == (c.n_layers, c.d_model)
+    for l, block in enumerate(model.blocks):  # the stacks are the blocks' own views
+        assert isinstance(block.mlp, MLP)
+        for name in ("W_in", "W_gate", "W_out", "b_in", "b_gate", "b_out"):
+            view = getattr(block.mlp, name)
+            assert (view is None) if name in ("W_gate", "b_gate") and not gated else torch.equal(view, getattr(model, name)[l])
+        for name in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O"):
+            assert torch.equal(getattr(block.attn, name), getattr(model, name)[l])
+
+
+def test_mlp_views_reproduce_the_mlp(family_model):
+    """mlp(x) == act(x @ W_gate + b_gate) * (x @ W_in + b_in) @ W_out + b_out (gated), or
+    act(x @ W_in + b_in) @ W_out + b_out (GELU), from the MLP's own input, and each hook in between."""
+    model = family_model.model
+    c = model.cfg
+    seen, cache = mlp_io(model, TOKENS)
+    assert len(seen) == c.n_layers
+    for l, (x, out) in enumerate(seen):
+        linear = x @ model.W_in[l] + model.b_in[l]  # [batch, pos, d_mlp]
+        if model.W_gate is None:
+            close(linear, cache[f"blocks.{l}.mlp.hook_pre"])
+            post = act(c, linear)
+        else:
+            gate = x @ model.W_gate[l] + model.b_gate[l]
+            close(gate, cache[f"blocks.{l}.mlp.hook_pre"])
+            close(linear, cache[f"blocks.{l}.mlp.hook_pre_linear"])
+            post = act(c, gate) * linear
+        close(post, cache[f"blocks.{l}.mlp.hook_post"])
+        close(post @ model.W_out[l] + model.b_out[l], out)
+
+
+def test_attention_views_reproduce_q_k_v(family_model):
+    """hook_q == x @ W_Q + b_Q per head, and k, v per query head (kv heads repeated), from attention's input."""
+    model = family_model.model
+    c = model.cfg
+    seen = []
+    handles = [block.attn.register_forward_hook(lambda mod, args, out: seen.append((args[0], out))) for block in model.blocks]
+    try:
+        with torch.no_grad():
+            _, cache = model.run_with_cache(TOKENS, names_filter=lambda name: name.endswith(("hook_q", "hook_k", "hook_v", "hook_z")))
+    finally:
+        for handle in handles:
+            handle.remove()
+    group = c.n_heads // c.n_kv_heads
+    for l, (x, out) in enumerate(seen):
+        close(torch.einsum("bpm,hmd->bphd", x, model.W_Q[l]) + model.b_Q[l], cache["q", l])
+        for w, b, short in [(model.W_K, model.b_K, "k"), (model.W_V, model.b_V, "v")]:
+            close(torch.einsum("bpm,hmd->bphd", x, w[l]) + b[l], cache[short, l].repeat_interleave(group, dim=2))
+        close(torch.einsum("bphd,hdm->bpm", cache["z", l], model.W_O[l]) + model.b_O[l], out)
+
+
+def test_mlp_views_match_transformers_parameters(family_model):
+    """W_in is the ungated input (up_proj, c_fc, dense_h_to_4h), W_gate the gate; Phi-3's are gate_up's halves."""
+    family, hf, model = family_model.family, family_model.hf, family_model.model
+    layers = hf.transformer.h if family == "gpt2" else hf.gpt_neox.layers if family == "gpt_neox" else hf.model.layers
+    for l, layer in enumerate(layers):
+        mlp = layer.mlp
+        if family == "gpt2":  # Conv1D weights are already x @ W
+            assert torch.equal(model.W_in[l], mlp.c_fc.weight) and torch.equal(model.b_in[l], mlp.c_fc.bias)
+            assert torch.equal(model.W_out[l], mlp.c_proj.weight) and torch.equal(model.b_out[l], mlp.c_proj.bias)
+        elif family == "gpt_neox":
+            assert torch.equal(model.W_in[l], mlp.dense_h_to_4h.weight.T) and torch.equal(model.b_in[l], mlp.dense_h_to_4h.bias)
+            assert torch.equal(model.W_out[l], mlp.dense_4h_to_h.weight.T)
+        else:
+            if family == "phi3":
+                gate, up = mlp.gate_up_proj.weight.chunk(2, dim=0)  # [gate rows | up rows], as Phi3MLP splits it
+            else:
+                gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
+            assert torch.equal(model.W_gate[l], gate.T) and torch.equal(model.W_in[l], up.T)
+            assert torch.equal(model.W_out[l], mlp.down_proj.weight.T)
+            assert not model.b_in.any() and not model.b_gate.any() and not model.b_out.any()
+
+
+def test_phi3_views_are_views_of_gate_up():
+    """FusedSwiGLU's W_gate / W_in share gate_up's storage, so an edit of the parameter shows in them."""
+    cfg = ModelConfig.from_name("phi-3-mini").replace(n_layers=1, d_model=32, n_heads=4, d_mlp=24, d_vocab=50, n_ctx=32)
+    mlp = HookedTransformer(cfg).blocks[0].mlp
+    with torch.no_grad():
+        mlp.gate_up.weight[0, 0] = 7.0  # the first gate row
+        mlp.gate_up.weight[24, 1] = 8.0  # the first up row
+    assert mlp.W_gate[0, 0] == 7.0 and mlp.W_in[1, 0] == 8.0
+    assert mlp.W_gate.data_ptr() == mlp.gate_up.weight.data_ptr()
+
+
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu", "geglu", "swiglu_fused"])
+def test_mlp_biases_enter_the_views(mlp):
+    """With mlp_bias (no family fixture has gated-MLP biases), b_gate and b_in are the biases the forward adds."""
+    cfg = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_vocab=50, n_ctx=32, d_mlp=24, mlp=mlp, mlp_bias=True,
+                      activation="gelu_pytorch_tanh")
+    model = HookedTransformer(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    assert model.b_in.abs().min() > 0 and model.b_out.abs().min() > 0
+    assert mlp == "gelu" or model.b_gate.abs().min() > 0
+    seen, _ = mlp_io(model, TOKENS)
+    for l, (x, out) in enumerate(seen):
+        linear = x @ model.W_in[l] + model.b_in[l]
+        post = act(cfg, linear) if mlp == "gelu" else act(cfg, x @ model.W_gate[l] + model.b_gate[l]) * linear
+        close(post @ model.W_out[l] + model.b_out[l], out)
+
+
+def test_absent_biases_read_as_zeros():
+    cfg = lenskit.PRESETS["llama-3.2-1b"].replace(n_layers=2, d_model=32, n_heads=4, d_vocab=50, n_ctx=32)
+    model = HookedTransformer(cfg)
+    for name in ("b_in", "b_gate", "b_out", "b_Q", "b_K", "b_V", "b_O"):
+        assert not getattr(model, name).any(), name
