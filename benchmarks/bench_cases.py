@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -13,8 +14,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 
-from lenskit import HookedTransformer, ModelConfig
-from lenskit.stream import resid_writes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/references.py
+
+from lenskit import HookedTransformer, ModelConfig  # noqa: E402
+from references import resid_writes  # noqa: E402
 
 MATMUL_N = 2048  # the peak: an [N, N] @ [N, N] fp32 matmul, 2 N^3 FLOPs
 
@@ -133,7 +136,7 @@ def gpu_cases(lk, tokens: torch.Tensor) -> dict[str, Callable[[], object]]:
     def train_step():
         with torch.inference_mode(False), torch.enable_grad():
             streams, final = collect_streams(lens, tokens)
-            kl = kl_step(objective, lk.unembed, streams, final, scale=1 / tokens.numel())
+            kl = kl_step(objective, lk.readout, streams, final, scale=1 / tokens.numel())
             opt.step()
             opt.zero_grad(set_to_none=True)
         return kl

@@ -96,7 +96,7 @@ def ensure_checkpoint(folder: Path, preset: str, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
     from lenskit import HookedTransformer, ModelConfig
-    from lenskit.layouts import layout_of
+    from lenskit.families import family_of
     from lenskit.loading import expected_shapes, hf_name_map
 
     if (folder / "model.safetensors.index.json").exists():
@@ -104,7 +104,7 @@ def ensure_checkpoint(folder: Path, preset: str, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     cfg = ModelConfig.from_name(preset)
     shapes = expected_shapes(HookedTransformer, cfg)
-    layout = layout_of(cfg.family)
+    layout = family_of(cfg.family).layout
     gen = torch.Generator().manual_seed(seed)
     weight_map, shard, shard_bytes, n, total = {}, {}, 0, 0, 0
 

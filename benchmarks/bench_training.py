@@ -34,7 +34,7 @@ import lenskit  # noqa: E402
 import lenses.training  # noqa: E402
 from bench_cases import MATMUL_N, ensure_model_folder, forward_flops  # noqa: E402
 from lenses import TunedLens  # noqa: E402
-from autograd_reference import autograd_kl  # noqa: E402
+from references import autograd_kl  # noqa: E402
 from lenses.training import Recipe, train  # noqa: E402
 from lenskit.data import TokenStream  # noqa: E402
 

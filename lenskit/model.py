@@ -313,7 +313,7 @@ class HookedTransformer(WeightViews, HookedRootModule):
         return from_hf(cls, hf_model, tokenizer)
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
-        """Write the Hugging Face GPT-2 layout: config.json, model.safetensors and the tokenizer files."""
+        """Write the family's own Hugging Face layout: config.json, model.safetensors and the tokenizer files."""
         from .loading import save_pretrained
 
         save_pretrained(self, folder)

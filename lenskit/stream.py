@@ -155,7 +155,3 @@ def stream_hook_names(n_layers: int, points: str | tuple[str, ...] = FINAL_POINT
     """Hook names of `streams(n_layers, points)`, in the same order."""
     return [s.hook_name(n_layers) for s in streams(n_layers, points)]
 
-
-def resid_writes(n_layers: int) -> list[str]:
-    """Every residual-stream hook of every block (each point of `POINTS`), block by block."""
-    return [block_hook_name(layer, suffix) for layer in range(n_layers) for suffix in POINTS.values()]

@@ -11,7 +11,7 @@ from conftest import make_hf_family
 from lens_fixtures import write_text_folder, write_tiny_model
 from lenses import LogitLens, Trajectory, TunedLens, metrics
 from lenses.lens_step import TranslatedStreams, kl_step
-from autograd_reference import autograd_kl
+from references import autograd_kl
 from lenses.training import Recipe, collect_streams, train
 from lenskit import HookedTransformer, Stream
 from lenskit.data import load_token_stream

@@ -346,7 +346,7 @@ def test_gemma_blocks_alternate_window_and_rotary_base(tokens):
 def test_tuned_lens_step_through_a_final_soft_cap_equals_autograd(tokens):
     from lenses import TunedLens
     from lenses.lens_step import TranslatedStreams, kl_step
-    from autograd_reference import autograd_kl
+    from references import autograd_kl
     from lenses.training import collect_streams
     from lenskit.readout import Readout
 

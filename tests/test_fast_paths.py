@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import make_hf_gpt2
 from golden import ATOL, hf_reference, max_diff
 from lenskit import HookedTransformer, Stream
-from lenskit.stream import resid_writes
+from references import resid_writes
 
 def resid_names(model: HookedTransformer) -> list[str]:
     return resid_writes(model.cfg.n_layers)

@@ -1,6 +1,11 @@
-"""lenskit.linear: half-precision matmuls on the CPU, natively or upcast to float32, and the choice between them."""
+"""lenskit.linear: half-precision matmuls on the CPU, natively or upcast to float32, and the rule between them
+(the CPU's reported flags: never a timing, never the size of a call)."""
 
 from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,21 +18,84 @@ from lenskit import HookedTransformer
 
 @pytest.fixture
 def mode(monkeypatch):
-    monkeypatch.setattr(L, "MIN_ROWS", 1)  # the small test inputs take the upcast path too
-
     def set_mode(value: str) -> None:
         monkeypatch.setattr(L, "HALF_MATMUL", value)
 
     return set_mode
 
 
-def test_few_rows_multiply_natively_even_where_upcasting_is_chosen(monkeypatch):
-    monkeypatch.setattr(L, "HALF_MATMUL", "float32")
-    w = torch.randn(6, 8).bfloat16()
-    few = torch.randn(L.MIN_ROWS - 1, 8).bfloat16()
-    many = torch.randn(2, L.MIN_ROWS // 2, 8).bfloat16()
-    assert torch.equal(L.linear(few, w), F.linear(few, w))
-    assert torch.equal(L.linear(many, w), L.upcast_linear(many, w))
+def cpu_with(monkeypatch, *flags: str) -> None:
+    """Pretend the CPU reports these flags (as /proc/cpuinfo would)."""
+    monkeypatch.setattr(L, "cpu_flags", lambda: frozenset(flags))
+
+
+@pytest.mark.parametrize("flags, dtype, upcast", [
+    (("avx2", "avx512f"), torch.bfloat16, True),              # a Xeon without bf16 instructions
+    (("avx2", "avx512f", "avx512_bf16"), torch.bfloat16, False),
+    (("avx2", "amx_bf16", "amx_tile"), torch.bfloat16, False),
+    (("avx2", "avx512_bf16"), torch.float16, True),          # bf16 instructions say nothing about fp16
+    (("avx512_fp16",), torch.float16, False),
+    (("fp", "asimd", "bf16"), torch.bfloat16, False),         # an Arm core's Features line
+    ((), torch.bfloat16, False),                              # flags unreadable (not Linux): stock behaviour
+])
+def test_the_rule_reads_the_cpu_flags(monkeypatch, flags, dtype, upcast):
+    cpu_with(monkeypatch, *flags)
+    assert L.half_matmul_in_float32(dtype) is upcast
+
+
+def test_this_machines_flags_are_read():
+    flags = L.cpu_flags()
+    assert isinstance(flags, frozenset)
+    if Path("/proc/cpuinfo").exists() and platform.machine() in ("x86_64", "AMD64"):
+        assert "sse2" in flags  # every x86-64 CPU has it, so the line was found and split
+
+
+@pytest.mark.parametrize("flags", [("avx512f",), ("avx512f", "avx512_bf16")])
+def test_prompts_of_255_and_256_tokens_follow_the_rule(monkeypatch, flags, mode):
+    """A bf16 model on 255 and 256 tokens: every projection takes the rule's path (an earlier version
+    switched paths at 256 rows), and each run is bit-identical to the same run with that path forced."""
+    cpu_with(monkeypatch, *flags)
+    upcast = L.half_matmul_in_float32(torch.bfloat16)
+    assert upcast is ("avx512_bf16" not in flags)
+    model = HookedTransformer.from_hf(make_hf_gpt2(seed=4, n_positions=256)).to(torch.bfloat16)
+    n_linears = sum(isinstance(m, L.Linear) for m in model.modules())
+    calls = []
+    real = L.upcast_linear
+    monkeypatch.setattr(L, "upcast_linear", lambda *a: calls.append(a[0].shape[-2]) or real(*a))
+    gen = torch.Generator().manual_seed(1)
+    for n in (255, 256):
+        tokens = torch.randint(0, model.cfg.d_vocab, (1, n), generator=gen)
+        calls.clear()
+        with torch.no_grad():
+            by_rule = model(tokens)
+            assert len(calls) == (n_linears if upcast else 0), n
+            mode("float32" if upcast else "native")
+            forced = model(tokens)
+        mode("auto")
+        assert torch.equal(by_rule, forced), n
+
+
+def test_a_slow_or_fast_machine_gives_the_same_numbers(monkeypatch):
+    """Nothing in lenskit.linear looks at the clock: a machine that seems ten times slower, or whose clock
+    jumps, computes bit-identical logits."""
+    cpu_with(monkeypatch, "avx512f")  # the upcast path, the one an earlier version chose by timing
+    model = HookedTransformer.from_hf(make_hf_gpt2(seed=5)).to(torch.bfloat16)
+    tokens = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = model(tokens)
+    calls = []
+
+    def slow_clock():
+        calls.append(1)
+        return 10.0 * len(calls) ** 2  # every reading much later than the one before
+
+    monkeypatch.setattr(time, "perf_counter", slow_clock)
+    monkeypatch.setattr(time, "time", slow_clock)
+    monkeypatch.setattr(time, "monotonic", slow_clock)
+    with torch.no_grad():
+        after = model(tokens)
+    assert torch.equal(before, after)
+    assert not calls  # and the clock was never read
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -65,9 +133,8 @@ def test_float32_weights_and_native_mode_are_plain_f_linear(mode):
     assert torch.equal(L.linear(x.bfloat16(), w.bfloat16()), L.upcast_linear(x.bfloat16(), w.bfloat16()))
 
 
-def test_the_choice_is_a_measured_bool_and_a_bad_setting_is_refused(mode):
+def test_the_choice_is_a_bool_and_a_bad_setting_is_refused(mode):
     assert isinstance(L.half_matmul_in_float32(torch.bfloat16), bool)
-    assert L._measured_faster_in_float32.cache_info().currsize >= 1  # measured once, then remembered
     mode("fast")
     with pytest.raises(ValueError, match="HALF_MATMUL must be 'auto', 'native' or 'float32'"):
         L.linear(torch.ones(1, 2, dtype=torch.bfloat16), torch.ones(3, 2, dtype=torch.bfloat16))

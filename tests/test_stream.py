@@ -13,7 +13,8 @@ import lenskit
 from lenskit import Stream
 from lenskit.interventions import Attn, ablation_hooks
 from lenskit.patching import patching_hooks
-from lenskit.stream import check_layer, resid_writes, stream_hook_names, streams
+from lenskit.stream import check_layer, stream_hook_names, streams
+from references import resid_writes
 from lenses import LogitLens, TunedLens
 
 ROOT = Path(__file__).resolve().parents[1]

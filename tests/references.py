@@ -1,0 +1,20 @@
+"""What the tests and the benchmarks share and the library does not need: the tuned-lens objective by plain
+autograd (the independent reference for `lenses.lens_step`, and the benchmarks' autograd contender), and
+the list of every residual-stream hook."""
+
+from __future__ import annotations
+
+import torch
+
+from lenses.metrics import forward_kl
+from lenskit.stream import POINTS, block_hook_name
+
+
+def autograd_kl(lens, streams, final_logits: torch.Tensor) -> torch.Tensor:
+    """streams [(s, h [batch, pos, d_model])], final logits [batch, pos, d_vocab] -> summed KL per stream [n]."""
+    return torch.stack([forward_kl(final_logits, lens(h, s)).sum() for s, h in streams])
+
+
+def resid_writes(n_layers: int) -> list[str]:
+    """Every residual-stream hook of every block (each point of `lenskit.stream.POINTS`), block by block."""
+    return [block_hook_name(layer, suffix) for layer in range(n_layers) for suffix in POINTS.values()]
