@@ -55,6 +55,11 @@ class Lens(nn.Module, ABC):
         out [rows, d_vocab]. Evaluation calls this; a lens may write straight into `out`."""
         return out.copy_(self(h, s))
 
+    def reads_as_model(self, s: Stream) -> bool:
+        """Whether this lens's logits at stream s are the model's own readout of the stream (the logit lens at
+        every stream, a tuned lens at the last). Evaluation reuses the model's numbers there; False is always safe."""
+        return False
+
     def decode(self, cache: ActivationCache, s: int | str | Stream, point: str | None = None) -> torch.Tensor:
         """Logits [batch, pos, d_vocab] of the stream at `s` read from a cache (`point` names the point of a bare layer)."""
         s = as_stream(s, point)

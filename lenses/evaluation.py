@@ -98,48 +98,63 @@ def _per_token_stats(model: HookedTransformer, lenses: dict[str, Lens], hs: list
     With z a row of lens logits, peak its largest value and e_v = exp(z_v - peak): lse = peak + log sum e,
     H(q) = log sum e - sum e (z - peak) / sum e, CE = lse - z[next]. With the final's own e^f, peak^f:
     KL(p || q) = sum p log p - sum p log q = (sum e^f (z^f - peak^f) - sum e^f (z - peak)) / sum e^f
-    + log sum e - log sum e^f, which is exactly 0 where z = z^f (the last stream)."""
+    + log sum e - log sum e^f, which is exactly 0 where z = z^f. A lens that reads the last stream as the
+    model does (`Lens.reads_as_model`) takes the final's own numbers there instead of computing them again."""
     n_layers, d_model = len(locations), hs[0].shape[-1]
     flat = [h.reshape(-1, d_model) for h in hs]  # [batch * pos, d_model] per stream
     n, d_vocab = len(flat[0]), model.readout.d_vocab
-    next_ids = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(-1)  # position pos-1's is a stand-in, dropped later
+    next_ids = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(-1, 1)  # position pos-1's is a stand-in, dropped later
     chunk = min(n, max(CHUNK_ROWS, CHUNK_BYTES // (4 * d_vocab)))
     final_z, final_e, z, scratch = torch.empty(4, chunk, d_vocab, dtype=torch.float32, device=flat[0].device)
     out = {name: {k: torch.empty(n_layers, n, dtype=torch.float32, device=z.device) for k in ("kl", "ce", "entropy")}
            for name in lenses}
     for name in lenses:
         out[name]["agree"] = torch.empty(n_layers, n, dtype=torch.bool, device=z.device)
+    last = locations[-1]
     for t0 in range(0, n, chunk):
         t1 = min(t0 + chunk, n)
-        rows = slice(t0, t1)
-        f = model.readout.into(flat[-1][rows], final_z[: t1 - t0])
-        f_e, buf = final_e[: t1 - t0], scratch[: t1 - t0]
-        top, _, f_log_mass, f_weighted, f_mass = _row_stats(f, f_e, buf)  # f_e kept for every lens and layer
+        rows, c = slice(t0, t1), t1 - t0
+        f_e, buf = final_e[:c], scratch[:c]
+        f = model.readout.into(flat[-1][rows], final_z[:c])
+        top = first_max(f)[:, None]  # the final's top-1, as argmax
+        f_next = f.gather(1, next_ids[rows])
+        f_peak, f_log_mass, f_weighted, f_mass, _ = _row_stats(f, top, f_e, buf)  # f_e kept for every lens and layer
+        f_ce, f_entropy = f_peak + f_log_mass - f_next.squeeze(1), f_log_mass - f_weighted / f_mass
         for name, lens in lenses.items():
             o = out[name]
             for l, s in enumerate(locations):
-                zl = lens.logits_into(flat[l][rows], s, z[: t1 - t0])
-                z_next = zl.gather(1, next_ids[rows, None]).squeeze(1)
-                ids, peak, log_mass, weighted, mass = _row_stats(zl, buf)
-                cross = torch.mul(f_e, zl, out=buf).sum(-1)  # sum e^f (z - peak): zl was shifted in place
+                if s == last and lens.reads_as_model(s):
+                    o["kl"][l, rows], o["ce"][l, rows], o["entropy"][l, rows], o["agree"][l, rows] = 0.0, f_ce, f_entropy, True
+                    continue
+                zl = lens.logits_into(flat[l][rows], s, z[:c])
+                z_next = zl.gather(1, next_ids[rows]).squeeze(1)
+                peak, log_mass, weighted, mass, agree = _row_stats(zl, top, buf)
+                cross = torch.mul(f_e, zl, out=buf).nansum(-1)  # sum e^f (z - peak): zl was shifted in place
                 o["kl"][l, rows] = (f_weighted - cross) / f_mass + (log_mass - f_log_mass)
                 o["ce"][l, rows] = peak + log_mass - z_next
                 o["entropy"][l, rows] = log_mass - weighted / mass
-                o["agree"][l, rows] = ids == top
+                o["agree"][l, rows] = agree
     return out
 
 
-def _row_stats(z: torch.Tensor, e: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """For logits z [rows, d_vocab] (float32, a buffer: shifted in place to z - peak, -inf clamped to the
-    lowest float so that 0 * (z - peak) is 0): (first maximum, as argmax; peak; log sum e; sum e (z - peak);
-    sum e), with e := exp(z - peak) written into the buffer `e`. Without `scratch`, e is used up by the last sum."""
-    ids = first_max(z)
-    peak = z.gather(1, ids[:, None])
-    z.sub_(peak).clamp_(min=torch.finfo(z.dtype).min)
-    torch.exp(z, out=e)
-    mass = e.sum(-1)
-    weighted = (e.mul_(z) if scratch is None else torch.mul(e, z, out=scratch)).sum(-1)
-    return ids, peak.squeeze(1), mass.log(), weighted, mass
+def _row_stats(z: torch.Tensor, ref: torch.Tensor, e: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """For logits z [rows, d_vocab] (float32, a buffer: left shifted in place to z - peak) and a reference
+    token per row, ref [rows, 1]: (peak; log sum e; sum e (z - peak); sum e; whether the first maximum, as
+    argmax, is ref), with e := exp(z - peak) written into the buffer `e`. Terms 0 x (-inf) count as 0 (a
+    token of logit -inf adds nothing), NaN logits make the row's sums NaN. Without `scratch`, e is used up."""
+    at_ref = z.gather(1, ref)
+    runner_up = z.scatter_(1, ref, -torch.inf).amax(-1)  # the largest other logit: one fast reduction, no argmax
+    z.scatter_(1, ref, at_ref)
+    at_ref = at_ref.squeeze(1)
+    agree = at_ref > runner_up
+    tied = at_ref == runner_up
+    if tied.any():  # another token shares the maximum: argmax takes the first of them
+        agree[tied] = z[tied].argmax(-1) == ref[tied, 0]
+    peak = torch.maximum(at_ref, runner_up)
+    z.sub_(peak[:, None])
+    mass = torch.exp(z, out=e).sum(-1)
+    weighted = (e.mul_(z) if scratch is None else torch.mul(e, z, out=scratch)).nansum(-1)
+    return peak, mass.log(), weighted, mass, agree
 
 
 def per_layer(tidy: pd.DataFrame, n_tokens: int | None = None, n_bytes: int | None = None) -> pd.DataFrame:

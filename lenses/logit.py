@@ -35,3 +35,6 @@ class LogitLens(BasisLens):
 
     def transform_hidden(self, h: torch.Tensor, s: Stream) -> torch.Tensor:
         return h  # the logit lens reads every stream as if it were the last one
+
+    def reads_as_model(self, s: Stream) -> bool:
+        return True

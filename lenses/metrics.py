@@ -38,34 +38,6 @@ def first_max(f: torch.Tensor, block: int = 64) -> torch.Tensor:
     return b * block + inside.max(-1).indices
 
 
-def target_sums(logits: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                scratch: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """A chunk of the model's own logits [rows, d_vocab] (any float dtype) -> per row, in float32, what a lens's
-    KL against that distribution p needs without the lens's full log-softmax: top (the first maximum, as
-    argmax), lse (log sum_v exp logits), neg_entropy (sum p log p, 0 log 0 = 0), mass (sum p, 1 up to
-    rounding), and through the unembedding (weight [d_vocab, d_model], bias [d_vocab] or None) p_w = p W_U
-    [rows, d_model] and p_b = p . b, since sum_v p_v z_v = x . (p W_U) + p . b for the logits z = W_U x + b
-    of any normed stream x. No host synchronisation. `scratch` [2, at least rows, d_vocab] float32, reused
-    from chunk to chunk, spares two fresh [rows, d_vocab] allocations (on the CPU, each one's pages are
-    faulted in anew: a tenth of an evaluation's time)."""
-    from lenskit.linear import linear
-
-    f = logits.float()
-    rows = len(f)
-    logp_out, p_out = (None, None) if scratch is None else (scratch[0, :rows], scratch[1, :rows])
-    top = first_max(f)
-    logp = torch.log_softmax(f, dim=-1, out=logp_out)
-    # read off the top token, whose logit and log-probability are finite whenever any is
-    lse = (f.gather(1, top[:, None]) - logp.gather(1, top[:, None])).squeeze(1)
-    p = torch.exp(logp, out=p_out)
-    p_w = linear(p.to(weight.dtype), weight.t()).float()
-    p_b = p @ bias.float() if bias is not None else torch.zeros(rows, device=p.device)
-    mass = p.sum(-1)
-    # in place, no temporary: a token of logit -inf has p = 0 and log p = -inf; clamped, it adds 0 x finite = 0
-    neg_entropy = logp.clamp_(min=torch.finfo(logp.dtype).min).mul_(p).sum(-1)
-    return {"top": top, "lse": lse, "neg_entropy": neg_entropy, "mass": mass, "p_w": p_w, "p_b": p_b}
-
-
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
     """[..., d_vocab] logits -> log-probabilities, upcast to float32 when the input is half precision."""
     if not logits.dtype.is_floating_point:

@@ -129,6 +129,9 @@ class TunedLens(BasisLens):
         wide = h.to(t.weight.dtype)
         return (wide + t(wide)).to(h.dtype)
 
+    def reads_as_model(self, s: Stream) -> bool:
+        return self.translator(s) is None
+
     def extra_repr(self) -> str:
         return f"n_layers={self.n_layers}, d_model={self.model.cfg.d_model}, resid_mid={self.has_mid}"
 

@@ -240,3 +240,35 @@ def test_a_model_evaluated_can_still_be_trained_through(windows):
     model.zero_grad(set_to_none=True)
     model(windows).float().logsumexp(-1).mean().backward()
     assert model.embed.weight.grad is not None and torch.isfinite(model.embed.weight.grad).all()
+
+
+@pytest.mark.slow
+def test_memory_stays_bounded_on_a_128k_vocabulary_and_16_layers():
+    """The bound in lenses/evaluation.py's CHUNK_BYTES comment, measured in a fresh process: a 16-layer model
+    with a 128,256-token vocabulary, two lenses, 2 x 256 tokens. One buffer a chunk of all 512 tokens would make
+    4 buffers x 512 x 128,256 x 4 bytes = 1 GB (all the logits, 17 layers of them, 8.9 GB per lens); the chunks of
+    64 rows need 4 x 64 x 128,256 x 4 bytes = 125 MiB."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import resource, sys, torch
+        import lenskit
+        from lenses import LogitLens, TunedLens
+        from lenses.evaluation import evaluate_windows
+        cfg = lenskit.ModelConfig(n_layers=16, d_model=16, n_heads=2, d_vocab=128256, n_ctx=256, tie_word_embeddings=True)
+        model = lenskit.HookedTransformer(cfg)
+        windows = torch.randint(0, cfg.d_vocab, (2, 256), generator=torch.Generator().manual_seed(0))
+        lenses = {"logit": LogitLens(model), "tuned": TunedLens(model)}
+        evaluate_windows(model, lenses, windows[:1, :8], batch=1, progress=False)  # warm up allocator and kernels
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        tidy = evaluate_windows(model, lenses, windows, batch=2, progress=False)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        assert len(tidy) == 2 * 17 * 2 and tidy["kl"].notna().all()
+        print((after - before) / 1024)  # MiB the peak rose by
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    risen = float(out.stdout.strip().splitlines()[-1])
+    assert risen < 300, f"evaluation's peak memory rose by {risen:.0f} MiB; the chunks should bound it near 125 MiB"
