@@ -126,7 +126,7 @@ def gpu_cases(lk, tokens: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The GPU run's extra rows: the logit-lens trajectory and one tuned-lens training step (forward, readout KL,
     translator backward and Adam update) on the same tokens."""
     from lenses import LogitLens, Trajectory, TunedLens
-    from lenses.lens_step import TranslatedStreams, kl_step
+    from lenses.training.step import TranslatedStreams, kl_step
     from lenses.training import collect_streams
 
     lens = TunedLens(lk)

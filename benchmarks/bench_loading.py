@@ -97,7 +97,7 @@ def ensure_checkpoint(folder: Path, preset: str, seed: int = 0) -> Path:
 
     from lenskit import HookedTransformer, ModelConfig
     from lenskit.families import family_of
-    from lenskit.loading import expected_shapes, hf_name_map
+    from lenskit.io.loading import expected_shapes, hf_name_map
 
     if (folder / "model.safetensors.index.json").exists():
         return folder

@@ -1,5 +1,5 @@
 """Tuned-lens training, side by side: lenskit's `train`, the same trainer with plain autograd through the
-readout (the computation before `lenses/lens_step.py`), and the tuned-lens package's own loop, as it ships
+readout (the computation before `lenses/training/step.py`), and the tuned-lens package's own loop, as it ships
 (its decoding under bf16 autocast) and with autocast off (every matmul in fp32, as lenskit's on an fp32 model).
 
 Every round times one optimiser step of each contender on the same windows (the order rotated from round to
@@ -36,7 +36,7 @@ from bench_cases import MATMUL_N, ensure_model_folder, forward_flops  # noqa: E4
 from lenses import TunedLens  # noqa: E402
 from references import autograd_kl  # noqa: E402
 from lenses.training import Recipe, train  # noqa: E402
-from lenskit.data import TokenStream  # noqa: E402
+from lenskit.io.data import TokenStream  # noqa: E402
 
 
 def autograd_kl_step(translate, readout, streams, final, scale, chunk_tokens=None):

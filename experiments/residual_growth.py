@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lenskit  # noqa: E402
 from lenses import metrics, plots  # noqa: E402
 from lenses.anatomy import resid_norms  # noqa: E402
-from lenskit.stream import stream_hook_names  # noqa: E402
+from lenskit.observe.stream import stream_hook_names  # noqa: E402
 from stdlib_heldout import heldout_windows  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Held-out text for the experiments: the standard-library files the embedded model never trained on.
 
-The split is the training script's own (`lenskit.data.is_heldout`: one file in twenty by a
+The split is the training script's own (`lenskit.io.data.is_heldout`: one file in twenty by a
 hash of its path), so these windows are text the model has not seen.
 """
 
@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lenskit.data import Document, is_heldout, stdlib_files, tokenize_documents  # noqa: E402
+from lenskit.io.data import Document, is_heldout, stdlib_files, tokenize_documents  # noqa: E402
 
 
 def heldout_windows(tokenizer, n_windows: int, ctx: int, seed: int = 0) -> torch.Tensor:

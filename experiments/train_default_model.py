@@ -39,7 +39,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lenskit  # noqa: E402
 from lenskit.config import ModelConfig  # noqa: E402
-from lenskit.data import HELDOUT_BUCKETS, is_heldout, stdlib_files  # noqa: E402
+from lenskit.io.data import HELDOUT_BUCKETS, is_heldout, stdlib_files  # noqa: E402
 
 EOT = "<|endoftext|>"
 
@@ -194,7 +194,7 @@ def main() -> None:
     if not (tok_dir / "merges.txt").exists():
         print(f"training a {args.vocab}-entry byte-level BPE on {corpus['train_files']} files", flush=True)
         train_tokenizer(train_text, args.vocab, tok_dir)
-    tokenizer = lenskit.loading.load_tokenizer(tok_dir)
+    tokenizer = lenskit.io.loading.load_tokenizer(tok_dir)
     tokenizer.add_special_tokens({"eos_token": EOT, "bos_token": EOT, "unk_token": EOT})
     streams = work / "tokens.safetensors"
     if not streams.exists():

@@ -26,7 +26,7 @@ import lenskit  # noqa: E402
 from lenses import LogitLens, TunedLens, plots  # noqa: E402
 from lenses.evaluation import evaluate_windows, per_layer  # noqa: E402
 from lenses.training import Recipe, train  # noqa: E402
-from lenskit.data import is_heldout, load_token_stream, stdlib_files  # noqa: E402
+from lenskit.io.data import is_heldout, load_token_stream, stdlib_files  # noqa: E402
 
 
 def split_paths(stride: int) -> tuple[list[Path], list[Path]]:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lenskit import ActivationCache, HookedTransformer, Stream
-from lenskit.stream import as_stream
+from lenskit.observe.stream import as_stream
 
 
 class Lens(nn.Module, ABC):

@@ -1,7 +1,7 @@
 """The lens under intervention: read the clean run and an edited run (an ablation, a patch) through the same
 lens, layer by layer, and see where and how the edit changes what the model is about to say.
 
->>> from lenskit.interventions import Head, ablation_hooks
+>>> from lenskit.intervene.interventions import Head, ablation_hooks
 >>> frame = compare_runs(model, "def add(a, b):\\n    return a + b", ablation_hooks(model, Head(2, 1)))
 >>> frame.query("layer == 6")[["position", "clean_top_token", "ablated_top_token", "kl"]]
 >>> plots.difference_heatmap(frame, "delta_target_prob")     # or "kl"
@@ -23,9 +23,9 @@ import pandas as pd
 import torch
 
 from lenskit import HookedTransformer
-from lenskit.hooks import HookFn, NameOrPredicate
-from lenskit.stream import streams
-from lenskit.text import token_texts
+from lenskit.observe.hooks import HookFn, NameOrPredicate
+from lenskit.observe.stream import streams
+from lenskit.io.text import token_texts
 
 from . import metrics
 from .base import Lens

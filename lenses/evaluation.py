@@ -21,8 +21,8 @@ import torch
 from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 
 from lenskit import HookedTransformer
-from lenskit.data import TokenStream
-from lenskit.stream import streams
+from lenskit.io.data import TokenStream
+from lenskit.observe.stream import streams
 
 from . import metrics
 from .base import Lens

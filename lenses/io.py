@@ -23,7 +23,7 @@ def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
 
     The temporary file lives in a private folder `.NAME.tmpPID` beside `path`, with any temporary files of
     the writer's own (safetensors makes a `.tmpXXXXXX`), so a run killed mid-write leaves one thing to clear
-    (lenses.lock does, for the next run). The file gets the permissions an ordinary write would give it
+    (lenses.training.lock does, for the next run). The file gets the permissions an ordinary write would give it
     (0o666 less the umask), whatever mode the writer created it with.
     """
     staging = path.with_name(f".{path.name}.tmp{os.getpid()}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from lenskit import Stream
-from lenskit.stream import POINTS as STREAM_POINTS
+from lenskit.observe.stream import POINTS as STREAM_POINTS
 
 from .base import BasisLens
 

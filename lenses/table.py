@@ -6,7 +6,7 @@ import shutil
 
 import pandas as pd
 
-from lenskit.text import show_token
+from lenskit.io.text import show_token
 
 
 def format_table(frame: pd.DataFrame, max_chars: int = 8, width: int | None = None) -> str:

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lenskit import HookedTransformer, Stream
-from lenskit.loading import resolve_model_folder
+from lenskit.io.loading import resolve_model_folder
 
 from .base import BasisLens
 from .card import CARD_FILE, model_card

@@ -7,14 +7,16 @@ from pathlib import Path
 # kernel without ipywidgets. lenskit's own progress bars are plain tqdm and never need the widget.
 warnings.filterwarnings("ignore", message="IProgress not found")
 
-from . import accounting, data, interventions, patching
-from .cache import ActivationCache
+from . import accounting
+from .io import data
+from .intervene import interventions, patching
+from .observe.cache import ActivationCache
 from .config import PRESETS, ModelConfig
-from .hooks import HookPoint
-from .loading import CheckpointError
+from .observe.hooks import HookPoint
+from .io.loading import CheckpointError
 from .model import HookedTransformer
-from .names import get_act_name
-from .stream import Stream
+from .observe.names import get_act_name
+from .observe.stream import Stream
 
 DEFAULT_MODEL: str = str(Path(__file__).parent / "default_model")
 """Filesystem path of the small GPT-2 that ships with lenskit (trained on the Python standard library)."""

@@ -11,7 +11,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .readers import GELU_ACTIVATIONS, ROPE_TYPES
+# GPT-2's "gelu_new" and PyTorch's tanh GELU are the same function; "gelu" is the exact erf form.
+GELU_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
+ROPE_TYPES = ("default", "llama3", "linear")
 
 NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")  # rmsnorm_offset: gain (1 + weight), Gemma's
 MLPS = ("gelu", "swiglu", "geglu", "swiglu_fused")  # geglu: gated, tanh GELU (Gemma); swiglu_fused: one gate_up (Phi-3)
@@ -30,7 +32,7 @@ class ModelConfig:
     """Shape and numerics of a decoder-only transformer. Derived values live in `__post_init__` only.
 
     `family` is the Hugging Face `model_type` the weights come from; the other fields say which piece
-    each part of the model is (see `lenskit.layers`), so nothing downstream branches on the family.
+    each part of the model is (see `lenskit.pieces.layers`), so nothing downstream branches on the family.
 
     >>> ModelConfig.from_name("gpt2").d_head
     64

@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
 import torch
 from torch import nn
 
-from .cache import ActivationCache
+from .observe.cache import ActivationCache
 from .config import ModelConfig
 from .generation import generate
-from .hooks import HookedRootModule, HookFn, NameOrPredicate, NamesFilter, HookPoint, layer_of
-from .layers import make_block, make_norm
-from .linear import Linear
-from .readout import Readout
-from .text import encode_texts, is_text, single_token_id
-from .weights import WeightViews
+from .observe.hooks import HookedRootModule, HookFn, NameOrPredicate, NamesFilter, HookPoint, layer_of
+from .pieces.layers import make_block, make_norm
+from .pieces.linear import Linear
+from .pieces.readout import Readout
+from .io.text import encode_texts, is_text, single_token_id
+from .pieces.weights import WeightViews
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -301,20 +301,20 @@ class HookedTransformer(WeightViews, HookedRootModule):
         numerics); `device` defaults to the CPU. The family comes from config.json's `model_type`.
         A checkpoint already in `dtype` stays memory-mapped (no copy). Every weight is checked for NaN/inf,
         which reads every byte once; `check_finite=False` skips that for a checkpoint you trust."""
-        from .loading import load_pretrained
+        from .io.loading import load_pretrained
 
         return load_pretrained(cls, name_or_path, dtype=dtype, device=device, check_finite=check_finite)
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module, tokenizer: "PreTrainedTokenizerBase | None" = None) -> "HookedTransformer":
         """Convert an in-memory `transformers` causal LM of a supported family (e.g. `LlamaForCausalLM`)."""
-        from .loading import from_hf
+        from .io.loading import from_hf
 
         return from_hf(cls, hf_model, tokenizer)
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         """Write the family's own Hugging Face layout: config.json, model.safetensors and the tokenizer files."""
-        from .loading import save_pretrained
+        from .io.loading import save_pretrained
 
         save_pretrained(self, folder)
 

@@ -38,7 +38,7 @@ def tiny_tokenizer(folder: Path, texts: list[str], vocab: int = 300):
     tok.train_from_iterator(texts, trainer=trainer)
     folder.mkdir(parents=True, exist_ok=True)
     tok.model.save(str(folder))
-    tokenizer = lenskit.loading.load_tokenizer(folder)
+    tokenizer = lenskit.io.loading.load_tokenizer(folder)
     tokenizer.add_special_tokens({"eos_token": EOT, "bos_token": EOT, "unk_token": EOT})
     return tokenizer
 

@@ -1,5 +1,5 @@
 """What the tests and the benchmarks share and the library does not need: the tuned-lens objective by plain
-autograd (the independent reference for `lenses.lens_step`, and the benchmarks' autograd contender), and
+autograd (the independent reference for `lenses.training.step`, and the benchmarks' autograd contender), and
 the list of every residual-stream hook."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from lenses.metrics import forward_kl
-from lenskit.stream import POINTS, block_hook_name
+from lenskit.observe.stream import POINTS, block_hook_name
 
 
 def autograd_kl(lens, streams, final_logits: torch.Tensor) -> torch.Tensor:
@@ -16,5 +16,5 @@ def autograd_kl(lens, streams, final_logits: torch.Tensor) -> torch.Tensor:
 
 
 def resid_writes(n_layers: int) -> list[str]:
-    """Every residual-stream hook of every block (each point of `lenskit.stream.POINTS`), block by block."""
+    """Every residual-stream hook of every block (each point of `lenskit.observe.stream.POINTS`), block by block."""
     return [block_hook_name(layer, suffix) for layer in range(n_layers) for suffix in POINTS.values()]

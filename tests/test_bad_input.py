@@ -27,12 +27,12 @@ import lenskit
 from lens_fixtures import write_text_folder, write_tiny_model
 from lenses import LogitLens
 from lenses.cli import main as cli_main
-from lenses.lock import LOCK_FILE, FolderLockedError, folder_lock
+from lenses.training.lock import LOCK_FILE, FolderLockedError, folder_lock
 from lenses.training import CHECKPOINT_FILE, Recipe, train
 from lenses.tuned import TunedLens
-from lenskit.data import load_token_stream, read_documents
-from lenskit.interventions import Block, ablation_hooks
-from lenskit.patching import logit_diff, patching_hooks
+from lenskit.io.data import load_token_stream, read_documents
+from lenskit.intervene.interventions import Block, ablation_hooks
+from lenskit.intervene.patching import logit_diff, patching_hooks
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKS = "works"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lenskit import ActivationCache
-from lenskit.cache import hook_name
+from lenskit.observe.cache import hook_name
 
 
 @pytest.fixture(scope="module")

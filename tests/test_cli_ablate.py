@@ -83,7 +83,7 @@ def test_mean_and_resample_with_a_reference_and_a_figure(folder, tmp_path, capsy
 
 
 def test_default_reference_is_held_out_stdlib():
-    from lenskit.data import is_heldout
+    from lenskit.io.data import is_heldout
 
     assert all(is_heldout(name) for name in DEFAULT_REFERENCE)
 

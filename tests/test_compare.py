@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lenses.compare import COLUMNS, compare_runs, output_summary
-from lenskit.interventions import Block, Head, ablation_hooks
+from lenskit.intervene.interventions import Block, Head, ablation_hooks
 from families import every_family
 
 

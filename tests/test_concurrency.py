@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from lenskit.interventions import Block, ablation_hooks
+from lenskit.intervene.interventions import Block, ablation_hooks
 
 ITERATIONS = 50
 NAMES = ["blocks.0.hook_resid_post", "blocks.2.hook_attn_out", "blocks.1.hook_mlp_out"]

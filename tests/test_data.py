@@ -1,4 +1,4 @@
-"""lenskit.data: files, folders and JSONL become one token stream with exact provenance."""
+"""lenskit.io.data: files, folders and JSONL become one token stream with exact provenance."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lens_fixtures import sample_texts, tiny_tokenizer
-from lenskit.data import list_files, load_token_stream, read_documents, window_order
+from lenskit.io.data import list_files, load_token_stream, read_documents, window_order
 
 
 @pytest.fixture(scope="module")

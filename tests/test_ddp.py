@@ -15,7 +15,7 @@ import lenskit
 from lens_fixtures import write_text_folder, write_tiny_model
 from lenses import TunedLens
 from lenses.training import Recipe, train
-from lenskit.data import load_token_stream
+from lenskit.io.data import load_token_stream
 
 # Two processes each sum half of every step's tokens and DDP averages the gradients, so the update is the
 # same mean as in one process, up to float32 summation order. Over 20 SGD steps that stays below 1e-5.

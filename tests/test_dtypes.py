@@ -10,12 +10,12 @@ import lenskit
 from conftest import make_hf_family
 from lens_fixtures import write_text_folder, write_tiny_model
 from lenses import LogitLens, Trajectory, TunedLens, metrics
-from lenses.lens_step import TranslatedStreams, kl_step
+from lenses.training.step import TranslatedStreams, kl_step
 from references import autograd_kl
 from lenses.training import Recipe, collect_streams, train
 from lenskit import HookedTransformer, Stream
-from lenskit.data import load_token_stream
-from lenskit.interventions import Head, Mlp, ablation_hooks
+from lenskit.io.data import load_token_stream
+from lenskit.intervene.interventions import Head, Mlp, ablation_hooks
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -91,7 +91,7 @@ def test_bf16_logit_lens_kl_within_1e2_nats_of_fp32(default_model_path):
     kls = {}
     for dtype in ("float32", "bfloat16"):
         model = HookedTransformer.from_pretrained(default_model_path, dtype=dtype)
-        assert model.embed.weight.dtype == lenskit.loading.parse_dtype(dtype)
+        assert model.embed.weight.dtype == lenskit.io.loading.parse_dtype(dtype)
         traj = Trajectory.from_prompt(LogitLens(model), text)
         kls[dtype] = traj.kl_to_final[:, 0]  # [layer, pos]
     diff = kls["bfloat16"] - kls["float32"]
@@ -142,14 +142,14 @@ def test_tuned_lens_trains_on_bf16_model(tiny_bf16):
 
 def test_gpt2_same_dtype_checkpoint_stays_memory_mapped(tmp_path, monkeypatch):
     """GPT-2's Conv1D weights are stored [in, out]; they are used as transposed views of the mapped file, not copies."""
-    import lenskit.loading
+    import lenskit.io.loading
 
     folder = tmp_path / "m"
     hf = make_hf_family("gpt2").to(torch.bfloat16)
     hf.save_pretrained(folder)
     read = {}
-    real = lenskit.loading.read_safetensors
-    monkeypatch.setattr(lenskit.loading, "read_safetensors", lambda f: read.update(real(f)) or read)
+    real = lenskit.io.loading.read_safetensors
+    monkeypatch.setattr(lenskit.io.loading, "read_safetensors", lambda f: read.update(real(f)) or read)
     model = HookedTransformer.from_pretrained(folder, dtype=torch.bfloat16)
     stored = read["transformer.h.0.mlp.c_fc.weight"]
     assert model.blocks[0].mlp.fc_in.weight.data_ptr() == stored.data_ptr()

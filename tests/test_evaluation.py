@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from lenses import Lens, LogitLens, TunedLens
 from lenses.evaluation import evaluate, evaluate_windows, per_layer
-from lenskit.data import TokenStream
+from lenskit.io.data import TokenStream
 
 
 @pytest.fixture
@@ -129,7 +129,7 @@ def test_zero_mass_tokens_give_finite_entropy_and_infinite_kl(model, windows):
 def metrics_reference(model, lens, windows):
     """Per (layer, window) kl, ce, entropy, top1_agree from `lenses.metrics` on the lens's full logits."""
     from lenses import metrics
-    from lenskit.stream import streams
+    from lenskit.observe.stream import streams
 
     locations = streams(model.cfg.n_layers)
     with torch.no_grad():  # caching only the streams, as evaluation does: in bfloat16 a cached attention rounds otherwise

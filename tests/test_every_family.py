@@ -22,9 +22,9 @@ from lenses.trajectory import Trajectory
 from lenses.training import Recipe, train
 from lenses.tuned import model_fingerprint
 from lenskit import Stream
-from lenskit.data import load_token_stream
-from lenskit.interventions import Attn, Block, Head, Mlp, Neurons, ablation_hooks
-from lenskit.patching import patching_hooks
+from lenskit.io.data import load_token_stream
+from lenskit.intervene.interventions import Attn, Block, Head, Mlp, Neurons, ablation_hooks
+from lenskit.intervene.patching import patching_hooks
 
 PROMPT = "def add(a, b):\n    return a + b\n"
 EVERY_HOOK = lambda name: True  # noqa: E731 - includes the per-head attn.hook_result

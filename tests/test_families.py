@@ -326,7 +326,7 @@ def test_gemma_embedding_scale_as_transformers_rounds_it(dtype, tokens):
 
 def test_gemma_blocks_alternate_window_and_rotary_base(tokens):
     """Block 0 is local (window 5, its own rotary base), block 1 global (full causal, linear-scaled rotary)."""
-    from lenskit.attention import SlidingWindowMask
+    from lenskit.pieces.attention import SlidingWindowMask
 
     model = HookedTransformer.from_hf(make_hf_family("gemma3_text"))
     local, glob = model.blocks[0].attn, model.blocks[1].attn
@@ -345,10 +345,10 @@ def test_gemma_blocks_alternate_window_and_rotary_base(tokens):
 
 def test_tuned_lens_step_through_a_final_soft_cap_equals_autograd(tokens):
     from lenses import TunedLens
-    from lenses.lens_step import TranslatedStreams, kl_step
+    from lenses.training.step import TranslatedStreams, kl_step
     from references import autograd_kl
     from lenses.training import collect_streams
-    from lenskit.readout import Readout
+    from lenskit.pieces.readout import Readout
 
     model = HookedTransformer.from_hf(make_hf_family("gemma2"))
     for p in model.parameters():

@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from lens_fixtures import write_text_folder, write_tiny_model
-from lenses.lock import LOCK_FILE, FolderLockedError, folder_lock
+from lenses.training.lock import LOCK_FILE, FolderLockedError, folder_lock
 from lenses.training import CHECKPOINT_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def train(root: Path, out: Path) -> subprocess.CompletedProcess:
 
 def hold_lock(out: Path) -> subprocess.Popen:
     """A live process that holds `out`'s lock until it is killed; returns once it holds it."""
-    code = (f"import time\nfrom lenses.lock import folder_lock\nwith folder_lock({str(out)!r}):\n"
+    code = (f"import time\nfrom lenses.training.lock import folder_lock\nwith folder_lock({str(out)!r}):\n"
             "    print('locked', flush=True)\n    time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=environment())
     assert holder.stdout.readline() == "locked\n", "the lock holder did not start"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from families import every_family
-from lenskit.interventions import (Attn, Block, Head, Mlp, Neurons, ablation_hooks, mean_activations,
+from lenskit.intervene.interventions import (Attn, Block, Head, Mlp, Neurons, ablation_hooks, mean_activations,
                                    merge_sites, resample_indices, target_sites)
 
 ATOL = 1e-5

@@ -97,7 +97,7 @@ def test_public_api_names():
 def test_llama3_frequencies_equal_transformers_at_published_shape():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from lenskit.rotary import inverse_frequencies
+    from lenskit.pieces.rotary import inverse_frequencies
 
     cfg = lenskit.ModelConfig.from_name("llama-3.1-8b")
     hf_cfg = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, head_dim=128, rope_parameters=dict(
@@ -111,7 +111,7 @@ def test_llama3_frequencies_equal_transformers_at_published_shape():
 
 
 def test_sliding_window_mask_by_hand():
-    from lenskit.attention import CausalMask, SlidingWindowMask
+    from lenskit.pieces.attention import CausalMask, SlidingWindowMask
 
     got = SlidingWindowMask(3).allowed(5, torch.device("cpu")).int().tolist()
     assert got == [[1, 0, 0, 0, 0],
@@ -123,7 +123,7 @@ def test_sliding_window_mask_by_hand():
 
 
 def test_partial_rotary_leaves_the_other_dims_alone():
-    from lenskit.rotary import Rotary
+    from lenskit.pieces.rotary import Rotary
 
     cfg = lenskit.ModelConfig(n_layers=1, d_model=32, n_heads=2, d_vocab=5, n_ctx=8, positional="rotary", rotary_dim=4)
     x = torch.randn(1, 6, 2, 16)

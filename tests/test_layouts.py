@@ -13,8 +13,8 @@ import torch
 
 from lenskit import CheckpointError, ModelConfig
 from lenskit.families import FAMILIES
-from lenskit.layouts import GPT2, NEOX_QKV, TRANSPOSE, Layout, Reshape
-from lenskit.loading import convert_hf_state_dict, to_hf_state_dict
+from lenskit.families.layouts import GPT2, NEOX_QKV, TRANSPOSE, Layout, Reshape
+from lenskit.io.loading import convert_hf_state_dict, to_hf_state_dict
 
 MOE = Layout(
     prefix="model.", blocks="layers",

@@ -9,12 +9,12 @@ import lenskit
 import lenses.training
 from lens_fixtures import write_text_folder, write_tiny_model
 from lenses import TunedLens
-from lenses.lens_step import TranslatedStreams, kl_step, readout_kl_and_grad
+from lenses.training.step import TranslatedStreams, kl_step, readout_kl_and_grad
 from lenses.metrics import forward_kl
 from references import autograd_kl
 from lenses.training import Recipe, collect_streams, train
-from lenskit.readout import Readout
-from lenskit.data import load_token_stream
+from lenskit.pieces.readout import Readout
+from lenskit.io.data import load_token_stream
 
 CTX = 16
 

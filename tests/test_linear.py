@@ -1,4 +1,4 @@
-"""lenskit.linear: half-precision matmuls on the CPU, natively or upcast to float32, and the rule between them
+"""lenskit.pieces.linear: half-precision matmuls on the CPU, natively or upcast to float32, and the rule between them
 (the CPU's reported flags: never a timing, never the size of a call)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import lenskit.linear as L
+import lenskit.pieces.linear as L
 from conftest import make_hf_gpt2
 from lenskit import HookedTransformer
 
@@ -76,7 +76,7 @@ def test_prompts_of_255_and_256_tokens_follow_the_rule(monkeypatch, flags, mode)
 
 
 def test_a_slow_or_fast_machine_gives_the_same_numbers(monkeypatch):
-    """Nothing in lenskit.linear looks at the clock: a machine that seems ten times slower, or whose clock
+    """Nothing in lenskit.pieces.linear looks at the clock: a machine that seems ten times slower, or whose clock
     jumps, computes bit-identical logits."""
     cpu_with(monkeypatch, "avx512f")  # the upcast path, the one an earlier version chose by timing
     model = HookedTransformer.from_hf(make_hf_gpt2(seed=5)).to(torch.bfloat16)

@@ -424,14 +424,14 @@ def test_bad_dtype_is_refused(hf, tmp_path, dtype):
 def test_same_dtype_checkpoint_is_assigned_without_a_copy(tmp_path, monkeypatch):
     """Weights already in the asked dtype are the tensors read from the file (memory-mapped), not copies;
     another dtype converts once."""
-    import lenskit.loading
+    import lenskit.io.loading
     from conftest import make_hf_family
 
     folder = tmp_path / "m"
     make_hf_family("llama", tie_word_embeddings=False).save_pretrained(folder)
     read = {}
-    real = lenskit.loading.read_safetensors
-    monkeypatch.setattr(lenskit.loading, "read_safetensors", lambda f: read.update(real(f)) or read)
+    real = lenskit.io.loading.read_safetensors
+    monkeypatch.setattr(lenskit.io.loading, "read_safetensors", lambda f: read.update(real(f)) or read)
     model = HookedTransformer.from_pretrained(folder)
     stored = read["model.layers.0.mlp.up_proj.weight"]
     assert model.blocks[0].mlp.fc_in.weight.data_ptr() == stored.data_ptr()

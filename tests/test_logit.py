@@ -5,7 +5,7 @@ import torch
 
 from lenses import POINTS, LogitLens
 from lenskit import Stream
-from lenskit.stream import stream_hook_names, streams
+from lenskit.observe.stream import stream_hook_names, streams
 from families import every_family
 
 

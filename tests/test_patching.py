@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lenskit.patching import activation_patching, logit_diff, next_token_loss, patching_hooks
+from lenskit.intervene.patching import activation_patching, logit_diff, next_token_loss, patching_hooks
 from families import every_family
 
 ATOL = 1e-5

@@ -193,7 +193,7 @@ def test_readme_families_table_is_the_registry():
     rows = families_table()
     listed = [row[0].strip("`") for row in rows]
     assert listed == list(FAMILIES), (
-        f"README's Model families table lists {listed}, the registry (lenskit/families.py) {list(FAMILIES)}: "
+        f"README's Model families table lists {listed}, the registry (lenskit/families/__init__.py) {list(FAMILIES)}: "
         "add, remove or reorder the table's rows to match")
     for row in rows:
         family = FAMILIES[row[0].strip("`")]

@@ -11,9 +11,9 @@ import torch
 
 import lenskit
 from lenskit import Stream
-from lenskit.interventions import Attn, ablation_hooks
-from lenskit.patching import patching_hooks
-from lenskit.stream import check_layer, stream_hook_names, streams
+from lenskit.intervene.interventions import Attn, ablation_hooks
+from lenskit.intervene.patching import patching_hooks
+from lenskit.observe.stream import check_layer, stream_hook_names, streams
 from references import resid_writes
 from lenses import LogitLens, TunedLens
 
@@ -130,10 +130,10 @@ def test_patching_and_ablation_take_a_stream(model, run):
 
 
 def test_the_stream_hook_pattern_lives_in_one_module():
-    """Only lenskit/stream.py spells residual-stream hook names; every other module asks a Stream."""
+    """Only lenskit/observe/stream.py spells residual-stream hook names; every other module asks a Stream."""
     pattern = re.compile(r"hook_(resid_pre|resid_mid|resid_post|attn_out|mlp_out)")
     spelled = []
-    for path in sorted((ROOT / "lenskit").glob("*.py")):
+    for path in sorted((ROOT / "lenskit").rglob("*.py")):
         tree = ast.parse(path.read_text())
         docstrings = {id(node.body[0].value) for node in ast.walk(tree)
                       if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
@@ -141,8 +141,8 @@ def test_the_stream_hook_pattern_lives_in_one_module():
         strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
                    and id(n) not in docstrings]
         if any(pattern.search(s) for s in strings):
-            spelled.append(path.name)
-    assert spelled == ["stream.py"]
+            spelled.append(path.relative_to(ROOT).as_posix())
+    assert spelled == ["lenskit/observe/stream.py"]
 
 
 def test_no_private_name_is_imported_across_modules():
@@ -157,6 +157,7 @@ def test_no_private_name_is_imported_across_modules():
 
 
 def test_lenskit_exposes_its_modules():
-    for name in ("interventions", "patching", "data", "accounting"):
-        assert getattr(lenskit, name).__name__ == f"lenskit.{name}"
+    for name, module in (("interventions", "lenskit.intervene.interventions"), ("patching", "lenskit.intervene.patching"),
+                         ("data", "lenskit.io.data"), ("accounting", "lenskit.accounting")):
+        assert getattr(lenskit, name).__name__ == module
     assert lenskit.Stream is Stream

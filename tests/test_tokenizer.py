@@ -14,7 +14,7 @@ import torch
 
 from conftest import make_hf_gpt2
 from lenskit import HookedTransformer
-from lenskit.tokenizer import load_tokenizer
+from lenskit.io.tokenizer import load_tokenizer
 
 EOS = 50256  # <|endoftext|>
 

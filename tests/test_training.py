@@ -19,7 +19,7 @@ from lens_fixtures import write_text_folder, write_tiny_model
 from lenses import LogitLens, TunedLens
 from lenses.evaluation import evaluate
 from lenses.training import CHECKPOINT_FILE, Recipe, train
-from lenskit.data import load_token_stream
+from lenskit.io.data import load_token_stream
 
 CTX = 16
 SMALL = dict(steps=12, ctx=CTX, tokens_per_step=4 * CTX, ckpt_every=4)
@@ -152,7 +152,7 @@ def interrupt_at_call(n: int):
 
 
 def test_ctrl_c_saves_the_steps_done_and_the_same_call_resumes_exactly(tiny, tmp_path):
-    from lenses.interrupt import Interrupted
+    from lenses.training.interrupt import Interrupted
 
     model, stream, _ = tiny
     with model.hooks([("blocks.1.hook_resid_pre", interrupt_at_call(7))]):  # one forward per step: during step 6
@@ -305,9 +305,9 @@ def test_micro_batches_change_memory_not_the_result(tiny):
 
 def test_the_loop_is_resume_or_start_then_steps(tiny, tmp_path):
     """`train` is `resume_or_start` then `train_step` per step: the pieces, driven by hand, give the same weights."""
-    from lenses.lens_step import TranslatedStreams
+    from lenses.training.step import TranslatedStreams
     from lenses.training import make_optimizer, resume_or_start, stream_label, train_step
-    from lenskit.data import window_order
+    from lenskit.io.data import window_order
 
     model, stream, _ = tiny
     recipe = Recipe(**{**SMALL, "steps": 3}).resolve(len(stream), model.cfg.n_ctx)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lenses import LogitLens, Trajectory
-from lenses.base import Lens
+from lenses.base import BasisLens, Lens
 from tiny_tokenizer import make_model_with_tokenizer
 from families import every_family
 
@@ -83,7 +83,7 @@ def test_fixed_target_and_single_prompt_frame(model, tokens):
         Trajectory.from_prompt(LogitLens(model), tokens, top_k=0)
 
 
-class ShiftLens(Lens):
+class ShiftLens(BasisLens):
     """A made-up lens (adds a fixed vector per layer) to show Trajectory works with any Lens."""
 
     name = "shift"
@@ -136,7 +136,7 @@ def test_text_batches_drop_padding_and_decode_tokens():
 def test_partial_utf8_tokens_show_their_bytes():
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    from lenskit.text import BYTE_DECODER, decode_token
+    from lenskit.io.text import BYTE_DECODER, decode_token
 
     assert BYTE_DECODER == {ch: b for b, ch in bytes_to_unicode().items()}  # GPT-2's byte alphabet, reversed
     tok = make_model_with_tokenizer().tokenizer

@@ -1,4 +1,4 @@
-"""lenskit.weights: TransformerLens's weight views, owned by each block's attention and MLP and stacked over
+"""lenskit.pieces.weights: TransformerLens's weight views, owned by each block's attention and MLP and stacked over
 layers, on every family. The views are checked as identities: they recompute what the modules computed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import lenskit
 from lenskit import HookedTransformer, ModelConfig
-from lenskit.layers import MLP
+from lenskit.pieces.layers import MLP
 
 TOKENS = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(3))
 

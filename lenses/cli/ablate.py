@@ -3,7 +3,7 @@ what the model predicts at each position with and without the ablated parts, and
 
 Mean and resample ablations need reference text. By default it is `DEFAULT_REFERENCE`: modules of the
 running Python's standard library that the embedded model never trained on (they fall in its held-out
-split, `lenskit.data.is_heldout`), cut into windows. `--reference`
+split, `lenskit.io.data.is_heldout`), cut into windows. `--reference`
 takes your own text files, folders or JSONL instead, which is the better choice for a model trained on
 something other than Python.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 import pandas as pd
 
 import lenskit
-from lenskit.data import HELDOUT_SAMPLE, reference_windows
-from lenskit.interventions import MODES, Attn, Block, Head, Mlp, ablation_hooks
+from lenskit.io.data import HELDOUT_SAMPLE, reference_windows
+from lenskit.intervene.interventions import MODES, Attn, Block, Head, Mlp, ablation_hooks
 from lenses.cli.figure_options import add_figure_options, figure_kwargs
 
 DEFAULT_REFERENCE = HELDOUT_SAMPLE  # held-out stdlib modules of the embedded model's split
@@ -130,7 +130,7 @@ def _describe(target) -> str:
 
 
 def _print_table(summary: pd.DataFrame) -> None:
-    from lenskit.text import show_token
+    from lenskit.io.text import show_token
 
     show = lambda t: show_token(str(t), 14)  # noqa: E731 - visible whitespace keeps the table on one line
     table = pd.DataFrame({

@@ -34,7 +34,7 @@ def add_parser(subparsers, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from lenskit.data import load_token_stream
+    from lenskit.io.data import load_token_stream
 
     from ..evaluation import evaluate
     from ..logit import LogitLens

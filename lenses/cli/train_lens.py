@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import lenskit
-from lenses.recipe import DEFAULT_STEPS, MIN_TOKENS_PER_STEP, Recipe
+from lenses.training.recipe import DEFAULT_STEPS, MIN_TOKENS_PER_STEP, Recipe
 
 DEFAULT = Recipe()  # every option's default is the recipe's own
 
@@ -70,10 +70,10 @@ def finished_steps(out: Path) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lenskit.data import load_token_stream
+    from lenskit.io.data import load_token_stream
 
-    from ..lock import check_writable
-    from ..interrupt import Interrupted
+    from ..training.lock import check_writable
+    from ..training.interrupt import Interrupted
     from ..training import init_distributed, train
     from ..tuned import TunedLens
 

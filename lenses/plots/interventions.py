@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from lenskit.text import show_token
+from lenskit.io.text import show_token
 from .lens import select_window
 from .style import (COLORS, MONO, NOTEBOOK_WIDTH, PAPER, as_frame, log_ticks, display_token, figure_size, fit_text,
                     font_size, print_meta, token_labels)
@@ -92,7 +92,7 @@ def difference_heatmap(frame: pd.DataFrame, value: str = "delta_target_prob", *,
 
 def patching_heatmap(df: pd.DataFrame, site: str | None = None, *, value: str = "normalized", tokens: Sequence[str] | None = None,
                      title: str | None = None, max_chars: int = 8) -> go.Figure:
-    """Activation patching results (`lenskit.patching.activation_patching`) as a heatmap centred at 0.
+    """Activation patching results (`lenskit.intervene.patching.activation_patching`) as a heatmap centred at 0.
 
     Per-position results of one site: layers by positions. Head results: layers by heads (all positions
     patched at once) or layer.head rows by positions. All-position results of several sites: layers by sites.

@@ -11,7 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from .. import metrics
-from lenskit.text import show_token
+from lenskit.io.text import show_token
 from .style import (COLORS, MONO, NOTEBOOK_WIDTH, PAPER, as_frame, log_ticks, rgba, display_token,
                     figure_size, fit_text, font_size, print_meta, token_labels)
 

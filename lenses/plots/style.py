@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 import plotly.graph_objects as go
 
-from lenskit.text import show_token
+from lenskit.io.text import show_token
 
 FONT = "Liberation Sans, Arial, Helvetica, DejaVu Sans, sans-serif"
 MONO = "DejaVu Sans Mono, Liberation Mono, Menlo, Consolas, monospace"
@@ -94,7 +94,7 @@ def token_labels(tokens: list[str], cell_px: float, font: float, max_chars: int,
 
 
 def display_token(text: str, max_chars: int | None = None) -> str:
-    """`lenskit.text.show_token` (visible whitespace, escaped control characters), HTML-escaped for plotly.
+    """`lenskit.io.text.show_token` (visible whitespace, escaped control characters), HTML-escaped for plotly.
 
     Control characters must go: they would also make the SVG that static export rasterises invalid XML.
     """

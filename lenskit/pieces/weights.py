@@ -3,8 +3,8 @@
 Shapes follow TransformerLens: `W_Q`, `W_K`, `W_V` [layer, head, d_model, d_head], `W_O` [layer, head,
 d_head, d_model], `W_in` / `W_gate` [layer, d_model, d_mlp], `W_out` [layer, d_mlp, d_model], `W_E`
 [d_vocab, d_model], `W_pos` [n_ctx, d_model], `W_U` [d_model, d_vocab]. Each block's pieces own their
-views (`model.blocks[l].attn.W_Q`, `model.blocks[l].mlp.W_in`, in `lenskit.attention.Attention` and
-`lenskit.layers.MLP`, which know whether their projections are fused); here they are only stacked. The
+views (`model.blocks[l].attn.W_Q`, `model.blocks[l].mlp.W_in`, in `lenskit.pieces.attention.Attention` and
+`lenskit.pieces.layers.MLP`, which know whether their projections are fused); here they are only stacked. The
 stacks are copies: read them, and edit weights through the modules (`model.blocks[l].attn.out.weight` ...).
 
 Under grouped-query attention `W_K`, `W_V` (and `b_K`, `b_V`) have one entry per query head, query head
@@ -61,7 +61,7 @@ class WeightViews:
         """Unembedding bias [d_vocab]: zeros, since no supported family has one."""
         return self.unembed.weight.new_zeros(self.cfg.d_vocab)
 
-    # ------------------------------------------- attention (lenskit.attention.Attention's views)
+    # ------------------------------------------- attention (lenskit.pieces.attention.Attention's views)
     W_Q = _stacked("attn", "W_Q", "[layer, head, d_model, d_head]")
     W_K = _stacked("attn", "W_K", "[layer, head, d_model, d_head], kv heads repeated")
     W_V = _stacked("attn", "W_V", "[layer, head, d_model, d_head], kv heads repeated")
@@ -71,7 +71,7 @@ class WeightViews:
     b_V = _stacked("attn", "b_V", "[layer, head, d_head], kv heads repeated")
     b_O = _stacked("attn", "b_O", "[layer, d_model]")
 
-    # ------------------------------------------------------- MLP (lenskit.layers.MLP's views)
+    # ------------------------------------------------------- MLP (lenskit.pieces.layers.MLP's views)
     W_in = _stacked("mlp", "W_in", "[layer, d_model, d_mlp]; for a gated MLP, the linear (ungated) input, as in TransformerLens")
     W_gate = _stacked("mlp", "W_gate", "[layer, d_model, d_mlp]: the gate of a gated MLP; None for a GELU MLP")
     W_out = _stacked("mlp", "W_out", "[layer, d_mlp, d_model]")

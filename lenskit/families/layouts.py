@@ -156,7 +156,7 @@ class Layout:
             return tensor
         if how.save is None:
             raise ValueError(f"the checkpoint stores {ours!r} through {how.load.__name__}, which has no inverse in "
-                             "lenskit/layouts.py; saving this family in its Hugging Face layout is not implemented")
+                             "lenskit/families/layouts.py; saving this family in its Hugging Face layout is not implemented")
         return how.save(tensor, cfg)
 
     def is_buffer(self, name: str) -> bool:

@@ -1,7 +1,7 @@
 """Short activation names: the one table behind `cache["resid_post", 3]` and `lenskit.get_act_name`.
 
 A short name is the TransformerLens shorthand for a hook inside a block ("resid_pre", "q", "pattern",
-"pre" ...). The residual-stream points come from `lenskit.stream.POINTS`; the rest are listed here.
+"pre" ...). The residual-stream points come from `lenskit.observe.stream.POINTS`; the rest are listed here.
 
 >>> get_act_name("resid_pre", 3)
 'blocks.3.hook_resid_pre'
@@ -39,7 +39,7 @@ NORM_TYPES = {"ln1": "1", "ln2": "2"}
 def hook_name(short: str, layer: int | None = None, n_layers: int | None = None) -> str:
     """Expand a short name: `hook_name("resid_post", 3) == "blocks.3.hook_resid_post"`.
 
-    Layers are blocks; a negative layer counts back from n_layers (see `lenskit.stream.check_layer`).
+    Layers are blocks; a negative layer counts back from n_layers (see `lenskit.observe.stream.check_layer`).
     """
     if layer is None:
         return short

@@ -1,6 +1,6 @@
 """Which entries of an activation an edit replaces: positions along `pos`, and units (heads, neurons) along one axis.
 
-Ablation (`lenskit.interventions`) and patching (`lenskit.patching`) both edit an activation
+Ablation (`lenskit.intervene.interventions`) and patching (`lenskit.intervene.patching`) both edit an activation
 [batch, pos, ...] by `torch.where(mask, value, x)`; this module builds that mask, once.
 """
 

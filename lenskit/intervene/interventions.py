@@ -40,11 +40,11 @@ from typing import Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 
-from .cache import hook_name
-from .hooks import HookFn
+from ..observe.cache import hook_name
+from ..observe.hooks import HookFn
 from .masks import check_positions, replace_where
-from .model import HookedTransformer
-from .stream import Stream, check_layer
+from ..model import HookedTransformer
+from ..observe.stream import Stream, check_layer
 
 TokensRef = Union[torch.Tensor, Iterable[torch.Tensor]]
 

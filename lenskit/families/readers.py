@@ -2,7 +2,7 @@
 
 Each reader reads the fields it implements with strict types, and refuses, by name, any field whose value
 would make the checkpoint compute something lenskit does not implement. Readers return plain dicts of
-`ModelConfig` keyword arguments, so this module does not import config. Which reader a `model_type` gets
+`ModelConfig` keyword arguments, so this module imports only config's constants. Which reader a `model_type` gets
 is the registry's business (`lenskit.families`); `writers.py` is the way back.
 """
 
@@ -11,9 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping
 
-# GPT-2's "gelu_new" and PyTorch's tanh GELU are the same function; "gelu" is the exact erf form.
-GELU_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
-ROPE_TYPES = ("default", "llama3", "linear")
+from ..config import GELU_ACTIVATIONS, ROPE_TYPES
 
 
 class _Reader:

@@ -2,7 +2,7 @@
 
 The objective is sum over streams s and tokens t of KL(p_t || q_st), with p_t the model's own next-token
 distribution and q_st the softmax of the model's readout of the translated stream, `readout(h_st + A_s h_st
-+ b_s)` (final norm, unembedding, any final soft-cap: `lenskit.readout.Readout`). Almost all of its FLOPs
++ b_s)` (final norm, unembedding, any final soft-cap: `lenskit.pieces.readout.Readout`). Almost all of its FLOPs
 are the readout: a [tokens, d_model] @ [d_model, d_vocab] matmul per stream forward, and one more backward
 for the gradient with respect to the normed stream (the unembedding is frozen, so never its weight
 gradient). Autograd through the whole readout would keep every stream's [tokens, d_vocab] graph alive
@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from lenskit import Stream
-from lenskit.linear import linear  # a half-precision model's matmuls as its layers run them
-from lenskit.readout import Readout
+from lenskit.pieces.linear import linear  # a half-precision model's matmuls as its layers run them
+from lenskit.pieces.readout import Readout
 
-from .tuned import TunedLens
+from ..tuned import TunedLens
 
 Streams = Sequence[tuple[Stream, torch.Tensor]]  # (s, h [batch, pos, d_model]), as training collects them
 # About this many bytes of [rows, d_vocab] float32 logits per chunk (two such buffers, and two of the target's

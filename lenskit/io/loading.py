@@ -18,12 +18,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import ModelConfig
-from .families import PRESETS, family_of
+from ..config import ModelConfig
+from ..families import PRESETS, family_of
 from .tokenizer import load_tokenizer, save_tokenizer
 
 if TYPE_CHECKING:
-    from .model import HookedTransformer
+    from ..model import HookedTransformer
 
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json", "vocab.json",
              "merges.txt", "tokenizer_config.json", "special_tokens_map.json"]

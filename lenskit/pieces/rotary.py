@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig, local: bool = False) -> torch.Tensor:

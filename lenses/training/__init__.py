@@ -15,7 +15,7 @@ the learning rate of the remaining steps follows the schedule re-derived for the
 lens keeps no optimiser state (SGD momentum restarts from zero), so an extended run is NOT identical to a
 fresh run of that many steps.
 
->>> stream = lenskit.data.load_token_stream(["corpus/"], model.tokenizer)
+>>> stream = lenskit.io.data.load_token_stream(["corpus/"], model.tokenizer)
 >>> lens = train(TunedLens(model), stream, Recipe(steps=100), out="my_lens")
 """
 
@@ -34,14 +34,14 @@ from torch import nn
 from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 
 from lenskit import Stream
-from lenskit.data import TokenStream, window_order
+from lenskit.io.data import TokenStream, window_order
 
 from .interrupt import Interrupted, interrupts_between_steps
-from .io import CONFIG_FILE, read_config, write_atomic
+from ..io import CONFIG_FILE, read_config, write_atomic
 from .recipe import Recipe
 from .lock import locks_out_folder
-from .lens_step import TranslatedStreams, kl_step
-from .tuned import TunedLens
+from .step import TranslatedStreams, kl_step
+from ..tuned import TunedLens
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 
@@ -220,7 +220,7 @@ def train_step(objective: nn.Module, lens: TunedLens, opt: torch.optim.Optimizer
     return [round(float(x), 6) for x in step_loss / recipe.tokens_per_step]
 
 
-@locks_out_folder  # one run per --out: a second one refuses (lenses/lock.py)
+@locks_out_folder  # one run per --out: a second one refuses (lenses/training/lock.py)
 def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: str | os.PathLike | None = None,
           progress: bool = True) -> TunedLens:
     """Train `lens` in place on `stream` and return it; with `out`, checkpoint there, resume from there,

@@ -91,7 +91,7 @@ def cpu_flags() -> frozenset[str]:
 def half_matmul_in_float32(dtype: torch.dtype) -> bool:
     """Whether `linear` upcasts a CPU matmul in this half-precision dtype (see `HALF_MATMUL` and the rule above)."""
     if HALF_MATMUL not in ("auto", "native", "float32"):
-        raise ValueError(f"lenskit.linear.HALF_MATMUL must be 'auto', 'native' or 'float32', got {HALF_MATMUL!r}")
+        raise ValueError(f"lenskit.pieces.linear.HALF_MATMUL must be 'auto', 'native' or 'float32', got {HALF_MATMUL!r}")
     if HALF_MATMUL != "auto":
         return HALF_MATMUL == "float32"
     flags = cpu_flags()

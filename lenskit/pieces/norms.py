@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
-from .hooks import HookPoint
+from ..config import ModelConfig
+from ..observe.hooks import HookPoint
 
 
 class LayerNorm(nn.Module):

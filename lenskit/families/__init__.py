@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from . import readers, writers
-from .config import ModelConfig
+from ..config import ModelConfig
 from .layouts import GEMMA, GPT2, GPT_NEOX, LLAMA, OLMO2, PHI3, Layout
 
 
@@ -30,7 +30,7 @@ class Family:
     hf_class: str  # transformers' causal-LM class, config.json's `architectures` entry, e.g. "LlamaForCausalLM"
     hf_config_class: str  # transformers' config class, e.g. "LlamaConfig"
     models: str  # the published models of the family, as README's families table lists them
-    read: Callable[..., dict[str, Any]]  # config.json -> ModelConfig keyword arguments (lenskit.readers)
+    read: Callable[..., dict[str, Any]]  # config.json -> ModelConfig keyword arguments (lenskit.families.readers)
     write: Callable[[ModelConfig], dict[str, Any]] | None  # ModelConfig -> config.json fields; None: no saving
     layout: Layout  # checkpoint names and stored shapes
     presets: Mapping[str, ModelConfig]  # published shapes by lowercase short name

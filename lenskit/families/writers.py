@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .config import ModelConfig
+    from ..config import ModelConfig
 
 _LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}
 

@@ -8,7 +8,7 @@ run the clean prompt and copy in the corrupted activation, to see what breaks it
 >>> df = activation_patching(model, clean, corrupted, metric, sites=["resid_pre", "attn_out", "head"])
 >>> df.pivot(index="layer", columns="position", values="normalized")   # or lenses.plots.patching_heatmap(df)
 
-Sites: the points of each block's stream (`lenskit.stream.POINTS`: "resid_pre", "attn_out", "resid_mid",
+Sites: the points of each block's stream (`lenskit.observe.stream.POINTS`: "resid_pre", "attn_out", "resid_mid",
 "mlp_out", "resid_post") and each attention head ("head", through its `hook_z`). `patching_hooks` also
 takes any `Stream`, e.g. `patching_hooks(model, cache, Stream(3, "resid_mid"))`.
 """
@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm  # tqdm.auto warns "IProgress not found" in kernels without ipywidgets
 
-from .cache import ActivationCache, hook_name
-from .hooks import HookFn
+from ..observe.cache import ActivationCache, hook_name
+from ..observe.hooks import HookFn
 from .masks import check_positions, replace_where
-from .model import HookedTransformer, TokensLike
-from .stream import POINTS, Stream, check_layer
+from ..model import HookedTransformer, TokensLike
+from ..observe.stream import POINTS, Stream, check_layer
 
 Metric = Callable[[torch.Tensor], Union[torch.Tensor, float]]  # logits [batch, pos, d_vocab] -> scalar
 SITES = (*POINTS, "head")  # the stream points of a block, and its heads (through attn.hook_z)

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
-from .hooks import HookPoint
+from ..config import ModelConfig
+from ..observe.hooks import HookPoint
 from .linear import Linear
 from .norms import make_norm
 from .rotary import Rotary
@@ -150,7 +150,7 @@ class Attention(nn.Module):
         result = self.hook_result(torch.einsum("bphd,hdm->bphm", z, self.W_O))  # [batch, pos, head, d_model]
         return result.sum(2) if self.out.bias is None else result.sum(2) + self.out.bias
 
-    # TransformerLens's views of the weights (`x @ W + b`, stacked over layers by lenskit.weights). Under GQA
+    # TransformerLens's views of the weights (`x @ W + b`, stacked over layers by lenskit.pieces.weights). Under GQA
     # W_K, W_V, b_K, b_V have one entry per query head, query head h reading kv head h // group, as
     # TransformerLens shows them. An absent bias reads as zeros.
     @property

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .attention import Attention
-from .hooks import HookPoint
+from ..observe.hooks import HookPoint
 from .linear import Linear
 from .norms import LayerNorm, RMSNorm, make_norm
 
