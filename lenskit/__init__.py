@@ -13,14 +13,19 @@ from .intervene import interventions, patching
 from .observe.cache import ActivationCache
 from .config import PRESETS, ModelConfig
 from .observe.hooks import HookPoint
-from .io.loading import CheckpointError
+from .io.loading import EMBEDDED_MODELS as _EMBEDDED
+from .io.loading import CheckpointError, embedded_model_folder
 from .model import HookedTransformer
 from .observe.names import get_act_name
 from .observe.stream import Stream
 
 DEFAULT_MODEL: str = str(Path(__file__).parent / "default_model")
-"""Filesystem path of the small GPT-2 that ships with lenskit (trained on the Python standard library)."""
+"""Filesystem path of the small GPT-2 that ships with lenskit (trained on the Python standard library);
+`from_pretrained("stdlib-gpt2")` loads the same folder."""
+EMBEDDED_MODELS: dict[str, str] = {name: str(embedded_model_folder(name)) for name in _EMBEDDED}
+"""Short name -> folder of each model that ships with lenskit: `stdlib-gpt2` (the default) and `stdlib-llama`,
+its Llama-architecture sibling trained on the same tokens. The short names work wherever a model is taken."""
 
-__all__ = ["ActivationCache", "CheckpointError", "DEFAULT_MODEL", "HookPoint", "HookedTransformer", "ModelConfig", "PRESETS",
+__all__ = ["ActivationCache", "CheckpointError", "DEFAULT_MODEL", "EMBEDDED_MODELS", "HookPoint", "HookedTransformer", "ModelConfig", "PRESETS",
            "Stream", "accounting", "data", "get_act_name", "interventions", "patching"]
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
-"""The embedded default model: loads in both lenskit and transformers, has learned Python, and its card is true."""
+"""The embedded models (`stdlib-gpt2`, the default, and `stdlib-llama`): each loads in both lenskit and its
+transformers class, has learned Python, and its card is true."""
 
 from __future__ import annotations
 
@@ -18,20 +19,51 @@ import lenskit
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
 
-def test_layout_and_size(default_model_path):
-    names = {p.name for p in default_model_path.iterdir()}
-    assert {"config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer.json", "README.md"} <= names
-    size = sum(p.stat().st_size for p in default_model_path.iterdir())
+EMBEDDED = pytest.mark.parametrize("name", sorted(lenskit.EMBEDDED_MODELS))
+
+
+def embedded(name: str) -> Path:
+    path = Path(lenskit.EMBEDDED_MODELS[name])
+    if not (path / "model.safetensors").exists():
+        pytest.fail(f"the embedded model {name} is missing at {path}; run experiments/train_default_model.py")
+    return path
+
+
+@EMBEDDED
+def test_layout_and_size(name):
+    path = embedded(name)
+    names = {p.name for p in path.iterdir()}
+    assert {"config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer.json", "README.md",
+            "training.json", "evaluation.json"} <= names
+    size = sum(p.stat().st_size for p in path.iterdir())
     assert size <= 20 * 2**20, f"the embedded model folder is {size / 2**20:.1f} MiB; the budget is 20 MiB"
-    assert lenskit.ModelConfig.from_json(default_model_path / "config.json").n_layers >= 6
+    assert lenskit.ModelConfig.from_json(path / "config.json").n_layers >= 6
 
 
-def test_transformers_and_lenskit_agree(default_model, default_model_path):
-    hf = transformers.GPT2LMHeadModel.from_pretrained(default_model_path).eval()
-    tokens = default_model.to_tokens(["def __init__(self, name):\n    self.name = name", "import os\nimport sys\n\n\nde"])
+@EMBEDDED
+def test_transformers_and_lenskit_agree(name):
+    """Parity with the family's own transformers class (GPT2LMHeadModel, LlamaForCausalLM), loading the shipped folder."""
+    from lenskit.families import family_of
+
+    path = embedded(name)
+    model = lenskit.HookedTransformer.from_pretrained(name)
+    hf_class = getattr(transformers, family_of(model.cfg.family).hf_class)
+    hf = hf_class.from_pretrained(path).eval()
+    tokens = model.to_tokens(["def __init__(self, name):\n    self.name = name", "import os\nimport sys\n\n\nde"])
     with torch.no_grad():
-        diff = (hf(tokens).logits - default_model(tokens)).abs().max().item()
+        diff = (hf(tokens).logits - model(tokens)).abs().max().item()
     assert diff <= 1e-4
+
+
+def test_the_two_share_tokenizer_and_budget():
+    gpt2, llama = (json.loads((embedded(n) / "training.json").read_text()) for n in ("stdlib-gpt2", "stdlib-llama"))
+    for key in ("corpus", "tokenizer", "steps", "batch", "ctx", "tokens_seen", "lr", "seed"):
+        assert gpt2[key] == llama[key], key
+    for f in ("vocab.json", "merges.txt"):
+        assert (embedded("stdlib-gpt2") / f).read_bytes() == (embedded("stdlib-llama") / f).read_bytes(), f
+    assert abs(llama["params"] - gpt2["params"]) <= 0.05 * gpt2["params"]
+    cfg = lenskit.ModelConfig.from_json(embedded("stdlib-llama") / "config.json")
+    assert (cfg.family, cfg.norm, cfg.mlp, cfg.positional, cfg.n_heads, cfg.n_kv_heads) == ("llama", "rmsnorm", "swiglu", "rotary", 6, 2)
 
 
 def test_greedy_generation_is_plausible_python(default_model):
@@ -55,16 +87,25 @@ def test_greedy_generation_from_a_bare_prompt_is_a_parameter_list(default_model)
 
 
 @pytest.mark.slow
-def test_card_loss_is_measured_and_far_below_unigram(default_model_path):
-    from evaluate_default_model import measure
+@EMBEDDED
+def test_card_is_measured_again(name):
+    """Every number on the card, measured again: held-out and unseen-package losses, unigram entropies, and
+    the greedy completions; and the card shows what evaluation.json holds."""
+    from evaluate_default_model import measure, write_card
 
-    recorded = json.loads((default_model_path / "evaluation.json").read_text())
-    card = (default_model_path / "README.md").read_text()
-    assert f"{recorded['heldout_loss']:.4f}" in card
+    path = embedded(name)
+    recorded = json.loads((path / "evaluation.json").read_text())
+    card = (path / "README.md").read_text()
+    assert card == write_card(path, recorded, json.loads((path / "training.json").read_text()))
     assert recorded["heldout_loss"] < 0.5 * recorded["unigram_entropy"]
+    assert recorded["unseen_loss"] < recorded["unseen_unigram_entropy"]
     if recorded["python"] != platform.python_version():
         pytest.skip(f"the card was measured on Python {recorded['python']}; this is {platform.python_version()}")
-    again = measure(default_model_path, max_windows=None)
+    again = measure(path, max_windows=None)
     assert again["heldout_tokens"] == recorded["heldout_tokens"]
-    assert abs(again["heldout_loss"] - recorded["heldout_loss"]) < 2e-4
-    assert abs(again["unigram_entropy"] - recorded["unigram_entropy"]) < 2e-4
+    for key in ("heldout_loss", "unigram_entropy"):
+        assert abs(again[key] - recorded[key]) < 2e-4, key
+    assert again["completions"] == recorded["completions"]
+    if again["unseen_package"] == recorded["unseen_package"]:  # another installed version is other text
+        for key in ("unseen_loss", "unseen_unigram_entropy"):
+            assert abs(again[key] - recorded[key]) < 2e-4, key

@@ -132,3 +132,24 @@ def test_nan_logits_stay_nan():
     assert torch.isnan(metrics.entropy(bad)).all()
     assert torch.isnan(metrics.forward_kl(bad, good)).all()
     assert torch.isnan(metrics.forward_kl(good, bad)).all()
+
+
+def test_bootstrap_ci_brackets_the_mean_and_narrows_with_more_units():
+    from lenses.metrics import bootstrap_ci
+
+    gen = torch.Generator().manual_seed(0)
+    rows = [{"layer": l, "window": w, "pos": p, "v": float(torch.randn((), generator=gen)) + l}
+            for l in range(2) for w in range(40) for p in range(3)]
+    frame = pd.DataFrame(rows)
+    ci = bootstrap_ci(frame, "v", by="layer", unit="window", n_boot=500)
+    per_window = frame.groupby(["layer", "window"])["v"].mean()
+    for l in range(2):
+        row = ci[ci.layer == l].iloc[0]
+        assert row["mean"] == pytest.approx(per_window[l].mean())  # the mean of window means
+        assert row["lo"] < row["mean"] < row["hi"] and row["n"] == 40
+        # about the normal interval of the window means: 1.96 standard errors
+        se = per_window[l].std() / 40 ** 0.5
+        assert (row["hi"] - row["lo"]) == pytest.approx(2 * 1.96 * se, rel=0.25)
+    few = bootstrap_ci(frame[frame.window < 10], "v", by="layer", unit="window", n_boot=500)
+    assert ((few["hi"] - few["lo"]).values > (ci["hi"] - ci["lo"]).values).all()
+    assert bootstrap_ci(frame, "v", by="layer", unit="window", n_boot=500).equals(ci)  # the seed fixes the draw

@@ -51,7 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
                f"modules ({', '.join(DEFAULT_REFERENCE)}), which the embedded model never saw in training.",
     )
     p.add_argument("prompt", help="the text to run")
-    p.add_argument("--model", default=None, help="model folder or hub name (default: the embedded model)")
+    p.add_argument("--model", default=None, help="model folder, embedded model (stdlib-gpt2, stdlib-llama) or hub name (default: stdlib-gpt2)")
     p.add_argument("--block", dest="targets", action="append", type=lambda s: Block(_layer(s)), metavar="L",
                    help="skip block L (zero mode: the stream passes through unchanged); repeatable")
     p.add_argument("--attn", dest="targets", action="append", type=lambda s: Attn(_layer(s)), metavar="L",

@@ -16,7 +16,7 @@ DEFAULT_TOKENS = 2 ** 16
 
 def add_parser(subparsers, name: str) -> None:
     p = subparsers.add_parser(name, help="evaluate a tuned lens against the logit lens, per layer", description=__doc__)
-    p.add_argument("--model", default=lenskit.DEFAULT_MODEL, help="model folder or hub name (default: the embedded model)")
+    p.add_argument("--model", default=lenskit.DEFAULT_MODEL, help="model folder, embedded model (stdlib-gpt2, stdlib-llama) or hub name (default: stdlib-gpt2)")
     p.add_argument("--lens", required=True, metavar="FOLDER", help="a tuned-lens folder (lenskit's, or tuned-lens' params.pt)")
     p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="held-out text files, folders or .jsonl")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, metavar="N",

@@ -11,13 +11,16 @@ import lenskit
 from lenskit import accounting
 from lenskit.config import ModelConfig
 from lenskit.families import FAMILIES, PRESETS
+from lenskit.io.loading import resolve_model_folder
 
 
 def model_help() -> str:
     """`--model`'s help: every registered family with its presets, from the registry."""
     presets = "; ".join(f"{t}: {', '.join(f.presets)}" if f.presets else t for t, f in FAMILIES.items())
-    return ("a model folder, a preset name by model_type (" + presets + "; an organisation prefix such as "
-            "EleutherAI/ is fine) or a hub name in the local Hugging Face cache; default: the embedded model")
+    embedded = ", ".join(lenskit.EMBEDDED_MODELS)
+    return ("an embedded model (" + embedded + "), a model folder, a preset name by model_type (" + presets +
+            "; an organisation prefix such as EleutherAI/ is fine) or a hub name in the local Hugging Face cache; "
+            "default: the embedded stdlib-gpt2")
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
@@ -35,9 +38,12 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
 
 def resolve_config(model: str | None) -> tuple[ModelConfig, str]:
     """The config of `model` and where it came from, reading config.json rather than the weights."""
-    path = Path(lenskit.DEFAULT_MODEL if model is None else model)
+    if model in lenskit.EMBEDDED_MODELS:  # a short name means the embedded model, before any folder of that name
+        path = resolve_model_folder(model)
+    else:
+        path = Path(lenskit.DEFAULT_MODEL if model is None else model)
     if (path / "config.json").is_file():
-        name = "the embedded model" if model is None else path.name
+        name = "the embedded model" if model is None else (model if model in lenskit.EMBEDDED_MODELS else path.name)
         return ModelConfig.from_json(path / "config.json", name=name), f"{path}/config.json"
     if model is None:
         raise FileNotFoundError(f"the embedded model is missing at {path}; reinstall lenskit or pass --model")

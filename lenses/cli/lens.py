@@ -25,7 +25,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     )
     p.add_argument("prompt", metavar="PROMPT", help=r"the text to read; write a newline as \n in the shell with $'...'")
     p.add_argument("--model", default=lenskit.DEFAULT_MODEL,
-                   help="model folder (Hugging Face GPT-2 layout) or hub name; default: the embedded model")
+                   help="model folder (a Hugging Face layout), embedded model (stdlib-gpt2, stdlib-llama) or hub name; "
+                        "default: stdlib-gpt2")
     p.add_argument("--lens", default="logit", metavar="logit|FOLDER",
                    help="'logit' for the logit lens, a folder saved by TunedLens.save, or a hub repo id (default: logit)")
     p.add_argument("--top-k", type=int, default=5, metavar="K", help="top-k tokens kept per cell for the CSV and hover (default 5)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
@@ -176,9 +177,33 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+# The models that ship inside the package, by short name -> folder beside this package's parent.
+EMBEDDED_MODELS = {"stdlib-gpt2": "default_model", "stdlib-llama": "stdlib_llama"}
+
+
+def embedded_model_folder(name: str) -> Path:
+    """The folder of an embedded model by its short name (`stdlib-gpt2`, `stdlib-llama`)."""
+    if name not in EMBEDDED_MODELS:
+        raise KeyError(f"no embedded model named {name!r}; lenskit ships {sorted(EMBEDDED_MODELS)}")
+    return Path(__file__).resolve().parents[1] / EMBEDDED_MODELS[name]
+
+
 def resolve_model_folder(name_or_path: str | os.PathLike) -> Path:
-    """A local folder as is; a hub name (`gpt2`, `openai-community/gpt2`) through the local HF cache,
-    downloading only when the network allows."""
+    """An embedded model's short name first (`stdlib-gpt2`, `stdlib-llama`), then a local folder as is, then
+    a hub name (`gpt2`, `openai-community/gpt2`) through the local HF cache, downloading only when the
+    network allows.
+
+    A short name always means the embedded model, even where a folder of that name exists in the working
+    directory (that is said, as a warning): spell the folder as a path, `./stdlib-llama`, to load it."""
+    text = str(name_or_path)
+    if text in EMBEDDED_MODELS:
+        folder = embedded_model_folder(text)
+        if Path(text).is_dir():
+            warnings.warn(f"{text!r} names lenskit's embedded model; the folder ./{text} here is not loaded "
+                          f"(pass ./{text} to load it)", UserWarning, stacklevel=3)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"the embedded model {text} is missing at {folder}; reinstall lenskit")
+        return folder
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
