@@ -37,3 +37,13 @@ def test_info_lists_both_and_reads_each(capsys):
     assert "stdlib-gpt2" in out and "stdlib-llama" in out
     assert main(["info", "--model", "stdlib-gpt2"]) == 0
     assert "3,505,152" in capsys.readouterr().out
+
+
+def test_the_llama_sibling_runs_under_its_short_name(tmp_path, capsys):
+    model = lenskit.HookedTransformer.from_pretrained("stdlib-llama")
+    assert model.cfg.family == "llama" and model.cfg.n_kv_heads == 2
+    csv = tmp_path / "lens.csv"
+    assert main(["lens", "def __init__(self, name):\n    self.name =", "--model", "stdlib-llama", "--csv", str(csv)]) == 0
+    assert csv.stat().st_size > 0
+    assert main(["info", "--model", "stdlib-llama"]) == 0
+    assert "llama" in capsys.readouterr().out

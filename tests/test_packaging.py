@@ -41,4 +41,7 @@ def test_wheel_contains_packages_and_default_model(tmp_path):
         f"the wheel's lenskit/default_model/ holds {sorted(model_files)}; is the embedded model trained?"
     )
     assert "tokenizer.json" in model_files or {"vocab.json", "merges.txt"} <= model_files, sorted(model_files)
+    llama_files = {n.removeprefix("lenskit/stdlib_llama/") for n in names if n.startswith("lenskit/stdlib_llama/")}
+    assert {"config.json", "model.safetensors", "vocab.json", "merges.txt", "README.md"} <= llama_files, sorted(llama_files)
+    assert wheels[0].name.startswith("lenskit_interp-"), wheels[0].name
     assert not any(n.endswith((".bin", ".pt", ".pkl")) for n in names)  # no pickles shipped
