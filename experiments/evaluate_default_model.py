@@ -168,6 +168,15 @@ def wall_time(training: dict) -> str:
     return f"{minutes:.0f} minutes of training steps on {threads} CPU thread{'s' if threads > 1 else ''}{note}"
 
 
+def _in_repo(folder: Path) -> str:
+    """The folder as the card names it: relative to the checkout (lenskit/stdlib_llama) wherever it is given from."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return folder.resolve().relative_to(root).as_posix()
+    except ValueError:
+        return folder.as_posix()
+
+
 def write_card(folder: Path, result: dict, training: dict) -> str:
     cfg = json.loads((folder / "config.json").read_text())
     arch = "gpt2" if cfg["model_type"] == "gpt2" else "llama"
@@ -180,7 +189,7 @@ def write_card(folder: Path, result: dict, training: dict) -> str:
         lr=training["lr"], batch=training["batch"], ctx=training["ctx"], steps=training["steps"], seed=training["seed"],
         tokens_seen=training["tokens_seen"], wall=wall_time(training),
         speed=f"\n| bf16 autocast, torch.compile | {training['speed_note']} |" if "speed_note" in training else "", final_train_loss=training["final_train_loss"],
-        command=training["command"], folder=folder.as_posix(), n_new=COMPLETION_TOKENS, tokenizer_note=TOKENIZER_NOTE,
+        command=training["command"], folder=_in_repo(folder), n_new=COMPLETION_TOKENS, tokenizer_note=TOKENIZER_NOTE,
         completion_rows="\n".join(f"| {_cell(p)} | {_cell(c)} |" for p, c in result["completions"].items()),
     )
 
