@@ -120,14 +120,14 @@ def main() -> None:
     kl = models[(models.metric == "kl") & (models.layer < gpt2.cfg.n_layers)].assign(series=lambda d: d.model + ", " + d.lens)
     figures = {
         "architectures_kl": plots.layer_curves(kl, series="series", log_y=True, ylabel="KL(final || lens), nats per token",
-                                               title=f"Same tokens, same budget: {args.windows} held-out windows (95% bootstrap CI)"),
+                                               title=f"Same tokens and budget, {args.windows} held-out windows (95% CI)"),
         "architectures_deletion": plots.layer_curves(models[models.metric == "deletion"].rename(columns={"layer": "block"}),
                                                      series="model", x="block",
                                                      ylabel="held-out loss change, nats per token",
-                                                     title="Deleting one block (95% bootstrap CI over windows)"),
+                                                     title="Deleting one block (95% CI over windows)"),
         "architectures_resid": plots.layer_curves(models[models.metric == "resid_rms"], series="model",
                                                   ylabel="RMS of the stream's entries",
-                                                  title="Residual-stream norm after each block (95% bootstrap CI)"),
+                                                  title="Stream RMS after each block (95% CI)"),
     }
     plots.save_figures(figures, out, args.formats)
     with pd.option_context("display.width", 200, "display.max_rows", 200):

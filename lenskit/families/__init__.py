@@ -122,7 +122,7 @@ _GEMMA_TINY = dict(_SHAPE, num_key_value_heads=2, head_dim=16, query_pre_attn_sc
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family(
-        "gpt2", "GPT2LMHeadModel", "GPT2Config", "GPT-2, the embedded model", readers.read_gpt2, writers.write_gpt2, GPT2,
+        "gpt2", "GPT2LMHeadModel", "GPT2Config", "GPT-2, the embedded `stdlib-gpt2`", readers.read_gpt2, writers.write_gpt2, GPT2,
         presets=_named(_gpt2("gpt2", 12, 768, 12), _gpt2("gpt2-medium", 24, 1024, 16), _gpt2("gpt2-large", 36, 1280, 20),
                        _gpt2("gpt2-xl", 48, 1600, 25)),
         tiny=dict(n_layer=3, n_embd=32, n_head=4, vocab_size=101, n_positions=64, bos_token_id=0, eos_token_id=0,
@@ -140,7 +140,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                   hidden_dropout=0.0, attention_dropout=0.0, layer_norm_eps=1e-5),
     ),
     Family(
-        "llama", "LlamaForCausalLM", "LlamaConfig", "Llama 2, 3, 3.1, 3.2, TinyLlama, SmolLM", readers.read_llama,
+        "llama", "LlamaForCausalLM", "LlamaConfig", "Llama 2, 3, 3.1, 3.2, TinyLlama, SmolLM, the embedded `stdlib-llama`", readers.read_llama,
         writers.write_llama, LLAMA,
         presets=_named(
             _llama("llama-3.2-1b", "llama", 16, 2048, 32, 8, 8192, 128256, 131072, True, 500000.0, rope_factor=32.0, **_LLAMA3),
