@@ -109,3 +109,22 @@ def test_card_is_measured_again(name):
     if again["unseen_package"] == recorded["unseen_package"]:  # another installed version is other text
         for key in ("unseen_loss", "unseen_unigram_entropy"):
             assert abs(again[key] - recorded[key]) < 2e-4, key
+
+
+def test_the_training_script_builds_the_sibling_it_promises():
+    """`--arch llama`: the SwiGLU width whose tied Llama is nearest the GPT-2's parameter count, GQA 6/2."""
+    import argparse
+
+    from train_default_model import model_config
+
+    args = argparse.Namespace(layers=6, d_model=192, heads=6, ctx=256, name=None, kv_heads=2, d_mlp=None)
+    gpt2 = model_config(argparse.Namespace(**vars(args), arch="gpt2"), 4096, 0)
+    llama = model_config(argparse.Namespace(**vars(args), arch="llama"), 4096, 0)
+    count = lambda cfg: sum(p.numel() for p in lenskit.HookedTransformer(cfg).parameters())  # noqa: E731
+    assert count(gpt2) == 3_505_152
+    assert abs(count(llama) - count(gpt2)) <= 0.05 * count(gpt2)
+    for wider in (llama.d_mlp - 8, llama.d_mlp + 8):  # the nearest multiple of 8
+        assert abs(count(llama) - count(gpt2)) <= abs(count(llama.replace(d_mlp=wider)) - count(gpt2))
+    assert (llama.family, llama.n_kv_heads, llama.tie_word_embeddings) == ("llama", 2, True)
+    assert llama == lenskit.ModelConfig.from_json(Path(lenskit.EMBEDDED_MODELS["stdlib-llama"]) / "config.json",
+                                                  name=llama.name)
