@@ -78,10 +78,7 @@ class BasisLens(Lens):
 
     def forward(self, h: torch.Tensor, s: int | str | Stream) -> torch.Tensor:
         self.check_hidden(h)
-        h = self.transform_hidden(h, self.stream(s))
-        dtype = self.model.unembed.weight.dtype
-        logits = self.model.readout(h if h.dtype == dtype else h.to(dtype))
-        return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        return self.model.readout.logits(self.transform_hidden(h, self.stream(s)))
 
     def logits_into(self, h: torch.Tensor, s: Stream, out: torch.Tensor) -> torch.Tensor:
         self.check_hidden(h)

@@ -31,6 +31,12 @@ class Readout:
         """h [..., d_model] -> logits [..., d_vocab] in the model's dtype."""
         return self.cap_(self.unembed(self.norm(h)))
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """What lenses hand back: h cast to the model's dtype, read out, and half-precision logits upcast to
+        float32 for the metrics' log-softmax."""
+        logits = self(h if h.dtype == self.unembed.weight.dtype else h.to(self.unembed.weight.dtype))
+        return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
     def uncapped(self, h: torch.Tensor) -> torch.Tensor:
         """The logits before any final soft-cap (the same as calling the readout for a model without one)."""
         return self.unembed(self.norm(h))
