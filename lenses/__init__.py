@@ -1,4 +1,4 @@
-"""lenses: analysis that reads lenskit's residual stream (logit lens, tuned lens, trajectories, plots).
+"""lenses: analysis that reads lenskit's residual stream (logit, tuned and Jacobian lenses, patchscopes, trajectories, plots).
 
 >>> from lenses import LogitLens, Trajectory
 >>> traj = Trajectory.from_prompt(LogitLens(model), "import os\\nos.path.")
@@ -12,9 +12,11 @@ from typing import Any
 # pandas or plotly.
 _LAZY = {
     "BasisLens": ("lenses.base", "BasisLens"),
+    "JacobianLens": ("lenses.jacobian", "JacobianLens"),
     "Lens": ("lenses.base", "Lens"),
     "LogitLens": ("lenses.logit", "LogitLens"),
     "POINTS": ("lenses.logit", "POINTS"),
+    "Patchscope": ("lenses.patchscope", "Patchscope"),
     "Trajectory": ("lenses.trajectory", "Trajectory"),
     "TunedLens": ("lenses.tuned", "TunedLens"),
     "metrics": ("lenses.metrics", None),
@@ -34,4 +36,5 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-__all__ = ["BasisLens", "Lens", "LogitLens", "POINTS", "Trajectory", "TunedLens", "metrics", "plots"]
+__all__ = ["BasisLens", "JacobianLens", "Lens", "LogitLens", "POINTS", "Patchscope", "Trajectory", "TunedLens", "metrics",
+           "plots"]

@@ -55,6 +55,12 @@ class Lens(nn.Module, ABC):
         out [rows, d_vocab]. Evaluation calls this; a lens may write straight into `out`."""
         return out.copy_(self(h, s))
 
+    def covers(self, s: Stream) -> bool:
+        """Whether this lens decodes the (resolved) stream s. A lens fitted for some streams only (a Jacobian lens
+        imported from a reference file has no matrix for the embeddings) says False elsewhere, and evaluation and
+        trajectories leave those cells empty (NaN) instead of failing; calling the lens there raises."""
+        return True
+
     def reads_as_model(self, s: Stream) -> bool:
         """Whether this lens's logits at stream s are the model's own readout of the stream (the logit lens at
         every stream, a tuned lens at the last). Evaluation reuses the model's numbers there; False is always safe."""

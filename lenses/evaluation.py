@@ -60,6 +60,8 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
     - settled: fraction of positions whose prediction depth is <= layer. The prediction depth of a token
       is the first layer from which the lens's top-1 stays equal to the final top-1 through the last layer.
 
+    At a stream a lens does not cover (`Lens.covers`), its numbers are NaN and the stream counts as unsettled.
+
     Every lens takes the same path: its logits for a chunk of tokens at one stream (`Lens.logits_into`),
     then the same statistics. "final" is the model's own readout of the last stream.
     """
@@ -84,6 +86,9 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
             values = {"kl": stats["kl"].view(shape).mean(-1), "ce": stats["ce"].view(shape)[:, :, :-1].mean(-1),
                       "entropy": stats["entropy"].view(shape).mean(-1), "top1_agree": agree.float().mean(-1),
                       "settled": settled.float().mean(-1)}
+            uncovered = [l for l, s in enumerate(locations) if not lenses[name].covers(s)]
+            for v in values.values():  # a stream the lens does not decode has no numbers, not zeros
+                v[uncovered] = float("nan")
             values = {k: v.tolist() for k, v in values.items()}  # [layer][window] floats
             for layer in range(len(locations)):
                 for b in range(tokens.shape[0]):
@@ -123,6 +128,9 @@ def _per_token_stats(model: HookedTransformer, lenses: dict[str, Lens], hs: list
         for name, lens in lenses.items():
             o = out[name]
             for l, s in enumerate(locations):
+                if not lens.covers(s):  # NaN, and never agreeing: prediction depth counts the stream as unsettled
+                    o["kl"][l, rows], o["ce"][l, rows], o["entropy"][l, rows], o["agree"][l, rows] = torch.nan, torch.nan, torch.nan, False
+                    continue
                 if s == last and lens.reads_as_model(s):
                     o["kl"][l, rows], o["ce"][l, rows], o["entropy"][l, rows], o["agree"][l, rows] = 0.0, f_ce, f_entropy, True
                     continue
@@ -179,9 +187,32 @@ def prediction_depth(tidy: pd.DataFrame) -> dict[str, float]:
     means = tidy.groupby(["lens", "layer"], sort=False)["settled"].mean()
     out = {}
     for lens in dict.fromkeys(tidy["lens"]):
-        settled = means[lens].sort_index()
+        settled = means[lens].sort_index().fillna(0.0)  # a stream the lens does not cover is not settled
         out[lens] = float((1 - settled.iloc[:-1]).sum())
     return out
+
+
+def side_by_side(tidy: pd.DataFrame, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Tidy rows of `evaluate_windows` -> one row per (lens, layer): each metric's mean over windows with a 95%
+    bootstrap interval over windows (`kl, kl_lo, kl_hi, ce, ...`, the same draws for every lens, so lenses
+    are compared on equal terms), and the lens's mean prediction depth with its interval (one value per lens,
+    repeated on its rows). A window's prediction depth is sum over l < n_layers of (1 - settled_l).
+
+    >>> side_by_side(evaluate_windows(model, {"logit": logit, "jacobian": jlens}, windows))
+    """
+    table = None
+    for metric in METRICS:
+        ci = metrics.bootstrap_ci(tidy, metric, by=["lens", "layer"], unit="window", n_boot=n_boot, seed=seed)
+        ci = ci.rename(columns={"mean": metric, "lo": f"{metric}_lo", "hi": f"{metric}_hi"}).drop(columns="n")
+        table = ci if table is None else table.merge(ci, on=["lens", "layer"])
+    last = tidy["layer"].max()
+    unsettled = tidy[tidy["layer"] < last].assign(depth=lambda f: 1 - f["settled"].fillna(0.0))
+    depth = unsettled.groupby(["lens", "window"], sort=False)["depth"].sum().reset_index()
+    depth = metrics.bootstrap_ci(depth, "depth", by="lens", unit="window", n_boot=n_boot, seed=seed).drop(columns="n")
+    depth.columns = ["lens", "prediction_depth", "prediction_depth_lo", "prediction_depth_hi"]
+    order = {name: i for i, name in enumerate(dict.fromkeys(tidy["lens"]))}
+    table = table.merge(depth, on="lens").sort_values(["lens", "layer"], key=lambda c: c.map(order) if c.name == "lens" else c)
+    return table.reset_index(drop=True)
 
 
 def evaluate(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequence[Lens], stream: TokenStream,
@@ -191,15 +222,20 @@ def evaluate(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequence[Len
 
     `.attrs` holds `prediction_depth` ({lens: mean layers}), `n_tokens` and `n_windows`.
     """
-    ctx = ctx or model.cfg.n_ctx
-    if not 2 <= ctx <= model.cfg.n_ctx:
-        raise ValueError(f"ctx={ctx} must be between 2 and the model's context n_ctx={model.cfg.n_ctx}; pass a smaller --ctx")
+    windows = heldout_windows(stream, tokens, ctx or model.cfg.n_ctx, model.cfg.n_ctx)
+    tidy = evaluate_windows(model, lenses, windows, batch=batch, progress=progress)
+    table = per_layer(tidy, n_tokens=len(stream), n_bytes=stream.n_bytes)
+    table.attrs.update(n_tokens=int(windows.numel()), n_windows=len(windows))
+    return table
+
+
+def heldout_windows(stream: TokenStream, tokens: int | None, ctx: int, n_ctx: int) -> torch.Tensor:
+    """The first `tokens` tokens of `stream` (all of it for None) as non-overlapping windows [n_windows, ctx]."""
+    if not 2 <= ctx <= n_ctx:
+        raise ValueError(f"ctx={ctx} must be between 2 and the model's context n_ctx={n_ctx}; pass a smaller --ctx")
     windows = stream.windows(ctx)
     if tokens is not None:
         if tokens < ctx:
             raise ValueError(f"tokens={tokens} is less than one window of {ctx} tokens; ask for at least {ctx}")
         windows = windows[: tokens // ctx]
-    tidy = evaluate_windows(model, lenses, windows, batch=batch, progress=progress)
-    table = per_layer(tidy, n_tokens=len(stream), n_bytes=stream.n_bytes)
-    table.attrs.update(n_tokens=int(windows.numel()), n_windows=len(windows))
-    return table
+    return windows

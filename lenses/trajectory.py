@@ -24,6 +24,7 @@ from . import metrics
 from .base import Lens
 
 NO_TARGET = -1
+NO_TOKEN = -1  # top_ids at a stream the lens does not cover (`Lens.covers`): its numbers there are NaN
 
 
 @dataclass
@@ -32,7 +33,8 @@ class Trajectory:
 
     tokens       [batch, pos]                 input ids
     lengths      [batch]                      real (unpadded) length of each sequence
-    top_ids      [layer, batch, pos, k]       the lens's k most likely next tokens
+    top_ids      [layer, batch, pos, k]       the lens's k most likely next tokens (NO_TOKEN, -1, and NaN numbers
+                                              at a stream the lens does not cover)
     top_probs    [layer, batch, pos, k]
     entropy      [layer, batch, pos]          H(lens), nats
     kl_to_final  [layer, batch, pos]          KL(final || lens), nats: 0 at layer n_layers
@@ -115,6 +117,7 @@ class Trajectory:
         chunk = chunk_size or max(1, (1 << 21) // model.cfg.d_vocab)
 
         L = n_layers + 1
+        covered = [lens.covers(s) for s in streams(n_layers)]
         top_ids = torch.empty(L, rows, top_k, dtype=torch.long)
         top_probs = torch.empty(L, rows, top_k)
         ent = torch.empty(L, rows)
@@ -127,6 +130,8 @@ class Trajectory:
             final_logp = metrics.log_probs(model.readout(flat_streams[n_layers][sl]))  # [chunk, d_vocab]
             tgt = safe_targets[sl]
             for layer in range(L):  # one layer's [chunk, d_vocab] logits alive at a time
+                if not covered[layer]:
+                    continue  # filled in below: no numbers where the lens does not decode
                 logp = metrics.log_probs(lens(flat_streams[layer][sl], layer))
                 p, ids = logp.topk(top_k, dim=-1)
                 top_ids[layer, sl] = ids.cpu()
@@ -136,6 +141,9 @@ class Trajectory:
                 rank[layer, sl] = metrics.target_rank(logp, tgt).cpu()
                 tlogp[layer, sl] = logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1).cpu()  # kept as a log: exp underflows
                 del logp
+        for layer in (l for l in range(L) if not covered[l]):
+            top_ids[layer], rank[layer] = NO_TOKEN, NO_TARGET
+            top_probs[layer], ent[layer], kl[layer], tlogp[layer] = (float("nan"),) * 4
         no_tgt = ~has_target.cpu()
         rank[:, no_tgt] = NO_TARGET
         tlogp[:, no_tgt] = float("nan")
@@ -149,8 +157,10 @@ class Trajectory:
 
     # ------------------------------------------------------------- reading
     def token_str(self, ids: np.ndarray | Sequence[int]) -> list[str]:
-        """Decoded text of each id (e.g. ' def', '\\n'), or '<id>' when there is no tokenizer."""
-        return token_texts(self.tokenizer, np.asarray(ids).ravel())
+        """Decoded text of each id (e.g. ' def', '\\n'), or '<id>' when there is no tokenizer; '' for NO_TOKEN."""
+        ids = np.asarray(ids).ravel()
+        texts = token_texts(self.tokenizer, np.maximum(ids, 0))
+        return [text if i >= 0 else "" for text, i in zip(texts, ids)]
 
     def to_frame(self) -> pd.DataFrame:
         """One row per (layer, position) (and per sequence, in a `batch` column, when there are several).

@@ -55,7 +55,7 @@ def test_errors(tiny_folder, tmp_path, capsys):
     assert main(["lens", "x", "--model", str(tiny_folder), "--out", str(tmp_path / "x.jpg")]) == 2
     assert "expected a file name ending in .html" in capsys.readouterr().err
     assert main(["lens", "x", "--model", str(tiny_folder), "--lens", str(tmp_path / "nope")]) == 2
-    assert "neither 'logit' nor a folder" in capsys.readouterr().err
+    assert "no such folder or file, and not a lens kind" in capsys.readouterr().err
     assert main(["lens", "x" * 200, "--model", str(tiny_folder)]) == 2  # longer than n_ctx = 64
     assert "n_ctx" in capsys.readouterr().err
 

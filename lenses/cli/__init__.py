@@ -18,10 +18,10 @@ COMMANDS = {
 # The one-line help `lenskit --help` lists, so that listing the commands imports none of their modules
 # (they import torch, which takes seconds). Each module's add_parser uses the same line.
 SUMMARY = {
-    "lens": "show what each layer predicts for a prompt (logit or tuned lens)",
+    "lens": "show what each layer predicts for a prompt, through one lens or several",
     "info": "parameter and FLOP accounting of a model",
     "train-lens": "train a tuned lens (resumes from --out)",
-    "eval-lens": "evaluate a tuned lens against the logit lens, per layer",
+    "eval-lens": "evaluate lenses side by side, per layer",
     "ablate": "ablate blocks, sublayers or heads and compare predictions with the clean run",
 }
 

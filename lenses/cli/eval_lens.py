@@ -1,7 +1,13 @@
-"""`lenskit eval-lens`: the logit lens and a tuned lens side by side, per layer, on held-out text.
+"""`lenskit eval-lens`: lenses side by side, per layer, on held-out text.
 
-With --card, the per-layer table also goes into the lens folder: under "eval" in its config.json and as
-the Evaluation section of its README.md model card (a lenskit lens folder on this disk only).
+    lenskit eval-lens --lens runs/tuned_lens --data heldout/            # the logit lens against a tuned lens
+    lenskit eval-lens --lens logit --lens tuned:T --lens jacobian:J --lens patchscope --data heldout/ \\
+        --table zoo.csv --out zoo.png
+
+The logit lens is always evaluated, as the baseline, first unless named. Every lens reads the same windows;
+the intervals are 95% bootstrap intervals over windows. With --card, the per-layer table also goes into the
+lens folder: under "eval" in its config.json and as the Evaluation section of its README.md model card (one
+lenskit tuned-lens folder on this disk only).
 """
 
 from __future__ import annotations
@@ -10,22 +16,35 @@ import argparse
 from pathlib import Path
 
 import lenskit
+from lenses.spec import SPEC_HELP
 
 DEFAULT_TOKENS = 2 ** 16
+OUT_SUFFIXES = (".html", ".png", ".svg", ".pdf")
+PLOT_LABELS = {"kl": "KL(final ‖ lens), nats", "ce": "cross-entropy, nats", "entropy": "entropy, nats",
+               "top1_agree": "top-1 agreement with the model", "settled": "share of tokens settled"}
 
 
 def add_parser(subparsers, name: str) -> None:
-    p = subparsers.add_parser(name, help="evaluate a tuned lens against the logit lens, per layer", description=__doc__)
+    p = subparsers.add_parser(name, help="evaluate lenses side by side, per layer", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=lenskit.DEFAULT_MODEL, help="model folder, embedded model (stdlib-gpt2, stdlib-llama) or hub name (default: stdlib-gpt2)")
-    p.add_argument("--lens", required=True, metavar="FOLDER", help="a tuned-lens folder (lenskit's, or tuned-lens' params.pt)")
+    p.add_argument("--lens", required=True, action="append", metavar="SPEC",
+                   help=f"a lens, repeatable: {SPEC_HELP} (a FOLDER is a tuned or Jacobian lens, or tuned-lens' params.pt)")
     p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="held-out text files, folders or .jsonl")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, metavar="N",
                    help=f"evaluate the first N tokens of --data (default {DEFAULT_TOKENS:,}, or all it holds if less; "
                         "0 = all of it)")
     p.add_argument("--ctx", type=int, default=None, help="window length (default: the model's n_ctx)")
-    p.add_argument("--csv", default=None, metavar="FILE", help="write the per-layer table (nats per token and bits per byte)")
+    p.add_argument("--csv", default=None, metavar="FILE", help="write the per-layer table, lenses side by side in columns "
+                                                                "(kl_logit, kl_tuned, ...; nats per token and bits per byte)")
+    p.add_argument("--table", default=None, metavar="FILE", help="write the tidy table: one row per (lens, layer) with "
+                                                                 "95%% bootstrap intervals over windows and prediction depth")
+    p.add_argument("--out", default=None, metavar="FILE", help="draw a metric per layer, one line per lens with its interval "
+                                                               "(.html, .png, .svg or .pdf)")
+    p.add_argument("--plot-metric", default="kl", choices=("kl", "ce", "entropy", "top1_agree", "settled"),
+                   help="the metric --out draws (default kl, on a log axis)")
     p.add_argument("--card", action="store_true",
-                   help="also write the table into the lens folder's README.md model card (and config.json)")
+                   help="also write the table into the tuned-lens folder's README.md model card (and config.json)")
     p.add_argument("--text-field", default="text", help="the JSONL field that holds the text")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
@@ -36,33 +55,62 @@ def run(args: argparse.Namespace) -> int:
 
     from lenskit.io.data import load_token_stream
 
-    from ..evaluation import evaluate
-    from ..logit import LogitLens
-    from ..tuned import TunedLens
+    from ..evaluation import evaluate_windows, heldout_windows, per_layer, side_by_side
+    from ..spec import load_lenses, split_spec
 
+    specs = list(dict.fromkeys(args.lens))
+    if "logit" not in specs:
+        specs.insert(0, "logit")  # the baseline every lens is read against
+    if args.out and Path(args.out).suffix.lower() not in OUT_SUFFIXES:
+        raise ValueError(f"--out {args.out!r}: expected a file name ending in {', '.join(OUT_SUFFIXES)}")
+    card_folder = None
     if args.card:
-        check_card_folder(Path(args.lens))  # before any work
+        folders = [arg or spec for spec in specs for kind, arg in [split_spec(spec)] if kind in ("", "tuned")]
+        if len(folders) != 1:
+            raise ValueError(f"--card writes into one tuned-lens folder; got {len(folders)} lens folders among --lens")
+        card_folder = Path(folders[0])
+        check_card_folder(card_folder)  # before any work
     model = lenskit.HookedTransformer.from_pretrained(args.model)
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files; eval-lens needs one to read text")
-    tuned = TunedLens.load(args.lens, model)
+    lenses = load_lenses(specs, model)
     stream = load_token_stream(args.data, model.tokenizer, text_field=args.text_field)
-    table = evaluate(model, {"logit": LogitLens(model), "tuned": tuned}, stream, tokens=args.tokens or None, ctx=args.ctx,
-                     progress=not args.quiet)
-    shown = ["layer", "kl_logit", "kl_tuned", "ce_logit", "ce_tuned", "kl_logit_bpb", "kl_tuned_bpb"]
-    with pd.option_context("display.width", 200, "display.max_columns", 20):
+    windows = heldout_windows(stream, args.tokens or None, args.ctx or model.cfg.n_ctx, model.cfg.n_ctx)
+    tidy = evaluate_windows(model, lenses, windows, progress=not args.quiet)
+    table = per_layer(tidy, n_tokens=len(stream), n_bytes=stream.n_bytes)
+    n_tokens = int(windows.numel())
+    labels = list(lenses)
+    shown = ["layer", *(f"kl_{n}" for n in labels), *(f"ce_{n}" for n in labels)]
+    with pd.option_context("display.width", 200, "display.max_columns", 40):
         print(table[shown].to_string(index=False, float_format=lambda x: f"{x:.4f}"))
-    depth = table.attrs["prediction_depth"]
-    print(f"{table.attrs['n_tokens']:,} tokens in {table.attrs['n_windows']} windows; nats per token, *_bpb bits per byte; "
-          f"mean prediction depth: logit {depth['logit']:.2f}, tuned {depth['tuned']:.2f} layers")
+    summary = side_by_side(tidy)
+    depth = summary.drop_duplicates("lens").set_index("lens")
+    print(f"{n_tokens:,} tokens in {len(windows)} windows; nats per token. Mean prediction depth (layers, 95% interval "
+          "over windows): " + ", ".join(f"{n} {depth.loc[n, 'prediction_depth']:.2f} [{depth.loc[n, 'prediction_depth_lo']:.2f}, "
+                                         f"{depth.loc[n, 'prediction_depth_hi']:.2f}]" for n in labels))
     if args.csv:
         Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
         table.to_csv(args.csv, index=False)
         print(f"wrote {args.csv}")
-    if args.card:
+    if args.table:
+        Path(args.table).parent.mkdir(parents=True, exist_ok=True)
+        summary.to_csv(args.table, index=False)
+        print(f"wrote {args.table} ({len(summary)} rows)")
+    if args.out:
+        from .. import plots
+
+        m = args.plot_metric
+        curves = summary[["lens", "layer", m, f"{m}_lo", f"{m}_hi"]].rename(columns={m: "mean", f"{m}_lo": "lo", f"{m}_hi": "hi"})
+        fig = plots.layer_curves(curves, m, series="lens", ylabel=PLOT_LABELS[m], log_y=m == "kl",
+                                 title=f"lenses on {Path(args.model).name or args.model}, {n_tokens:,} tokens")
+        plots.save_figure(fig, args.out)
+        print(f"wrote {args.out}")
+    if card_folder is not None:
         from ..card import record_eval
 
-        card = record_eval(args.lens, table.to_dict("records"), int(table.attrs["n_tokens"]), stream.provenance.get("sha256"))
+        label = next(n for n in labels if n != "logit")
+        records = table.rename(columns=lambda c: c.replace(f"_{label}", "_tuned") if c.startswith(("kl_", "ce_")) else c)
+        card = record_eval(card_folder, records.to_dict("records"), n_tokens, stream.provenance.get("sha256"))
         print(f"wrote the table into {card}")
     return 0
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import lenskit
 from lenses.table import format_table
 from lenses.cli.figure_options import add_figure_options, figure_kwargs
+from lenses.spec import SPEC_HELP
 
 OUT_SUFFIXES = (".html", ".png", ".svg", ".pdf")
 COLORS = ("prob", "entropy", "kl", "rank")
@@ -19,7 +20,7 @@ COLORS = ("prob", "entropy", "kl", "rank")
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p = subparsers.add_parser(
-        name, help="show what each layer predicts for a prompt (logit or tuned lens)",
+        name, help="show what each layer predicts for a prompt, through one lens or several",
         description="Read a prompt's residual stream after every block through a lens and show each layer's "
                     "top-1 next-token prediction at every position.",
     )
@@ -27,8 +28,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--model", default=lenskit.DEFAULT_MODEL,
                    help="model folder (a Hugging Face layout), embedded model (stdlib-gpt2, stdlib-llama) or hub name; "
                         "default: stdlib-gpt2")
-    p.add_argument("--lens", default="logit", metavar="logit|FOLDER",
-                   help="'logit' for the logit lens, a folder saved by TunedLens.save, or a hub repo id (default: logit)")
+    p.add_argument("--lens", action="append", metavar="SPEC",
+                   help=f"the lens, repeatable to draw several one above the other on one colour scale: {SPEC_HELP} "
+                        "(default: logit)")
     p.add_argument("--top-k", type=int, default=5, metavar="K", help="top-k tokens kept per cell for the CSV and hover (default 5)")
     p.add_argument("--out", metavar="FILE", help="write the heatmap to FILE.html (plotly.js inlined, about 5 MB, opens "
                                                  "offline), .png (300 dpi with --size), .svg or .pdf")
@@ -39,28 +41,11 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.set_defaults(run=run)
 
 
-def load_lens(spec: str, model: lenskit.HookedTransformer):
-    """'logit' -> LogitLens; a folder -> TunedLens.load(folder, model)."""
-    if spec == "logit":
-        from lenses.logit import LogitLens
-
-        return LogitLens(model)
-    try:
-        from lenses.tuned import TunedLens
-    except ImportError as e:
-        raise ValueError(f"--lens {spec} needs lenses.TunedLens (lenses/tuned.py), which could not be imported: {e}") from e
-    try:
-        return TunedLens.load(spec, model)  # a folder, or a hub repo id in the local Hugging Face cache
-    except FileNotFoundError:
-        if Path(spec).is_dir():
-            raise
-        raise FileNotFoundError(f"--lens {spec!r} is neither 'logit' nor a folder; pass 'logit', a folder written by "
-                                "TunedLens.save, or a hub repo id") from None
-
-
 def run(args: argparse.Namespace) -> int:
+    import pandas as pd
     import torch
 
+    from lenses.spec import load_lenses
     from lenses.trajectory import Trajectory
 
     if args.out and Path(args.out).suffix.lower() not in OUT_SUFFIXES:
@@ -72,10 +57,13 @@ def run(args: argparse.Namespace) -> int:
     model = lenskit.HookedTransformer.from_pretrained(args.model)
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files, so PROMPT cannot be tokenized")
-    lens = load_lens(args.lens, model)
+    lenses = load_lenses(list(dict.fromkeys(args.lens or ["logit"])), model)
     with torch.no_grad():
-        traj = Trajectory.from_prompt(lens, args.prompt, top_k=min(args.top_k, model.cfg.d_vocab))
-    frame = traj.to_frame()
+        trajs = {name: Trajectory.from_prompt(lens, args.prompt, top_k=min(args.top_k, model.cfg.d_vocab))
+                 for name, lens in lenses.items()}
+    frames = {name: traj.to_frame() for name, traj in trajs.items()}
+    frame = next(iter(frames.values())) if len(frames) == 1 else pd.concat(
+        [f.assign(lens=name) for name, f in frames.items()], ignore_index=True)
     # Files first, so that `lenskit lens ... | head` still writes them.
     if args.csv:
         Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
@@ -83,16 +71,22 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         from lenses import plots
 
-        fig = plots.logit_lens_heatmap(frame, color=args.color, title=args.title or f"{traj.lens_name} lens",
-                                       **figure_kwargs(args))
+        if len(frames) == 1:
+            name = next(iter(frames))
+            fig = plots.logit_lens_heatmap(frames[name], color=args.color, title=args.title or f"{name} lens", **figure_kwargs(args))
+        else:
+            options = figure_kwargs(args)
+            sizes = {k: options.pop(k) for k in ("size", "width", "height") if k in options}
+            fig = plots.lens_stack(frames, color=args.color, title=args.title, **sizes, **options)
         try:
             plots.save_figure(fig, args.out)
         except RuntimeError as e:  # e.g. no Chrome for static export
             print(f"lenskit lens: error: {e}", file=sys.stderr)
             return 2
-    print(f"{traj.lens_name} lens, {Path(args.model).name or args.model}: top-1 prediction after each block "
-          f"(layer 0 = embeddings, layer {traj.n_layers} = the model's output)")
-    print(format_table(frame))
+    for name, traj in trajs.items():
+        print(f"{name} lens, {Path(args.model).name or args.model}: top-1 prediction after each block "
+              f"(layer 0 = embeddings, layer {traj.n_layers} = the model's output)")
+        print(format_table(frames[name]))
     if args.csv:
         print(f"wrote {args.csv} ({len(frame)} rows)")
     if args.out:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -127,6 +127,47 @@ def logit_lens_heatmap(data: Any, color: str = "prob", *, batch: int = 0, title:
                                       ticktext=targets, tickfont=dict(family=MONO, size=tick_font, color="#555555"),
                                       tickangle=0, showline=False, ticks="", showgrid=False, automargin=True,
                                       title=dict(text="next token", font=dict(color="#555555", size=font), standoff=4)))
+    return fig
+
+
+def lens_stack(data: Mapping[str, Any], color: str = "prob", *, title: str | None = None, size: str | None = None,
+               width: int | None = None, height: int | None = None, **window: Any) -> go.Figure:
+    """Several lenses' heatmaps of one prompt, one above the other, on one shared colour scale.
+
+    `data` maps a lens's name to its `Trajectory` (or `to_frame()`), e.g. from
+    `{name: Trajectory.from_prompt(lens, prompt) for name, lens in lenses.items()}`. Each panel is
+    `logit_lens_heatmap(..., color, **window)` (same window: `positions`, `last`, `layers`, `cell_text`,
+    `max_chars`, `clip`, `batch`); the colour range is the union of the panels' ranges, so one colour means
+    one value in every panel. Stream cells a lens does not decode stay blank.
+
+    >>> fig = lens_stack({"logit": logit_traj, "tuned": tuned_traj}, color="kl")
+    """
+    from plotly.subplots import make_subplots
+
+    if not data:
+        raise ValueError("lens_stack needs at least one lens's trajectory")
+    panels = {name: logit_lens_heatmap(d, color, **window) for name, d in data.items()}
+    traces = [fig.data[0] for fig in panels.values()]
+    lows = [tr.zmin for tr in traces if tr.zmin is not None]
+    zmin = min(lows) if lows else None
+    widest = max(traces, key=lambda tr: -math.inf if tr.zmax is None else tr.zmax)
+    first = next(iter(panels.values()))
+    w, h = figure_size(size, width, height, default=(first.layout.width, min(2400, sum(f.layout.height for f in panels.values()))))
+    font = font_size(w, h)
+    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=min(0.08, 0.3 / len(panels)),
+                        subplot_titles=[f"{name} lens" for name in panels])
+    for row, (panel, trace) in enumerate(zip(panels.values(), traces), start=1):
+        trace.update(zmin=zmin, zmax=widest.zmax, showscale=row == 1,
+                     colorbar=widest.colorbar.to_plotly_json() | dict(len=1.0, y=0.5, yanchor="middle"))
+        fig.add_trace(trace, row=row, col=1)
+        fig.update_yaxes(row=row, col=1, **{k: panel.layout.yaxis[k] for k in ("tickmode", "tickvals", "ticktext", "title")})
+    bottom = first.layout.xaxis
+    fig.update_xaxes(row=len(panels), col=1, **{k: bottom[k] for k in ("title", "tickmode", "tickvals", "ticktext", "tickfont")})
+    fig.update_xaxes(range=list(bottom.range), showline=False, ticks="")
+    fig.update_yaxes(showline=False, ticks="")
+    fig.update_layout(template=PAPER, width=w, height=h, font=dict(size=font), meta=print_meta(size),
+                      margin=dict(l=round(4.5 * font), r=round(1.5 * font), b=round(3.5 * font), t=round((3.4 if title else 2.0) * font)),
+                      title=dict(text=title, x=0.0, xref="paper", xanchor="left", font=dict(size=1.15 * font)) if title else None)
     return fig
 
 
