@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable
+
+from lenskit.io.files import read_json
 
 CONFIG_FILE = "config.json"
 
@@ -43,16 +44,11 @@ def read_config(folder: Path) -> dict[str, Any]:
     """The JSON object in a lens folder's config.json; FileNotFoundError says what the folder should hold, and
     ValueError names the file when it is not a JSON object."""
     path = folder / CONFIG_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"no {CONFIG_FILE} in {folder}; expected a tuned-lens folder written by TunedLens.save "
                                 "or `lenskit train-lens`")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); the lens folder is corrupt") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e.msg}: line {e.lineno}, column {e.colno}); "
-                         "the lens folder is corrupt: save or train the lens again") from None
+    # Bounded in size and depth, a FIFO refused: one line naming the file (lenskit.io.files).
+    config = read_json(path, what="a lens config; the lens folder is corrupt: save or train the lens again")
     if not isinstance(config, dict):
         raise ValueError(f"{path} holds a JSON {type(config).__name__}, expected an object of lens settings")
     return config

@@ -506,7 +506,7 @@ ROWS = [
     Row("eval-lens --ctx 999", cli("eval-lens", "--model", "{root}/model", "--lens", "{root}/lens", "--data", "{root}/data",
                                    "--ctx", "999", "--quiet"), 2, ("ctx=999", "n_ctx=64", "--ctx")),
     Row("lens --lens that is not a folder", cli("lens", "x = 1", "--model", "{root}/model", "--lens", "{root}/nowhere"), 2,
-        ("neither 'logit' nor a folder",)),
+        ("no such folder or file, and not a lens kind",)),
     Row("ablate with nothing to ablate", cli("ablate", "x = 1", "--model", "{root}/model"), 2, ("nothing to ablate",)),
     Row("ablate an out-of-range block", cli("ablate", "x = 1", "--model", "{root}/model", "--block", "9"), 2, ("out of range",)),
 ]

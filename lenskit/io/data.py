@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
+from .files import FOLDER, REGULAR_FILE, NotARegularFileError, path_kind, read_bytes
+from .tokenizer import tokenizer_failures
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -77,24 +80,34 @@ def _sha256(data: bytes) -> str:
 
 def list_files(paths: Sequence[str | Path]) -> list[Path]:
     """Expand the inputs: a file is itself; a folder is every text file below it (TEXT_SUFFIXES and
-    .jsonl, hidden entries skipped) in sorted order of the relative path."""
+    .jsonl, hidden entries skipped) in sorted order of the relative path. A path that is neither a regular
+    file nor a folder (a FIFO, a socket, a device), given or found in a folder, is refused by name: reading
+    it could block forever."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     files: list[Path] = []
     for p in map(Path, paths):
-        if p.is_file():
+        kind = path_kind(p)
+        if kind == REGULAR_FILE:
             files.append(p)
-        elif p.is_dir():
+        elif kind == FOLDER:
             found = sorted(
-                (f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in (*TEXT_SUFFIXES, ".jsonl")
+                (f for f in p.rglob("*") if f.suffix.lower() in (*TEXT_SUFFIXES, ".jsonl") and path_kind(f) not in (FOLDER, None)
                  and not any(part.startswith(".") for part in f.relative_to(p).parts)),
                 key=lambda f: f.relative_to(p).as_posix(),
             )
+            for f in found:
+                if path_kind(f) != REGULAR_FILE:
+                    raise NotARegularFileError(f"data file {f} is not a regular file but {path_kind(f)}; remove it "
+                                               f"from {p}, or pass regular text files")
             if not found:
                 raise FileNotFoundError(f"folder {p} holds no text files (looked for {', '.join(TEXT_SUFFIXES)}, .jsonl)")
             files.extend(found)
-        else:
+        elif kind is None:
             raise FileNotFoundError(f"data path {p} does not exist; pass text files, folders or .jsonl files")
+        else:
+            raise NotARegularFileError(f"data path {p} is not a regular file but {kind}; pass text files, folders "
+                                       "or .jsonl files")
     if not files:
         raise ValueError("no data paths given; pass at least one text file, folder or .jsonl file")
     return files
@@ -128,7 +141,7 @@ def read_documents(paths: Sequence[str | Path], text_field: str = "text") -> tup
     docs: list[Document] = []
     records = []
     for f in list_files(paths):
-        raw = f.read_bytes()
+        raw = read_bytes(f, what="a text or .jsonl data file")
         records.append({"path": f.as_posix(), "bytes": len(raw), "sha256": _sha256(raw)})
         if f.suffix.lower() == ".jsonl":
             for i, line in enumerate(decode_text(f, raw).splitlines(), start=1):
@@ -168,7 +181,9 @@ def tokenize_documents(docs: Iterable[Document], tokenizer: "PreTrainedTokenizer
     docs = list(docs)
     ids: list[int] = []
     for i in range(0, len(docs), batch):
-        for row in tokenizer([d.text for d in docs[i: i + batch]], add_special_tokens=False)["input_ids"]:
+        with tokenizer_failures(tokenizer, f"encoding {docs[i].source} (and the {min(batch, len(docs) - i) - 1} documents after it)"):
+            rows = tokenizer([d.text for d in docs[i: i + batch]], add_special_tokens=False)["input_ids"]
+        for row in rows:
             ids.extend(row)
             ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)

@@ -3,7 +3,9 @@
 Converting a checkpoint is a pure function from a flat name -> tensor mapping (and our parameter
 shapes, read from a model built on the meta device) to our state dict: the family's declarative name
 map and reshape list (layouts.py, found through the registry in families.py), and a check of every key, shape, dtype and value. Nothing is guessed and nothing is silently initialised. Files are read with safetensors
-(memory-mapped); pickle checkpoints are refused, never opened.
+(memory-mapped, and watched for in-place edits: lenskit.io.mapped); pickle checkpoints are refused, never
+opened. Every file is checked to be a regular file first (lenskit.io.files), and a hub snapshot to lie inside
+the hub cache (lenskit.io.hubcache).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
@@ -21,7 +24,10 @@ from safetensors.torch import save_file
 
 from ..config import ModelConfig
 from ..families import PRESETS, family_of
-from .tokenizer import load_tokenizer, save_tokenizer
+from .files import check_output_file, check_regular_file, file_kind, read_json_object
+from .hubcache import HubCacheError, check_cached_file, check_ref, check_snapshot
+from .mapped import WeightFiles
+from .tokenizer import TOKENIZER_FILES, load_tokenizer, save_tokenizer
 
 if TYPE_CHECKING:
     from ..model import HookedTransformer
@@ -73,6 +79,7 @@ def convert_hf_state_dict(raw: Mapping[str, torch.Tensor], cfg: ModelConfig,
             raise CheckpointError(f"checkpoint holds {name!r} twice, under {key!r} and another spelling (prefix or alias)")
         if layout.is_buffer(name):
             continue
+        check_dtype(key, tensor)  # before the key checks: a quantised file's extra scales are not the real cause
         stripped[name] = tensor
     tied_head = layout.top["unembed.weight"]
     lm_head = stripped.pop(tied_head, None) if cfg.tie_word_embeddings else None
@@ -104,11 +111,24 @@ def convert_hf_state_dict(raw: Mapping[str, torch.Tensor], cfg: ModelConfig,
     return state
 
 
+# The dtypes a checkpoint may store weights in: the three lenskit computes in, and float64 (converted on load).
+# float8, float4 and packed-integer (int4 in uint8/int32) tensors are quantised weights, refused by name.
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_dtype(name: str, tensor: torch.Tensor) -> None:
+    """A stored weight must be in a dtype lenskit computes in; anything else is refused, naming the tensor."""
+    if tensor.dtype in WEIGHT_DTYPES:
+        return
+    kind = "a quantised (float8 / float4) dtype" if tensor.dtype.is_floating_point else "not floating point"
+    raise CheckpointError(f"tensor {name!r} has dtype {tensor.dtype}, {kind}; weights must be floating point: "
+                          "float32, bfloat16, float16 or float64 (quantised checkpoints, float8, int4 or packed "
+                          "integers, are not supported: dequantise first, e.g. save a bfloat16 copy with transformers)")
+
+
 def check_values(name: str, tensor: torch.Tensor, check_finite: bool = True) -> None:
-    """A weight must be floating point and finite; a NaN or inf would poison every forward silently."""
-    if not tensor.dtype.is_floating_point:
-        raise CheckpointError(f"tensor {name!r} has dtype {tensor.dtype}; weights must be floating point "
-                              "(quantised checkpoints are not supported: dequantise first)")
+    """A weight must be in a dtype lenskit computes in, and finite; a NaN or inf would poison every forward silently."""
+    check_dtype(name, tensor)
     if not check_finite:
         return
     # One reduction instead of an elementwise mask: a NaN or inf anywhere makes the sum non-finite. It allocates
@@ -133,21 +153,22 @@ def to_hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dic
 
 
 # ------------------------------------------------------------------ files
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a single-file or sharded safetensors checkpoint, memory-mapped."""
+def checkpoint_files(folder: Path) -> tuple[list[Path], dict | None]:
+    """The safetensors files of a checkpoint folder (one file, or the shards its index names, each checked to
+    be a regular file) and the index's weight map (None for a single file)."""
     index = folder / "model.safetensors.index.json"
     single = folder / "model.safetensors"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            shards = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map' object): {e}") from e
-        for shard in shards:
+    if os.path.lexists(index):
+        data = read_json_object(index, what="a safetensors index (a JSON object with a 'weight_map')")
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map' object)")
+        values = list(weight_map.values())
+        for shard in values:
             if not isinstance(shard, str) or Path(shard).name != shard or not shard.endswith(".safetensors"):
                 raise CheckpointError(f"{index} names shard {shard!r}; shards must be .safetensors files in the same folder")
-        files = [folder / s for s in shards]
-    elif single.exists():
+        files = [folder / s for s in sorted(set(values))]
+    elif os.path.lexists(single):
         files, weight_map = [single], None
     else:
         pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")] + [p.name for p in folder.glob("*.ckpt")]
@@ -156,24 +177,35 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
             f"{folder} has no model.safetensors or model.safetensors.index.json{found}. Convert the checkpoint "
             "to safetensors with a tool you trust, e.g. transformers' save_pretrained(..., safe_serialization=True)"
         )
+    for file in files:
+        if not os.path.lexists(file):
+            raise CheckpointError(f"shard {file.name} listed in {index.name} does not exist in {folder}")
+        check_regular_file(file, "a safetensors weights file")
+    return files, weight_map
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a single-file or sharded safetensors checkpoint, memory-mapped."""
+    files, weight_map = checkpoint_files(folder)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        if not file.exists():
-            raise CheckpointError(f"shard {file.name} listed in {index.name} does not exist in {folder}")
+        key = None
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for key in f.keys():
                     if key in tensors:
                         raise CheckpointError(f"tensor {key!r} appears in more than one shard")
                     tensors[key] = f.get_tensor(key)
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        except (SafetensorError, OSError, ValueError, RuntimeError, TypeError, KeyError) as e:
             if isinstance(e, CheckpointError):
                 raise
-            raise CheckpointError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from e
+            where = f" (reading tensor {key!r})" if key is not None else ""
+            detail = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"{file} is not a readable safetensors file (truncated or corrupt?){where}: {detail}") from e
     if weight_map is not None:
         absent = sorted(set(weight_map) - set(tensors))
         if absent:
-            raise CheckpointError(f"{index.name} lists tensor(s) that no shard holds: {absent[:5]}")
+            raise CheckpointError(f"{folder / 'model.safetensors.index.json'} lists tensor(s) that no shard holds: {absent[:5]}")
     return tensors
 
 
@@ -209,7 +241,9 @@ def resolve_model_folder(name_or_path: str | os.PathLike) -> Path:
         return path
     text = str(name_or_path)
     if path.exists():
-        raise NotADirectoryError(f"{text} is a file; pass the folder that holds config.json and the weights")
+        mode = os.stat(path).st_mode
+        kind = "a file" if stat.S_ISREG(mode) else f"{file_kind(mode)}, not a folder"
+        raise NotADirectoryError(f"{text} is {kind}; pass the folder that holds config.json and the weights")
     if not _HUB_ID.match(text) or text.startswith((".", "~")):
         raise FileNotFoundError(f"no folder at {text}; pass a Hugging Face model folder or a hub name")
     return _from_hub(text)
@@ -240,22 +274,51 @@ def _from_hub(name: str) -> Path:
     short = name in PRESETS and PRESETS[name].family == "gpt2"  # gpt2, gpt2-xl... now live under openai-community/
     candidates = [name] + ([f"openai-community/{name}"] if short else [])
     for repo_id in candidates:
+        check_ref(cache_dir, repo_id)  # a ref that would hang the read or name a folder outside the cache
         try:
-            return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, cache_dir=cache_dir, local_files_only=True))
+            snapshot = snapshot_download(repo_id, allow_patterns=HUB_FILES, cache_dir=cache_dir, local_files_only=True)
         except Exception:  # noqa: BLE001 - not cached under this id; try the next one
             continue
+        return check_snapshot(cache_dir, repo_id, snapshot)
     reason = "HF_HUB_OFFLINE is set"
     if not _hub_offline():
         try:
-            return Path(snapshot_download(candidates[-1], allow_patterns=HUB_FILES, cache_dir=cache_dir))
+            snapshot = snapshot_download(candidates[-1], allow_patterns=HUB_FILES, cache_dir=cache_dir)
         except Exception as e:  # noqa: BLE001 - any network or hub failure gets the same advice
             reason = f"download failed: {type(e).__name__}: {e}"
+        else:
+            return check_snapshot(cache_dir, candidates[-1], snapshot)
     raise OSError(
         f"{name!r} is not a local folder, and not in the local Hugging Face cache ({cache_dir or 'default location'}); it could not be "
         f"fetched ({reason}). Pass a local folder instead: on a machine with network, run "
         f"`hf download {candidates[-1]}` (or save_pretrained a model), copy the folder here, then "
         "HookedTransformer.from_pretrained('/path/to/folder')"
     )
+
+
+def resolve_hub_file(repo_id: str, filename: str) -> Path:
+    """One file of a hub repo (`filename` may be a path inside it), resolved as hub models are: the local
+    Hugging Face cache first, downloaded only when the network allows; otherwise an OSError saying what to do."""
+    from huggingface_hub import hf_hub_download
+
+    cache_dir = _hub_cache_dir()
+    check_ref(cache_dir, repo_id)
+    try:
+        return check_cached_file(cache_dir, repo_id, hf_hub_download(repo_id, filename, cache_dir=cache_dir, local_files_only=True))
+    except Exception as e:  # noqa: BLE001 - not cached; try the network below when allowed
+        if isinstance(e, HubCacheError):
+            raise
+    reason = "HF_HUB_OFFLINE is set"
+    if not _hub_offline():
+        try:
+            path = hf_hub_download(repo_id, filename, cache_dir=cache_dir)
+        except Exception as e:  # noqa: BLE001 - any network or hub failure gets the same advice
+            reason = f"download failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        else:
+            return check_cached_file(cache_dir, repo_id, path)
+    raise OSError(f"{filename!r} of hub repo {repo_id!r} is not in the local Hugging Face cache ({cache_dir or 'default location'}) "
+                  f"and could not be fetched ({reason}); on a machine with network run `hf download {repo_id} {filename}`, "
+                  "or pass the local file")
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -272,15 +335,65 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     raise ValueError(f"dtype={dtype!r} is not supported; pass one of {sorted(DTYPES)} or the matching torch dtype")
 
 
+def parse_device(device: str | torch.device | None) -> torch.device:
+    """A torch device that this torch can use (None: the CPU). One line says why not, before anything is loaded:
+    a name torch does not know, CUDA on a torch built without it or with no GPU visible, an index past the last GPU."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"device={device!r} is not a device torch knows ({detail}); pass 'cpu', 'cuda', 'cuda:1' or 'mps'") from None
+    if parsed.type == "cuda":
+        if torch.version.cuda is None and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}, but this torch ({torch.__version__}) is built without CUDA; pass device='cpu', "
+                             "or install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device={device!r}, but no CUDA device is visible (torch {torch.__version__}, CUDA "
+                             f"{torch.version.cuda}); check nvidia-smi and CUDA_VISIBLE_DEVICES, or pass device='cpu'")
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(f"device={device!r}, but only {count} CUDA device(s) are visible (cuda:0 to cuda:{count - 1})")
+    elif parsed.type != "cpu":
+        try:
+            torch.empty(0, device=parsed)
+        except (RuntimeError, AssertionError, ValueError) as e:
+            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"device={device!r} cannot be used by this torch ({torch.__version__}): {detail}; "
+                             "pass device='cpu'") from None
+    return parsed
+
+
 def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathLike, dtype: torch.dtype | str | None = None,
-                    device: str | torch.device | None = None, check_finite: bool = True) -> "HookedTransformer":
+                    device: str | torch.device | None = None, check_finite: bool = True,
+                    mmap: bool = True) -> "HookedTransformer":
+    """See `HookedTransformer.from_pretrained`. With `mmap`, weights already in `dtype` on the CPU stay
+    memory-mapped, and the files they map are watched (lenskit.io.mapped) before every forward."""
     dtype = parse_dtype(dtype)
+    device = parse_device(device)
     folder = resolve_model_folder(name_or_path)
     config_file = folder / "config.json"
-    if not config_file.exists():
+    if not os.path.lexists(config_file):
         raise FileNotFoundError(f"{folder} has no config.json; expected a Hugging Face model folder")
-    cfg = ModelConfig.from_json(config_file, name=str(name_or_path))
-    return _assemble(cls, cfg, read_safetensors(folder), load_tokenizer(folder), dtype, device or "cpu", check_finite)
+    config = read_json_object(config_file, what="a Hugging Face config.json (a JSON object)")
+    files = WeightFiles(checkpoint_files(folder)[0]) if mmap else WeightFiles()
+    raw = read_safetensors(folder)
+    files.confirm()
+    # The config's layer count is checked against the blocks the tensor names hold before anything scales with it.
+    cfg = ModelConfig.from_hf_config(config, name=str(name_or_path), tensor_names=raw)
+    model = _assemble(cls, cfg, raw, load_tokenizer(folder), dtype, device, check_finite, copy=not mmap)
+    if files and shares_memory(model, raw):
+        model.weight_files = files  # checked at the start of every forward
+    else:
+        files.close()  # every weight was copied (another dtype or device): the files no longer matter
+    return model
+
+
+def shares_memory(model: torch.nn.Module, raw: Mapping[str, torch.Tensor]) -> bool:
+    """Whether any of the model's tensors lives in the storage of a tensor of `raw` (a view of the mapped file)."""
+    stored = {t.untyped_storage().data_ptr() for t in raw.values() if t.device.type == "cpu"}
+    return any(t.untyped_storage().data_ptr() in stored for t in model.state_dict().values() if t.device.type == "cpu")
 
 
 def from_hf(cls: type["HookedTransformer"], hf_model: torch.nn.Module, tokenizer=None) -> "HookedTransformer":
@@ -290,13 +403,13 @@ def from_hf(cls: type["HookedTransformer"], hf_model: torch.nn.Module, tokenizer
     return _assemble(cls, cfg, raw, tokenizer, param.dtype, param.device)
 
 
-def _assemble(cls, cfg, raw, tokenizer, dtype, device, check_finite: bool = True) -> "HookedTransformer":
+def _assemble(cls, cfg, raw, tokenizer, dtype, device, check_finite: bool = True, copy: bool = False) -> "HookedTransformer":
     """Build on the meta device, convert the checkpoint against its shapes, then assign the tensors:
-    a checkpoint already in `dtype` on the CPU is used in place (memory-mapped), not copied."""
+    a checkpoint already in `dtype` on the CPU is used in place (memory-mapped), not copied, unless `copy`."""
     state = convert_hf_state_dict(raw, cfg, expected_shapes(cls, cfg), check_finite)
     with torch.device("meta"):
         model = cls(cfg, tokenizer=tokenizer)
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    state = {k: v.to(device=device, dtype=dtype, copy=copy) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     return model.eval()
@@ -309,6 +422,8 @@ def save_pretrained(model: "HookedTransformer", folder: str | os.PathLike) -> No
     tensors = to_hf_state_dict(model.state_dict(), model.cfg)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors", *TOKENIZER_FILES):  # a FIFO there would block the write forever
+        check_output_file(folder / name, "a model file")
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     # A stale shard index would take precedence over the file just written.

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from .tokenizer import tokenizer_failures
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -46,7 +48,8 @@ def encode_texts(tokenizer: "PreTrainedTokenizerBase", texts: str | Sequence[str
     row's real length [batch]. `HookedTransformer.to_tokens` and the lenses both tokenize through this."""
     texts = [texts] if isinstance(texts, str) else list(texts)
     check_unicode(texts)
-    rows = [([bos] if bos is not None else []) + tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    with tokenizer_failures(tokenizer):
+        rows = [([bos] if bos is not None else []) + tokenizer.encode(t, add_special_tokens=False) for t in texts]
     if not rows or any(len(r) == 0 for r in rows):
         raise ValueError("an empty text has no tokens; pass prepend_bos=True or a non-empty string")
     return right_pad(rows, pad_token_id(tokenizer)), torch.tensor([len(r) for r in rows])
@@ -56,7 +59,8 @@ def single_token_id(tokenizer: "PreTrainedTokenizerBase | None", text: str) -> i
     """The id of text that is exactly one token, or a ValueError naming its pieces."""
     if tokenizer is None:
         raise ValueError(f"reading {text!r} as a token needs the model's tokenizer; pass a token id instead")
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    with tokenizer_failures(tokenizer):
+        ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) != 1:
         pieces = [tokenizer.decode([i]) for i in ids]
         raise ValueError(f"{text!r} is {len(ids)} tokens {pieces}; pass text that is exactly one token, or an id")

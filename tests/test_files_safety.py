@@ -1,0 +1,434 @@
+"""A user's files where lenskit reads and writes them (lenskit/io/files.py): FIFOs and devices never block,
+JSON is bounded in size and depth, quantised dtypes are refused by tensor name, failures inside `tokenizers`
+name the file, and a device torch cannot use is one line. Every rule on several files, families or arguments.
+
+FIFO cases run in a forked child with a deadline (tests/forked.py): a regression hangs inside Rust or C,
+where no alarm in this process could stop it, and the child is killed instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import make_hf_family
+from forked import run_forked
+from lenses.tuned import TunedLens
+from lenskit import HookedTransformer
+from lenskit.io.data import list_files, load_token_stream, read_documents
+from lenskit.io.files import JSON_MAX_BYTES, NotARegularFileError, check_output_file, open_output, read_json
+from lenskit.io.tokenizer import load_tokenizer
+from tiny_tokenizer import save_tiny_model
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="FIFOs and fork are POSIX")
+
+DEADLINE = 30.0  # seconds; each case takes well under one (see the FIFO timings in the report)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> dict[str, Path]:
+    """Model folders made once: a GPT-2 with tokenizer.json (+ vocab.json, merges.txt), a sharded Llama,
+    a tuned lens, a tuned-lens-package folder and a data folder."""
+    root = tmp_path_factory.mktemp("files_safety")
+    gpt2 = save_tiny_model(root / "gpt2")
+    llama = root / "llama"
+    make_hf_family("llama").save_pretrained(llama, max_shard_size="20KB")
+    assert (llama / "model.safetensors.index.json").exists(), "the Llama fixture should be sharded"
+    model = HookedTransformer.from_pretrained(gpt2)
+    TunedLens(model).save(root / "lens")
+    package = root / "package"
+    package.mkdir()
+    (package / "config.json").write_text(json.dumps({"d_model": model.cfg.d_model, "num_hidden_layers": model.cfg.n_layers}))
+    torch.save({f"{i}.weight": torch.zeros(model.cfg.d_model, model.cfg.d_model) for i in range(model.cfg.n_layers)},
+               package / "params.pt")
+    data = root / "data"
+    data.mkdir()
+    (data / "a.py").write_text("def add(a, b):\n    return a + b\n" * 20)
+    return {"gpt2": gpt2, "llama": llama, "lens": root / "lens", "package": package, "data": data}
+
+
+def copy_with(src: Path, dst: Path, fifo: str | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """A copy of folder `src` at `dst`, with `fifo` (a file name) replaced by a FIFO and `drop` removed."""
+    shutil.copytree(src, dst)
+    for name in drop:
+        (dst / name).unlink()
+    if fifo is not None:
+        (dst / fifo).unlink(missing_ok=True)
+        os.mkfifo(dst / fifo)
+    return dst
+
+
+def first_shard(folder: Path) -> str:
+    return sorted(p.name for p in folder.glob("model-*.safetensors"))[0]
+
+
+# ------------------------------------------------------------------------------------------ FIFOs
+MODEL_FIFOS = [
+    ("gpt2", "config.json"),
+    ("gpt2", "model.safetensors"),
+    ("gpt2", "tokenizer.json"),
+    ("gpt2", "tokenizer_config.json"),
+    ("gpt2", "special_tokens_map.json"),  # a file transformers would open if it were there
+    ("llama", "config.json"),
+    ("llama", "model.safetensors.index.json"),
+    ("llama", "<first shard>"),
+]
+
+
+@pytest.mark.parametrize("family, name", MODEL_FIFOS, ids=[f"{f}-{n}" for f, n in MODEL_FIFOS])
+def test_a_fifo_in_a_model_folder_is_refused_at_once(base, tmp_path, family, name):
+    name = first_shard(base[family]) if name == "<first shard>" else name
+    folder = copy_with(base[family], tmp_path / "m", fifo=name)
+    outcome = run_forked(lambda: HookedTransformer.from_pretrained(folder), DEADLINE)
+    outcome.raised("NotARegularFileError", name, "is not a regular file", "FIFO")
+    assert outcome.seconds < DEADLINE
+
+
+@pytest.mark.parametrize("name, drop", [("vocab.json", ("tokenizer.json",)), ("merges.txt", ("tokenizer.json",))])
+def test_a_fifo_among_gpt2_bpe_files_is_refused(base, tmp_path, name, drop):
+    folder = copy_with(base["gpt2"], tmp_path / "m", fifo=name, drop=drop)
+    run_forked(lambda: load_tokenizer(folder), DEADLINE).raised("NotARegularFileError", name, "is not a regular file")
+
+
+@pytest.mark.parametrize("kind, name", [("lens", "config.json"), ("package", "config.json"), ("package", "params.pt")])
+def test_a_fifo_in_a_lens_folder_is_refused(base, tmp_path, kind, name):
+    folder = copy_with(base[kind], tmp_path / "lens", fifo=name)
+    gpt2 = base["gpt2"]
+    outcome = run_forked(lambda: TunedLens.load(folder, HookedTransformer.from_pretrained(gpt2)), DEADLINE)
+    outcome.raised("NotARegularFileError", name, "is not a regular file")
+
+
+def test_a_fifo_as_data_says_what_it_is_not_that_it_is_missing(base, tmp_path):
+    fifo = tmp_path / "data.txt"
+    os.mkfifo(fifo)
+    outcome = run_forked(lambda: read_documents([fifo]), DEADLINE).raised("NotARegularFileError", "data.txt",
+                                                                         "not a regular file", "FIFO")
+    assert "does not exist" not in outcome.message
+    # Inside a folder, too: a FIFO with a text suffix is refused by name, not skipped or read.
+    folder = copy_with(base["data"], tmp_path / "folder")
+    os.mkfifo(folder / "b.txt")
+    run_forked(lambda: list_files([folder]), DEADLINE).raised("NotARegularFileError", "b.txt", "not a regular file")
+    run_forked(lambda: read_documents([folder]), DEADLINE).raised("NotARegularFileError", "b.txt")
+
+
+def test_cli_data_fifo_is_one_line_exit_2(base, tmp_path):
+    import contextlib
+    import io
+
+    from lenses.cli import main
+
+    fifo = tmp_path / "held_out.txt"
+    os.mkfifo(fifo)
+
+    def run():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = main(["eval-lens", "--model", str(base["gpt2"]), "--lens", str(base["lens"]), "--data", str(fifo),
+                       "--ctx", "16", "--quiet"])
+        return rc, err.getvalue()
+
+    outcome = run_forked(run, DEADLINE)
+    assert outcome.kind == "returned", outcome
+    rc, stderr = outcome.value
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1, stderr
+    assert "held_out.txt" in lines[0] and "not a regular file" in lines[0] and "does not exist" not in lines[0], lines
+
+
+def test_writers_refuse_non_regular_outputs_before_work(tmp_path):
+    fifo = tmp_path / "out.png"
+    os.mkfifo(fifo)
+    with pytest.raises(NotARegularFileError, match="out.png.*not a regular file.*FIFO"):
+        check_output_file(fifo, "the --out figure")
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        check_output_file(tmp_path, "the --out figure")
+    assert check_output_file(tmp_path / "new.csv") == tmp_path / "new.csv"
+    if os.path.exists("/dev/null"):
+        assert check_output_file("/dev/null", "a CSV table", pipe_ok=True)  # a stream sink is fine for a table
+        with pytest.raises(NotARegularFileError, match="character device"):
+            check_output_file("/dev/null", "a figure")
+
+
+def test_open_output_refuses_a_fifo_nobody_reads_and_writes_to_one_that_is_read(tmp_path):
+    fifo = tmp_path / "table.csv"
+    os.mkfifo(fifo)
+
+    def write():
+        with open_output(fifo, "the --csv table", pipe_ok=True) as f:
+            f.write("layer,kl\n0,1.5\n")
+
+    run_forked(write, DEADLINE).raised("OSError", "table.csv", "no process is reading")
+    run_forked(lambda: open_output(fifo, "a figure").__enter__(), DEADLINE).raised("NotARegularFileError", "table.csv")
+    # With a reader on the other end, writing to the pipe is the point (`--csv /dev/stdout`, `--csv >(sort)`).
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # this process reads: the writer's open succeeds
+    try:
+        outcome = run_forked(write, DEADLINE)
+        assert outcome.kind == "returned", outcome
+        assert os.read(reader, 1 << 16) == b"layer,kl\n0,1.5\n"
+    finally:
+        os.close(reader)
+
+
+def test_save_pretrained_into_a_folder_holding_a_fifo_is_refused(base, tmp_path):
+    folder = copy_with(base["gpt2"], tmp_path / "m", fifo="tokenizer.json")
+    model = HookedTransformer.from_pretrained(base["gpt2"])
+    run_forked(lambda: model.save_pretrained(folder), DEADLINE).raised("NotARegularFileError", "tokenizer.json")
+
+
+# ------------------------------------------------------------------------------------------ JSON bounds
+def write_model_config(base, tmp_path, raw: bytes) -> callable:
+    folder = copy_with(base["gpt2"], tmp_path / "m")
+    (folder / "config.json").write_bytes(raw)
+    return lambda: HookedTransformer.from_pretrained(folder), "config.json"
+
+
+def write_lens_config(base, tmp_path, raw: bytes):
+    folder = copy_with(base["lens"], tmp_path / "lens")
+    (folder / "config.json").write_bytes(raw)
+    model = HookedTransformer.from_pretrained(base["gpt2"])
+    return lambda: TunedLens.load(folder, model), "config.json"
+
+
+def write_tokenizer_config(base, tmp_path, raw: bytes):
+    folder = copy_with(base["gpt2"], tmp_path / "m")
+    (folder / "tokenizer_config.json").write_bytes(raw)
+    return lambda: load_tokenizer(folder), "tokenizer_config.json"
+
+
+def write_shard_index(base, tmp_path, raw: bytes):
+    folder = copy_with(base["llama"], tmp_path / "m")
+    (folder / "model.safetensors.index.json").write_bytes(raw)
+    return lambda: HookedTransformer.from_pretrained(folder), "model.safetensors.index.json"
+
+
+def write_vocab(base, tmp_path, raw: bytes):
+    folder = copy_with(base["gpt2"], tmp_path / "m", drop=("tokenizer.json",))
+    (folder / "vocab.json").write_bytes(raw)
+    return lambda: load_tokenizer(folder), "vocab.json"
+
+
+def write_tokenizer_json(base, tmp_path, raw: bytes):
+    folder = copy_with(base["gpt2"], tmp_path / "m")
+    (folder / "tokenizer.json").write_bytes(raw)
+    return lambda: load_tokenizer(folder), "tokenizer.json"
+
+
+def write_special_tokens(base, tmp_path, raw: bytes):
+    folder = copy_with(base["gpt2"], tmp_path / "m")
+    (folder / "special_tokens_map.json").write_bytes(raw)
+    return lambda: load_tokenizer(folder), "special_tokens_map.json"
+
+
+JSON_FILES = [write_model_config, write_lens_config, write_tokenizer_config, write_shard_index, write_vocab,
+              write_tokenizer_json, write_special_tokens]
+
+
+@pytest.mark.parametrize("write", JSON_FILES, ids=[w.__name__.removeprefix("write_") for w in JSON_FILES])
+def test_json_nested_100000_deep_is_one_line_fast(base, tmp_path, write):
+    run, name = write(base, tmp_path, b"[" * 100_000 + b"]" * 100_000)
+    start = time.monotonic()
+    with pytest.raises(ValueError) as info:
+        run()
+    assert time.monotonic() - start < 5
+    message = str(info.value)
+    assert name in message and "nests" in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("write", JSON_FILES[:3], ids=[w.__name__.removeprefix("write_") for w in JSON_FILES[:3]])
+def test_json_deeper_than_the_bound_but_parseable_is_refused(base, tmp_path, write):
+    run, name = write(base, tmp_path, json.dumps({"model_type": "gpt2", "x": json.loads("[" * 200 + "]" * 200)}).encode())
+    with pytest.raises(ValueError, match=rf"{name}.*nests JSON 201 levels deep, more than the 64"):
+        run()
+
+
+@pytest.mark.parametrize("write", JSON_FILES, ids=[w.__name__.removeprefix("write_") for w in JSON_FILES])
+def test_json_that_is_not_utf8_names_the_file(base, tmp_path, write):
+    run, name = write(base, tmp_path, b'{"model_type": "gpt2", "name": "caf\xe9\xff"}')
+    with pytest.raises(ValueError) as info:
+        run()
+    message = str(info.value)
+    assert name in message and "not UTF-8" in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("write", [write_model_config, write_lens_config], ids=["model_config", "lens_config"])
+def test_json_larger_than_the_bound_is_refused_before_it_is_read(base, tmp_path, write):
+    run, name = write(base, tmp_path, b"{}")
+    target = next(p for p in tmp_path.rglob(name))
+    with open(target, "r+b") as f:
+        f.truncate(JSON_MAX_BYTES + 1)  # sparse: no disk, no time
+    with pytest.raises(ValueError, match=rf"{name} is {JSON_MAX_BYTES + 1:,} bytes, more than the {JSON_MAX_BYTES:,}"):
+        run()
+
+
+def test_read_json_bounds_are_arguments(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"a": {"b": {"c": 1}}}))
+    assert read_json(path)["a"]["b"]["c"] == 1
+    with pytest.raises(ValueError, match="nests JSON 3 levels deep, more than the 2"):
+        read_json(path, max_depth=2)
+    with pytest.raises(ValueError, match="more than the 10"):
+        read_json(path, max_bytes=10)
+    path.write_text('{"n": ' + "9" * 5000 + "}")  # more digits than Python converts to an int
+    with pytest.raises(ValueError, match="x.json holds a value that cannot be read"):
+        read_json(path)
+
+
+# ------------------------------------------------------------------------------------------ dtypes
+def recast(folder: Path, edit) -> None:
+    """Rewrite every safetensors file of `folder` with `edit(name, tensor)` -> {name: tensor} applied."""
+    for file in folder.glob("*.safetensors"):
+        tensors = {}
+        for name, tensor in load_file(file).items():
+            tensors.update(edit(name, tensor))
+        save_file(tensors, file, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.exists():  # names may have changed: rebuild the weight map
+        weight_map = {k: f.name for f in folder.glob("*.safetensors") for k in load_file(f)}
+        index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def cast_one(target: str, dtype: torch.dtype):
+    def edit(name, tensor):
+        if not name.endswith(target):
+            return {name: tensor}
+        if dtype == torch.float4_e2m1fn_x2:  # packed two to a byte
+            return {name: tensor.flatten()[: tensor.numel() // 2].to(torch.uint8).view(dtype)}
+        return {name: tensor.to(dtype)}
+    return edit
+
+
+def packed_int4(target: str):
+    def edit(name, tensor):  # as bitsandbytes stores 4-bit weights: uint8 [numel / 2, 1]
+        return {name: torch.zeros(tensor.numel() // 2, 1, dtype=torch.uint8)} if name.endswith(target) else {name: tensor}
+    return edit
+
+
+def gptq(target: str):
+    def edit(name, tensor):  # GPTQ: the weight becomes int32 qweight + scales + qzeros
+        if not name.endswith(target + ".weight"):
+            return {name: tensor}
+        stem = name.removesuffix(".weight")
+        return {f"{stem}.qweight": torch.zeros(tensor.shape[1] // 8, tensor.shape[0], dtype=torch.int32),
+                f"{stem}.scales": torch.ones(1, tensor.shape[0], dtype=torch.float16)}
+    return edit
+
+
+DTYPE_CASES = [
+    ("gpt2", cast_one("h.0.attn.c_attn.weight", torch.float8_e4m3fn), "h.0.attn.c_attn.weight", "float8_e4m3fn"),
+    ("gpt2", cast_one("h.1.mlp.c_fc.weight", torch.float4_e2m1fn_x2), "h.1.mlp.c_fc.weight", "float4_e2m1fn_x2"),
+    ("llama", cast_one("layers.0.mlp.up_proj.weight", torch.float8_e5m2), "layers.0.mlp.up_proj.weight", "float8_e5m2"),
+    ("llama", packed_int4("layers.1.self_attn.q_proj.weight"), "layers.1.self_attn.q_proj.weight", "uint8"),
+    ("llama", gptq("layers.0.mlp.down_proj"), "layers.0.mlp.down_proj.qweight", "int32"),
+]
+
+
+@pytest.mark.parametrize("family, edit, tensor, dtype", DTYPE_CASES, ids=[f"{c[0]}-{c[3]}" for c in DTYPE_CASES])
+def test_a_dtype_lenskit_does_not_compute_in_is_refused_by_tensor_name(base, tmp_path, family, edit, tensor, dtype):
+    folder = copy_with(base[family], tmp_path / "m")
+    recast(folder, edit)
+    with pytest.raises(ValueError) as info:  # not the NotImplementedError of isfinite on float8
+        HookedTransformer.from_pretrained(folder)
+    message = str(info.value)
+    assert tensor in message and dtype in message and "dequantise" in message and "\n" not in message, message
+
+
+def test_float64_checkpoint_still_loads(base, tmp_path):
+    folder = copy_with(base["gpt2"], tmp_path / "m")
+    recast(folder, lambda name, t: {name: t.double() if t.is_floating_point() else t})
+    model = HookedTransformer.from_pretrained(folder)
+    assert model.embed.weight.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------------ tokenizers' errors
+def edit_tokenizer_json(folder: Path, edit) -> None:
+    data = json.loads((folder / "tokenizer.json").read_text())
+    edit(data)
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+
+
+def unknown_model_type(data):
+    data["model"]["type"] = "Frobnicate"
+
+
+def vocab_as_list(data):
+    data["model"]["vocab"] = [1, 2, 3]
+
+
+BROKEN_TOKENIZERS = [
+    ("tokenizer.json unknown model type", lambda f: edit_tokenizer_json(f, unknown_model_type), "tokenizer.json", "BPE, WordPiece"),
+    ("tokenizer.json vocab a list", lambda f: edit_tokenizer_json(f, vocab_as_list), "tokenizer.json", "expected"),
+    ("corrupt vocab.json", lambda f: ((f / "tokenizer.json").unlink(), (f / "vocab.json").write_text('{"a": 1, "b": ')),
+     "vocab.json", "not valid JSON"),
+    ("vocab.json of strings", lambda f: ((f / "tokenizer.json").unlink(), (f / "vocab.json").write_text('{"a": "1"}')),
+     "vocab.json", "not an integer id"),
+    ("corrupt merges.txt", lambda f: ((f / "tokenizer.json").unlink(), (f / "merges.txt").write_bytes(b"#version: 0.2\nabc\n")),
+     "merges.txt", "merges.txt"),
+]
+
+
+@pytest.mark.parametrize("name, breaks, file, words", BROKEN_TOKENIZERS, ids=[c[0] for c in BROKEN_TOKENIZERS])
+def test_tokenizer_files_that_fail_inside_tokenizers_name_the_file(base, tmp_path, name, breaks, file, words):
+    folder = copy_with(base["gpt2"], tmp_path / "m")
+    breaks(folder)
+    with pytest.raises(ValueError) as info:
+        HookedTransformer.from_pretrained(folder)
+    message = str(info.value)
+    assert file in message and words in message and "\n" not in message, message
+    assert type(info.value) is not Exception  # not the bare Exception tokenizers raises
+
+
+@pytest.fixture(scope="module")
+def catastrophic(base, tmp_path_factory) -> HookedTransformer:
+    """A model whose tokenizer.json splits text with `^(a+)+$`: a regex that runs past oniguruma's retry limit on
+    a long run of a's, which tokenizers turns into a Rust panic (pyo3's PanicException, a BaseException)."""
+    folder = copy_with(base["gpt2"], tmp_path_factory.mktemp("regex") / "m")
+
+    def edit(data):
+        split = {"type": "Split", "pattern": {"Regex": "^(a+)+$"}, "behavior": "Isolated", "invert": False}
+        data["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [split, data["pre_tokenizer"]]}
+
+    edit_tokenizer_json(folder, edit)
+    return HookedTransformer.from_pretrained(folder)
+
+
+BAD_TEXT = "a" * 40 + "!"
+
+
+@pytest.mark.parametrize("call", ["to_tokens", "forward", "to_single_token"])
+def test_a_panic_inside_tokenizers_is_one_value_error(catastrophic, call):
+    assert catastrophic.to_tokens("hello").shape[0] == 1  # the tokenizer works on ordinary text
+    run = {"to_tokens": catastrophic.to_tokens, "forward": catastrophic, "to_single_token": catastrophic.to_single_token}[call]
+    with pytest.raises(ValueError) as info:  # a PanicException would not even be an Exception
+        run(BAD_TEXT)
+    message = str(info.value)
+    assert "retry-limit" in message and "regex" in message and "\n" not in message, message
+
+
+def test_a_panic_while_tokenizing_data_names_the_document(catastrophic, tmp_path):
+    (tmp_path / "ok.txt").write_text("def f(x):\n    return x\n")
+    (tmp_path / "zz_bad.txt").write_text(BAD_TEXT)
+    with pytest.raises(ValueError, match=r"failed while encoding .*ok.txt.*retry-limit"):
+        load_token_stream([tmp_path], catastrophic.tokenizer)
+
+
+# ------------------------------------------------------------------------------------------ devices
+@pytest.mark.parametrize("device, words", [
+    pytest.param("cuda", ("device='cuda'", "without CUDA", "device='cpu'"),
+                 marks=pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build of torch")),
+    pytest.param("cuda:1", ("device='cuda:1'", "CUDA"),
+                 marks=pytest.mark.skipif(torch.cuda.device_count() > 1, reason="two GPUs are there")),
+    ("gpu", ("device='gpu'", "not a device torch knows")),
+    (3.5, ("device=3.5", "not a device")),
+])
+def test_a_device_torch_cannot_use_is_one_line_before_any_file_is_read(tmp_path, device, words):
+    with pytest.raises(ValueError) as info:
+        HookedTransformer.from_pretrained(tmp_path / "nowhere", device=device)  # the device is checked first
+    message = str(info.value)
+    assert all(w in message for w in words) and "\n" not in message, message
