@@ -89,6 +89,11 @@ def param_table(model_or_cfg: ConfigLike) -> pd.DataFrame:
     the rows that are not counted as non-embedding), `note`. `table.params.sum()` is the model's size.
     """
     cfg = as_config(model_or_cfg)
+    return _table(cfg, range(cfg.n_layers))
+
+
+def _table(cfg: ModelConfig, layers: Iterable[int]) -> pd.DataFrame:
+    """`param_table`'s rows, with block rows for `layers` only."""
     d, v = cfg.d_model, cfg.d_vocab
     rows: list[dict[str, Any]] = [
         dict(layer=None, component="embed", weights=v * d, biases=0, embedding=True,
@@ -98,7 +103,7 @@ def param_table(model_or_cfg: ConfigLike) -> pd.DataFrame:
              else "none: rotary positions have no parameters"),
     ]
     block = block_params(cfg)
-    for layer in range(cfg.n_layers):
+    for layer in layers:
         for component, row in block.iterrows():
             rows.append(dict(layer=layer, component=component, weights=int(row.weights), biases=int(row.biases),
                              embedding=False, note=""))
@@ -124,12 +129,20 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
     `mlp_share_of_block`, `attn_share_of_block`, `per_block_over_d2` (GPT-2: 12 + 13/d).
     """
     cfg = as_config(model_or_cfg)
-    table, block = param_table(cfg), block_params(cfg)
+    # Blocks are equal, so one block's rows, counted n_layers times, stand for all of them: the sums are exact
+    # Python ints, and a config claiming 10**9 layers is summed at once instead of row by row.
+    table, block = _table(cfg, [0]), block_params(cfg)
+    times = [1 if pd.isna(layer) else cfg.n_layers for layer in table.layer]
+
+    def total(column: str, rows: Iterable[bool] | None = None) -> int:
+        keep = [True] * len(table) if rows is None else list(rows)
+        return sum(int(value) * n for value, n, k in zip(table[column], times, keep) if k)
+
     by = table.groupby("component", sort=False)["params"].sum()
     per_block = int(block.params.sum())
-    non_embedding = int(table.loc[~table.embedding, "params"].sum())
+    non_embedding = total("params", ~table.embedding)
     values: dict[str, tuple[float, str]] = {
-        "total": (int(table.params.sum()), "every parameter once (a tied unembedding is not counted twice)"),
+        "total": (total("params"), "every parameter once (a tied unembedding is not counted twice)"),
         "embed": (int(by["embed"]), "d_vocab * d_model"),
         "pos_embed": (int(by["pos_embed"]), "n_ctx * d_model" if cfg.positional == "learned" else "rotary: none"),
         "unembed": (int(by["unembed"]), "tied to embed, counted once" if cfg.tie_word_embeddings else "d_model * d_vocab"),
@@ -142,8 +155,8 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
         "per_block_norms": (int(block.loc["norms", "params"]), {"pre": "ln1 and ln2", "post": "ln1_post and ln2_post",
                                                                "sandwich": "ln1, ln2, ln1_post and ln2_post"}[cfg.norm_placement]
                             + (", q/k norms" if cfg.qk_norm else "")),
-        "weights": (int(table.weights.sum()), "matrices, embeddings and norm gains"),
-        "biases": (int(table.biases.sum()), "linear biases and norm shifts"),
+        "weights": (total("weights"), "matrices, embeddings and norm gains"),
+        "biases": (total("biases"), "linear biases and norm shifts"),
         "mlp_share_of_block": (float(block.loc["mlp", "params"] / per_block), "GPT-2: 2/3"),
         "attn_share_of_block": (float(block.loc["attn", "params"] / per_block), "GPT-2: 1/3"),
         "per_block_over_d2": (per_block / cfg.d_model**2, "GPT-2: 12 + 13/d"),

@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 # GPT-2's "gelu_new" and PyTorch's tanh GELU are the same function; "gelu" is the exact erf form.
 GELU_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
@@ -25,6 +26,8 @@ _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
                 "qk_norm_per_head", "scale_embed")
 _POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rotary_base")
+_ORGANISATION = re.compile(r"[A-Za-z0-9][\w.-]*")  # a hub organisation: no path separators, no leading "." or "~"
+_POSITIVE = ("rotary_base", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor")
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,14 @@ class ModelConfig:
         if self.positional == "rotary" and not (isinstance(self.rotary_dim, int) and 0 < self.rotary_dim <= self.d_head
                                                 and self.rotary_dim % 2 == 0):
             raise ValueError(f"ModelConfig.rotary_dim={self.rotary_dim!r} must be an even int in (0, d_head={self.d_head}]")
+        for field in _POSITIVE:  # transformers computes NaN or inf frequencies from a base or factor <= 0
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"ModelConfig.{field} must be a positive finite number, got {value!r}")
+        if self.rope_type == "llama3" and (not isinstance(self.rope_original_n_ctx, int) or isinstance(self.rope_original_n_ctx, bool)
+                                           or self.rope_original_n_ctx <= 0):
+            raise ValueError(f"ModelConfig.rope_original_n_ctx must be a positive int for rope_type='llama3', "
+                             f"got {self.rope_original_n_ctx!r}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool)
                                                 or self.sliding_window <= 0):
             raise ValueError(f"ModelConfig.sliding_window must be None or a positive int, got {self.sliding_window!r}")
@@ -209,28 +220,34 @@ class ModelConfig:
     # ------------------------------------------------------------------ presets
     @classmethod
     def from_name(cls, name: str) -> "ModelConfig":
-        """A preset by name (see `PRESETS`); an organisation prefix such as `openai-community/` is fine."""
+        """A preset by name (see `PRESETS`); an organisation prefix such as `openai-community/` is fine. A path
+        (`../../gpt2`, `./gpt2`, `a/b/gpt2`) is not a preset's name, whatever it ends in."""
         from .families import PRESETS  # families builds its presets from this module
 
-        key = name.split("/")[-1].lower()
-        if key not in PRESETS:
-            raise KeyError(f"no preset named {name!r}; presets: {sorted(PRESETS)}")
-        return PRESETS[key]
+        org, slash, key = str(name).rpartition("/")
+        if key.lower() not in PRESETS or (slash and not _ORGANISATION.fullmatch(org)):
+            raise KeyError(f"no preset named {name!r}; presets (a short name, optionally after an organisation "
+                           f"such as openai-community/): {sorted(PRESETS)}")
+        return PRESETS[key.lower()]
 
     # ------------------------------------------------------------ HF conversion
     @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any] | Any, name: str = "custom") -> "ModelConfig":
+    def from_hf_config(cls, hf: Mapping[str, Any] | Any, name: str = "custom",
+                       tensor_names: Iterable[str] | None = None) -> "ModelConfig":
         """Build from a Hugging Face config (a `PretrainedConfig` or the dict of `config.json`); the
         family comes from `model_type`. A field whose behaviour lenskit does not implement raises,
-        naming the field, rather than being silently ignored."""
+        naming the field, rather than being silently ignored; an absent field takes transformers' default.
+        `tensor_names`, the checkpoint's, if known: a layer count above the blocks they hold is refused before
+        anything that scales with it is built."""
         from .families import config_fields  # families imports this module
 
         d = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf)
-        return cls(**config_fields(d), name=name)
+        return cls(**config_fields(d, tensor_names), name=name)
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike, name: str = "custom") -> "ModelConfig":
-        """Read a Hugging Face `config.json`."""
+    def from_json(cls, path: str | os.PathLike, name: str = "custom",
+                  tensor_names: Iterable[str] | None = None) -> "ModelConfig":
+        """Read a Hugging Face `config.json` (`tensor_names`: see `from_hf_config`)."""
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
@@ -238,7 +255,7 @@ class ModelConfig:
             raise ValueError(f"{path} is not valid JSON ({e}); expected a Hugging Face config.json") from e
         if not isinstance(data, dict):
             raise ValueError(f"{path} holds a {type(data).__name__}, expected a JSON object")
-        return cls.from_hf_config(data, name=name)
+        return cls.from_hf_config(data, name=name, tensor_names=tensor_names)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The `config.json` that transformers' class for this family (`Family.hf_class`) and lenskit both read as

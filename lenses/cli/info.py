@@ -10,8 +10,8 @@ import pandas as pd
 import lenskit
 from lenskit import accounting
 from lenskit.config import ModelConfig
-from lenskit.families import FAMILIES, PRESETS
-from lenskit.io.loading import resolve_model_folder
+from lenskit.families import FAMILIES
+from lenskit.io.loading import read_safetensors, resolve_model_folder
 
 
 def model_help() -> str:
@@ -27,7 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p = subparsers.add_parser(
         name, help="parameter and FLOP accounting of a model",
         description="Print a model's parameter counts (per block: attention, MLP, norms; weights and biases "
-                    "apart), its non-embedding total and FLOPs per token. Reads only the config, never the weights.",
+                    "apart), its non-embedding total and FLOPs per token. Reads only the config (and the checkpoint's "
+                    "tensor names, to check the layer count against them), never the weights.",
     )
     p.add_argument("--model", default=None, help=model_help())
     p.add_argument("--n-ctx", type=int, default=None, help="context length for the FLOP count (default: the model's)")
@@ -37,22 +38,36 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
 
 
 def resolve_config(model: str | None) -> tuple[ModelConfig, str]:
-    """The config of `model` and where it came from, reading config.json rather than the weights."""
+    """The config of `model` and where it came from, reading config.json rather than the weights: an embedded
+    model, a folder, a preset (by its short name, optionally with an organisation prefix), then a hub name in
+    the local Hugging Face cache. A path that does not exist is refused, never read as the preset it ends in."""
     if model in lenskit.EMBEDDED_MODELS:  # a short name means the embedded model, before any folder of that name
         path = resolve_model_folder(model)
     else:
-        path = Path(lenskit.DEFAULT_MODEL if model is None else model)
+        path = Path(lenskit.DEFAULT_MODEL if model is None else model).expanduser()
     if (path / "config.json").is_file():
         name = "the embedded model" if model is None else (model if model in lenskit.EMBEDDED_MODELS else path.name)
-        return ModelConfig.from_json(path / "config.json", name=name), f"{path}/config.json"
+        return _read_config(path, name), f"{path}/config.json"
     if model is None:
         raise FileNotFoundError(f"the embedded model is missing at {path}; reinstall lenskit or pass --model")
-    if model.split("/")[-1].lower() in PRESETS:
+    try:
         return ModelConfig.from_name(model), "preset shapes (no weights needed)"
-    if path.exists():
+    except KeyError:
+        pass  # not a preset: a folder, a file, a path that does not exist, or a hub name
+    if path.is_dir():
         raise FileNotFoundError(f"{path} has no config.json; expected a Hugging Face model folder or a preset name")
-    # A hub name: the loader resolves it through the local Hugging Face cache and explains failures.
-    return lenskit.HookedTransformer.from_pretrained(model).cfg, f"{model} (Hugging Face cache)"
+    folder = resolve_model_folder(model)  # "no folder at ...", "... is a file", or the hub cache (explaining a miss)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json; expected a Hugging Face model folder")
+    return _read_config(folder, model), f"{model} (Hugging Face cache)"
+
+
+def _read_config(folder: Path, name: str) -> ModelConfig:
+    """A folder's config.json, its layer count checked against the checkpoint's tensor names (memory-mapped,
+    not read) when the folder holds weights: a config claiming a million blocks over a few is refused at once."""
+    has_weights = any((folder / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
+    names = list(read_safetensors(folder)) if has_weights else None
+    return ModelConfig.from_json(folder / "config.json", name=name, tensor_names=names)
 
 
 def _count(x: float) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from . import readers, writers
 from ..config import ModelConfig
@@ -215,10 +215,13 @@ def family_of(model_type: Any) -> Family:
     return FAMILIES[model_type]
 
 
-def config_fields(d: Mapping[str, Any]) -> dict[str, Any]:
-    """`ModelConfig` keyword arguments for a Hugging Face config dict, or a one-line error naming the field."""
+def config_fields(d: Mapping[str, Any], tensor_names: Iterable[str] | None = None) -> dict[str, Any]:
+    """`ModelConfig` keyword arguments for a Hugging Face config dict, or a one-line error naming the field.
+    With the checkpoint's `tensor_names`, a layer count above the blocks they hold is refused before anything is
+    built per layer, so a config claiming a million layers is refused at once."""
     try:
         family = family_of(d.get("model_type"))
     except ValueError as e:
         raise ValueError(f"config field {e}") from None
-    return readers.read_config(d, family.model_type, family.read)
+    n_blocks = None if tensor_names is None else family.layout.block_count(tensor_names)
+    return readers.read_config(d, family.model_type, family.read, n_blocks)

@@ -159,6 +159,12 @@ class Layout:
                              "lenskit/families/layouts.py; saving this family in its Hugging Face layout is not implemented")
         return how.save(tensor, cfg)
 
+    def block_count(self, names: Iterable[str]) -> int:
+        """How many distinct blocks checkpoint tensor `names` (with the base-model prefix or without) hold.
+        O(len(names)) whatever a config claims, and a stray huge index counts as one block, not as its value."""
+        pattern = re.compile(rf"(?:{re.escape(self.prefix)})?{re.escape(self.blocks)}\.(\d+)\.")
+        return len({m.group(1) for name in names if (m := pattern.match(name))})
+
     def is_buffer(self, name: str) -> bool:
         """Whether an unprefixed checkpoint name is a stored buffer without learned state."""
         return re.match(self.buffers, name) is not None

@@ -1,123 +1,64 @@
 """Reading a Hugging Face `config.json` into `ModelConfig` fields: one reader per family.
 
-Each reader reads the fields it implements with strict types, and refuses, by name, any field whose value
-would make the checkpoint compute something lenskit does not implement. Readers return plain dicts of
-`ModelConfig` keyword arguments, so this module imports only config's constants. Which reader a `model_type` gets
-is the registry's business (`lenskit.families`); `writers.py` is the way back.
+Each reader reads the fields it implements with strict types (`fields.ConfigReader`; the rotary ones through
+`rope.py`), and refuses, by name, any field whose value would make the checkpoint compute something lenskit does
+not implement. Readers return plain dicts of `ModelConfig` keyword arguments, so this module imports only config's
+constants. Which reader a `model_type` gets is the registry's business (`lenskit.families`); `writers.py` is the
+way back.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Mapping
 
 from ..config import GELU_ACTIVATIONS, ROPE_TYPES
+from .fields import HF_LAYER_TYPES, REFUSED, ConfigReader
+from .rope import gemma3_rope, rope
 
 
-class _Reader:
-    """Typed access to one config dict; every error names the field."""
-
-    def __init__(self, d: Mapping[str, Any], family: str) -> None:
-        self.d, self.family = d, family
-
-    def _bad(self, key: str, want: str) -> ValueError:
-        return ValueError(f"config field {key}={self.d[key]!r} must be {want} (model_type={self.family!r})")
-
-    def int(self, key: str, default: Any = ..., positive: bool = True) -> int | None:
-        if key not in self.d or self.d[key] is None:
-            if default is ...:
-                raise ValueError(f"config.json lacks required field {key!r} for model_type={self.family!r}")
-            return default
-        value = self.d[key]
-        if isinstance(value, bool) or not isinstance(value, int) or (positive and value <= 0):
-            raise self._bad(key, "a positive integer" if positive else "an integer")
-        return value
-
-    def float(self, key: str, default: Any = ...) -> float:
-        if key not in self.d or self.d[key] is None:
-            if default is ...:
-                raise ValueError(f"config.json lacks required field {key!r} for model_type={self.family!r}")
-            return default
-        value = self.d[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise self._bad(key, "a finite number")
-        return float(value)
-
-    def bool(self, key: str, default: bool) -> bool:
-        value = self.d.get(key, default)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self._bad(key, "true or false (a JSON boolean, not a string or number)")
-        return value
-
-    def token_id(self, key: str) -> int | None:
-        value = self.d.get(key)
-        if isinstance(value, list):  # several EOS ids: the first is the one text generation stops on
-            value = value[0] if value else None
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise self._bad(key, "a non-negative integer token id")
-        return value
-
-    def require(self, key: str, supported: tuple, default: Any = None) -> Any:
-        """The field's value, refused unless it is one of `supported` (absent counts as `default`)."""
-        value = self.d.get(key, default)
-        if value not in supported:
-            raise ValueError(
-                f"config field {key}={value!r} is not supported for model_type={self.family!r}; "
-                f"lenskit implements {list(supported)}"
-            )
-        return value
+def _heads(r: ConfigReader, d_model_key: str, heads_key: str, *, must_divide: bool) -> tuple[int, int]:
+    """d_model and n_heads; `must_divide`: transformers refuses a d_model that n_heads does not divide, even with an
+    explicit head_dim (GPT-2, GPT-NeoX, Llama, Gemma)."""
+    d_model, n_heads = r.int(d_model_key), r.int(heads_key)
+    if must_divide and d_model % n_heads:
+        raise ValueError(f"config fields {d_model_key}={d_model} and {heads_key}={n_heads}: {heads_key} must divide "
+                         f"{d_model_key} for model_type={r.family!r} (transformers refuses it too); fix config.json")
+    return d_model, n_heads
 
 
-def _rope(r: _Reader, head_dim: int, default_theta: float = 10000.0) -> dict[str, Any]:
-    """Rotary fields from either spelling: transformers 5's `rope_parameters` or 4.x's `rope_theta` + `rope_scaling`."""
-    d = r.d
-    params = d.get("rope_parameters")
-    key = "rope_parameters"
-    if params is None:
-        params, key = d.get("rope_scaling"), "rope_scaling"
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise ValueError(f"config field {key}={params!r} must be an object")
-    if isinstance(next(iter(params.values()), None), dict):
-        raise ValueError(f"config field {key} holds per-layer-type rotary settings; lenskit implements one setting for every layer")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"config field {key}.rope_type={rope_type!r} is not supported; lenskit implements {list(ROPE_TYPES)}")
-    sub = _Reader(params, r.family)
-    theta = sub.float("rope_theta", r.float("rope_theta", default_theta))
-    fraction = sub.float("partial_rotary_factor", r.float("partial_rotary_factor", 1.0))
-    fields: dict[str, Any] = {"positional": "rotary", "rotary_base": theta, "rotary_dim": int(head_dim * fraction)}
-    if rope_type == "linear":
-        fields.update(rope_type="linear", rope_factor=sub.float("factor"))
-        extra = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor"})
-        if extra:
-            raise ValueError(f"config field {key} has {extra}, which rope_type='linear' does not use; lenskit refuses to guess")
-    elif rope_type == "llama3":
-        fields.update(rope_type="llama3", rope_factor=sub.float("factor"), rope_low_freq_factor=sub.float("low_freq_factor"),
-                      rope_high_freq_factor=sub.float("high_freq_factor"),
-                      rope_original_n_ctx=sub.int("original_max_position_embeddings"))
-    else:
-        extra = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
-        if extra:
-            raise ValueError(f"config field {key} has {extra}, which rope_type='default' does not use; lenskit refuses to guess")
-    return fields
+def _kv_heads(r: ConfigReader, n_heads: int, default: int | None, null_derives: bool = True) -> int:
+    """num_key_value_heads: absent is the family's default (None: n_heads, no grouping); null is n_heads where
+    transformers derives it. It must divide n_heads."""
+    key = "num_key_value_heads"
+    n_kv = r.int(key, default, null=None if null_derives else REFUSED)
+    n_kv = n_heads if n_kv is None else n_kv
+    if n_heads % n_kv:
+        source = f"{key}={n_kv}" if r.d.get(key) is not None else f"{key}={n_kv} (transformers' default for an absent field)"
+        raise ValueError(f"config field {source} must divide num_attention_heads={n_heads}: each kv head serves a whole "
+                         f"group of query heads (n_kv_heads; model_type={r.family!r}); fix config.json")
+    return n_kv
 
 
-def _common(r: _Reader) -> dict[str, Any]:
+def _head_dim(r: ConfigReader, d_model: int, n_heads: int, default: int | None, null_derives: bool = True) -> int:
+    """head_dim: absent is the family's default (None: d_model // n_heads); null derives where transformers does."""
+    d_head = r.int("head_dim", default, null=None if null_derives else REFUSED)
+    return d_model // n_heads if d_head is None else d_head
+
+
+def _common(r: ConfigReader, bos: int | None, eos: int | None) -> dict[str, Any]:
+    """The fields every family has; `bos` and `eos` are the family's default token ids."""
     return {
         "family": r.family,
-        "bos_token_id": r.token_id("bos_token_id"),
-        "eos_token_id": r.token_id("eos_token_id"),
+        "bos_token_id": r.token_id("bos_token_id", bos),
+        "eos_token_id": r.token_id("eos_token_id", eos),
         "initializer_range": r.float("initializer_range", 0.02),
     }
 
 
-def read_gpt2(r: _Reader) -> dict[str, Any]:
+# Each reader's defaults are transformers 5's for an absent field (its config class built with no arguments; the
+# derived ones, "None: d_model // n_heads", follow its __post_init__). Sizes stay required: transformers' defaults
+# for them are one published model's, never what a config without them meant.
+def read_gpt2(r: ConfigReader) -> dict[str, Any]:
     refuse = {"add_cross_attention": False, "scale_attn_by_inverse_layer_idx": False,
               "reorder_and_upcast_attn": False, "scale_attn_weights": True}
     for field, supported in refuse.items():
@@ -125,163 +66,160 @@ def read_gpt2(r: _Reader) -> dict[str, Any]:
     act = r.d.get("activation_function", "gelu_new")
     if act not in GELU_ACTIVATIONS:
         raise ValueError(f"config field activation_function={act!r} is not a GPT-2 activation; supported: {sorted(GELU_ACTIVATIONS)}")
+    n_layers = r.n_layers("n_layer")
+    d_model, n_heads = _heads(r, "n_embd", "n_head", must_divide=True)
     return {
-        **_common(r),
-        "n_layers": r.int("n_layer"), "d_model": r.int("n_embd"), "n_heads": r.int("n_head"),
+        **_common(r, bos=50256, eos=50256),
+        "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads,
         "d_vocab": r.int("vocab_size"), "n_ctx": r.int("n_positions"), "d_mlp": r.int("n_inner", None),
-        "norm_eps": r.float("layer_norm_epsilon", 1e-5), "activation": act,
+        "norm_eps": r.float("layer_norm_epsilon", 1e-5, positive=True), "activation": act,
         "tie_word_embeddings": r.bool("tie_word_embeddings", True),
     }
 
 
-def read_gpt_neox(r: _Reader) -> dict[str, Any]:
+def read_gpt_neox(r: ConfigReader) -> dict[str, Any]:
     act = r.require("hidden_act", tuple(GELU_ACTIVATIONS), "gelu")
-    d_model, n_heads = r.int("hidden_size"), r.int("num_attention_heads")
+    n_layers = r.n_layers("num_hidden_layers")
+    d_model, n_heads = _heads(r, "hidden_size", "num_attention_heads", must_divide=True)
     bias = r.bool("attention_bias", True)
     return {
-        **_common(r),
-        "n_layers": r.int("num_hidden_layers"), "d_model": d_model, "n_heads": n_heads,
+        **_common(r, bos=0, eos=2),
+        "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads,
         "d_vocab": r.int("vocab_size"), "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
-        "norm_eps": r.float("layer_norm_eps", 1e-5), "activation": act,
+        "norm_eps": r.float("layer_norm_eps", 1e-5, positive=True), "activation": act,
         "tie_word_embeddings": r.bool("tie_word_embeddings", False),
         "parallel_block": r.bool("use_parallel_residual", True), "fused_qkv": True, "qkv_bias": bias, "out_bias": bias,
-        **_rope(_Reader({"partial_rotary_factor": r.d.get("rotary_pct", 0.25), "rope_theta": r.d.get("rotary_emb_base", 10000.0),
-                         **{k: r.d[k] for k in ("rope_parameters", "rope_scaling") if k in r.d}}, r.family), d_model // n_heads),
+        # transformers 5's GPT-NeoX reads rotary_emb_base and rotary_pct, not the top-level rope_theta of other families
+        **rope(r, d_model // n_heads, theta_key="rotary_emb_base", fraction_key="rotary_pct", default_fraction=0.25,
+                unread=("rope_theta", "partial_rotary_factor")),
     }
 
 
-def _llama_like(r: _Reader, qkv_bias: bool, out_bias: bool, mlp_bias: bool) -> dict[str, Any]:
+def _llama_like(r: ConfigReader, qkv_bias: bool, out_bias: bool, mlp_bias: bool, *, eps: float, bos: int | None,
+                eos: int | None, kv_heads: int | None = None, head_dim: int | None = None, null_head_dim: bool = True,
+                null_kv_heads: bool = True, must_divide: bool = False, rope_types: tuple[str, ...] = ROPE_TYPES) -> dict[str, Any]:
+    """What the SwiGLU families share. The keywords are the family's transformers defaults: `kv_heads` and `head_dim`
+    None derive (n_heads; d_model // n_heads); `null_*`: whether an explicit null derives too or is refused."""
     r.require("hidden_act", ("silu",), "silu")
-    d_model, n_heads = r.int("hidden_size"), r.int("num_attention_heads")
-    d_head = r.int("head_dim", None) or d_model // n_heads
+    n_layers = r.n_layers("num_hidden_layers")
+    d_model, n_heads = _heads(r, "hidden_size", "num_attention_heads", must_divide=must_divide)
+    d_head = _head_dim(r, d_model, n_heads, head_dim, null_head_dim)
     return {
-        **_common(r),
-        "n_layers": r.int("num_hidden_layers"), "d_model": d_model, "n_heads": n_heads, "d_head": d_head,
-        "n_kv_heads": r.int("num_key_value_heads", n_heads), "d_vocab": r.int("vocab_size"),
+        **_common(r, bos, eos),
+        "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads, "d_head": d_head,
+        "n_kv_heads": _kv_heads(r, n_heads, kv_heads, null_kv_heads), "d_vocab": r.int("vocab_size"),
         "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
-        "norm_eps": r.float("rms_norm_eps", 1e-6), "norm": "rmsnorm", "mlp": "swiglu",
+        "norm_eps": r.float("rms_norm_eps", eps, positive=True), "norm": "rmsnorm", "mlp": "swiglu",
         "tie_word_embeddings": r.bool("tie_word_embeddings", False), "fused_qkv": False,
-        "qkv_bias": qkv_bias, "out_bias": out_bias, "mlp_bias": mlp_bias, **_rope(r, d_head),
+        "qkv_bias": qkv_bias, "out_bias": out_bias, "mlp_bias": mlp_bias, **rope(r, d_head, types=rope_types),
     }
 
 
-def read_llama(r: _Reader) -> dict[str, Any]:
+def read_llama(r: ConfigReader) -> dict[str, Any]:
     bias = r.bool("attention_bias", False)
-    return _llama_like(r, bias, bias, r.bool("mlp_bias", False))
+    return _llama_like(r, bias, bias, r.bool("mlp_bias", False), eps=1e-6, bos=1, eos=2, must_divide=True)
 
 
-def read_mistral(r: _Reader) -> dict[str, Any]:
-    return {**_llama_like(r, False, False, False), "sliding_window": r.int("sliding_window", None)}
+def read_mistral(r: ConfigReader) -> dict[str, Any]:
+    # A null sliding_window is no window (Mistral 7B v0.2 on); an absent one is transformers' 4096.
+    return {**_llama_like(r, False, False, False, eps=1e-6, bos=1, eos=2, kv_heads=8, null_kv_heads=False),
+            "sliding_window": r.int("sliding_window", 4096, null=None)}
 
 
-def _no_qwen_sliding(r: _Reader) -> None:
-    r.require("use_sliding_window", (False, None), False)
+def _no_qwen_sliding(r: ConfigReader) -> None:
+    r.require("use_sliding_window", (False,), False)
     types = r.d.get("layer_types")
     if types is not None and any(t != "full_attention" for t in types):
         raise ValueError("config field layer_types has non-'full_attention' layers; lenskit implements only full attention for qwen")
 
 
-def read_qwen2(r: _Reader) -> dict[str, Any]:
+def read_qwen2(r: ConfigReader) -> dict[str, Any]:
     _no_qwen_sliding(r)
-    return _llama_like(r, True, False, False)
+    return _llama_like(r, True, False, False, eps=1e-6, bos=None, eos=None, kv_heads=32)
 
 
-def read_qwen3(r: _Reader) -> dict[str, Any]:
+def read_qwen3(r: ConfigReader) -> dict[str, Any]:
     _no_qwen_sliding(r)
     bias = r.bool("attention_bias", False)
-    return {**_llama_like(r, bias, bias, False), "qk_norm": True}
+    return {**_llama_like(r, bias, bias, False, eps=1e-6, bos=None, eos=None, kv_heads=32, head_dim=128,
+                          null_head_dim=False), "qk_norm": True}
 
 
-_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
-
-
-def _layer_types(r: _Reader, n_layers: int, pattern: int) -> tuple[str, ...]:
+def _layer_types(r: ConfigReader, n_layers: int, pattern: int) -> tuple[str, ...]:
     """Gemma's per-block attention kinds: `layer_types`, or every `pattern`-th block global, the rest sliding."""
     types = r.d.get("layer_types")
     if types is None:
         return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers))
-    if not isinstance(types, list) or len(types) != n_layers or any(t not in _LAYER_TYPES for t in types):
-        raise ValueError(f"config field layer_types={types!r} must list one of {sorted(_LAYER_TYPES)} for each of the "
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in HF_LAYER_TYPES for t in types):
+        raise ValueError(f"config field layer_types={types!r} must list one of {sorted(HF_LAYER_TYPES)} for each of the "
                          f"{n_layers} layers (model_type={r.family!r})")
-    return tuple(_LAYER_TYPES[t] for t in types)
+    return tuple(HF_LAYER_TYPES[t] for t in types)
 
 
-def _gemma(r: _Reader, pattern: int) -> dict[str, Any]:
+def _gemma(r: ConfigReader, pattern: int) -> dict[str, Any]:
     """What Gemma 2 and Gemma 3 share: (1 + w) RMSNorms before and after each sublayer, a scaled embedding,
     GELU-gated MLP, query_pre_attn_scalar, alternating sliding-window and global blocks."""
     r.require("use_bidirectional_attention", (False, None), False)
     act = r.require("hidden_activation", tuple(GELU_ACTIVATIONS), "gelu_pytorch_tanh")
-    d_model, n_heads = r.int("hidden_size"), r.int("num_attention_heads")
-    n_layers = r.int("num_hidden_layers")
+    n_layers = r.n_layers("num_hidden_layers")  # before anything built per layer
+    d_model, n_heads = _heads(r, "hidden_size", "num_attention_heads", must_divide=True)
     bias = r.bool("attention_bias", False)
     types = _layer_types(r, n_layers, pattern)
+    window = r.int("sliding_window", 4096, null=None)
+    if window is None and "sliding" in types:  # transformers would run its sliding blocks without a window
+        raise ValueError(f"config field sliding_window=None, but layer_types has sliding-window blocks; give the window "
+                         f"(model_type={r.family!r})")
     return {
-        **_common(r),
-        "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads, "d_head": r.int("head_dim", None) or d_model // n_heads,
-        "n_kv_heads": r.int("num_key_value_heads", n_heads), "d_vocab": r.int("vocab_size"),
+        **_common(r, bos=2, eos=1),
+        "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads,
+        "d_head": _head_dim(r, d_model, n_heads, 256, null_derives=False),
+        "n_kv_heads": _kv_heads(r, n_heads, 4, null_derives=False), "d_vocab": r.int("vocab_size"),
         "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
-        "norm_eps": r.float("rms_norm_eps", 1e-6), "norm": "rmsnorm_offset", "mlp": "geglu", "activation": act,
-        "norm_placement": "sandwich", "scale_embed": True, "tie_word_embeddings": r.bool("tie_word_embeddings", True),
-        "fused_qkv": False, "qkv_bias": bias, "out_bias": bias, "mlp_bias": False,
-        "query_pre_attn_scalar": r.float("query_pre_attn_scalar", 256.0), "layer_types": types,
-        "sliding_window": r.int("sliding_window") if "sliding" in types else None,
+        "norm_eps": r.float("rms_norm_eps", 1e-6, positive=True), "norm": "rmsnorm_offset", "mlp": "geglu",
+        "activation": act, "norm_placement": "sandwich", "scale_embed": True,
+        "tie_word_embeddings": r.bool("tie_word_embeddings", True), "fused_qkv": False, "qkv_bias": bias,
+        "out_bias": bias, "mlp_bias": False, "query_pre_attn_scalar": r.float("query_pre_attn_scalar", 256.0, positive=True),
+        "layer_types": types, "sliding_window": window if "sliding" in types else None,
     }
 
 
-def _cap(r: _Reader, key: str, default: float | None) -> float | None:
+def _cap(r: ConfigReader, key: str, default: float | None) -> float | None:
     """A soft-cap: absent means transformers' default for the family, an explicit null means no cap."""
-    return None if key in r.d and r.d[key] is None else r.float(key, default)
+    return r.float(key, default, positive=True, null=None)
 
 
-def read_gemma2(r: _Reader) -> dict[str, Any]:
+def read_gemma2(r: ConfigReader) -> dict[str, Any]:
     fields = _gemma(r, pattern=2)
-    return {**fields, **_rope(r, fields["d_head"]),
+    return {**fields, **rope(r, fields["d_head"]),
             "attn_softcap": _cap(r, "attn_logit_softcapping", 50.0), "final_softcap": _cap(r, "final_logit_softcapping", 30.0)}
 
 
-def read_gemma3_text(r: _Reader) -> dict[str, Any]:
+def read_gemma3_text(r: ConfigReader) -> dict[str, Any]:
     # transformers' Gemma 3 attention stores attn_logit_softcapping but never applies it: refused rather than guessed.
     r.require("attn_logit_softcapping", (None,), None)
     fields = _gemma(r, pattern=r.int("sliding_window_pattern", 6))
-    return {**fields, **_gemma3_rope(r, fields["d_head"]), "qk_norm": True,
+    return {**fields, **gemma3_rope(r, fields["d_head"]), "qk_norm": True,
             "final_softcap": _cap(r, "final_logit_softcapping", None)}
 
 
-def _gemma3_rope(r: _Reader, head_dim: int) -> dict[str, Any]:
-    """Gemma 3's two rotary settings: global blocks (`full_attention`: base, maybe linear scaling) and local
-    blocks (`sliding_attention`: their own base, unscaled). Either transformers 5's per-layer-type
-    `rope_parameters` or 4.x's `rope_theta`, `rope_local_base_freq` and `rope_scaling` (global only)."""
-    params = r.d.get("rope_parameters")
-    if params is None:
-        legacy = {"rope_theta": r.d.get("rope_theta", 1_000_000.0), **{k: r.d[k] for k in ("rope_scaling",) if k in r.d}}
-        glob = _rope(_Reader(legacy, r.family), head_dim)
-        local = _Reader({"rope_local_base_freq": r.d.get("rope_local_base_freq", 10000.0)}, r.family).float("rope_local_base_freq")
-        return {**glob, "local_rotary_base": local}
-    if not isinstance(params, dict) or set(params) - set(_LAYER_TYPES):
-        raise ValueError(f"config field rope_parameters={params!r} must map {sorted(_LAYER_TYPES)} to rotary settings "
-                         f"(model_type={r.family!r})")
-    glob = _rope(_Reader({"rope_parameters": params.get("full_attention") or {"rope_theta": 1_000_000.0}}, r.family), head_dim)
-    local = _rope(_Reader({"rope_parameters": params.get("sliding_attention") or {"rope_theta": 10000.0}}, r.family), head_dim)
-    if local.get("rope_type", "default") != "default" or local["rotary_dim"] != glob["rotary_dim"]:
-        raise ValueError("config field rope_parameters.sliding_attention: lenskit implements only plain rotary with the "
-                         "global blocks' rotary dims for Gemma 3's local blocks")
-    return {**glob, "local_rotary_base": local["rotary_base"]}
-
-
-def read_olmo2(r: _Reader) -> dict[str, Any]:
+def read_olmo2(r: ConfigReader) -> dict[str, Any]:
     bias = r.bool("attention_bias", False)
-    return {**_llama_like(r, bias, bias, False), "qk_norm": True, "qk_norm_per_head": False, "norm_placement": "post"}
+    return {**_llama_like(r, bias, bias, False, eps=1e-5, bos=None, eos=50279), "qk_norm": True, "qk_norm_per_head": False,
+            "norm_placement": "post"}
 
 
-def read_phi3(r: _Reader) -> dict[str, Any]:
-    r.int("original_max_position_embeddings", None)  # typed only: it matters to longrope scaling, which _rope refuses
-    return {**_llama_like(r, False, False, False), "fused_qkv": True, "mlp": "swiglu_fused",
-            "sliding_window": r.int("sliding_window", None)}
+def read_phi3(r: ConfigReader) -> dict[str, Any]:
+    r.int("original_max_position_embeddings", 4096)  # typed only: it matters to longrope scaling, which is refused
+    # transformers 5's Phi-3 accepts only plain and longrope rotary; lenskit implements the plain one
+    return {**_llama_like(r, False, False, False, eps=1e-5, bos=1, eos=32000, rope_types=("default",)),
+            "fused_qkv": True, "mlp": "swiglu_fused", "sliding_window": r.int("sliding_window", None)}
 
 
-def read_config(d: Mapping[str, Any], model_type: str, read: Callable[[_Reader], dict[str, Any]]) -> dict[str, Any]:
-    """`ModelConfig` keyword arguments for the config dict `d` of `model_type`, read by the family's `read`."""
-    r = _Reader(d, model_type)
+def read_config(d: Mapping[str, Any], model_type: str, read: Callable[[ConfigReader], dict[str, Any]],
+                n_blocks: int | None = None) -> dict[str, Any]:
+    """`ModelConfig` keyword arguments for the config dict `d` of `model_type`, read by the family's `read`.
+    `n_blocks`: the number of blocks the checkpoint's tensor names hold, when known (see `ConfigReader`)."""
+    r = ConfigReader(d, model_type, n_blocks)
     for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         r.float(key, 0.0)  # typed only: dropout is off at inference and lenskit's own `dropout` governs training
     return read(r)
