@@ -16,6 +16,8 @@ from .io import CONFIG_FILE, read_config, write_atomic
 
 CARD_FILE = "README.md"
 TAGS = ("tuned-lens", "interpretability", "lenskit")
+JACOBIAN_FORMAT = "lenskit-jacobian-lens"  # lenses.jacobian.FORMAT (which imports this module)
+JACOBIAN_TAGS = ("jacobian-lens", "interpretability", "lenskit")
 HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Short GPT-2 names now live under this organisation on the Hub.
 SHORT_GPT2 = {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "distilgpt2"}
@@ -31,16 +33,22 @@ def base_model(model_name: Any) -> str | None:
     return model_name if HUB_REPO_ID.match(model_name) else None
 
 
+def front_matter(base: str | None, tags: tuple[str, ...]) -> list[str]:
+    front = ["---", "library_name: lenskit"] + ([f"base_model: {base}"] if base else [])
+    return front + ["tags:", *(f"- {t}" for t in tags), "---", ""]
+
+
 def model_card(config: dict[str, Any]) -> str:
     """The card's Markdown for a lens config (as `TunedLens.config()` writes it)."""
+    if config.get("format") == JACOBIAN_FORMAT:
+        return jacobian_card(config)
     base = base_model(config.get("model_name"))
-    front = ["---", "library_name: lenskit"]
-    if base:
-        front.append(f"base_model: {base}")
-    front += ["tags:", *(f"- {t}" for t in TAGS), "---", ""]
+    front = front_matter(base, TAGS)
     name = base or config.get("model_name") or "a model"
-    body = [f"# Tuned lens for {name}", "",
-            f"A tuned lens (one affine translator per residual stream, {config.get('n_layers')} layers, "
+    kind = ("A bias-only tuned lens (one learned bias per residual stream, h + b_l, no matrix;"
+            if config.get("bias_only") else "A tuned lens (one affine translator per residual stream, h + A_l h + b_l;")
+    body = [f"# {'Bias-only tuned' if config.get('bias_only') else 'Tuned'} lens for {name}", "",
+            f"{kind} {config.get('n_layers')} layers, "
             f"d_model {config.get('d_model')}{', with resid_mid translators' if config.get('resid_mid') else ''}) "
             "written by lenskit. The weights are in "
             f"`{config.get('weights')}`, the settings in `{CONFIG_FILE}`.", "",
@@ -71,6 +79,28 @@ def _data(config: dict[str, Any]) -> list[str]:
     keys = [k for k in ("inputs", "n_files", "n_documents", "n_tokens", "bytes", "sha256") if k in data]
     rows = [f"| {k} | {json.dumps(data[k])[:200]} |" for k in keys]
     return ["## Data", "", "| provenance | value |", "|---|---|", *rows, ""]
+
+
+def jacobian_card(config: dict[str, Any]) -> str:
+    """The card of a Jacobian lens folder (as `JacobianLens.config()` writes it): what J_s is, how it was estimated."""
+    base = base_model(config.get("model_name"))
+    name = base or config.get("model_name") or "a model"
+    streams = config.get("streams") or []
+    body = [f"# Jacobian lens for {name}", "",
+            f"A Jacobian lens (Gurnee et al. 2026): one d_model x d_model matrix J_s per residual stream s, the mean "
+            f"Jacobian of the last block's output with respect to stream s, read as readout(J_s h); streams {streams} "
+            f"of {config.get('n_layers')}, d_model {config.get('d_model')}, written by lenskit. The matrices are in "
+            f"`{config.get('weights')}` (`J.<stream>`), the settings in `{CONFIG_FILE}`.", "",
+            "```python", "import lenskit", "from lenses import JacobianLens", "",
+            f"model = lenskit.HookedTransformer.from_pretrained({json.dumps(base or config.get('model_name'))})",
+            "lens = JacobianLens.load(\"<this repo id or folder>\", model)", "```", "",
+            f"The model's fingerprint (sha256 of its final norm and unembedding): `{config.get('model_fingerprint')}`.", ""]
+    estimator = config.get("estimator")
+    if isinstance(estimator, dict):
+        body += ["## Estimator", "", "| setting | value |", "|---|---|",
+                 *(f"| {k} | {json.dumps(v)} |" for k, v in estimator.items()), ""]
+    data = _data(config) if config.get("data") else []
+    return "\n".join(front_matter(base, JACOBIAN_TAGS) + body + data).rstrip() + "\n"
 
 
 def _evaluation(config: dict[str, Any]) -> list[str]:
