@@ -13,7 +13,7 @@ from torch import nn
 from .observe.cache import ActivationCache
 from .config import ModelConfig
 from .generation import generate
-from .observe.hooks import HookedRootModule, HookFn, NameOrPredicate, NamesFilter, HookPoint, layer_of
+from .observe.hooks import CacheRecording, HookedRootModule, HookFn, NameOrPredicate, NamesFilter, HookPoint, layer_of
 from .pieces.layers import make_block, make_norm
 from .pieces.linear import Linear
 from .pieces.readout import Readout
@@ -37,6 +37,8 @@ class HookedTransformer(WeightViews, HookedRootModule):
     """
 
     ON_REQUEST = ("attn.hook_result",)
+    # The files from_pretrained left the weights memory-mapped from (lenskit.io.mapped), checked before each forward.
+    weight_files = None
 
     def __init__(self, cfg: ModelConfig, tokenizer: "PreTrainedTokenizerBase | None" = None, dropout: float = 0.0) -> None:
         super().__init__()
@@ -102,6 +104,8 @@ class HookedTransformer(WeightViews, HookedRootModule):
         if stop_at_layer is not None and not (isinstance(stop_at_layer, int) and not isinstance(stop_at_layer, bool)
                                               and -n <= stop_at_layer <= n):
             raise ValueError(f"stop_at_layer must be an int in [-{n}, {n}] (streams after 0..{n} blocks), got {stop_at_layer!r}")
+        if self.weight_files is not None:
+            self.weight_files.check()  # a mapped weights file written in place since load: refuse, do not compute
         tokens = self.validate_tokens(tokens)
         x = self.dropout(self._stream_start(tokens))  # [batch, pos, d_model]
         for block in self.blocks[:stop_at_layer]:
@@ -145,20 +149,16 @@ class HookedTransformer(WeightViews, HookedRootModule):
         """Run once and keep the activations `names_filter` selects (see `hook_names`).
 
         Cached tensors are stored as produced, without copies, unless `device` or `dtype` asks for one.
-        `fwd_hooks` run before caching, so the cache sees their edits.
+        `fwd_hooks` run before caching, so the cache sees their edits. An edit in place never reaches an
+        entry cached at an earlier point (`resid_post` of block l is the same tensor as `resid_pre` of block
+        l + 1): a hook handed a tensor the cache already holds gets a copy (see `CacheRecording`).
 
         With `return_logits=False` the run stops after the last block that a cached name or a `fwd_hooks`
         target lives in, skipping the unembedding, and returns `(None, cache)`:
 
         >>> _, cache = model.run_with_cache(tokens, ["blocks.2.hook_resid_post"], return_logits=False)  # 3 blocks run
         """
-        store: dict[str, torch.Tensor] = {}
-        if device is None and dtype is None:
-            def save(x: torch.Tensor, hook: HookPoint) -> None:
-                store[hook.name] = x.detach()
-        else:
-            def save(x: torch.Tensor, hook: HookPoint) -> None:
-                store[hook.name] = x.detach().to(device=device, dtype=dtype)
+        recording = CacheRecording(device, dtype)
         names = self.hook_names(names_filter)
         fwd_hooks = list(fwd_hooks)
         stop = kwargs.get("stop_at_layer")
@@ -175,9 +175,10 @@ class HookedTransformer(WeightViews, HookedRootModule):
             if late:
                 raise ValueError(f"stop_at_layer={kwargs['stop_at_layer']} ends the run before {late[:3]} fire; "
                                  "drop those names, raise stop_at_layer, or use return_logits=False")
-        with self.hooks([*fwd_hooks, *((name, save) for name in names)]):
+        with self.hooks([*fwd_hooks, *((name, recording.hook) for name in names)]), recording.recording():
             out = self(tokens, **kwargs)
-        return (out if return_logits else None), ActivationCache(store, self.cfg.n_layers, self)
+        recording.check_unchanged()
+        return (out if return_logits else None), ActivationCache(recording.store, self.cfg.n_layers, self)
 
     def _names_of(self, target: NameOrPredicate) -> list[str]:
         if isinstance(target, str):
@@ -218,20 +219,41 @@ class HookedTransformer(WeightViews, HookedRootModule):
             tokens = tokens.unsqueeze(0)
         if tokens.ndim != 2 or tokens.shape[1] == 0:
             raise ValueError(f"tokens must have shape [batch, pos] with pos >= 1, got {tuple(tokens.shape)}")
+        if tokens.shape[0] == 0:
+            raise ValueError(f"tokens hold no sequence (shape {tuple(tokens.shape)}); pass at least one, [batch >= 1, pos]")
         if tokens.shape[1] > self.cfg.n_ctx:
             raise ValueError(
                 f"the prompt has {tokens.shape[1]} tokens but the model's context is n_ctx={self.cfg.n_ctx}; "
                 f"truncate it (e.g. tokens[:, -{self.cfg.n_ctx}:]) or split it into windows"
             )
-        if tokens.dtype != torch.long:  # int8/uint8 would overflow the comparison; uint16 has no CPU `<`
-            tokens = tokens.long()
-        bad = (tokens < 0) | (tokens >= self.cfg.d_vocab)
+        return self._in_vocabulary(tokens).to(device=self.embed.weight.device)
+
+    def _in_vocabulary(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Integer ids of any shape as a LongTensor, each checked to lie in [0, d_vocab)."""
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise TypeError(f"token ids must be an integer tensor, got dtype {tokens.dtype}")
+        ids = tokens if tokens.dtype == torch.long else tokens.long()  # int8/uint8 would overflow `<`; uint16-64 lack it
+        bad = (ids < 0) | (ids >= self.cfg.d_vocab)
         if bad.any():
-            b, p = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"token id {int(tokens[b, p])} at [batch {b}, pos {p}] is outside the vocabulary [0, {self.cfg.d_vocab})"
-            )
-        return tokens.to(device=self.embed.weight.device, dtype=torch.long)
+            at = tuple(int(i) for i in bad.nonzero()[0])
+            value = int(ids[at])
+            if tokens.dtype == torch.uint64 and value < 0:  # an id of 2**63 or more, wrapped by .long()
+                value = f"{value + 2 ** 64} (uint64)"
+            where = f"[batch {at[0]}, pos {at[1]}]" if len(at) == 2 else f"index {list(at)}"
+            raise ValueError(f"token id {value} at {where} is outside the vocabulary [0, {self.cfg.d_vocab})")
+        return ids
+
+    def _ids_to_read(self, tokens: Any, what: str) -> torch.Tensor:
+        """Token ids [pos] or [batch, pos] for turning into text (a lone id counts as [1]), checked like a forward's."""
+        try:
+            ids = torch.as_tensor(tokens)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise TypeError(f"{what} takes text or token ids [pos] or [batch, pos], got {type(tokens).__name__} "
+                            f"{tokens!r:.60}") from None
+        if ids.ndim > 2:
+            raise ValueError(f"{what} takes token ids [pos] or [batch, pos], got a tensor of shape {tuple(ids.shape)}; "
+                             "pass one batch of it, e.g. tokens[0]")
+        return ids.long() if ids.numel() == 0 else self._in_vocabulary(ids.reshape(-1) if ids.ndim == 0 else ids)
 
     def _need_tokenizer(self) -> "PreTrainedTokenizerBase":
         if self.tokenizer is None:
@@ -275,35 +297,43 @@ class HookedTransformer(WeightViews, HookedRootModule):
             tokens = self.to_tokens(tokens)
         elif is_text(tokens):
             return [self.to_str_tokens(t) for t in tokens]
-        tokens = torch.as_tensor(tokens)
-        if tokens.ndim == 2 and tokens.shape[0] == 1:
-            tokens = tokens[0]
-        if tokens.ndim == 2:
-            return [self.to_str_tokens(row) for row in tokens]
-        return [tok.decode([int(t)]) for t in tokens]
+        ids = self._ids_to_read(tokens, "to_str_tokens")
+        if ids.ndim == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.ndim == 2:
+            return [[tok.decode([t]) for t in row] for row in ids.tolist()]
+        return [tok.decode([t]) for t in ids.tolist()]
 
     def to_string(self, tokens: torch.Tensor) -> str | list[str]:
+        """The text of token ids: one string for [pos], a list of strings for [batch, pos]."""
         tok = self._need_tokenizer()
-        tokens = torch.as_tensor(tokens)
-        if tokens.ndim == 2:
-            return [tok.decode(row.tolist()) for row in tokens]
-        return tok.decode(tokens.tolist())
+        ids = self._ids_to_read(tokens, "to_string")
+        if ids.ndim == 2:
+            return [tok.decode(row) for row in ids.tolist()]
+        return tok.decode(ids.tolist())
 
     # ------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(
         cls, name_or_path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
-        check_finite: bool = True,
+        check_finite: bool = True, mmap: bool = True,
     ) -> "HookedTransformer":
         """Load a local folder in its family's Hugging Face layout, or a hub name via the local HF cache.
 
         `dtype` is a torch dtype or "float32" / "bfloat16" / "float16" (None: float32, the reference
         numerics); `device` defaults to the CPU. The family comes from config.json's `model_type`.
         A checkpoint already in `dtype` stays memory-mapped (no copy). Every weight is checked for NaN/inf,
-        which reads every byte once; `check_finite=False` skips that for a checkpoint you trust."""
+        which reads every byte once; `check_finite=False` skips that for a checkpoint you trust.
+
+        Memory-mapped weights are the file's pages: a file written in place under the model would change its
+        next forward, and one truncated under it kills the process with SIGBUS. So each forward first checks
+        (one `fstat` per file) that the files are as loaded, and refuses with
+        "weights file changed since load; reload the model". Replacing a file by rename (save_pretrained,
+        `hf download`) is safe: the model keeps the old file's pages. To edit weight files in place while the
+        model is loaded, pass `mmap=False`: the weights are read into memory, and no file is touched after load."""
         from .io.loading import load_pretrained
 
-        return load_pretrained(cls, name_or_path, dtype=dtype, device=device, check_finite=check_finite)
+        return load_pretrained(cls, name_or_path, dtype=dtype, device=device, check_finite=check_finite, mmap=mmap)
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module, tokenizer: "PreTrainedTokenizerBase | None" = None) -> "HookedTransformer":

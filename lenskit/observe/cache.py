@@ -9,13 +9,25 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from .names import get_act_name, hook_name
-from .resid import Part, PosSlice, apply_slice, need, pinned_norm, resid_parts
+from .resid import Part, PosSlice, apply_slice, need, pinned_norm, post_normed, resid_parts
 from .stream import Stream, as_stream, check_layer
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["ActivationCache", "hook_name"]
+__all__ = ["ActivationCache", "CacheKeyError", "hook_name"]
+
+KEY_FORMS = ("a hook name such as 'blocks.3.attn.hook_q', a short name such as 'embed' or 'q3', "
+             "(short name, layer) such as ('resid_post', 3), (short name, layer, norm) such as ('scale', 3, 'ln1'), "
+             "or a lenskit.Stream")
+
+
+class CacheKeyError(KeyError, TypeError):
+    """A cache key of a form the cache does not take (42, None, ("resid_post",)): a KeyError, so `key in cache`
+    and `cache.get(key)` treat it as absent, and a TypeError, as Python does for a key of the wrong kind."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
 
 
 class ActivationCache(Mapping):
@@ -49,8 +61,13 @@ class ActivationCache(Mapping):
         if isinstance(key, tuple):
             if len(key) == 3:
                 return get_act_name(key[0], check_layer(key[1], self.n_layers), key[2])
-            return hook_name(key[0], key[1], self.n_layers)
-        if isinstance(key, str) and key not in self._store:
+            if len(key) == 2:
+                return hook_name(key[0], key[1], self.n_layers)
+            raise CacheKeyError(f"a cache key tuple has 2 or 3 parts, got {len(key)}: {key!r:.80}; pass {KEY_FORMS}")
+        if not isinstance(key, str):
+            hint = "; cache.stream(l) reads the stream after l blocks" if type(key) is int else ""
+            raise CacheKeyError(f"cache keys are hook names, got {type(key).__name__} {key!r:.60}{hint}; pass {KEY_FORMS}")
+        if key not in self._store:
             try:
                 return get_act_name(key)
             except (KeyError, ValueError):
@@ -60,7 +77,7 @@ class ActivationCache(Mapping):
     def __contains__(self, key: object) -> bool:
         try:
             self[key]  # type: ignore[index]
-        except (KeyError, IndexError, ValueError):  # an out-of-range layer is simply not here
+        except (KeyError, IndexError, ValueError, TypeError):  # an out-of-range layer or a non-key is simply not here
             return False
         return True
 
@@ -177,10 +194,17 @@ class ActivationCache(Mapping):
         labels "L0H0", "L0H1", ... `incl_remainder` adds the rest of the stream at the input of `layer`
         (embeddings, MLPs, biases), so the stack sums to it. Needs `attn.hook_result`, computed on request:
         `model.run_with_cache(tokens, names_filter=lambda name: True)`.
+
+        Refused for a model that normalises attention's output before adding it (Gemma 2/3, OLMo 2: `ln1_post`),
+        whose heads' writes do not add up to what reaches the stream.
         """
         layer = self._upto(layer, "stack_head_results")
         heads, labels = [], []
         for l in range(layer):
+            if post_normed(self, l):
+                raise ValueError(f"stack_head_results: block {l} normalises attention's output (ln1_post) after its "
+                                 "heads are summed, so the heads' writes do not add up to what reaches the stream; "
+                                 "use decompose_resid for whole-layer writes")
             result = need(self, hook_name("result", l), "stack_head_results")  # [..., pos, head, d_model]
             heads += list(result.movedim(-2, 0))
             labels += [f"L{l}H{h}" for h in range(result.shape[-2])]

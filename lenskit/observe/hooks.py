@@ -6,6 +6,9 @@ Hooks are temporary: `HookedRootModule.hooks()` removes everything it added in a
 Hooks added through `hooks()`, `run_with_hooks` or `run_with_cache` belong to the calling thread (its
 `contextvars` context): two threads running one model never see each other's hooks. `HookPoint.add_hook`
 attaches a global hook instead, seen by every thread until it is removed or `reset_hooks()` runs.
+
+`CacheRecording` is what `run_with_cache` attaches: it keeps activations without copies, and while it records,
+a hook that is handed a tensor it already holds gets a copy, so an in-place edit never rewrites an earlier entry.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import difflib
 import re
 from contextlib import contextmanager
 from contextvars import ContextVar
+from itertools import islice
 from typing import Callable, Iterable, Iterator, Sequence, Union
 
 import torch
@@ -27,6 +31,8 @@ NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 # The hooks of the current thread/context: hook point -> its functions, in attachment order.
 # Copied on write, so a context's dict is never changed under another reader; None when there are none.
 _CONTEXT_HOOKS: ContextVar["dict[HookPoint, tuple[HookFn, ...]] | None"] = ContextVar("lenskit_hooks", default=None)
+# The calling context's running CacheRecording, as (its hook, itself), or None.
+_RECORDING: ContextVar["tuple[HookFn, CacheRecording] | None"] = ContextVar("lenskit_recording", default=None)
 
 
 def _fn_name(fn: HookFn) -> str:
@@ -83,18 +89,28 @@ class HookPoint(nn.Module):
             fns = mine
         else:
             fns = (*self._fns, *mine)
+        writer, recording = _RECORDING.get() or (None, None)
         for fn in fns:
+            if fn is not writer and recording is not None and recording.holds(x):
+                x = x.clone()  # the cache holds x as an earlier point's value: an edit in place here must not reach it
             out = fn(x, self)
             if out is not None:
-                if not isinstance(out, torch.Tensor) or out.shape != x.shape:
-                    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                    raise ValueError(f"hook {_fn_name(fn)} on {self.name} returned {got}; "
-                                     f"expected a tensor of shape {tuple(x.shape)}")
-                if out.dtype != x.dtype:
-                    raise TypeError(f"hook {_fn_name(fn)} on {self.name} returned dtype {out.dtype}, but the activation "
-                                    f"is {x.dtype}; cast the result with .to({x.dtype})")
-                x = out
+                x = self._checked(fn, out, x)
         return x
+
+    def _checked(self, fn: HookFn, out: object, x: torch.Tensor) -> torch.Tensor:
+        """What hook `fn` returned in place of `x`, refused unless it is a tensor of x's shape, dtype and device."""
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"hook {_fn_name(fn)} on {self.name} returned {got}; "
+                             f"expected a tensor of shape {tuple(x.shape)}")
+        if out.dtype != x.dtype:
+            raise TypeError(f"hook {_fn_name(fn)} on {self.name} returned dtype {out.dtype}, but the activation "
+                            f"is {x.dtype}; cast the result with .to({x.dtype})")
+        if out.device != x.device:
+            raise ValueError(f"hook {_fn_name(fn)} on {self.name} returned a tensor on {out.device}, but the activation "
+                             f"is on {x.device}; move the result with .to('{x.device}')")
+        return out
 
     def layer(self) -> int:
         """The block this hook point lives in (`blocks.3.attn.hook_q` -> 3), as in TransformerLens."""
@@ -196,6 +212,68 @@ class HookedRootModule(nn.Module):
         if local:
             mine = set(self.hook_dict.values())
             _CONTEXT_HOOKS.set({hp: fns for hp, fns in local.items() if hp not in mine} or None)
+
+
+class CacheRecording:
+    """The hook `run_with_cache` attaches to every point it caches, and the activations it kept (`store`).
+
+    Activations are kept as the forward wrote them, detached and without a copy (moved or cast only where
+    `device` / `dtype` ask), so one tensor can stand for two points: `resid_post` of block l is `resid_pre` of
+    block l + 1, in rotary families `hook_embed` is block 0's `resid_pre`, and after a post-sublayer norm its
+    `hook_normalized` is the `hook_attn_out` / `hook_mlp_out` write. While `recording()`, any other hook that
+    is handed a tensor sharing memory with an entry gets a copy instead, so its in-place edits (`x[:, 3] = 0`,
+    `x.zero_()`) reach that point and the ones after it, never an entry already kept.
+
+    Until such a hook runs, recording costs no more than storing: the entries are looked at only when one is
+    about to run (`holds`). The model's own code never edits a tensor in place after it passed a hook point,
+    so an entry can change only while a hook runs; `check_unchanged()` then refuses an entry edited some other
+    way than through the copy (a hook editing a tensor it kept from an earlier point), found by the entry's
+    version counter (`t._version`, bumped by every in-place write).
+    """
+
+    def __init__(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+        self.store: dict[str, torch.Tensor] = {}
+        self._looked_at = 0  # how many entries `holds` has seen
+        self._memory: set[int] = set()  # their data pointers
+        self._versions: list[tuple[str, torch.Tensor, int]] = []  # (name, entry, version when first seen)
+        store = self.store
+        if device is None and dtype is None:
+            def record(x: torch.Tensor, hook: "HookPoint") -> None:
+                store[hook.name] = x.detach()
+        else:
+            def record(x: torch.Tensor, hook: "HookPoint") -> None:
+                store[hook.name] = x.detach().to(device=device, dtype=dtype)
+        self.hook: HookFn = record
+
+    def holds(self, x: torch.Tensor) -> bool:
+        """Whether `x` shares memory with an entry. Entries kept since the last call are looked at first: their
+        memory, and the version of each that spans its whole memory (a part of a buffer, such as hook_q of a
+        fused projection, shares its counter with the rest, whose edits would read as its own)."""
+        if len(self.store) > self._looked_at:
+            for name, kept in islice(self.store.items(), self._looked_at, None):
+                self._memory.add(kept.data_ptr())
+                spans = kept.storage_offset() == 0 and kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
+                if spans and not kept.is_inference():  # inference tensors have no version counter
+                    self._versions.append((name, kept, kept._version))
+            self._looked_at = len(self.store)
+        return x.data_ptr() in self._memory
+
+    @contextmanager
+    def recording(self) -> Iterator["CacheRecording"]:
+        """Hand other hooks copies of the tensors kept here, for the body of a `with` block."""
+        token = _RECORDING.set((self.hook, self))
+        try:
+            yield self
+        finally:
+            _RECORDING.reset(token)
+
+    def check_unchanged(self) -> None:
+        """Refuse if an entry was edited in place after it was kept, so the cache never holds a later value."""
+        for name, kept, version in self._versions:
+            if kept._version != version:
+                raise ValueError(f"{name} was edited in place after it was cached, by a hook that kept a reference to "
+                                 "it, so the cache would not hold what the forward wrote there; edit a copy in the hook "
+                                 "instead (x = x.clone(); x[...] = ...; return x)")
 
 
 def layer_of(name: str) -> int | None:

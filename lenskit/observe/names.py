@@ -34,6 +34,8 @@ ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query":
            "mlp_pre": "pre", "mlp_post": "post"}
 NORM_SHORT = ("scale", "normalized")  # ambiguous inside a block: which norm is named by layer_type
 NORM_TYPES = {"ln1": "1", "ln2": "2"}
+# TransformerLens's spellings of the part of a block a hook lives in ("" is the block itself).
+LAYER_TYPES = {"a": "attn", "attention": "attn", "m": "mlp", "b": "", "block": "", "blocks": ""}
 
 
 def hook_name(short: str, layer: int | None = None, n_layers: int | None = None) -> str:
@@ -89,4 +91,8 @@ def get_act_name(name: str, layer: int | None = None, layer_type: str | None = N
         raise ValueError(f"{name!r} lives in every block; pass a layer, e.g. get_act_name({name!r}, 0)")
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
         raise ValueError(f"get_act_name needs a block index >= 0, got {layer!r}; use cache[{name!r}, layer] to count back")
+    part = BLOCK_SHORT[name].rpartition(".")[0]  # "attn", "mlp", "ln1", or "" for the block's own hooks
+    if layer_type is not None and LAYER_TYPES.get(layer_type, layer_type) != part:
+        raise ValueError(f"{name!r} is {block_hook_name(layer, BLOCK_SHORT[name])!r}, so layer_type must be None"
+                         f"{f' or {part!r}' if part else ''}, got {layer_type!r}")
     return block_hook_name(layer, BLOCK_SHORT[name])

@@ -8,6 +8,8 @@ hook_pattern are [batch, head, query_pos, key_pos]; hook_result [batch, pos, hea
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -89,8 +91,9 @@ def make_mask(cfg: ModelConfig, layer: int = 0) -> CausalMask:
 class Attention(nn.Module):
     """Multi-head causal self-attention: project, (q/k norm), (rotate), attend, write back.
 
-    PyTorch's fused scaled-dot-product kernel runs unless a hook needs the internals or the scores are
-    soft-capped (which the kernel cannot do); both paths compute the same function. Under grouped-query
+    PyTorch's fused scaled-dot-product kernel runs unless a hook needs the internals, the scores are
+    soft-capped (which the kernel cannot do) or, on the CPU, q or k is not finite (see `_fused_agrees`); both
+    paths compute the same function, non-finite values included. Under grouped-query
     attention each group of n_heads / n_kv_heads query heads shares one key/value head. `layer` picks
     the block's mask and rotary base where the config alternates local and global blocks.
     """
@@ -137,7 +140,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x)  # [batch, pos, head, d_head], 2 x [batch, pos, kv_head, d_head]
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         q, k = self._rotate_qk(*self._norm_qk(q, k))
-        if self.softcap is not None or any(h.has_hooks() for h in self._internals):
+        if self.softcap is not None or any(h.has_hooks() for h in self._internals) or not _fused_agrees(q, k):
             z = self._eager(q, k, v)
         else:
             z = F.scaled_dot_product_attention(
@@ -220,9 +223,22 @@ class Attention(nn.Module):
         v = v.repeat_interleave(self.group, dim=2)
         scores = self._cap(torch.einsum("bqhd,bkhd->bhqk", q, k) * self.scale)  # [batch, head, query_pos, key_pos]
         allowed = self.mask.allowed(pos, q.device)
-        scores = self.hook_attn_scores(scores.masked_fill(~allowed, float("-inf")))
+        # Masked scores become -inf, and a NaN stays NaN, as transformers' additive mask leaves it
+        scores = self.hook_attn_scores(torch.where(allowed, scores, scores - float("inf")))
         pattern = self.hook_pattern(scores.softmax(-1))
         return torch.einsum("bhqk,bkhd->bqhd", pattern, v)  # [batch, pos, head, d_head]
+
+
+def _fused_agrees(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the fused kernel gives what the eager path gives for these q and k.
+
+    On the CPU the kernel with `is_causal` returns zeros for a query whose every score is NaN (a NaN in q, or in
+    every key it sees), where transformers' eager attention, like the eager path here, returns NaN. So a
+    non-finite q or k takes the eager path there; the check costs one sum of each. On other devices nothing is
+    checked (reading the sum would make the host wait for the device at every block), and the kernel's own
+    handling of NaN applies.
+    """
+    return not q.is_cpu or math.isfinite((q.sum(dtype=torch.float32) + k.sum(dtype=torch.float32)).item())
 
 
 def _unchanged(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
