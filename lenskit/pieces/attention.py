@@ -238,7 +238,8 @@ def _fused_agrees(q: torch.Tensor, k: torch.Tensor) -> bool:
     checked (reading the sum would make the host wait for the device at every block), and the kernel's own
     handling of NaN applies.
     """
-    return not q.is_cpu or math.isfinite((q.sum(dtype=torch.float32) + k.sum(dtype=torch.float32)).item())
+    # detached: only a number is read, and the sum must not join a graph (a Jacobian-lens fit runs with grad)
+    return not q.is_cpu or math.isfinite((q.detach().sum(dtype=torch.float32) + k.detach().sum(dtype=torch.float32)).item())
 
 
 def _unchanged(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
