@@ -36,6 +36,7 @@ run bf16 python benchmarks/bench_bf16.py --rounds 7
 run training_bf16 python benchmarks/bench_training.py --rounds 3 --dtype bfloat16 --skip lenskit_autograd
 run training_gpt2 python benchmarks/bench_training.py --model gpt2 --tokens 512 --rounds 2 --skip lenskit_autograd
 run patchscope python benchmarks/bench_patchscope.py --rounds 7
+run jacobian python benchmarks/bench_jacobian.py --prompts 2 --repeats 5 --threads 1 --sweep 4
 run startup python benchmarks/bench_startup.py --runs 5
 echo "done $(date -u +%H:%M:%S), $failed script(s) failed" | tee -a "$logs/run_all.txt"
 exit $((failed > 0))

@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--jacobian", default=str(ROOT / "runs" / "jacobian_lens"), help="Jacobian-lens folder (fitted if missing)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "figures"))
     ap.add_argument("--stride", type=int, default=8, help="tuned_vs_logit's training split: every N-th training file")
-    ap.add_argument("--jacobian-prompts", type=int, default=200, help="prompts the Jacobian lens is fitted on")
+    ap.add_argument("--jacobian-prompts", type=int, default=100, help="prompts the Jacobian lens is fitted on")
     ap.add_argument("--jacobian-length", type=int, default=128, help="tokens per fitting prompt")
     ap.add_argument("--eval-windows", type=int, default=48, help="held-out windows of n_ctx tokens to evaluate")
     ap.add_argument("--seed", type=int, default=0)
