@@ -37,34 +37,47 @@ def split_paths(stride: int) -> tuple[list[Path], list[Path]]:
     return train_files[::stride], heldout
 
 
+# The recipe of runs/tuned_lens: every experiment that reads that lens trains it this way when it is missing.
+LENS_RECIPE = dict(stride=8, steps=120, tokens_per_step=2048, seed=0)
+
+
+def trained_lens(model: lenskit.HookedTransformer, folder: str | Path, stride: int = LENS_RECIPE["stride"],
+                 steps: int = LENS_RECIPE["steps"], tokens_per_step: int = LENS_RECIPE["tokens_per_step"],
+                 seed: int = LENS_RECIPE["seed"]) -> TunedLens:
+    """The tuned lens in `folder`, trained there on every `stride`-th training file first if it is not (or
+    resumed, or refused when the folder holds a run of another recipe)."""
+    train_paths, _ = split_paths(stride)
+    t0 = time.time()
+    train_stream = load_token_stream(train_paths, model.tokenizer)
+    print(f"train: {len(train_paths)} files, {len(train_stream):,} tokens ({time.time() - t0:.0f} s to tokenize)", flush=True)
+    t0 = time.time()
+    tuned = train(TunedLens(model), train_stream, Recipe(steps=steps, tokens_per_step=tokens_per_step, seed=seed), out=folder)
+    print(f"tuned lens: {tuned.info['steps_done']} steps, {tuned.info['tokens_seen']:,} tokens, "
+          f"{time.time() - t0:.0f} s (0 s if reused from {folder})", flush=True)
+    return tuned
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=lenskit.DEFAULT_MODEL)
     ap.add_argument("--lens", default=str(ROOT / "runs" / "tuned_lens"), help="lens folder (resumed or reused)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "figures"), help="where the CSV and figures go")
-    ap.add_argument("--stride", type=int, default=8, help="train on every N-th training file (default 8: ~1/8 of it)")
-    ap.add_argument("--steps", type=int, default=120)
-    ap.add_argument("--tokens-per-step", type=int, default=2048)
+    ap.add_argument("--stride", type=int, default=LENS_RECIPE["stride"],
+                    help="train on every N-th training file (default 8: ~1/8 of it)")
+    ap.add_argument("--steps", type=int, default=LENS_RECIPE["steps"])
+    ap.add_argument("--tokens-per-step", type=int, default=LENS_RECIPE["tokens_per_step"])
     ap.add_argument("--eval-windows", type=int, default=96, help="held-out windows of n_ctx tokens to evaluate")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=LENS_RECIPE["seed"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--formats", nargs="+", default=["png", "svg", "pdf"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     model = lenskit.HookedTransformer.from_pretrained(args.model)
-    train_paths, heldout_paths = split_paths(args.stride)
-    t0 = time.time()
-    train_stream = load_token_stream(train_paths, model.tokenizer)
+    tuned = trained_lens(model, args.lens, args.stride, args.steps, args.tokens_per_step, args.seed)
+    _, heldout_paths = split_paths(args.stride)
     heldout_stream = load_token_stream(heldout_paths, model.tokenizer)
-    print(f"train: {len(train_paths)} files, {len(train_stream):,} tokens; held-out: {len(heldout_paths)} files, "
-          f"{len(heldout_stream):,} tokens ({time.time() - t0:.0f} s to tokenize)", flush=True)
-
-    t0 = time.time()
-    recipe = Recipe(steps=args.steps, tokens_per_step=args.tokens_per_step, seed=args.seed)
-    tuned = train(TunedLens(model), train_stream, recipe, out=args.lens)
-    print(f"tuned lens: {tuned.info['steps_done']} steps, {tuned.info['tokens_seen']:,} tokens, "
-          f"{time.time() - t0:.0f} s (0 s if reused from {args.lens})", flush=True)
+    print(f"held-out: {len(heldout_paths)} files, {len(heldout_stream):,} tokens", flush=True)
 
     ctx = model.cfg.n_ctx
     windows = heldout_stream.windows(ctx)

@@ -203,7 +203,7 @@ def bootstrap_ci(frame: pd.DataFrame, value: str, by: str | list[str] = "layer",
     wide = frame.groupby([*by, unit], sort=True)[value].mean().unstack(unit)  # [group, unit]
     values = torch.tensor(wide.to_numpy(), dtype=torch.float64)
     n = values.shape[1]
-    draws = torch.randint(0, n, (n_boot, n), generator=torch.Generator().manual_seed(seed))
+    draws = _unit_draws(n, n_boot, seed)
     boots = values[:, draws].nanmean(-1)  # [group, n_boot]
     out = wide.index.to_frame(index=False)
     out["mean"] = values.nanmean(-1).numpy()
@@ -211,3 +211,48 @@ def bootstrap_ci(frame: pd.DataFrame, value: str, by: str | list[str] = "layer",
     out["hi"] = boots.quantile(0.975, dim=-1).numpy()
     out["n"] = (~values.isnan()).sum(-1).numpy()
     return out
+
+
+def _unit_draws(n_units: int, n_boot: int, seed: int) -> torch.Tensor:
+    """[n_boot, n_units] unit indices drawn with replacement: the draws every bootstrap here shares for a seed."""
+    return torch.randint(0, n_units, (n_boot, n_units), generator=torch.Generator().manual_seed(seed))
+
+
+def ranks(x: torch.Tensor) -> torch.Tensor:
+    """Ranks 1..n along the last axis, ties sharing their average rank (as Spearman's rho wants): [..., n] -> [..., n]."""
+    below = (x[..., None, :] < x[..., :, None]).sum(-1)  # [..., n]: how many values are smaller
+    equal = (x[..., None, :] == x[..., :, None]).sum(-1)  # itself included
+    return below.double() + (equal.double() + 1) / 2
+
+
+def spearman(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Spearman's rank correlation of x and y along the last axis: [..., n] x2 -> [...], in [-1, 1]; NaN where
+    either is constant. The Pearson correlation of the (average) ranks; no scipy needed."""
+    if x.shape != y.shape or x.shape[-1] < 2:
+        raise ValueError(f"spearman needs two equal shapes with at least 2 values in the last axis, got "
+                         f"{tuple(x.shape)} and {tuple(y.shape)}")
+    rx, ry = ranks(x), ranks(y)
+    rx, ry = rx - rx.mean(-1, keepdim=True), ry - ry.mean(-1, keepdim=True)
+    return (rx * ry).sum(-1) / (rx.square().sum(-1) * ry.square().sum(-1)).sqrt()
+
+
+def bootstrap_spearman(frame: pd.DataFrame, x: str, y: str, over: str, unit: str = "window", n_boot: int = 2000,
+                       seed: int = 0) -> dict[str, float]:
+    """Spearman's rho between the means of `x` and of `y` per `over` group (e.g. per direction), with a 95%
+    percentile-bootstrap interval over `unit`s: each draw resamples the units with replacement (the draws of
+    `bootstrap_ci` for the same seed) and correlates the groups' means over the drawn units.
+    Returns {"rho", "lo", "hi", "n_groups", "n_units"}.
+
+    >>> bootstrap_spearman(tidy, "lens_influence", "model_influence", over="direction", unit="window")
+    """
+    missing = [c for c in (x, y, over, unit) if c not in frame.columns]
+    if missing:
+        raise KeyError(f"bootstrap_spearman needs columns {missing}; the frame has {list(frame.columns)}")
+    wide = {c: torch.tensor(frame.groupby([over, unit], sort=True)[c].mean().unstack(unit).to_numpy(),
+                            dtype=torch.float64) for c in (x, y)}  # [group, unit] each
+    n_groups, n_units = wide[x].shape
+    draws = _unit_draws(n_units, n_boot, seed)
+    boots = spearman(wide[x][:, draws].nanmean(-1).T, wide[y][:, draws].nanmean(-1).T)  # [n_boot]
+    rho = spearman(wide[x].nanmean(-1), wide[y].nanmean(-1))
+    lo, hi = boots.nanquantile(torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return {"rho": float(rho), "lo": lo, "hi": hi, "n_groups": int(n_groups), "n_units": int(n_units)}

@@ -2,6 +2,7 @@
 
 Translators are residual maps `h -> h + A_l h + b_l` with A_l and b_l zero at the start, so an
 untrained lens is exactly the logit lens, and weight decay on (A_l, b_l) pulls toward the identity.
+A bias-only lens (`TunedLens(model, bias_only=True)`, the paper's baseline) has `h -> h + b_l`: no A_l at all.
 
 >>> tuned = TunedLens(model)                 # then lenses.training.train(tuned, stream) or `lenskit train-lens`
 >>> tuned(cache.stream(2), 2)                # logits [batch, pos, d_vocab]
@@ -17,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from torch import nn
 
 from lenskit import HookedTransformer, Stream
 from lenskit.io.loading import resolve_model_folder
+from lenskit.io.torchfile import read_plain_torch_file
 
 from .base import BasisLens
 from .card import CARD_FILE, model_card
@@ -40,7 +41,7 @@ FORMAT_VERSION = 1
 WEIGHTS_FILE = "lens.safetensors"
 # config.json keys that describe the lens itself; the rest (recipe, data, tokens_seen, ...) is `TunedLens.info`.
 STRUCTURE_KEYS = ("format", "format_version", "model_fingerprint", "model_name", "n_layers", "d_model", "d_vocab",
-                  "resid_mid", "weights", "model_dtype", "model_fingerprints_reduced")
+                  "resid_mid", "bias_only", "weights", "model_dtype", "model_fingerprints_reduced")
 # A model loaded in a lower precision has other final-norm and unembedding values, so another fingerprint.
 # A lens saved from a float32 model also records the fingerprints of those values rounded to these dtypes.
 REDUCED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,25 +68,46 @@ def model_fingerprint(model: HookedTransformer, dtype: torch.dtype | None = None
     return f"{model.cfg.family}:sha256:{digest.hexdigest()}"
 
 
+class BiasTranslator(nn.Module):
+    """The translator of a bias-only lens: `h -> b`, which the lens adds to h (h + b). There is no A to hold
+    at zero: nothing of it is stored, decayed, updated or multiplied."""
+
+    def __init__(self, d_model: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(d_model, device=device, dtype=dtype))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.bias.expand_as(h)  # [..., d_model], a view
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.bias.shape[0]}"
+
+
 class TunedLens(BasisLens):
     """`tuned(h, l)`: decode stream l (after l blocks) through its translator, then the model's final norm
     and unembedding. Stream l = n_layers is the model's own output and has no translator.
 
     With `resid_mid=True` it also holds a translator for each block's `resid_mid` (halfway through
     block l, after attention), used as `tuned(h, Stream(l, "resid_mid"))`. A `resid_post` stream is
-    read as the `resid_pre` of the next block, the same place.
+    read as the `resid_pre` of the next block, the same place. With `bias_only=True` every translator is
+    `h -> h + b_l` (a `BiasTranslator`): the tuned-lens paper's bias-only lens.
     """
 
     name = "tuned"
 
-    def __init__(self, model: HookedTransformer, resid_mid: bool = False) -> None:
+    def __init__(self, model: HookedTransformer, resid_mid: bool = False, bias_only: bool = False) -> None:
         super().__init__(model)
         d_model, n = model.cfg.d_model, model.cfg.n_layers
         param = model.unembed.weight
         # Translators train in float32 even on a bf16/fp16 model (half-precision Adam updates would round away).
         kwargs = dict(device=param.device, dtype=torch.float64 if param.dtype == torch.float64 else torch.float32)
-        self.translators = nn.ModuleList(nn.Linear(d_model, d_model, **kwargs) for _ in range(n))
-        self.mid_translators = nn.ModuleList(nn.Linear(d_model, d_model, **kwargs) for _ in range(n)) if resid_mid else None
+        self.bias_only = bool(bias_only)
+
+        def make() -> nn.Module:  # the kind of translator is chosen once, here
+            return BiasTranslator(d_model, **kwargs) if bias_only else nn.Linear(d_model, d_model, **kwargs)
+
+        self.translators = nn.ModuleList(make() for _ in range(n))
+        self.mid_translators = nn.ModuleList(make() for _ in range(n)) if resid_mid else None
         self.reset_parameters()
         self.fingerprint = model_fingerprint(model)
         # What the lens was trained on and how; filled in by lenses.training and written by save().
@@ -106,7 +128,7 @@ class TunedLens(BasisLens):
         points = ("resid_pre", "resid_mid") if self.has_mid else ("resid_pre",)
         return [Stream(l, p) for l in range(self.n_layers) for p in points]
 
-    def translator(self, s: int | str | Stream) -> nn.Linear | None:
+    def translator(self, s: int | str | Stream) -> nn.Linear | BiasTranslator | None:
         """The translator for stream s (None at the final stream, where the lens is the identity)."""
         s = self.stream(s).canonical()
         if s.point == "resid_mid":
@@ -119,21 +141,21 @@ class TunedLens(BasisLens):
         return None if s.layer == self.n_layers else self.translators[s.layer]
 
     def transform_hidden(self, h: torch.Tensor, s: Stream) -> torch.Tensor:
-        """[..., d_model] -> [..., d_model]: h + A_s h + b_s (the identity at the final stream)."""
+        """[..., d_model] -> [..., d_model]: h + A_s h + b_s, or h + b_s if bias-only (the identity at the final stream)."""
         t = self.translator(s)
         if t is None:
             return h
-        if t.weight.dtype == h.dtype:
+        if t.bias.dtype == h.dtype:
             return h + t(h)
         # A float32 lens on a lower-precision model: translate in float32, read out in the model's dtype.
-        wide = h.to(t.weight.dtype)
+        wide = h.to(t.bias.dtype)
         return (wide + t(wide)).to(h.dtype)
 
     def reads_as_model(self, s: Stream) -> bool:
         return self.translator(s) is None
 
     def extra_repr(self) -> str:
-        return f"n_layers={self.n_layers}, d_model={self.model.cfg.d_model}, resid_mid={self.has_mid}"
+        return f"n_layers={self.n_layers}, d_model={self.model.cfg.d_model}, resid_mid={self.has_mid}, bias_only={self.bias_only}"
 
     # ----------------------------------------------------------------- files
     def config(self) -> dict[str, Any]:
@@ -147,7 +169,7 @@ class TunedLens(BasisLens):
             "model_fingerprint": self.fingerprint, "model_name": cfg.name,
             "model_dtype": str(model_dtype).removeprefix("torch."), "model_fingerprints_reduced": reduced,
             "n_layers": cfg.n_layers, "d_model": cfg.d_model, "d_vocab": cfg.d_vocab,
-            "resid_mid": self.has_mid, "weights": WEIGHTS_FILE, **self.info,
+            "resid_mid": self.has_mid, "bias_only": self.bias_only, "weights": WEIGHTS_FILE, **self.info,
         }
 
     def save(self, folder: str | os.PathLike) -> Path:
@@ -182,7 +204,7 @@ class TunedLens(BasisLens):
         check_shape(config, model, folder)
         check_fingerprint(config, model, folder)
         state = read_weights(folder / config["weights"])
-        lens = cls(model, resid_mid=config["resid_mid"])
+        lens = cls(model, resid_mid=config["resid_mid"], bias_only=config.get("bias_only", False))  # older: full
         saved = {v.dtype for v in state.values()}
         if len(saved) == 1 and next(iter(saved)) == torch.float32:
             lens.to(torch.float32)  # the translators keep the precision they were trained in
@@ -235,6 +257,10 @@ CONFIG_TYPES = {
     "weights": (lambda v: isinstance(v, str) and v.endswith(".safetensors") and Path(v).name == v,
                 "the name of a .safetensors file in the folder"),
 }
+# Keys added after lens folders were first written: checked where present; absent, the older meaning holds.
+OPTIONAL_CONFIG_TYPES = {
+    "bias_only": (lambda v: isinstance(v, bool), "true or false (absent: a full affine lens)"),
+}
 
 
 def check_config(config: dict, path: Path) -> None:
@@ -246,6 +272,9 @@ def check_config(config: dict, path: Path) -> None:
         if key not in config:
             raise ValueError(f"{path} has no {key!r}; a lenskit lens config needs it (save or train the lens again)")
         if not ok(config[key]):
+            raise ValueError(f"{path}: {key!r} must be {want}, got {json.dumps(config[key])}")
+    for key, (ok, want) in OPTIONAL_CONFIG_TYPES.items():
+        if key in config and not ok(config[key]):
             raise ValueError(f"{path}: {key!r} must be {want}, got {json.dumps(config[key])}")
 
 
@@ -311,7 +340,8 @@ def checked_state(lens: TunedLens, state: dict[str, torch.Tensor], source: Path)
 def import_tuned_lens_package(folder: str | os.PathLike, model: HookedTransformer) -> TunedLens:
     """Convert a lens saved by the tuned-lens package (`config.json` + `params.pt`).
 
-    params.pt is read with `torch.load(weights_only=True)`, which accepts plain tensors only, never
+    params.pt is read with `lenskit.io.torchfile.read_plain_torch_file`: uncompressed entries whose sizes match
+    their tensors (no zip bomb), then `torch.load(weights_only=True)`, which accepts plain tensors only, never
     arbitrary pickled objects. Its translators are `{i}.weight/bias` (newer versions) or
     `layer_translators.{i}.weight/bias`, the same residual form and layer numbering as ours.
     Their `unembed_hash` cannot be checked against our fingerprint (it hashed a pickle), so the shape is
@@ -321,14 +351,7 @@ def import_tuned_lens_package(folder: str | os.PathLike, model: HookedTransforme
     config = read_config(folder)
     if config.get("lens_type", "linear_tuned_lens") != "linear_tuned_lens":
         raise ValueError(f"{folder}: lens_type {config['lens_type']!r} is not supported; expected 'linear_tuned_lens'")
-    try:
-        raw = torch.load(folder / "params.pt", map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise ValueError(f"{folder / 'params.pt'} is not a plain tensor file: it holds pickled Python objects, which "
-                         "lenskit refuses to load: nothing in it was executed; re-save the lens's tensors alone") from None
-    except (RuntimeError, EOFError, OSError) as e:
-        raise ValueError(f"{folder / 'params.pt'} is not a readable PyTorch tensor file (truncated or corrupt?): "
-                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    raw = read_plain_torch_file(folder / "params.pt")  # uncompressed entries of the declared sizes, then weights_only
     shape = {"n_layers": config.get("num_hidden_layers"), "d_model": config.get("d_model")}
     check_shape(shape, model, folder)
     if not isinstance(raw, dict):

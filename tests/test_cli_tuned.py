@@ -100,3 +100,29 @@ def test_lens_command_reads_a_trained_tuned_lens_folder(files, tmp_path, capsys)
         expected = forward_kl(logits, tuned(cache["resid_pre", l], l))[0].detach()
         got = rows[rows.layer == l].sort_values("position")["kl_to_final"].to_numpy()
         assert got == pytest.approx(expected.numpy(), abs=1e-5)
+
+
+def test_train_lens_bias_only_writes_a_bias_only_lens_and_a_full_rerun_is_refused(files, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    import lenskit
+    from lenses import TunedLens
+
+    out = tmp_path / "lens"
+    args = ["train-lens", "--model", str(files / "model"), "--data", str(files / "train"), "--out", str(out),
+            "--steps", "6", "--tokens-per-step", "64", "--ctx", "16", "--quiet"]
+    assert main([*args, "--bias-only"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["bias_only"] is True and config["run_identity"]["bias_only"] is True
+    weights = load_file(str(out / "lens.safetensors"))
+    assert sorted(weights) == [f"translators.{l}.bias" for l in range(3)]
+    assert "Bias-only tuned lens" in (out / "README.md").read_text()
+    lens = TunedLens.load(out, lenskit.HookedTransformer.from_pretrained(files / "model"))
+    assert lens.bias_only and lens.translators[0].bias.abs().max() > 0
+    capsys.readouterr()
+    assert main(args) == 2  # the same folder without --bias-only: another run
+    err = capsys.readouterr().err
+    assert "bias_only (saved true, now false) differ" in err and len(err.strip().splitlines()) == 1
+    assert main(["eval-lens", "--model", str(files / "model"), "--lens", f"tuned:{out}", "--data", str(files / "heldout"),
+                 "--tokens", "160", "--ctx", "16", "--quiet"]) == 0
+    assert "kl_tuned" in capsys.readouterr().out

@@ -29,8 +29,8 @@ def tiny(tmp_path_factory):
     return model, load_token_stream([data], model.tokenizer)
 
 
-def random_lens(model, resid_mid: bool) -> TunedLens:
-    lens = TunedLens(model, resid_mid=resid_mid)
+def random_lens(model, resid_mid: bool, bias_only: bool = False) -> TunedLens:
+    lens = TunedLens(model, resid_mid=resid_mid, bias_only=bias_only)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in lens.parameters():
@@ -44,10 +44,11 @@ def grads(lens) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("bias_only", [False, True])
 @pytest.mark.parametrize("chunk_tokens", [None, 7])  # one chunk; several, the last one short
-def test_step_matches_autograd_through_forward_kl(tiny, chunk_tokens):
+def test_step_matches_autograd_through_forward_kl(tiny, chunk_tokens, bias_only):
     model, stream = tiny
-    lens = random_lens(model, resid_mid=True)
+    lens = random_lens(model, resid_mid=True, bias_only=bias_only)
     tokens = stream.windows(CTX)[:3]  # [3, CTX]: 48 tokens
     streams, final = collect_streams(lens, tokens)
     reference = autograd_kl(lens, streams, final)  # [2 * n_layers]

@@ -327,3 +327,66 @@ def test_the_loop_is_resume_or_start_then_steps(tiny, tmp_path):
         assert len(losses) == len(labels) and losses == by_train.info["loss_history"][step]
     for (k, a), b in zip(lens.state_dict().items(), by_train.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+# ------------------------------------------------------------------ bias-only lenses
+def test_bias_only_training_equals_a_full_lens_with_A_frozen_by_hand(tiny):
+    """The same seed, data and recipe: a bias-only lens (no A at all) and a full lens whose A_l were set to
+    requires_grad False by hand end with the same biases, and the hand-frozen A_l stay exactly zero."""
+    model, stream, _ = tiny
+    recipe = Recipe(**{**SMALL, "steps": 20}, lr=0.5)
+    bias_only = train(TunedLens(model, resid_mid=True, bias_only=True), stream, recipe, progress=False)
+    by_hand = TunedLens(model, resid_mid=True)
+    for t in [*by_hand.translators, *by_hand.mid_translators]:
+        t.weight.requires_grad_(False)
+    train(by_hand, stream, recipe, progress=False)
+    assert sorted(bias_only.state_dict()) == sorted(k for k in by_hand.state_dict() if k.endswith(".bias"))
+    for t in [*by_hand.translators, *by_hand.mid_translators]:
+        assert torch.equal(t.weight, torch.zeros_like(t.weight))  # exactly: no gradient, no decay, no momentum
+    for k, v in bias_only.state_dict().items():
+        assert v.abs().max() > 1e-3, k  # every bias trained, so the match means something
+        torch.testing.assert_close(v, by_hand.state_dict()[k], rtol=1e-5, atol=1e-7, msg=k)
+    history = torch.tensor(bias_only.info["loss_history"])
+    torch.testing.assert_close(history, torch.tensor(by_hand.info["loss_history"]), rtol=1e-4, atol=2e-6)
+    assert (history[-1] < history[0]).all()
+    # And it is not a full lens: a full lens trained alike ends elsewhere.
+    full = train(TunedLens(model, resid_mid=True), stream, recipe, progress=False)
+    assert not torch.allclose(full.translators[0].bias, bias_only.translators[0].bias, atol=1e-4)
+
+
+def test_bias_only_checkpoints_hold_no_matrix_and_resume_with_another_setting_is_refused(tiny, tmp_path):
+    model, stream, _ = tiny
+    with model.hooks([("blocks.1.hook_resid_pre", interrupt_at_call(5))]), pytest.raises(KeyboardInterrupt):
+        train(TunedLens(model, bias_only=True), stream, Recipe(**SMALL), out=tmp_path / "b", progress=False)
+    d = model.cfg.d_model
+    saved = load_file(str(tmp_path / "b" / CHECKPOINT_FILE))
+    assert saved and all(v.shape == (d,) for v in saved.values())  # biases and their momentum, nothing d x d
+    assert any(k.startswith("opt.") for k in saved)
+    with pytest.raises(ValueError, match=r"bias_only \(saved true, now false\) differ"):
+        train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "b", progress=False)
+    # The hand-frozen A_l get no optimiser state either.
+    by_hand = TunedLens(model)
+    for t in by_hand.translators:
+        t.weight.requires_grad_(False)
+    with model.hooks([("blocks.1.hook_resid_pre", interrupt_at_call(5))]), pytest.raises(KeyboardInterrupt):
+        train(by_hand, stream, Recipe(**SMALL), out=tmp_path / "h", progress=False)
+    opt_state = {k: v for k, v in load_file(str(tmp_path / "h" / CHECKPOINT_FILE)).items() if k.startswith("opt.")}
+    assert opt_state and all(v.shape == (d,) for v in opt_state.values())
+    # A finished bias-only run: a full rerun into it is refused, the same setting finds it done.
+    train(TunedLens(model, bias_only=True), stream, Recipe(**SMALL), out=tmp_path / "b", progress=False)
+    with pytest.raises(ValueError, match=r"bias_only \(saved true, now false\) differ"):
+        train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "b", progress=False)
+    again = train(TunedLens(model, bias_only=True), stream, Recipe(**SMALL), out=tmp_path / "b", progress=False)
+    assert again.bias_only and again.info["steps_done"] == SMALL["steps"]
+
+
+def test_runs_saved_before_bias_only_existed_still_resume_as_full_lenses(tiny, tmp_path, capsys):
+    model, stream, _ = tiny
+    train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    del config["bias_only"], config["run_identity"]["bias_only"]  # as lenskit wrote them before
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+    done = train(TunedLens(model), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)
+    assert "already trained" in capsys.readouterr().out and not done.bias_only
+    with pytest.raises(ValueError, match=r"bias_only \(saved false, now true\) differ"):
+        train(TunedLens(model, bias_only=True), stream, Recipe(**SMALL), out=tmp_path / "out", progress=False)

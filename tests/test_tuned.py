@@ -332,3 +332,41 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_files(tmp_path):
     with pytest.raises(RuntimeError):
         write_atomic(target, half_then_fail)
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+# ------------------------------------------------------------------ bias-only lenses
+def test_bias_only_lens_is_h_plus_b_and_round_trips_through_its_folder(model, streams, tmp_path):
+    lens = randomize(TunedLens(model, resid_mid=True, bias_only=True))
+    n, d = model.cfg.n_layers, model.cfg.d_model
+    assert sorted(lens.state_dict()) == sorted(f"{p}.{l}.bias" for p in ("translators", "mid_translators") for l in range(n))
+    assert all(p.shape == (d,) for p in lens.parameters())  # no A_l to hold at zero
+    logit = LogitLens(model)
+    for l in range(n):
+        h = streams["resid_pre", l]
+        torch.testing.assert_close(lens(h, l), logit(h + lens.translators[l].bias, l))
+    lens.save(tmp_path / "lens")
+    config = json.loads((tmp_path / "lens" / "config.json").read_text())
+    assert config["bias_only"] is True and "bias_only" not in TunedLens.load(tmp_path / "lens", model).info
+    card = (tmp_path / "lens" / "README.md").read_text()
+    assert "# Bias-only tuned lens for" in card and "one learned bias per residual stream, h + b_l" in card
+    loaded = TunedLens.load(tmp_path / "lens", model)
+    assert loaded.bias_only and loaded.has_mid
+    for l in range(n):
+        h = streams["resid_pre", l]
+        assert torch.equal(loaded(h, l), lens(h, l))
+    assert "bias_only" in TunedLens(model).config() and TunedLens(model).config()["bias_only"] is False
+    assert "h + A_l h + b_l" in model_card(TunedLens(model).config())
+    (tmp_path / "lens" / "config.json").write_text(json.dumps({**config, "bias_only": "yes"}))
+    with pytest.raises(ValueError, match="'bias_only' must be true or false"):
+        TunedLens.load(tmp_path / "lens", model)
+
+
+def test_bias_only_lens_in_float32_on_a_bfloat16_model(model, streams, tmp_path):
+    lens = randomize(TunedLens(model, bias_only=True))
+    model.save_pretrained(tmp_path / "model")
+    bf16 = lenskit.HookedTransformer.from_pretrained(tmp_path / "model", dtype="bfloat16")
+    lens.save(tmp_path / "lens")
+    loaded = TunedLens.load(tmp_path / "lens", bf16)
+    assert loaded.translators[1].bias.dtype == torch.float32
+    h = streams["resid_pre", 1].to(torch.bfloat16)
+    assert torch.equal(loaded(h, 1), bf16.readout((h.float() + lens.translators[1].bias).to(torch.bfloat16)))

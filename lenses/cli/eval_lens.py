@@ -13,13 +13,14 @@ lenskit tuned-lens folder on this disk only).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 from pathlib import Path
 
 import lenskit
 from lenses.spec import SPEC_HELP
 
 DEFAULT_TOKENS = 2 ** 16
-OUT_SUFFIXES = (".html", ".png", ".svg", ".pdf")
 PLOT_LABELS = {"kl": "KL(final ‖ lens), nats", "ce": "cross-entropy, nats", "entropy": "entropy, nats",
                "top1_agree": "top-1 agreement with the model", "settled": "share of tokens settled"}
 
@@ -47,22 +48,26 @@ def add_parser(subparsers, name: str) -> None:
                    help="also write the table into the tuned-lens folder's README.md model card (and config.json)")
     p.add_argument("--text-field", default="text", help="the JSONL field that holds the text")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from .layer_transfer import add_arguments
+    add_arguments(p)  # --layer-transfer, --layer-transfer-out
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    import pandas as pd
+    from lenskit.io.files import check_output_file
 
-    from lenskit.io.data import load_token_stream
-
-    from ..evaluation import evaluate_windows, heldout_windows, per_layer, side_by_side
-    from ..spec import load_lenses, split_spec
+    from ..spec import split_spec
+    from ..training.lock import folder_lock
+    from .figure_options import check_figure_output
 
     specs = list(dict.fromkeys(args.lens))
     if "logit" not in specs:
         specs.insert(0, "logit")  # the baseline every lens is read against
-    if args.out and Path(args.out).suffix.lower() not in OUT_SUFFIXES:
-        raise ValueError(f"--out {args.out!r}: expected a file name ending in {', '.join(OUT_SUFFIXES)}")
+    # Every output before any work: a path that cannot take its file, or no browser for a PNG, is an error now.
+    for path, what in ((args.csv, "the --csv table"), (args.table, "the --table table")):
+        if path:
+            check_output_file(path, what, pipe_ok=True)
+    check_figure_output(args.out)
     card_folder = None
     if args.card:
         folders = [arg or spec for spec in specs for kind, arg in [split_spec(spec)] if kind in ("", "tuned")]
@@ -70,12 +75,30 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--card writes into one tuned-lens folder; got {len(folders)} lens folders among --lens")
         card_folder = Path(folders[0])
         check_card_folder(card_folder)  # before any work
+    # --card holds the lens folder's lock from before the lens is read until its card is written, so a
+    # train-lens run cannot change the weights between the evaluation and the card (lenses/training/lock.py).
+    with folder_lock(card_folder) if card_folder is not None else contextlib.nullcontext():
+        return evaluate(args, specs, card_folder)
+
+
+def evaluate(args: argparse.Namespace, specs: list[str], card_folder: Path | None) -> int:
+    import pandas as pd
+
+    from lenskit.io.data import load_token_stream
+    from lenskit.io.files import open_output
+
+    from ..evaluation import evaluate_windows, heldout_windows, per_layer, side_by_side
+    from ..spec import load_lenses
+
     model = lenskit.HookedTransformer.from_pretrained(args.model)
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files; eval-lens needs one to read text")
     lenses = load_lenses(specs, model)
     stream = load_token_stream(args.data, model.tokenizer, text_field=args.text_field)
     windows = heldout_windows(stream, args.tokens or None, args.ctx or model.cfg.n_ctx, model.cfg.n_ctx)
+    if args.layer_transfer or args.layer_transfer_out:  # first: a lens it cannot read is refused before any work
+        from .layer_transfer import run_layer_transfer
+        run_layer_transfer(args, model, lenses, windows)
     tidy = evaluate_windows(model, lenses, windows, progress=not args.quiet)
     table = per_layer(tidy, n_tokens=len(stream), n_bytes=stream.n_bytes)
     n_tokens = int(windows.numel())
@@ -90,11 +113,13 @@ def run(args: argparse.Namespace) -> int:
                                          f"{depth.loc[n, 'prediction_depth_hi']:.2f}]" for n in labels))
     if args.csv:
         Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-        table.to_csv(args.csv, index=False)
+        with open_output(args.csv, "the --csv table", pipe_ok=True) as f:
+            table.to_csv(f, index=False)
         print(f"wrote {args.csv}")
     if args.table:
         Path(args.table).parent.mkdir(parents=True, exist_ok=True)
-        summary.to_csv(args.table, index=False)
+        with open_output(args.table, "the --table table", pipe_ok=True) as f:
+            summary.to_csv(f, index=False)
         print(f"wrote {args.table} ({len(summary)} rows)")
     if args.out:
         from .. import plots
@@ -117,7 +142,9 @@ def run(args: argparse.Namespace) -> int:
 
 def check_card_folder(folder: Path) -> None:
     """--card writes into a lenskit lens folder on this disk, never into the hub cache or a tuned-lens import."""
-    from ..io import read_config
+    from ..card import CARD_FILE
+    from ..io import CONFIG_FILE, read_config
+    from ..training.lock import check_writable
     from ..tuned import FORMAT
 
     if not folder.is_dir():
@@ -126,3 +153,8 @@ def check_card_folder(folder: Path) -> None:
     if read_config(folder).get("format") != FORMAT:
         raise ValueError(f"--card: {folder} is not a lenskit lens folder (a tuned-lens import?); save it with "
                          "TunedLens.save first")
+    check_writable(folder)  # a read-only folder is refused now, not after the evaluation
+    for name in (CONFIG_FILE, CARD_FILE):
+        if (folder / name).exists() and not os.access(folder / name, os.W_OK):
+            raise PermissionError(f"--card: {folder / name} is read-only; expected a lens folder this user can write "
+                                  "(copy the folder, or fix its permissions)")

@@ -46,6 +46,8 @@ def add_parser(subparsers, name: str) -> None:
     p.add_argument("--weight-decay", type=float, default=DEFAULT.weight_decay,
                    help=f"decay of the translators toward the identity (default {DEFAULT.weight_decay:g})")
     p.add_argument("--resid-mid", action="store_true", help="also train translators for each block's resid_mid")
+    p.add_argument("--bias-only", action="store_true",
+                   help="translators h + b_l, a learned bias alone (the tuned-lens paper's bias-only lens; no A_l)")
     p.add_argument("--micro-batch-tokens", type=int, default=DEFAULT.micro_batch_tokens,
                    help=f"tokens per forward pass (memory, not maths; default {DEFAULT.micro_batch_tokens})")
     p.add_argument("--ckpt-every", type=int, default=DEFAULT.ckpt_every,
@@ -92,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
               f"({model.cfg.n_layers} layers); processes: {world}")
     before = finished_steps(Path(args.out))
     try:
-        lens = train(TunedLens(model, resid_mid=args.resid_mid), stream, recipe, out=args.out, progress=not args.quiet)
+        lens = train(TunedLens(model, resid_mid=args.resid_mid, bias_only=args.bias_only), stream, recipe, out=args.out,
+                     progress=not args.quiet)
     except FloatingPointError as e:  # a diverged run: say so plainly, the checkpoint is kept
         print(f"lenskit train-lens: error: {e}", file=sys.stderr)
         return 3

@@ -3,7 +3,7 @@ and none calls `.show()`. Statistics are computed elsewhere (`Trajectory`, `metr
 package only draws.
 
 Modules: `style` (fonts, colours, token labels), `export` (`save_figure` to .html/.png/.svg/.pdf),
-`lens` (logit-lens heatmap, per-layer curves), `anatomy`, `interventions`.
+`lens` (logit-lens heatmap, per-layer curves), `anatomy`, `interventions`, `diagnostics` (layer transfer, causal fidelity).
 """
 
 from .style import COLORS, FONT, MONO, PAPER, PRINT_DPI, SIZES, display_token, token_labels
@@ -12,6 +12,7 @@ from .export import (EXPORT_TIMEOUT_S, STATIC_FORMATS, check_static_export, expo
 from .lens import HEATMAP_CELL, HEATMAP_COLORS, KL_FLOOR, layer_curves, lens_stack, logit_lens_heatmap, select_window
 from .anatomy import attribution_bars, growth_curves, head_attribution_heatmap, resid_norm_curves, share_bars
 from .interventions import difference_heatmap, grouped_bars, patching_heatmap
+from .diagnostics import fidelity_curves, fidelity_scatter, transfer_heatmap
 
 __all__ = [
     "COLORS",
@@ -29,6 +30,8 @@ __all__ = [
     "check_static_export",
     "difference_heatmap",
     "display_token",
+    "fidelity_curves",
+    "fidelity_scatter",
     "export_session",
     "figure_title",
     "grouped_bars",
@@ -45,4 +48,5 @@ __all__ = [
     "set_pdf_title",
     "share_bars",
     "token_labels",
+    "transfer_heatmap",
 ]

@@ -2,7 +2,8 @@
 
 The default recipe is tuned-lens': SGD with Nesterov momentum 0.9, learning rate 1 x (1 - momentum)
 decayed linearly to zero, weight decay 1e-3 on (A_l, b_l) (toward the identity, since translators are
-residual), gradient norm clipped at 1. Adam (AMSGrad, lr 1e-3, warmup) is an option.
+residual), gradient norm clipped at 1. Adam (AMSGrad, lr 1e-3, warmup) is an option. A bias-only lens
+trains its b_l alone; so does a lens whose weights were frozen by hand (the optimiser gets what requires grad).
 
 Exactness: the windows of step s are a pure function of (seed, s), the learning rate is a function of s,
 and a checkpoint holds the translators and the optimiser state, so a run killed at any point (or stopped
@@ -44,6 +45,8 @@ from .step import TranslatedStreams, kl_step
 from ..tuned import TunedLens
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
+# Run-identity keys added after runs were first saved, with the value every older run had.
+IDENTITY_DEFAULTS = {"bias_only": False}
 
 
 def make_optimizer(params: list[nn.Parameter], recipe: Recipe) -> torch.optim.Optimizer:
@@ -138,8 +141,7 @@ def saved_recipe(out: Path | None) -> dict:
         return {}
     try:
         if (out / CHECKPOINT_FILE).exists():
-            with safe_open(str(out / CHECKPOINT_FILE), "pt") as f:
-                saved = json.loads((f.metadata() or {})["meta"])["identity"]["recipe"]
+            saved = checkpoint_identity(out / CHECKPOINT_FILE)["recipe"]
         elif (out / CONFIG_FILE).exists():
             saved = read_config(out)["run_identity"]["recipe"]
         else:
@@ -147,6 +149,16 @@ def saved_recipe(out: Path | None) -> dict:
     except Exception:  # noqa: BLE001 - unreadable here; resume_or_start reports it with its own message
         return {}
     return saved if isinstance(saved, dict) else {}
+
+
+def checkpoint_identity(path: Path) -> dict | None:
+    """The run identity a checkpoint records, read from its metadata alone; None if it is unreadable."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            identity = json.loads((f.metadata() or {})["meta"])["identity"]
+    except Exception:  # noqa: BLE001 - a corrupt file: load_checkpoint reports it with its own message
+        return None
+    return identity if isinstance(identity, dict) else None
 
 
 def resume_or_start(lens: TunedLens, opt: torch.optim.Optimizer, out: Path | None, identity: dict, recipe: Recipe,
@@ -158,6 +170,9 @@ def resume_or_start(lens: TunedLens, opt: torch.optim.Optimizer, out: Path | Non
         return 0, [], None
     ckpt = out / CHECKPOINT_FILE
     if ckpt.exists():
+        saved = checkpoint_identity(ckpt)
+        if saved is not None:  # before loading: another run's lens (bias-only or not) would not even load
+            check_same_run(saved, identity, ckpt)
         meta = load_checkpoint(ckpt, lens, opt)
         check_same_run(meta["identity"], identity, ckpt, steps_done=meta["step"])
         if rank == 0:
@@ -241,10 +256,11 @@ def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: 
     order = window_order(len(windows), recipe.seed)
     labels = [stream_label(s) for s in lens.trained_streams()]
     identity = {"recipe": recipe.identity(), "data_sha256": stream.provenance.get("sha256"), "model_fingerprint": lens.fingerprint,
-                "resid_mid": lens.has_mid, "world_size": world}
+                "resid_mid": lens.has_mid, "bias_only": lens.bias_only, "world_size": world}
 
     ckpt = out / CHECKPOINT_FILE if out is not None else None
-    opt = make_optimizer(list(lens.parameters()), recipe)
+    # Only what trains: a weight frozen by hand (requires_grad False) gets no update, no decay and no state.
+    opt = make_optimizer([p for p in lens.parameters() if p.requires_grad], recipe)
     step, history, finished = resume_or_start(lens, opt, out, identity, recipe, rank)
     if finished is not None:
         return finished
@@ -336,7 +352,7 @@ def check_same_run(saved: dict, current: dict, where: Path, steps_done: object =
     every setting the same, except `steps`, which may change but not below the steps done."""
     diffs = []
     for key, now in current.items():
-        then = saved.get(key)
+        then = saved.get(key, IDENTITY_DEFAULTS.get(key))
         if key == "recipe" and isinstance(then, dict) and isinstance(now, dict):
             diffs += [f"{f} (saved {short(then.get(f))}, now {short(v)})" for f, v in now.items()
                       if f != "steps" and then.get(f) != v]
