@@ -19,8 +19,10 @@ _LAZY = {
     "Patchscope": ("lenses.patchscope", "Patchscope"),
     "Trajectory": ("lenses.trajectory", "Trajectory"),
     "TunedLens": ("lenses.tuned", "TunedLens"),
+    "causal": ("lenses.causal", None),
     "metrics": ("lenses.metrics", None),
     "plots": ("lenses.plots", None),
+    "transfer": ("lenses.transfer", None),
 }
 
 
@@ -36,5 +38,5 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-__all__ = ["BasisLens", "JacobianLens", "Lens", "LogitLens", "POINTS", "Patchscope", "Trajectory", "TunedLens", "metrics",
-           "plots"]
+__all__ = ["BasisLens", "JacobianLens", "Lens", "LogitLens", "POINTS", "Patchscope", "Trajectory", "TunedLens", "causal",
+           "metrics", "plots", "transfer"]
