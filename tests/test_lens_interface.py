@@ -115,3 +115,16 @@ def test_load_lenses_labels(model, tmp_path):
     assert list(load_lenses([str(tmp_path / "a"), str(tmp_path / "b")], model)) == [str(tmp_path / "a"), str(tmp_path / "b")]
     with pytest.raises(ValueError, match="given twice"):
         load_lenses(["logit", "logit"], model)
+
+
+def test_jacobian_spec_splits_a_hub_file(model, monkeypatch, tmp_path):
+    from lenses import JacobianLens
+
+    seen = []
+    monkeypatch.setattr(JacobianLens, "load", classmethod(lambda cls, source, m, filename=None: seen.append((source, filename)) or "lens"))
+    assert load_lens("jacobian:neuronpedia/jacobian-lens:gpt2-small/jlens/x.pt", model) == "lens"
+    assert load_lens("jacobian:someone/folder-repo", model) == "lens"
+    local = tmp_path / "a:b.pt"
+    local.write_bytes(b"")
+    assert load_lens(f"jacobian:{local}", model) == "lens"  # an existing path stays whole, colon and all
+    assert seen == [("neuronpedia/jacobian-lens", "gpt2-small/jlens/x.pt"), ("someone/folder-repo", None), (str(local), None)]
