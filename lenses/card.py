@@ -103,9 +103,44 @@ def jacobian_card(config: dict[str, Any]) -> str:
     return "\n".join(front_matter(base, JACOBIAN_TAGS) + body + data).rstrip() + "\n"
 
 
+def eval_problem(ev: object) -> str | None:
+    """What is wrong with a config's "eval" section (as `record_eval` writes it), or None if it is well formed:
+    an object with `n_tokens` (an int >= 0), `data_sha256` (a string or null) and `table`, a list of objects
+    with an int `layer` and finite numbers."""
+    if not isinstance(ev, dict):
+        return f"must be an object, got {json.dumps(ev)[:60]}"
+    n = ev.get("n_tokens")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        return f"'n_tokens' must be an integer >= 0, got {json.dumps(n)[:60]}"
+    if not (ev.get("data_sha256") is None or isinstance(ev.get("data_sha256"), str)):
+        return f"'data_sha256' must be a string or null, got {json.dumps(ev.get('data_sha256'))[:60]}"
+    table = ev.get("table")
+    if not isinstance(table, list):
+        return f"'table' must be a list of rows, got {json.dumps(table)[:60]}"
+    for i, row in enumerate(table):
+        if not isinstance(row, dict):
+            return f"table row {i} must be an object, got {json.dumps(row)[:60]}"
+        for key, value in row.items():
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if key == "layer" and not (number and isinstance(value, int)):
+                return f"table row {i}: 'layer' must be an integer, got {json.dumps(value)[:60]}"
+            if not number or value != value or value in (float("inf"), float("-inf")):
+                return f"table row {i}: {key!r} must be a finite number, got {json.dumps(value)[:60]}"
+        if "layer" not in row:
+            return f"table row {i} has no 'layer'"
+    return None
+
+
+def check_eval(config: dict[str, Any], where: Path) -> None:
+    """ValueError (one line naming the file and 'eval') if the config has a malformed "eval" section."""
+    if "eval" in config and (problem := eval_problem(config["eval"])) is not None:
+        raise ValueError(f"{where}: 'eval' {problem}; expected the table `lenskit eval-lens --card` writes: "
+                         "delete the 'eval' key, or run eval-lens --card again")
+
+
 def _evaluation(config: dict[str, Any]) -> list[str]:
     ev = config.get("eval")
-    if not isinstance(ev, dict) or not isinstance(ev.get("table"), list):
+    if eval_problem(ev) is not None:  # absent or unreadable: the card says so rather than failing
         return ["## Evaluation", "", "Not evaluated yet: `lenskit eval-lens --lens FOLDER --data HELD_OUT --card` "
                 "adds the per-layer table here.", ""]
     lines = ["## Evaluation", "",

@@ -28,7 +28,7 @@ from lenskit import HookedTransformer
 from lenskit.io.loading import resolve_hub_file, resolve_model_folder
 from lenskit.io.torchfile import read_plain_torch_file
 
-from .card import CARD_FILE, model_card
+from .card import CARD_FILE, check_eval, model_card
 from .io import CONFIG_FILE, read_config, write_atomic
 from .jacobian import FORMAT, FORMAT_VERSION, WEIGHTS_FILE, JacobianLens
 from .tuned import FINGERPRINT, REDUCED_DTYPES, check_fingerprint, check_shape, model_fingerprint, read_weights
@@ -40,6 +40,10 @@ REFERENCE_ESTIMATOR = "jacobian_lens"  # what TransformerLens records as metadat
 
 
 # ------------------------------------------------------------------ lens folders
+# How to get a Jacobian lens for another model, where check_fingerprint refuses one.
+JACOBIAN_REMEDY = "fit a new Jacobian lens on this model with `JacobianLens.fit(model, tokens)`"
+
+
 def folder_config(lens: JacobianLens) -> dict[str, Any]:
     cfg = lens.model.cfg
     model_dtype = lens.model.unembed.weight.dtype
@@ -55,8 +59,15 @@ def folder_config(lens: JacobianLens) -> dict[str, Any]:
 
 
 def save_folder(lens: JacobianLens, folder: str | os.PathLike) -> Path:
+    from .training.lock import folder_lock  # one writer per lens folder, as TunedLens.save
+
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    with folder_lock(folder, join=True):
+        _write_folder(lens, folder)
+    return folder
+
+
+def _write_folder(lens: JacobianLens, folder: Path) -> None:
     tensors = {f"J.{s}": lens.matrix(s).detach().cpu().contiguous() for s in lens.streams}
     write_atomic(folder / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp), metadata={"format": FORMAT}))
     config = folder_config(lens)
@@ -64,7 +75,6 @@ def save_folder(lens: JacobianLens, folder: str | os.PathLike) -> Path:
     write_atomic(folder / CONFIG_FILE, lambda tmp: tmp.write_text(text))
     card = model_card(config)
     write_atomic(folder / CARD_FILE, lambda tmp: tmp.write_text(card, encoding="utf-8"))
-    return folder
 
 
 def load_folder(folder: Path, model: HookedTransformer) -> JacobianLens:
@@ -78,7 +88,8 @@ def load_folder(folder: Path, model: HookedTransformer) -> JacobianLens:
                          "load it with the class its format names (lenses.spec.load_lens reads any)")
     check_folder_config(config, where, model)
     check_shape(config, model, folder)
-    check_fingerprint(config, model, folder)
+    check_fingerprint(config, model, folder, remedy=JACOBIAN_REMEDY)
+    check_eval(config, where)
     weights = folder / config["weights"]
     state = read_weights(weights)
     wanted = {f"J.{s}" for s in config["streams"]}
@@ -191,7 +202,7 @@ def read_reference(path: Path, model: HookedTransformer) -> JacobianLens:
         raise ValueError(f"{path}: source_layers {str(listed)[:60]} do not match the layers of its matrices {sorted(J)[:8]}")
     lenskit = metadata.get("lenskit")
     if isinstance(lenskit, dict) and "model_fingerprint" in lenskit:  # written by save_reference: check the model
-        check_fingerprint(lenskit, model, path)
+        check_fingerprint(lenskit, model, path, remedy=JACOBIAN_REMEDY)
     matrices = {l + 1: checked_matrix(m, f"{path}: layer {l}", d).to(torch.float64 if m.dtype == torch.float64 else torch.float32)
                 for l, m in J.items()}
     if checkpoint:

@@ -29,11 +29,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lenskit import HookedTransformer, Stream
+from lenskit.io.files import check_regular_file
 from lenskit.io.loading import resolve_model_folder
 from lenskit.io.torchfile import read_plain_torch_file
 
 from .base import BasisLens
-from .card import CARD_FILE, model_card
+from .card import CARD_FILE, check_eval, model_card
 from .io import CONFIG_FILE, read_config, write_atomic
 
 FORMAT = "lenskit-tuned-lens"
@@ -173,9 +174,17 @@ class TunedLens(BasisLens):
         }
 
     def save(self, folder: str | os.PathLike) -> Path:
-        """Write `lens.safetensors`, `config.json` and a `README.md` model card into folder, each atomically."""
+        """Write `lens.safetensors`, `config.json` and a `README.md` model card into folder, each atomically,
+        holding the folder's lock (lenses/training/lock.py): one writer per lens folder, threads of this process
+        taking turns, and a folder another process trains into refused."""
+        from .training.lock import folder_lock
+
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        with folder_lock(folder, join=True):
+            self._write(folder)
+        return folder
+
+    def _write(self, folder: Path) -> None:
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         write_atomic(folder / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp), metadata={"format": FORMAT}))
         config = self.config()
@@ -183,7 +192,6 @@ class TunedLens(BasisLens):
         write_atomic(folder / CONFIG_FILE, lambda tmp: tmp.write_text(text))
         card = model_card(config)
         write_atomic(folder / CARD_FILE, lambda tmp: tmp.write_text(card, encoding="utf-8"))
-        return folder
 
     @classmethod
     def load(cls, folder: str | os.PathLike, model: HookedTransformer) -> "TunedLens":
@@ -276,6 +284,7 @@ def check_config(config: dict, path: Path) -> None:
     for key, (ok, want) in OPTIONAL_CONFIG_TYPES.items():
         if key in config and not ok(config[key]):
             raise ValueError(f"{path}: {key!r} must be {want}, got {json.dumps(config[key])}")
+    check_eval(config, path)  # else it loads, and the next save fails on it
 
 
 def check_shape(config: dict, model: HookedTransformer, folder: Path) -> None:
@@ -288,9 +297,10 @@ def check_shape(config: dict, model: HookedTransformer, folder: Path) -> None:
                              "load the model the lens was trained for")
 
 
-def check_fingerprint(config: dict, model: HookedTransformer, folder: Path) -> None:
+def check_fingerprint(config: dict, model: HookedTransformer, folder: Path,
+                      remedy: str = "train a new lens with `lenskit train-lens`") -> None:
     """The model's final norm and unembedding must be the ones the lens was trained through, up to the rounding
-    of loading the same model in another precision."""
+    of loading the same model in another precision. `remedy` ends the refusal: how to get a lens for this model."""
     saved, here = config["model_fingerprint"], model_fingerprint(model)
     if same_fingerprint(saved, here):
         return
@@ -305,14 +315,15 @@ def check_fingerprint(config: dict, model: HookedTransformer, folder: Path) -> N
     raise ValueError(
         f"the lens in {folder} was trained for another model{dtypes}: lens fingerprint {saved}, this model's "
         f"{here} ({config.get('model_name')!r} vs {model.cfg.name!r}); load the model the lens was trained for, "
-        "or train a new lens with `lenskit train-lens`"
+        f"or {remedy}"
     )
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a lens weights file; a missing or unreadable file is one line naming it."""
-    if not path.is_file():
+    """The tensors of a lens weights file; a missing, non-regular (FIFO) or unreadable file is one line naming it."""
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"{path} does not exist; the lens folder is incomplete (its config.json names it)")
+    check_regular_file(path, "a lens weights file (safetensors)")
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:

@@ -6,7 +6,6 @@ The presets of published shapes live with their families in `lenskit.families` (
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -248,13 +247,9 @@ class ModelConfig:
     def from_json(cls, path: str | os.PathLike, name: str = "custom",
                   tensor_names: Iterable[str] | None = None) -> "ModelConfig":
         """Read a Hugging Face `config.json` (`tensor_names`: see `from_hf_config`)."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON ({e}); expected a Hugging Face config.json") from e
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} holds a {type(data).__name__}, expected a JSON object")
+        from .io.files import read_json_object  # bounded, FIFO-safe, one line naming the file
+
+        data = read_json_object(path, what="a Hugging Face config.json")
         return cls.from_hf_config(data, name=name, tensor_names=tensor_names)
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -191,7 +191,8 @@ def test_figure_option_errors(tiny_folder, tmp_path, capsys):
 
 
 def test_a_static_export_starts_the_browser_once(tiny_folder, tmp_path, monkeypatch):
-    """`lenskit lens --out x.png` asks kaleido for one image and starts no extra server (each is a Chromium)."""
+    """`lenskit lens --out x.png` asks kaleido for the figure once, after one 100 px probe made before the work
+    (so a missing browser fails first, issue 29), and starts no server (each is a Chromium)."""
     import kaleido
 
     calls = {"calc": 0, "server": 0}
@@ -203,5 +204,5 @@ def test_a_static_export_starts_the_browser_once(tiny_folder, tmp_path, monkeypa
     monkeypatch.setattr(kaleido, "calc_fig_sync", calc)
     monkeypatch.setattr(kaleido, "start_sync_server", lambda *a, **k: calls.__setitem__("server", calls["server"] + 1))
     assert main(["lens", PROMPT, "--model", str(tiny_folder), "--out", str(tmp_path / "x.png")]) == 0
-    assert calls["calc"] + calls["server"] == 1, calls
+    assert calls == {"calc": 2, "server": 0}, calls  # the probe, then the figure
     assert (tmp_path / "x.png").read_bytes().startswith(b"\x89PNG")

@@ -47,17 +47,22 @@ def _command(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Ctrl-C at any moment, start-up and model load included, is one line and exit 130."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(_command(argv)).parse_args(argv)
+    command = _command(argv)
     try:
+        args = build_parser(command).parse_args(argv)
         return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"lenskit {command}: interrupted" if command else "lenskit: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader went away (`lenskit lens ... | head`); that is not an error of ours.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"lenskit {args.command}: error: {message}", file=sys.stderr)
+        print(f"lenskit {command}: error: {message}", file=sys.stderr)
         return 2
 
 

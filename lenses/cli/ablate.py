@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import pandas as pd
 
 import lenskit
 from lenskit.io.data import HELDOUT_SAMPLE, reference_windows
 from lenskit.intervene.interventions import MODES, Attn, Block, Head, Mlp, ablation_hooks
-from lenses.cli.figure_options import add_figure_options, figure_kwargs
+from lenses.cli.figure_options import add_figure_options, check_figure_output, figure_kwargs
 
 DEFAULT_REFERENCE = HELDOUT_SAMPLE  # held-out stdlib modules of the embedded model's split
 MEAN_WINDOW = 128  # tokens per window for mean ablation (resample windows match the prompt's length)
@@ -74,16 +73,16 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.set_defaults(run=run)
 
 
-FIGURE_SUFFIXES = (".html", ".png", ".svg", ".pdf")  # what plots.save_figure writes
-
-
 def run(args: argparse.Namespace) -> int:
     from lenses.compare import compare_runs, output_summary
 
     if not args.targets:
         raise ValueError("nothing to ablate: give at least one of --block L, --attn L, --mlp L, --head L.H")
-    if args.out and Path(args.out).suffix.lower() not in FIGURE_SUFFIXES:  # before any work, not after it
-        raise ValueError(f"cannot tell the format of --out {args.out!r}: expected a name ending in {', '.join(FIGURE_SUFFIXES)}")
+    from lenskit.io.files import check_output_file, open_output
+
+    if args.csv:  # outputs before any work, not after it
+        check_output_file(args.csv, "the --csv table", pipe_ok=True)
+    check_figure_output(args.out)
     model = lenskit.HookedTransformer.from_pretrained(args.model or lenskit.DEFAULT_MODEL)
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files; lenskit ablate needs one to read PROMPT")
@@ -110,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"mean loss {clean:.3f} -> {ablated:.3f} nats/token ({ablated - clean:+.3f}); "
               f"mean KL(clean || ablated) {summary['kl'].mean():.3f} nats")
     if args.csv:
-        summary.to_csv(args.csv, index=False)
+        with open_output(args.csv, "the --csv table", pipe_ok=True) as f:
+            summary.to_csv(f, index=False)
         print(f"wrote {args.csv}")
     if args.out:
         from lenses import plots

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 SIZE_CHOICES = ("column", "page")
+FIGURE_SUFFIXES = (".html", ".png", ".svg", ".pdf")  # what plots.save_figure writes
+MAX_FIGURE_PX = 8192  # lenses.plots.export.MAX_FIGURE_PX, kept here so that --help imports no plotly
 
 
 def _span(text: str) -> slice:
@@ -45,6 +48,33 @@ def _positive(text: str) -> int:
     return value
 
 
+def _figure_px(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_FIGURE_PX:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_FIGURE_PX} px (Chrome's canvas limit at PNG scale 2), "
+                                         f"got {value}")
+    return value
+
+
+def check_figure_output(path: str | None, what: str = "the --out figure") -> None:
+    """Before any work: `path` names a format save_figure writes, can take a file, and, for .png/.svg/.pdf,
+    the browser that draws it starts (so a missing Chrome is an error now, not after the computation)."""
+    if path is None:
+        return
+    from lenskit.io.files import check_output_file
+
+    if Path(path).suffix.lower() not in FIGURE_SUFFIXES:
+        raise ValueError(f"cannot tell the format of {what} {path!r}: expected a file name ending in {', '.join(FIGURE_SUFFIXES)}")
+    check_output_file(path, what)
+    if Path(path).suffix.lower() != ".html":
+        from lenses.plots.export import FigureExportError, check_static_export
+
+        try:
+            check_static_export(quiet=True)
+        except FigureExportError as e:
+            raise FigureExportError(f"{what} {path} cannot be written: {e}") from None
+
+
 def add_figure_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("figure (with --out)")
     window = g.add_mutually_exclusive_group()
@@ -54,8 +84,9 @@ def add_figure_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--size", choices=SIZE_CHOICES, default=None,
                    help="a paper's single column (3.3 in wide) or full text width (7 in), exported at 300 dpi; "
                         "fonts scale with the size (default: room for every token, at most 1100 px wide)")
-    g.add_argument("--width", type=_positive, metavar="PX", help="figure width in px (96 px = 1 inch); overrides --size")
-    g.add_argument("--height", type=_positive, metavar="PX", help="figure height in px; overrides --size")
+    g.add_argument("--width", type=_figure_px, metavar="PX",
+                   help=f"figure width in px (96 px = 1 inch, at most {MAX_FIGURE_PX}); overrides --size")
+    g.add_argument("--height", type=_figure_px, metavar="PX", help=f"figure height in px (at most {MAX_FIGURE_PX}); overrides --size")
     g.add_argument("--title", default=None, help="figure title (also the PDF's title); default names the lens or the ablation")
 
 
@@ -63,3 +94,4 @@ def figure_kwargs(args: argparse.Namespace) -> dict:
     """The heatmap keywords that the options above set."""
     return dict(positions=args.positions, last=args.last, layers=args.layers, size=args.size,
                 width=args.width, height=args.height)
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -11,6 +12,7 @@ import lenskit
 from lenskit import accounting
 from lenskit.config import ModelConfig
 from lenskit.families import FAMILIES
+from lenskit.io.files import check_output_file, open_output
 from lenskit.io.loading import read_safetensors, resolve_model_folder
 
 
@@ -45,7 +47,7 @@ def resolve_config(model: str | None) -> tuple[ModelConfig, str]:
         path = resolve_model_folder(model)
     else:
         path = Path(lenskit.DEFAULT_MODEL if model is None else model).expanduser()
-    if (path / "config.json").is_file():
+    if os.path.lexists(path / "config.json"):  # a FIFO or folder there is refused by name when it is read
         name = "the embedded model" if model is None else (model if model in lenskit.EMBEDDED_MODELS else path.name)
         return _read_config(path, name), f"{path}/config.json"
     if model is None:
@@ -57,7 +59,7 @@ def resolve_config(model: str | None) -> tuple[ModelConfig, str]:
     if path.is_dir():
         raise FileNotFoundError(f"{path} has no config.json; expected a Hugging Face model folder or a preset name")
     folder = resolve_model_folder(model)  # "no folder at ...", "... is a file", or the hub cache (explaining a miss)
-    if not (folder / "config.json").is_file():
+    if not os.path.lexists(folder / "config.json"):
         raise FileNotFoundError(f"{folder} has no config.json; expected a Hugging Face model folder")
     return _read_config(folder, model), f"{model} (Hugging Face cache)"
 
@@ -82,6 +84,8 @@ def _human(x: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.csv:  # before any work
+        check_output_file(args.csv, "the --csv table", pipe_ok=True)
     cfg, source = resolve_config(args.model)
     summary = accounting.param_summary(cfg)
     block = accounting.block_params(cfg)
@@ -129,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\ntraining compute 6ND for D={args.tokens:.3g} tokens: "
               f"{accounting.six_nd(cfg, args.tokens):.3g} FLOPs (N non-embedding)")
     if args.csv:
-        accounting.param_table(cfg).to_csv(args.csv, index=False)
+        with open_output(args.csv, "the --csv table", pipe_ok=True) as f:
+            accounting.param_table(cfg).to_csv(f, index=False)
         print(f"\nwrote {args.csv}")
     return 0

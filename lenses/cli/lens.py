@@ -6,15 +6,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import lenskit
 from lenses.table import format_table
-from lenses.cli.figure_options import add_figure_options, figure_kwargs
+from lenses.cli.figure_options import add_figure_options, check_figure_output, figure_kwargs
 from lenses.spec import SPEC_HELP
-
-OUT_SUFFIXES = (".html", ".png", ".svg", ".pdf")
 COLORS = ("prob", "entropy", "kl", "rank")
 
 
@@ -48,12 +45,16 @@ def run(args: argparse.Namespace) -> int:
     from lenses.spec import load_lenses
     from lenses.trajectory import Trajectory
 
-    if args.out and Path(args.out).suffix.lower() not in OUT_SUFFIXES:
-        raise ValueError(f"--out {args.out!r}: expected a file name ending in {', '.join(OUT_SUFFIXES)}")
+    from lenskit.io.files import check_output_file, open_output
+
     if args.top_k < 1:
         raise ValueError(f"--top-k must be at least 1, got {args.top_k}")
     if args.model == lenskit.DEFAULT_MODEL and not (Path(args.model) / "config.json").exists():
         raise FileNotFoundError(f"the embedded model is missing at {args.model}; reinstall lenskit or pass --model FOLDER")
+    # Outputs before any work: a path that cannot take the file, or no browser for a PNG, is an error now.
+    if args.csv:
+        check_output_file(args.csv, "the --csv table", pipe_ok=True)
+    check_figure_output(args.out)
     model = lenskit.HookedTransformer.from_pretrained(args.model)
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files, so PROMPT cannot be tokenized")
@@ -67,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     # Files first, so that `lenskit lens ... | head` still writes them.
     if args.csv:
         Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-        frame.to_csv(args.csv, index=False)
+        with open_output(args.csv, "the --csv table", pipe_ok=True) as f:
+            frame.to_csv(f, index=False)
     if args.out:
         from lenses import plots
 
@@ -78,11 +80,7 @@ def run(args: argparse.Namespace) -> int:
             options = figure_kwargs(args)
             sizes = {k: options.pop(k) for k in ("size", "width", "height") if k in options}
             fig = plots.lens_stack(frames, color=args.color, title=args.title, **sizes, **options)
-        try:
-            plots.save_figure(fig, args.out)
-        except RuntimeError as e:  # e.g. no Chrome for static export
-            print(f"lenskit lens: error: {e}", file=sys.stderr)
-            return 2
+        plots.save_figure(fig, args.out)  # FigureExportError (an OSError): one line, exit 2
     for name, traj in trajs.items():
         print(f"{name} lens, {Path(args.model).name or args.model}: top-1 prediction after each block "
               f"(layer 0 = embeddings, layer {traj.n_layers} = the model's output)")

@@ -13,6 +13,17 @@ import plotly.graph_objects as go
 
 STATIC_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 EXPORT_TIMEOUT_S = 600
+# Chrome draws a figure on one canvas of at most 16,384 px a side (268 million px in all); past that it
+# returns a few bytes of junk. 8,192 px a side at the default PNG scale of 2 is that limit exactly.
+MAX_FIGURE_PX = 8192  # also lenses.cli.figure_options.MAX_FIGURE_PX (--help states it)
+MAX_CANVAS_PX = 16384
+# What a file of each format starts with (an SVG is XML text whose root element is <svg>).
+SIGNATURES = {"png": b"\x89PNG\r\n\x1a\n", "pdf": b"%PDF-"}
+
+
+class FigureExportError(RuntimeError, OSError):
+    """A figure that could not be drawn or written (no browser, a size past the limit, junk from the
+    browser). An OSError too, so the CLI reports it as one line and a non-zero exit."""
 
 
 def save_figure(fig: go.Figure, path: str | os.PathLike, *, width: int | None = None, height: int | None = None,
@@ -39,6 +50,7 @@ def save_figure(fig: go.Figure, path: str | os.PathLike, *, width: int | None = 
                        config={"displaylogo": False})
         return path
     data = _render_static(fig, STATIC_FORMATS[suffix], width, height, scale)
+    check_rendered(data, STATIC_FORMATS[suffix], path)
     if suffix == ".pdf":
         data = set_pdf_title(data, figure_title(fig))
     path.write_bytes(data)
@@ -96,7 +108,7 @@ def export_session() -> Iterator[None]:
         try:
             kaleido.start_sync_server(mathjax=False, timeout=EXPORT_TIMEOUT_S, silence_warnings=True)
         except ChromeNotFoundError:
-            raise RuntimeError(_no_chrome_message("static export")) from None
+            raise FigureExportError(_no_chrome_message("static export")) from None
     _sessions += 1
     try:
         yield
@@ -112,12 +124,40 @@ def _no_chrome_message(what: str) -> str:
             "as scripts/install.sh does) or point BROWSER_PATH at it; or save as .html, which needs no browser.")
 
 
-def check_static_export() -> None:
-    """Render a one-point figure to PNG; raise RuntimeError saying what is missing if that fails."""
+def check_static_export(quiet: bool = False) -> None:
+    """Render a one-point figure to PNG; raise FigureExportError saying what is missing if that fails.
+    Commands that will write a PNG, SVG or PDF call it before their work, with `quiet=True`."""
     png = _render_static(go.Figure(go.Scatter(x=[0], y=[0])), "png", 100, 100, 1)
-    if png[:8] != b"\x89PNG\r\n\x1a\n":
-        raise RuntimeError(f"static export returned {len(png)} bytes that are not a PNG")
-    print("static figure export works (kaleido + headless Chrome)")
+    if png[:8] != SIGNATURES["png"]:
+        raise FigureExportError(f"static export returned {len(png)} bytes that are not a PNG; is BROWSER_PATH a working Chrome?")
+    if not quiet:
+        print("static figure export works (kaleido + headless Chrome)")
+
+
+def check_figure_size(width: float, height: float, scale: float, what: str = "the figure") -> None:
+    """Refuse a size Chrome cannot draw: at most MAX_FIGURE_PX a side, and at most MAX_CANVAS_PX a side once
+    scaled (a PNG is drawn at `scale` device pixels per px)."""
+    for name, px in (("width", width), ("height", height)):
+        if not 0 < px <= MAX_FIGURE_PX or not 0 < px * scale <= MAX_CANVAS_PX:
+            raise FigureExportError(f"{what}: {name} {px:g} px at scale {scale:g} is past the limit; expected at most "
+                                    f"{MAX_FIGURE_PX} px a side and {MAX_CANVAS_PX} px once scaled (Chrome's canvas): "
+                                    "pass a smaller --width/--height")
+
+
+def check_rendered(data: bytes, fmt: str, path: str | os.PathLike) -> None:
+    """Refuse what the browser returned unless it is a file of `fmt`: the PNG signature, %PDF-, an <svg> root."""
+    if fmt == "svg":
+        import xml.etree.ElementTree as ET
+
+        try:
+            ok = ET.fromstring(data).tag.rpartition("}")[2] == "svg"
+        except ET.ParseError:
+            ok = False
+    else:
+        ok = data.startswith(SIGNATURES[fmt])
+    if not ok:
+        raise FigureExportError(f"{path} was not written: the browser returned {len(data)} bytes that are not "
+                                f"{fmt.upper()}; expected a {fmt.upper()} file (try a smaller figure, or .html)")
 
 
 def _render_static(fig: go.Figure, fmt: str, width: int | None, height: int | None, scale: float | None) -> bytes:
@@ -128,13 +168,14 @@ def _render_static(fig: go.Figure, fmt: str, width: int | None, height: int | No
     meta = layout.meta if isinstance(layout.meta, dict) else {}
     opts = dict(format=fmt, width=width or layout.width or 900, height=height or layout.height or 500,
                 scale=scale or (meta.get("export_scale", 2) if fmt == "png" else 1))
+    check_figure_size(opts["width"], opts["height"], opts["scale"] if fmt == "png" else 1)
     try:
         # mathjax=False: kaleido otherwise loads MathJax from a CDN, which hangs or fails offline.
         # timeout: seconds per image; kaleido's default of 90 is too short on a busy 2-core CI machine.
         kopts = None if _sessions else dict(mathjax=False, timeout=EXPORT_TIMEOUT_S)  # a session was started with these
         return kaleido.calc_fig_sync(fig.to_dict(), opts=opts, kopts=kopts)
     except ChromeNotFoundError:
-        raise RuntimeError(_no_chrome_message(f"exporting {fmt.upper()}")) from None
+        raise FigureExportError(_no_chrome_message(f"exporting {fmt.upper()}")) from None
 
 
 def save_figures(figures: dict[str, go.Figure], folder: str | os.PathLike, formats: str | Sequence[str]) -> list[Path]:

@@ -36,11 +36,13 @@ from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 
 from lenskit import Stream
 from lenskit.io.data import TokenStream, window_order
+from lenskit.io.files import check_regular_file
 
 from .interrupt import Interrupted, interrupts_between_steps
 from ..io import CONFIG_FILE, read_config, write_atomic
 from .recipe import Recipe
 from .lock import locks_out_folder
+from .state import check_checkpoint_meta, check_finished_state
 from .step import TranslatedStreams, kl_step
 from ..tuned import TunedLens
 
@@ -109,12 +111,17 @@ def save_checkpoint(path: Path, lens: TunedLens, opt: torch.optim.Optimizer, met
 
 def load_checkpoint(path: Path, lens: TunedLens, opt: torch.optim.Optimizer) -> dict:
     """Restore the lens and optimiser state; a truncated or foreign file raises ValueError and is left in place."""
+    check_regular_file(path, "a training checkpoint (safetensors)")  # a FIFO would block safe_open
     try:
         with safe_open(str(path), "pt") as f:
             meta = json.loads((f.metadata() or {})["meta"])
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-        if not (isinstance(meta, dict) and isinstance(meta.get("step"), int) and isinstance(meta.get("scalars"), list)):
-            raise ValueError("its metadata has no step count")
+    except Exception as e:  # safetensors raises its own error type for a cut-off file
+        raise ValueError(f"the checkpoint {path} is corrupt ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'unreadable'}); it was kept. To start over, delete it "
+                         f"(or pass another --out)") from None
+    check_checkpoint_meta(meta, path)  # field by field, before any is used
+    try:
         lens.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("lens.")})
     except Exception as e:  # safetensors raises its own error type for a cut-off file
         raise ValueError(f"the checkpoint {path} is corrupt or does not fit this lens ({type(e).__name__}: "
@@ -154,6 +161,7 @@ def saved_recipe(out: Path | None) -> dict:
 def checkpoint_identity(path: Path) -> dict | None:
     """The run identity a checkpoint records, read from its metadata alone; None if it is unreadable."""
     try:
+        check_regular_file(path, "a training checkpoint (safetensors)")
         with safe_open(str(path), "pt") as f:
             identity = json.loads((f.metadata() or {})["meta"])["identity"]
     except Exception:  # noqa: BLE001 - a corrupt file: load_checkpoint reports it with its own message
@@ -180,8 +188,8 @@ def resume_or_start(lens: TunedLens, opt: torch.optim.Optimizer, out: Path | Non
                   flush=True)
         return meta["step"], meta["history"], None
     if (out / CONFIG_FILE).exists():
-        done = read_config(out)
-        steps_done = done.get("steps_done")
+        done = check_finished_state(read_config(out), out / CONFIG_FILE)
+        steps_done = done["steps_done"]
         check_same_run(done.get("run_identity", {}), identity, out / CONFIG_FILE, steps_done=steps_done)
         finished = TunedLens.load(out, lens.model)
         if steps_done == recipe.steps:
@@ -192,7 +200,7 @@ def resume_or_start(lens: TunedLens, opt: torch.optim.Optimizer, out: Path | Non
         if rank == 0:
             print(f"extending the finished lens in {out} from {steps_done} to {recipe.steps} steps (fresh optimiser "
                   f"state){extension_note(done['run_identity'], recipe)}", flush=True)
-        return steps_done, list(done.get("loss_history", [])), None
+        return steps_done, list(done["loss_history"]), None
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     return 0, [], None

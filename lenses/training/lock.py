@@ -1,10 +1,15 @@
-"""One training run per output folder: a kernel lock (`flock`) on `--out/.lenskit.lock`.
+"""One writer per lens folder: a kernel lock (`flock`) on `FOLDER/.lenskit.lock`, taken by `train-lens`, the
+Jacobian-lens fit, `TunedLens.save` / `JacobianLens.save` and `eval-lens --card`.
 
 Two `train-lens` runs into one `--out` would overwrite each other's checkpoints and one result would be
 lost in silence. A run holds the lock while it trains, and a second run is refused at once. The kernel
 drops the lock when its holder exits, however it exits (SIGKILL included), so a lock is never stale: a
 killed run's lock file is one the next run simply locks. The file names its holder (pid and host) for the
 refusal message only. Without fcntl (Windows) the `filelock` package takes the lock, and names no pid.
+
+Within one process a second holder is refused too, except a writer that joins (`folder_lock(f, join=True)`,
+as `save` does): inside the thread's own hold it goes ahead (a training run saves its lens into the folder
+it holds), and it waits for another thread of this process, so threads saving one folder take turns.
 
 >>> with folder_lock("my_lens"):
 ...     ...  # train into my_lens
@@ -18,6 +23,7 @@ import inspect
 import os
 import shutil
 import socket
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -33,6 +39,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 class FolderLockedError(OSError):
     """Another live process holds the folder's lock (an OSError, so the CLI reports it as one line)."""
+
+
+# Folders this process holds: absolute path -> [its thread lock, the holding thread's id or None].
+_held: dict[Path, list] = {}
+_held_guard = threading.Lock()
 
 
 def check_writable(folder: str | os.PathLike) -> None:
@@ -93,20 +104,43 @@ def _holder(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def folder_lock(folder: str | os.PathLike) -> Iterator[Path]:
+def folder_lock(folder: str | os.PathLike, join: bool = False) -> Iterator[Path]:
     """Hold `folder`'s lock (the folder is made if missing) for the body of a `with` block, or raise
-    FolderLockedError at once if another run holds it.
+    FolderLockedError at once if another process holds it, or another holder in this process.
 
-    Folders the lock had to make are removed again if the body left them empty (a refused run leaves no trace)."""
+    `join=True` is for a writer that may run inside a holder (`save`, called by a training run on its own
+    folder): in the thread that holds the lock it goes ahead, and it waits for another thread of this process
+    to finish, where a second process is still refused at once. Folders the lock had to make are removed again
+    if the body left them empty (a refused run leaves no trace)."""
     folder = Path(folder).absolute()
+    with _held_guard:
+        entry = _held.setdefault(folder, [threading.Lock(), None])  # [lock, holding thread]
+    me = threading.get_ident()
+    if join and entry[1] == me:  # inside this thread's own hold
+        yield folder / LOCK_FILE
+        return
+    if not entry[0].acquire(blocking=join and entry[1] != me):
+        raise FolderLockedError(f"{folder} is in use by another training run{_holder(folder / LOCK_FILE)} (in this "
+                                f"process, pid {os.getpid()}); wait for it to finish or pass another --out")
+    entry[1] = me
+    try:
+        with _process_lock(folder) as path:
+            yield path
+    finally:
+        entry[1] = None
+        entry[0].release()
+
+
+@contextlib.contextmanager
+def _process_lock(folder: Path) -> Iterator[Path]:
     made = [p for p in (folder, *folder.parents) if not p.exists()]
     check_writable(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
     unlock = _lock(path)
     if unlock is None:
-        raise FolderLockedError(f"{folder} is in use by another training run{_holder(path)}; wait for it to finish "
-                                "or pass another --out")
+        raise FolderLockedError(f"{folder} is in use by another training run{_holder(path)} (or a save, or eval-lens "
+                                "--card, into the same folder); wait for it to finish or pass another --out")
     try:
         for partial in folder.glob(".*.tmp[0-9]*"):  # write_atomic's staging folders, left by a run killed mid-write
             shutil.rmtree(partial, ignore_errors=True)
