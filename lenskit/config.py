@@ -249,7 +249,7 @@ class ModelConfig:
         """Read a Hugging Face `config.json` (`tensor_names`: see `from_hf_config`)."""
         from .io.files import read_json_object  # bounded, FIFO-safe, one line naming the file
 
-        data = read_json_object(path, what="a Hugging Face config.json")
+        data = read_json_object(path, what="a Hugging Face config.json (a JSON object)")
         return cls.from_hf_config(data, name=name, tensor_names=tensor_names)
 
     def to_hf_dict(self) -> dict[str, Any]:
