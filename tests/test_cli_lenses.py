@@ -94,7 +94,7 @@ def test_eval_lens_refusals(files, tmp_path, capsys):
     assert main([*base, "--lens", "logit", "--lens", "logit:x"]) == 2
     assert "takes no argument" in capsys.readouterr().err
     assert main([*base, "--lens", str(files / "tuned"), "--out", str(tmp_path / "x.jpg")]) == 2
-    assert "expected a name ending in .html" in capsys.readouterr().err
+    assert "ending in .html, .png, .svg, .pdf" in capsys.readouterr().err
     assert main([*base, "--lens", "logit", "--card"]) == 2
     assert "--card writes into one tuned-lens folder" in capsys.readouterr().err
 
