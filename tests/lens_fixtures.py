@@ -1,12 +1,15 @@
-"""Helpers for the tuned-lens tests: a tiny tokenizer, a tiny model folder with it, and deterministic text."""
+"""Helpers for the lens tests: a tiny tokenizer, a tiny model folder with it, deterministic text, random lenses."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
 
+import torch
+
 import lenskit
 from conftest import make_hf_gpt2
+from lenses import TunedLens
 
 EOT = "<|endoftext|>"
 
@@ -57,3 +60,14 @@ def write_text_folder(folder: Path, n: int = 40, seed: int = 0) -> Path:
     for i, text in enumerate(sample_texts(n, seed)):
         (folder / f"snippet_{i:03d}.py").write_text(text)
     return folder
+
+
+def random_tuned(model, seed: int = 0, scale: float = 0.1) -> TunedLens:
+    """A tuned lens for `model` whose every parameter is seeded N(0, scale^2): far enough from the identity that
+    a lens-dependent quantity differs from the logit lens's."""
+    lens = TunedLens(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lens.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return lens

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import lenskit
 from conftest import make_hf_gpt2
+from lens_fixtures import random_tuned
 from lenses import LogitLens, TunedLens, metrics
 from lenses.causal import (ablate_subspace, causal_fidelity, extract_causal_bases, influence_windows, lens_influence,
                            mean_ablate, stream_hiddens)
@@ -16,15 +17,6 @@ from lenses.causal import (ablate_subspace, causal_fidelity, extract_causal_base
 
 def orthonormal(d, k, seed=0):
     return torch.linalg.qr(torch.randn(d, k, generator=torch.Generator().manual_seed(seed)))[0]
-
-
-def random_tuned(model, seed=0, scale=0.1):
-    lens = TunedLens(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in lens.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * scale)
-    return lens
 
 
 def hand_ablate(h, V, mu):

@@ -31,6 +31,7 @@ from lenses.cli import main as cli_main
 from lenskit import HookedTransformer, ModelConfig
 from lenskit.families import FAMILIES as REGISTRY
 from lenskit.families import config_fields
+from lenskit.families.fields import MAX_LAYERS
 from lenskit.pieces.rotary import inverse_frequencies
 
 # The only fields lenskit requires: the sizes. transformers' defaults for them are one published model's shape
@@ -456,16 +457,24 @@ def test_info_refuses_an_absurd_depth_over_a_checkpoint_and_counts_one_without_q
     code, _, err = run_info("--model", str(tmp_path / "with_weights"))
     assert code == 2 and f"{key}=1000000000 does not match the checkpoint" in err and len(err.strip().splitlines()) == 1
     assert time.perf_counter() - start < 1.0
-    if family == "gpt2":  # without weights there is nothing to contradict: the counts of the claimed shape, at once
-        (tmp_path / "config_only").mkdir()  # (10**6, so that counting block by block fails in seconds, not hangs)
-        (tmp_path / "config_only" / "config.json").write_text(json.dumps({**config, key: 10**6}))
+    # Without weights there is nothing to contradict: a depth within the stated bound is counted at once, from the
+    # claimed shape; beyond it the claim is refused by name, before any per-block table (Gemma's layer types) is built.
+    (tmp_path / "config_only").mkdir()
+    claimed = tmp_path / "config_only" / "config.json"
+    claimed.write_text(json.dumps({**config, key: MAX_LAYERS}))
+    start = time.perf_counter()
+    code, out, err = run_info("--model", str(tmp_path / "config_only"))
+    assert code == 0, err
+    assert f"n_layers={MAX_LAYERS} " in out and time.perf_counter() - start < 2.0
+    per_block = lenskit.accounting.param_summary(ModelConfig.from_hf_config(config | {key: 1}))
+    total = int(per_block.loc["total", "value"]) + (MAX_LAYERS - 1) * int(per_block.loc["per_block", "value"])
+    assert f"{total:,}" in out
+    for n_layers in (MAX_LAYERS + 1, 10**9):
+        claimed.write_text(json.dumps({**config, key: n_layers}))
         start = time.perf_counter()
         code, out, err = run_info("--model", str(tmp_path / "config_only"))
-        assert code == 0, err
-        assert "n_layers=1000000 " in out and time.perf_counter() - start < 2.0
-        per_block = lenskit.accounting.param_summary(ModelConfig.from_hf_config(config).replace(n_layers=1))
-        total = int(per_block.loc["total", "value"]) + (10**6 - 1) * int(per_block.loc["per_block", "value"])
-        assert f"{total:,}" in out
+        assert code == 2 and f"{key}={n_layers} is beyond lenskit's bound of {MAX_LAYERS:,} blocks" in err, err
+        assert len(err.strip().splitlines()) == 1 and time.perf_counter() - start < 1.0
 
 
 # ------------------------------------------------------------------ info --model PATH (item 13)

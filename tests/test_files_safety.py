@@ -183,10 +183,15 @@ def test_save_pretrained_into_a_folder_holding_a_fifo_is_refused(base, tmp_path)
 
 
 # ------------------------------------------------------------------------------------------ JSON bounds
-def write_model_config(base, tmp_path, raw: bytes) -> callable:
-    folder = copy_with(base["gpt2"], tmp_path / "m")
-    (folder / "config.json").write_bytes(raw)
-    return lambda: HookedTransformer.from_pretrained(folder), "config.json"
+def json_in_folder(name: str, folder_of: str, load, *, drop: tuple[str, ...] = ()):
+    """A writer for the JSON bound tests: `raw` as file `name` in a copy of base[folder_of] (less `drop`), and the
+    call that reads it, `load(folder)`."""
+    def write(base, tmp_path, raw: bytes):
+        folder = copy_with(base[folder_of], tmp_path / "m", drop=drop)
+        (folder / name).write_bytes(raw)
+        return lambda: load(folder), name
+    write.__name__ = f"write_{name.removesuffix('.json').replace('.', '_')}"
+    return write
 
 
 def write_lens_config(base, tmp_path, raw: bytes):
@@ -196,38 +201,14 @@ def write_lens_config(base, tmp_path, raw: bytes):
     return lambda: TunedLens.load(folder, model), "config.json"
 
 
-def write_tokenizer_config(base, tmp_path, raw: bytes):
-    folder = copy_with(base["gpt2"], tmp_path / "m")
-    (folder / "tokenizer_config.json").write_bytes(raw)
-    return lambda: load_tokenizer(folder), "tokenizer_config.json"
-
-
-def write_shard_index(base, tmp_path, raw: bytes):
-    folder = copy_with(base["llama"], tmp_path / "m")
-    (folder / "model.safetensors.index.json").write_bytes(raw)
-    return lambda: HookedTransformer.from_pretrained(folder), "model.safetensors.index.json"
-
-
-def write_vocab(base, tmp_path, raw: bytes):
-    folder = copy_with(base["gpt2"], tmp_path / "m", drop=("tokenizer.json",))
-    (folder / "vocab.json").write_bytes(raw)
-    return lambda: load_tokenizer(folder), "vocab.json"
-
-
-def write_tokenizer_json(base, tmp_path, raw: bytes):
-    folder = copy_with(base["gpt2"], tmp_path / "m")
-    (folder / "tokenizer.json").write_bytes(raw)
-    return lambda: load_tokenizer(folder), "tokenizer.json"
-
-
-def write_special_tokens(base, tmp_path, raw: bytes):
-    folder = copy_with(base["gpt2"], tmp_path / "m")
-    (folder / "special_tokens_map.json").write_bytes(raw)
-    return lambda: load_tokenizer(folder), "special_tokens_map.json"
-
-
-JSON_FILES = [write_model_config, write_lens_config, write_tokenizer_config, write_shard_index, write_vocab,
-              write_tokenizer_json, write_special_tokens]
+write_model_config = json_in_folder("config.json", "gpt2", HookedTransformer.from_pretrained)
+write_model_config.__name__ = "write_model_config"
+JSON_FILES = [write_model_config, write_lens_config,
+              json_in_folder("tokenizer_config.json", "gpt2", load_tokenizer),
+              json_in_folder("model.safetensors.index.json", "llama", HookedTransformer.from_pretrained),
+              json_in_folder("vocab.json", "gpt2", load_tokenizer, drop=("tokenizer.json",)),
+              json_in_folder("tokenizer.json", "gpt2", load_tokenizer),
+              json_in_folder("special_tokens_map.json", "gpt2", load_tokenizer)]
 
 
 @pytest.mark.parametrize("write", JSON_FILES, ids=[w.__name__.removeprefix("write_") for w in JSON_FILES])

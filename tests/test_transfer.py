@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from lenses import LogitLens, TunedLens, plots
 from lenses.evaluation import evaluate_windows, per_layer
 from lenses.transfer import layer_transfer, transfer_penalty
+from lens_fixtures import random_tuned
 
 
 @pytest.fixture
@@ -20,17 +21,8 @@ def windows():
     return torch.randint(0, 101, (5, 12), generator=torch.Generator().manual_seed(3))
 
 
-def random_tuned(model, seed=0, scale=0.2):
-    lens = TunedLens(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in lens.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * scale)
-    return lens
-
-
 def test_diagonal_is_the_evaluations_per_layer_kl_of_the_tuned_lens(model, windows):
-    tuned = random_tuned(model)
+    tuned = random_tuned(model, scale=0.2)
     matrix = layer_transfer(model, tuned, windows, batch=2, progress=False)
     n = model.cfg.n_layers
     assert matrix.shape == (n, n) and list(matrix.index) == list(range(n)) and list(matrix.columns) == list(range(n))
@@ -43,7 +35,7 @@ def test_diagonal_is_the_evaluations_per_layer_kl_of_the_tuned_lens(model, windo
 
 
 def test_off_diagonal_entries_match_a_longhand_from_transformers_hidden_states(model, hf_model, windows):
-    tuned = random_tuned(model, seed=1)
+    tuned = random_tuned(model, seed=1, scale=0.2)
     matrix = layer_transfer(model, tuned, windows, progress=False)
     out = hf_model(windows, output_hidden_states=True)
     final = out.logits.log_softmax(-1)

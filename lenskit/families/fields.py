@@ -13,6 +13,10 @@ from typing import Any, Mapping
 # transformers' per-layer attention kinds (`layer_types`, Gemma 3's `rope_parameters` keys) -> ModelConfig.layer_types
 HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 
+# The deepest published decoders have a few hundred blocks (Llama 3.1 405B: 126). A config.json claiming more than
+# this is refused by name before anything per layer is built, with or without a checkpoint to check it against.
+MAX_LAYERS = 10_000
+
 REQUIRED = ...  # `default`: config.json must give the field
 REFUSED = object()  # `null`: an explicit null is refused, as transformers' typed config classes refuse it
 _UNSET = object()  # `null` not given: null is accepted where the default is None (and means None), refused elsewhere
@@ -95,11 +99,14 @@ class ConfigReader:
         return value
 
     def n_layers(self, key: str) -> int:
-        """The layer count; when the checkpoint's blocks are known, a count above them is refused here, before
-        anything is built per layer. (A count below them is cheap to check later, naming the extra tensors.)"""
+        """The layer count, at most MAX_LAYERS. When the checkpoint's blocks are known, a count above them is refused
+        here, before anything is built per layer. (A count below them is cheap to check later, naming the extra tensors.)"""
         n = self.int(key)
         if self.n_blocks is not None and n > self.n_blocks:
             raise ValueError(f"config field {key}={n} does not match the checkpoint, whose tensor names hold "
                              f"{self.n_blocks} block(s): {n - self.n_blocks} are missing; fix {key} in config.json or "
                              "use the checkpoint it belongs to")
+        if n > MAX_LAYERS:
+            raise ValueError(f"config field {key}={n} is beyond lenskit's bound of {MAX_LAYERS:,} blocks (model_type="
+                             f"{self.family!r}); no published decoder comes near it, so config.json is likely corrupt")
         return n
