@@ -14,7 +14,8 @@ import plotly.graph_objects as go
 STATIC_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 EXPORT_TIMEOUT_S = 600
 # Chrome draws a figure on one canvas of at most 16,384 px a side (268 million px in all); past that it
-# returns a few bytes of junk. 8,192 px a side at the default PNG scale of 2 is that limit exactly.
+# returns a few bytes of junk. 8,192 px a side at the default PNG scale of 2 is that limit exactly (measured on
+# Debian's Chromium 156 by benchmarks/figure_limits.py: 16,384 px draws, 16,386 px is junk; results.md).
 MAX_FIGURE_PX = 8192  # also lenses.cli.figure_options.MAX_FIGURE_PX (--help states it)
 MAX_CANVAS_PX = 16384
 # What a file of each format starts with (an SVG is XML text whose root element is <svg>).
