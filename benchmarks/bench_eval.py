@@ -1,12 +1,13 @@
 """Tokens per second of `eval-lens` (evaluate: logit and tuned lens, every layer) against `train-lens`
 (train: forward, lens, KL and backward) on the embedded model and held-out standard-library text.
 
-    python benchmarks/bench_eval.py [--tokens 8192] [--steps 4] [--threads 2]
+    python benchmarks/bench_eval.py [--tokens 8192] [--steps 4] [--threads 2] [--device cuda]
 
 Both read the same windows of n_ctx tokens. Training runs `--steps` steps of `--tokens` / `--steps`
 tokens each; evaluation reads `--tokens` tokens. Each is timed `--repeats` times after one warm-up
 call, the two interleaved round by round, and the median is kept. Writes benchmarks/eval_speed.csv and the
-section "eval-lens against train-lens" of benchmarks/results.md.
+section "eval-lens against train-lens" of benchmarks/results.md; with `--device cuda`, eval_speed-cuda.csv only
+(benchmarks/gpu_check.sh prints it for results.md's GPU section).
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    model = lenskit.HookedTransformer.from_pretrained(lenskit.DEFAULT_MODEL)
+    model = lenskit.HookedTransformer.from_pretrained(lenskit.DEFAULT_MODEL, device=args.device)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     root = Path(sysconfig.get_paths()["stdlib"])
     stream = load_token_stream([str(root / f) for f in FILES if (root / f).is_file()], model.tokenizer)
     ctx = model.cfg.n_ctx
@@ -71,6 +74,7 @@ def main() -> None:
         for name in (list(cases) if r % 2 == 0 else list(cases)[::-1]):
             start = time.perf_counter()
             cases[name][0]()
+            sync()
             times[name].append(time.perf_counter() - start)
     results = {}
     for name, (_, tokens) in cases.items():
@@ -83,10 +87,14 @@ def main() -> None:
     print(f"eval / train tokens per second: {ratio:.2f} (target >= 0.8); median of per-round ratios {per_round:.2f}")
 
     out = ROOT / "benchmarks"
-    with open(out / "eval_speed.csv", "w", newline="") as f:
+    suffix = "" if args.device == "cpu" else f"-{args.device.split(':')[0]}"
+    with open(out / f"eval_speed{suffix}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["case", "tokens", "median_s", "tokens_per_s"])
         writer.writeheader()
         writer.writerows(results.values())
+    if suffix:
+        print(f"wrote {out / f'eval_speed{suffix}.csv'} (results.md keeps the CPU section)")
+        return
     section = (f"{MARK}\n\n`python benchmarks/bench_eval.py --tokens {args.tokens} --steps {args.steps} --repeats {args.repeats} "
                f"--threads {args.threads}`: the embedded model, held-out standard-library text, windows of {ctx} tokens, "
                f"{args.repeats} interleaved rounds, medians, one-minute load average {load_start:.1f} at the start and "

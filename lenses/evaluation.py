@@ -64,6 +64,9 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
 
     Every lens takes the same path: its logits for a chunk of tokens at one stream (`Lens.logits_into`),
     then the same statistics. "final" is the model's own readout of the last stream.
+
+    Under torch.distributed (torchrun) every rank calls this with the same windows and scores windows rank,
+    rank + world, ...; the rows are gathered, so every rank returns the whole table, in one process's order.
     """
     lenses = _named(lenses)
     for name, lens in lenses.items():
@@ -73,9 +76,12 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
         raise ValueError(f"windows must be [n_windows, ctx] with ctx >= 2, got shape {tuple(windows.shape)}")
     locations = streams(model.cfg.n_layers)  # the streams after 0..n_layers blocks
     names = [s.hook_name(model.cfg.n_layers) for s in locations]
+    rank, world = _distributed()
+    mine = torch.arange(rank, len(windows), world)  # this process's windows (all of them in one process)
     rows = []
-    for start in tqdm(range(0, len(windows), batch), desc="evaluate", disable=not progress):
-        tokens = windows[start: start + batch].to(model.embed.weight.device)
+    for start in tqdm(range(0, len(mine), batch), desc="evaluate", disable=not progress or rank != 0):
+        ids = mine[start: start + batch].tolist()
+        tokens = windows[ids].to(model.embed.weight.device)
         _, cache = model.run_with_cache(tokens, names_filter=names, return_logits=False)
         per_token = _per_token_stats(model, lenses, [cache.stream(s) for s in locations], locations, tokens)
         for name, stats in per_token.items():
@@ -92,8 +98,27 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
             values = {k: v.tolist() for k, v in values.items()}  # [layer][window] floats
             for layer in range(len(locations)):
                 for b in range(tokens.shape[0]):
-                    rows.append({"lens": name, "layer": layer, "window": start + b, **{k: values[k][layer][b] for k in METRICS}})
+                    rows.append({"lens": name, "layer": layer, "window": ids[b], **{k: values[k][layer][b] for k in METRICS}})
+    if world > 1:
+        rows = _gathered(rows, list(lenses), batch, world)
     return pd.DataFrame(rows)
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world size): (0, 1) unless torch.distributed is initialised (e.g. under torchrun)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _gathered(rows: list[dict], names: list[str], batch: int, world: int) -> list[dict]:
+    """Every rank's rows, on every rank, in the order one process makes them (batch, lens, layer, window), so
+    that the tables built from them are one process's up to float rounding."""
+    every: list[list[dict]] = [[] for _ in range(world)]
+    torch.distributed.all_gather_object(every, rows)
+    order = {name: i for i, name in enumerate(names)}
+    return sorted((r for part in every for r in part),
+                  key=lambda r: (r["window"] // batch, order[r["lens"]], r["layer"], r["window"]))
 
 
 def _per_token_stats(model: HookedTransformer, lenses: dict[str, Lens], hs: list[torch.Tensor], locations,

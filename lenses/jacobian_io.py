@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from lenskit import HookedTransformer
-from lenskit.io.loading import resolve_hub_file, resolve_model_folder
+from lenskit.io.hub import resolve_hub_file, resolve_model_folder
 from lenskit.io.torchfile import read_plain_torch_file
 
 from .card import CARD_FILE, check_eval, model_card

@@ -153,8 +153,7 @@ class Patchscope(Lens):
             chunk = h[start: start + self.chunk_rows]
             x = clean.expand(len(chunk), -1, -1).clone()  # [chunk, pos, d_model], a real tensor: hooks may write into it
             with model.hooks([(hook_name, _Patch(chunk, self.position))]):
-                for block in model.blocks[first:]:
-                    x = block(x)  # [chunk, pos, d_model]
+                x = model.run_blocks(x, first)  # [chunk, pos, d_model]
             yield slice(start, start + len(chunk)), x[:, -1]
 
     def extra_repr(self) -> str:

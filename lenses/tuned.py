@@ -30,7 +30,7 @@ from torch import nn
 
 from lenskit import HookedTransformer, Stream
 from lenskit.io.files import check_regular_file
-from lenskit.io.loading import resolve_model_folder
+from lenskit.io.hub import resolve_model_folder
 from lenskit.io.torchfile import read_plain_torch_file
 
 from .base import BasisLens

@@ -17,6 +17,11 @@ Conventions (the ones of Kaplan et al., 2020, "Scaling Laws for Neural Language 
   `n_keys = n_ctx` (the full score matrix, as dense kernels compute it). `causal=True` counts only the
   keys a query can see: `(n_ctx + 1) / 2` on average. Kaplan et al.'s own `2 n_layer n_ctx d_attn`
   counts one of the two matmuls; multiply ours by 1/2 to compare.
+- In a mixture of experts (`cfg.n_experts`), a MoE block's MLP holds its router (`d_model * n_experts`) and
+  every expert; *active* parameters are those one token uses: the router and its k routed experts, so
+  `active = total - (n_experts - k) * per_expert` summed over the MoE blocks. MLP FLOPs count the active weights
+  only (the router and the k routed experts); the dense blocks of a sparse model (Qwen3-MoE's mlp_only_layers)
+  count their dense MLP.
 - Training costs 3x the forward pass (the backward pass is about twice the forward): `6 N` per token,
   so `C = 6 N D` for `D` tokens with `N` the non-embedding parameters.
 
@@ -54,19 +59,47 @@ def _d_attn(cfg: ModelConfig) -> int:
 
 
 # ---------------------------------------------------------------- parameters
-def block_params(model_or_cfg: ConfigLike) -> pd.DataFrame:
-    """One block's parameters: rows `attn`, `mlp`, `norms`; columns `weights`, `biases`, `params`.
+def _per_expert(cfg: ModelConfig) -> int:
+    """One expert's parameters: its gate, up and down projections."""
+    return 3 * cfg.d_model * cfg.d_expert
+
+
+def _active_mlp(cfg: ModelConfig, layer: int) -> int:
+    """The MLP weights of block `layer` that one token's forward multiplies: all of a dense MLP; a MoE block's
+    router and its k routed experts."""
+    if cfg.is_moe_layer(layer):
+        return cfg.d_model * cfg.n_experts + cfg.n_experts_per_token * _per_expert(cfg)
+    return int(block_params(cfg, layer).loc["mlp", "weights"])
+
+
+def _kinds(cfg: ModelConfig) -> dict[int, int]:
+    """A representative block of each kind (MoE or dense) -> how many blocks are of that kind. Blocks of one kind
+    are equal, so sums over the blocks are a few products, whatever n_layers is."""
+    if cfg.n_experts is None or not cfg.dense_layers:
+        return {0: cfg.n_layers}
+    kinds = {cfg.dense_layers[0]: len(cfg.dense_layers)}
+    moe = next((i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)), None)  # at most len(dense_layers) + 1 steps
+    if moe is not None:
+        kinds[moe] = cfg.n_layers - len(cfg.dense_layers)
+    return kinds
+
+
+def block_params(model_or_cfg: ConfigLike, layer: int = 0) -> pd.DataFrame:
+    """Block `layer`'s parameters: rows `attn`, `mlp`, `norms`; columns `weights`, `biases`, `params`.
 
     Norm gains count as weights and norm shifts as biases. For GPT-2 shapes
     (`d_attn = d_model`, `d_mlp = 4 d_model`) a block holds `12 d^2` weights in its matmuls
-    (attention 4 d^2, MLP 8 d^2) and `13 d` biases and gains.
+    (attention 4 d^2, MLP 8 d^2) and `13 d` biases and gains. A MoE block's `mlp` is its router and every
+    expert (see `param_summary`'s `active` for what one token uses).
     """
     cfg = as_config(model_or_cfg)
     d, a, m = cfg.d_model, _d_attn(cfg), cfg.d_mlp
     kv = cfg.n_kv_heads * cfg.d_head  # each of k and v: smaller than d_attn under grouped-query attention
     attn_w = d * (a + 2 * kv) + a * d  # q, k, v, out
     attn_b = (a + 2 * kv if cfg.qkv_bias else 0) + (d if cfg.out_bias else 0)
-    if cfg.mlp == "gelu":
+    if cfg.is_moe_layer(layer):
+        mlp_w, mlp_b = d * cfg.n_experts + cfg.n_experts * _per_expert(cfg), 0  # router, experts
+    elif cfg.mlp == "gelu":
         mlp_w, mlp_b = 2 * d * m, (m + d if cfg.mlp_bias else 0)  # fc_in, fc_out
     else:
         mlp_w, mlp_b = 3 * d * m, (2 * m + d if cfg.mlp_bias else 0)  # gate, fc_in, fc_out
@@ -102,9 +135,8 @@ def _table(cfg: ModelConfig, layers: Iterable[int]) -> pd.DataFrame:
              embedding=True, note="learned position embedding" if cfg.positional == "learned"
              else "none: rotary positions have no parameters"),
     ]
-    block = block_params(cfg)
     for layer in layers:
-        for component, row in block.iterrows():
+        for component, row in block_params(cfg, layer).iterrows():
             rows.append(dict(layer=layer, component=component, weights=int(row.weights), biases=int(row.biases),
                              embedding=False, note=""))
     rows.append(dict(layer=None, component="ln_final", weights=d, biases=d if cfg.norm == "layernorm" else 0,
@@ -129,10 +161,11 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
     `mlp_share_of_block`, `attn_share_of_block`, `per_block_over_d2` (GPT-2: 12 + 13/d).
     """
     cfg = as_config(model_or_cfg)
-    # Blocks are equal, so one block's rows, counted n_layers times, stand for all of them: the sums are exact
-    # Python ints, and a config claiming 10**9 layers is summed at once instead of row by row.
-    table, block = _table(cfg, [0]), block_params(cfg)
-    times = [1 if pd.isna(layer) else cfg.n_layers for layer in table.layer]
+    # Blocks of one kind are equal, so one block's rows of each kind, counted that many times, stand for all of
+    # them: the sums are exact Python ints, and a config claiming 10**9 layers is summed at once, not row by row.
+    kinds = _kinds(cfg)
+    table, block = _table(cfg, list(kinds)), block_params(cfg)
+    times = [1 if pd.isna(layer) else kinds[int(layer)] for layer in table.layer]
 
     def total(column: str, rows: Iterable[bool] | None = None) -> int:
         keep = [True] * len(table) if rows is None else list(rows)
@@ -140,6 +173,7 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
 
     by = table.groupby("component", sort=False)["params"].sum()
     per_block = int(block.params.sum())
+    blocks = sum(int(block_params(cfg, layer).params.sum()) * n for layer, n in kinds.items())
     non_embedding = total("params", ~table.embedding)
     values: dict[str, tuple[float, str]] = {
         "total": (total("params"), "every parameter once (a tied unembedding is not counted twice)"),
@@ -147,11 +181,12 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
         "pos_embed": (int(by["pos_embed"]), "n_ctx * d_model" if cfg.positional == "learned" else "rotary: none"),
         "unembed": (int(by["unembed"]), "tied to embed, counted once" if cfg.tie_word_embeddings else "d_model * d_vocab"),
         "non_embedding": (non_embedding, "blocks + final norm (Kaplan et al.'s N)"),
-        "blocks": (per_block * cfg.n_layers, "n_layers * per_block"),
+        "blocks": (blocks, "n_layers * per_block" if len(kinds) == 1 else "MoE blocks and dense blocks"),
         "per_block": (per_block, "12 d^2 + 13 d for GPT-2 shapes" if cfg.is_gpt2 and cfg.d_mlp == 4 * cfg.d_model else ""),
         "per_block_attn": (int(block.loc["attn", "params"]), "q, k, v and out projections" +
                            (f" (k, v: {cfg.n_kv_heads} of {cfg.n_heads} heads)" if cfg.n_kv_heads != cfg.n_heads else "")),
-        "per_block_mlp": (int(block.loc["mlp", "params"]), "fc_in and fc_out" if cfg.mlp == "gelu" else "gate, fc_in, fc_out (gated MLP)"),
+        "per_block_mlp": (int(block.loc["mlp", "params"]), "router and every expert" if cfg.is_moe_layer(0) else
+                           "fc_in and fc_out" if cfg.mlp == "gelu" else "gate, fc_in, fc_out (gated MLP)"),
         "per_block_norms": (int(block.loc["norms", "params"]), {"pre": "ln1 and ln2", "post": "ln1_post and ln2_post",
                                                                "sandwich": "ln1, ln2, ln1_post and ln2_post"}[cfg.norm_placement]
                             + (", q/k norms" if cfg.qk_norm else "")),
@@ -161,6 +196,17 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
         "attn_share_of_block": (float(block.loc["attn", "params"] / per_block), "GPT-2: 1/3"),
         "per_block_over_d2": (per_block / cfg.d_model**2, "GPT-2: 12 + 13/d"),
     }
+    if cfg.n_experts is not None:
+        n_moe = sum(n for layer, n in kinds.items() if cfg.is_moe_layer(layer))
+        unused = n_moe * (cfg.n_experts - cfg.n_experts_per_token) * _per_expert(cfg)
+        values.update({
+            "experts": (n_moe * cfg.n_experts * _per_expert(cfg),
+                        f"{cfg.n_experts} experts x 3 d_model d_expert in each of {n_moe} MoE blocks"),
+            "per_expert": (_per_expert(cfg), "gate, up and down projections"),
+            "active": (values["total"][0] - unused, f"what one token uses: the router and {cfg.n_experts_per_token} of "
+                       f"{cfg.n_experts} experts per MoE block, and everything else"),
+            "active_non_embedding": (non_embedding - unused, "active, less the embeddings"),
+        })
     # object dtype keeps counts as exact ints beside the float shares
     frame = pd.DataFrame({"value": pd.Series({k: v for k, (v, _) in values.items()}, dtype=object),
                           "note": pd.Series({k: n for k, (_, n) in values.items()}, dtype=object)})
@@ -172,7 +218,8 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
 def flops_per_token(model_or_cfg: ConfigLike, n_ctx: int | None = None, causal: bool = False) -> pd.DataFrame:
     """Matmul FLOPs per token at context length `n_ctx` (default: the model's), by component.
 
-    Rows: `attn_proj` (qkv and out), `attn_core` (`Q K^T` and `pattern V`), `mlp`, `unembed`, `total`.
+    Rows: `attn_proj` (qkv and out), `attn_core` (`Q K^T` and `pattern V`), `mlp` (in a mixture of experts the
+    router and the k routed experts), `unembed`, `total`.
     Columns: `forward`, `training` (3 x forward), `share` (of the forward total). See the module
     docstring for the conventions; the attention core is the only term that grows with `n_ctx`.
     """
@@ -185,7 +232,7 @@ def flops_per_token(model_or_cfg: ConfigLike, n_ctx: int | None = None, causal: 
     forward = {
         "attn_proj": 2 * cfg.n_layers * int(block.loc["attn", "weights"]),
         "attn_core": 2 * 2 * cfg.n_layers * n_keys * _d_attn(cfg),
-        "mlp": 2 * cfg.n_layers * int(block.loc["mlp", "weights"]),
+        "mlp": 2 * sum(_active_mlp(cfg, layer) * n for layer, n in _kinds(cfg).items()),  # routed experts only
         "unembed": 2 * cfg.d_model * cfg.d_vocab,
     }
     forward["total"] = sum(forward.values())

@@ -13,20 +13,27 @@ from typing import Any, Iterable, Mapping
 
 # GPT-2's "gelu_new" and PyTorch's tanh GELU are the same function; "gelu" is the exact erf form.
 GELU_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
-ROPE_TYPES = ("default", "llama3", "linear")
+ROPE_TYPES = ("default", "llama3", "linear")  # what a rotary family reads unless it opts in to more
+ROPE_TYPES_IMPLEMENTED = ROPE_TYPES + ("yarn",)  # yarn: gpt-oss
 
 NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")  # rmsnorm_offset: gain (1 + weight), Gemma's
 MLPS = ("gelu", "swiglu", "geglu", "swiglu_fused")  # geglu: gated, tanh GELU (Gemma); swiglu_fused: one gate_up (Phi-3)
 NORM_PLACEMENTS = ("pre", "sandwich", "post")  # before each sublayer; before and after (Gemma); after only (OLMo 2)
 LAYER_TYPES = ("full", "sliding")
+# Router logits -> k expert weights (lenskit.pieces.moe): softmax over all experts then the top k (Qwen3-MoE and
+# OLMoE without norm_topk_prob), the same renormalised to sum to 1 (Mixtral; norm_topk_prob), or the top k logits
+# then a softmax over them (gpt-oss).
+ROUTINGS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax")
 POSITIONALS = ("learned", "rotary")
 ACTIVATIONS = GELU_ACTIVATIONS
 _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
-                "qk_norm_per_head", "scale_embed")
-_POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rotary_base")
+                "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate")
+_POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rotary_base",
+                     "rope_attention_factor")
 _ORGANISATION = re.compile(r"[A-Za-z0-9][\w.-]*")  # a hub organisation: no path separators, no leading "." or "~"
-_POSITIVE = ("rotary_base", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor")
+_POSITIVE = ("rotary_base", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
+             "rope_beta_slow")
 
 
 @dataclass(frozen=True)
@@ -61,11 +68,15 @@ class ModelConfig:
     positional: str = "learned"  # "learned": a pos_embed table added to the stream; "rotary": q and k are rotated
     rotary_dim: int | None = None  # None means d_head when positional == "rotary"; fewer dims is partial rotary
     rotary_base: float = 10000.0
-    rope_type: str = "default"  # or "llama3": frequencies rescaled by the four fields below
+    rope_type: str = "default"  # "llama3", "linear" or "yarn": frequencies rescaled by the fields below
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_n_ctx: int | None = None
+    rope_beta_fast: float = 32.0  # yarn: dims turning more than this often over rope_original_n_ctx keep their speed
+    rope_beta_slow: float = 1.0  # yarn: dims turning less than this often are divided by rope_factor
+    rope_truncate: bool = True  # yarn: the ramp between them starts and ends on whole dims (gpt-oss: False)
+    rope_attention_factor: float | None = None  # yarn: cos and sin times this; None: 0.1 ln(rope_factor) + 1
     sliding_window: int | None = None  # a query sees itself and the sliding_window - 1 keys before it
     parallel_block: bool = False  # attention and MLP both read resid_pre (GPT-NeoX)
     fused_qkv: bool = True  # one projection `attn.qkv` (GPT-2, NeoX) or three, `attn.qkv.q/k/v`
@@ -78,9 +89,16 @@ class ModelConfig:
     scale_embed: bool = False  # the embedding is multiplied by sqrt(d_model), in the model's dtype (Gemma)
     query_pre_attn_scalar: float | None = None  # attention scores are scaled by this ** -0.5 (None: d_head ** -0.5)
     attn_softcap: float | None = None  # scores -> c * tanh(scores / c) before the mask (Gemma 2)
+    attn_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
     final_softcap: float | None = None  # logits -> c * tanh(logits / c) at the end of the readout (Gemma 2)
     layer_types: tuple[str, ...] | None = None  # per block, "full" or "sliding"; None: every block uses sliding_window
     local_rotary_base: float | None = None  # rotary base of the "sliding" blocks when it differs (Gemma 3)
+    # Mixture of experts (lenskit.pieces.moe); all None / () for a dense model.
+    n_experts: int | None = None  # experts in each MoE block
+    n_experts_per_token: int | None = None  # k: the experts each token is routed to
+    d_expert: int | None = None  # each expert's hidden width; None means d_mlp (a MoE model's dense blocks use d_mlp)
+    routing: str = "softmax_topk"  # how router logits become k weights, see ROUTINGS
+    dense_layers: tuple[int, ...] = ()  # blocks of a MoE model whose MLP is the ordinary dense one (Qwen3-MoE)
 
     def __post_init__(self) -> None:
         if self.d_mlp is None:
@@ -128,7 +146,7 @@ class ModelConfig:
                              f"got {self.layer_types!r}")
         if self.layer_types is not None and "sliding" in self.layer_types and self.sliding_window is None:
             raise ValueError("ModelConfig.layer_types has 'sliding' blocks but sliding_window is None; give the window")
-        for field, allowed in (("norm", NORMS), ("mlp", MLPS), ("positional", POSITIONALS), ("rope_type", ROPE_TYPES),
+        for field, allowed in (("norm", NORMS), ("mlp", MLPS), ("positional", POSITIONALS), ("rope_type", ROPE_TYPES_IMPLEMENTED),
                                ("norm_placement", NORM_PLACEMENTS)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}; supported: {allowed}")
@@ -139,13 +157,20 @@ class ModelConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"ModelConfig.{field} must be a positive finite number, got {value!r}")
-        if self.rope_type == "llama3" and (not isinstance(self.rope_original_n_ctx, int) or isinstance(self.rope_original_n_ctx, bool)
-                                           or self.rope_original_n_ctx <= 0):
-            raise ValueError(f"ModelConfig.rope_original_n_ctx must be a positive int for rope_type='llama3', "
+        if self.rope_type in ("llama3", "yarn") and (not isinstance(self.rope_original_n_ctx, int)
+                                                     or isinstance(self.rope_original_n_ctx, bool) or self.rope_original_n_ctx <= 0):
+            raise ValueError(f"ModelConfig.rope_original_n_ctx must be a positive int for rope_type={self.rope_type!r}, "
                              f"got {self.rope_original_n_ctx!r}")
+        if self.rope_type == "yarn" and self.rope_beta_fast < self.rope_beta_slow:
+            raise ValueError(f"ModelConfig.rope_beta_fast={self.rope_beta_fast!r} must be >= rope_beta_slow="
+                             f"{self.rope_beta_slow!r}: the ramp runs from the fast dims to the slow ones")
+        if self.rope_type != "yarn" and self.rope_attention_factor is not None:
+            raise ValueError(f"ModelConfig.rope_attention_factor={self.rope_attention_factor!r} is a yarn setting; "
+                             f"rope_type={self.rope_type!r} does not scale cos and sin, so leave it None")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool)
                                                 or self.sliding_window <= 0):
             raise ValueError(f"ModelConfig.sliding_window must be None or a positive int, got {self.sliding_window!r}")
+        self._check_experts()
 
     @property
     def gelu_approximate(self) -> str:
@@ -157,6 +182,35 @@ class ModelConfig:
         if self.layer_types is not None:
             return self.layer_types[layer]
         return "full" if self.sliding_window is None else "sliding"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer`'s MLP is a mixture of experts (lenskit.pieces.moe) rather than the dense MLP."""
+        return self.n_experts is not None and layer not in self.dense_layers
+
+    def _check_experts(self) -> None:
+        """The MoE fields: all unset for a dense model; else n_experts >= k >= 1, a known routing rule, blocks in range."""
+        fields = ("n_experts", "n_experts_per_token", "d_expert")
+        if self.n_experts is None:
+            if self.n_experts_per_token is not None or self.d_expert is not None or self.dense_layers:
+                raise ValueError("ModelConfig.n_experts is None (a dense model), so n_experts_per_token, d_expert and "
+                                 "dense_layers must be unset; give n_experts for a mixture of experts")
+            return
+        if self.d_expert is None:
+            object.__setattr__(self, "d_expert", self.d_mlp)
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        for field in fields:
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{field} must be a positive int for a mixture of experts, got {value!r}")
+        if self.n_experts_per_token > self.n_experts:
+            raise ValueError(f"ModelConfig.n_experts_per_token={self.n_experts_per_token} exceeds n_experts="
+                             f"{self.n_experts}: each token is routed to k of the experts; lower k")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"ModelConfig.routing={self.routing!r}; supported: {ROUTINGS}")
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in self.dense_layers) \
+                or list(self.dense_layers) != sorted(set(self.dense_layers)):
+            raise ValueError(f"ModelConfig.dense_layers={self.dense_layers!r} must be increasing block indices in "
+                             f"[0, {self.n_layers})")
 
     @property
     def is_gpt2(self) -> bool:
@@ -213,6 +267,8 @@ class ModelConfig:
             types = self.layer_types  # its shortest period repeats: blocks keep their types, new ones continue it
             period = next(p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types)))
             fields["layer_types"] = tuple(types[i % period] for i in range(changes["n_layers"]))
+        if given("n_layers") and "dense_layers" not in changes:  # dense blocks past the new depth are gone
+            fields["dense_layers"] = tuple(i for i in self.dense_layers if i < changes["n_layers"])
         fields.update(changes)
         return ModelConfig(**fields)
 

@@ -1,5 +1,6 @@
 """HookedTransformer: a decoder-only transformer (GPT-2, Pythia, Llama, Mistral, Qwen 2/3, Gemma 2/3, OLMo 2,
-Phi-3) whose every write to the residual stream passes a named hook point."""
+Phi-3, and the mixtures of experts Mixtral, Qwen3-MoE, OLMoE) whose every write to the residual stream passes a
+named hook point."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .pieces.linear import Linear
 from .pieces.readout import Readout
 from .io.text import encode_texts, is_text, single_token_id
 from .pieces.weights import WeightViews
+from .placement import Placement
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -36,9 +38,11 @@ class HookedTransformer(WeightViews, HookedRootModule):
     >>> cache["resid_post", 3].shape   # [batch, pos, d_model]
     """
 
-    ON_REQUEST = ("attn.hook_result",)
+    ON_REQUEST = ("attn.hook_result", "mlp.hook_expert_out")
     # The files from_pretrained left the weights memory-mapped from (lenskit.io.mapped), checked before each forward.
     weight_files = None
+    # Where each block computes (lenskit.placement); None: all on the weights' one device, as `.to()` put them.
+    placement: Placement | None = None
 
     def __init__(self, cfg: ModelConfig, tokenizer: "PreTrainedTokenizerBase | None" = None, dropout: float = 0.0) -> None:
         super().__init__()
@@ -108,8 +112,7 @@ class HookedTransformer(WeightViews, HookedRootModule):
             self.weight_files.check()  # a mapped weights file written in place since load: refuse, do not compute
         tokens = self.validate_tokens(tokens)
         x = self.dropout(self._stream_start(tokens))  # [batch, pos, d_model]
-        for block in self.blocks[:stop_at_layer]:
-            x = block(x)  # [batch, pos, d_model]
+        x = self.run_blocks(x, 0, stop_at_layer)
         if stop_at_layer is not None:
             return x
         logits = self.readout(x)  # [batch, pos, d_vocab]
@@ -117,6 +120,16 @@ class HookedTransformer(WeightViews, HookedRootModule):
             return logits if return_type else None
         loss = next_token_loss(logits, tokens)
         return loss if return_type == "loss" else (logits, loss)
+
+    def run_blocks(self, x: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The stream [batch, pos, d_model] after blocks[start:stop], each on its device (`placement`)."""
+        if self.placement is None:
+            for block in self.blocks[start:stop]:
+                x = block(x)  # [batch, pos, d_model]
+            return x
+        for layer in range(*slice(start, stop).indices(len(self.blocks))):
+            x = self.placement.run(layer, self.blocks[layer], x)  # [batch, pos, d_model], on block layer's device
+        return x
 
     def _embed_learned(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -144,11 +157,15 @@ class HookedTransformer(WeightViews, HookedRootModule):
         dtype: torch.dtype | None = None,
         fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (),
         return_logits: bool = True,
+        cache_device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor | None, ActivationCache]:
         """Run once and keep the activations `names_filter` selects (see `hook_names`).
 
         Cached tensors are stored as produced, without copies, unless `device` or `dtype` asks for one.
+        `cache_device="cpu"` (or `device`, TransformerLens's name for it) offloads: each tensor leaves the
+        accelerator as it is written, through pinned memory without waiting, with one wait at the end, so a
+        long cache needs no accelerator memory. On the CPU it is the plain cache.
         `fwd_hooks` run before caching, so the cache sees their edits. An edit in place never reaches an
         entry cached at an earlier point (`resid_post` of block l is the same tensor as `resid_pre` of block
         l + 1): a hook handed a tensor the cache already holds gets a copy (see `CacheRecording`).
@@ -158,7 +175,9 @@ class HookedTransformer(WeightViews, HookedRootModule):
 
         >>> _, cache = model.run_with_cache(tokens, ["blocks.2.hook_resid_post"], return_logits=False)  # 3 blocks run
         """
-        recording = CacheRecording(device, dtype)
+        if cache_device is not None and device is not None and torch.device(cache_device) != torch.device(device):
+            raise ValueError(f"device={device!r} and cache_device={cache_device!r} both say where the cache goes; pass one")
+        recording = CacheRecording(cache_device if cache_device is not None else device, dtype)
         names = self.hook_names(names_filter)
         fwd_hooks = list(fwd_hooks)
         stop = kwargs.get("stop_at_layer")
@@ -175,8 +194,11 @@ class HookedTransformer(WeightViews, HookedRootModule):
             if late:
                 raise ValueError(f"stop_at_layer={kwargs['stop_at_layer']} ends the run before {late[:3]} fire; "
                                  "drop those names, raise stop_at_layer, or use return_logits=False")
-        with self.hooks([*fwd_hooks, *((name, recording.hook) for name in names)]), recording.recording():
-            out = self(tokens, **kwargs)
+        try:
+            with self.hooks([*fwd_hooks, *((name, recording.hook) for name in names)]), recording.recording():
+                out = self(tokens, **kwargs)
+        finally:
+            recording.synchronise()  # offloaded entries hold their values from here on
         recording.check_unchanged()
         return (out if return_logits else None), ActivationCache(recording.store, self.cfg.n_layers, self)
 
@@ -316,7 +338,8 @@ class HookedTransformer(WeightViews, HookedRootModule):
     @classmethod
     def from_pretrained(
         cls, name_or_path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
-        check_finite: bool = True, mmap: bool = True,
+        check_finite: bool = True, mmap: bool = True, device_map: str | dict | None = None,
+        max_memory: dict | str | None = None,
     ) -> "HookedTransformer":
         """Load a local folder in its family's Hugging Face layout, or a hub name via the local HF cache.
 
@@ -330,10 +353,15 @@ class HookedTransformer(WeightViews, HookedRootModule):
         (one `fstat` per file) that the files are as loaded, and refuses with
         "weights file changed since load; reload the model". Replacing a file by rename (save_pretrained,
         `hf download`) is safe: the model keeps the old file's pages. To edit weight files in place while the
-        model is loaded, pass `mmap=False`: the weights are read into memory, and no file is touched after load."""
+        model is loaded, pass `mmap=False`: the weights are read into memory, and no file is touched after load.
+
+        `device_map` spreads the model over devices instead of `device`: "auto" (accelerate's planner, under
+        `max_memory`, e.g. {0: "20GiB", "cpu": "64GiB"}) or {module prefix: device}, blocks whole; blocks left on
+        the CPU beside a GPU are offloaded, computed on the GPU one at a time (lenskit.placement)."""
         from .io.loading import load_pretrained
 
-        return load_pretrained(cls, name_or_path, dtype=dtype, device=device, check_finite=check_finite, mmap=mmap)
+        return load_pretrained(cls, name_or_path, dtype=dtype, device=device, check_finite=check_finite, mmap=mmap,
+                               device_map=device_map, max_memory=max_memory)
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module, tokenizer: "PreTrainedTokenizerBase | None" = None) -> "HookedTransformer":

@@ -104,3 +104,126 @@ def test_tuned_lens_trains_on_cuda_with_one_sync_per_step(folder, dtype):
     assert len(history) == steps and all(torch.isfinite(torch.tensor(h)).all() for h in history)
     # Moving each step's windows to the GPU and the one copy of the step's log back; a few more for set-up.
     assert len(syncs) <= 3 * steps + 6, [str(w.message) for w in syncs[:10]]
+
+
+# ------------------------------------------------------------------ activation offload
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_cache_device_cpu_offloads_each_entry_into_pinned_memory(family):
+    gpu = HookedTransformer.from_hf(make_hf_family(family).cuda())
+    tokens = tokens_for(gpu.cfg.d_vocab).cuda()
+    with torch.no_grad():
+        logits, plain = gpu.run_with_cache(tokens)
+        offloaded_logits, offloaded = gpu.run_with_cache(tokens, cache_device="cpu")
+    assert offloaded_logits.is_cuda and torch.equal(offloaded_logits, logits) and list(offloaded) == list(plain)
+    for name in plain:  # the same kernels ran: the copies are exact
+        assert offloaded[name].device.type == "cpu" and offloaded[name].is_pinned(), name
+        assert torch.equal(offloaded[name], plain[name].cpu()), name
+    with torch.no_grad():
+        _, cast = gpu.run_with_cache(tokens, cache_device="cpu", dtype=torch.bfloat16)
+    assert all(torch.equal(cast[n], plain[n].to(torch.bfloat16).cpu()) for n in plain if plain[n].is_floating_point())
+
+
+def test_cache_device_cpu_holds_no_gpu_memory_and_keeps_in_place_edits_out():
+    gpu = HookedTransformer.from_hf(make_hf_family("gpt2").cuda())
+    tokens = tokens_for(gpu.cfg.d_vocab, batch=8, pos=32).cuda()
+    names = [f"blocks.{i}.hook_resid_post" for i in range(gpu.cfg.n_layers)]
+    with torch.no_grad():
+        gpu.run_with_cache(tokens, names, return_logits=False)  # warm up the allocator and any lazy tables
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        _, plain = gpu.run_with_cache(tokens, names, return_logits=False)
+        on_gpu = torch.cuda.memory_allocated() - before
+        del plain
+        before = torch.cuda.memory_allocated()
+        _, offloaded = gpu.run_with_cache(tokens, names, return_logits=False, cache_device="cpu")
+        assert torch.cuda.memory_allocated() == before  # the cache lives on the host alone
+    assert on_gpu >= len(names) * tokens.numel() * gpu.cfg.d_model * 4 and len(offloaded) == len(names)
+
+    def zero(x, hook):
+        x.zero_()  # queued after the copy of blocks.0.hook_resid_post, the same tensor
+
+    with torch.no_grad():
+        _, clean = gpu.run_with_cache(tokens, names)
+        _, edited = gpu.run_with_cache(tokens, names + ["blocks.1.hook_resid_pre"], cache_device="cpu",
+                                       fwd_hooks=[("blocks.1.hook_resid_pre", zero)])
+    assert torch.equal(edited["blocks.0.hook_resid_post"], clean["blocks.0.hook_resid_post"].cpu())
+    assert not edited["blocks.1.hook_resid_pre"].any()
+
+
+# ------------------------------------------------------------------ device maps and offload (lenskit.placement)
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    """An untied tiny Llama of 3 blocks, so that the readout may sit apart from the embeddings."""
+    path = tmp_path_factory.mktemp("llama")
+    make_hf_family("llama", num_hidden_layers=3).save_pretrained(path)
+    return path
+
+
+def _matches_cpu(model: HookedTransformer, cpu: HookedTransformer) -> None:
+    tokens = tokens_for(cpu.cfg.d_vocab)
+    with torch.no_grad():
+        want, want_cache = cpu.run_with_cache(tokens)
+        got, got_cache = model.run_with_cache(tokens)
+    assert torch.allclose(got.cpu(), want, atol=1e-4, rtol=1e-4)
+    for name in want_cache:
+        assert torch.allclose(got_cache[name].cpu(), want_cache[name], atol=1e-4, rtol=1e-4), name
+
+
+@two_gpus
+def test_a_device_map_across_two_gpus_matches_the_cpu(llama_folder):
+    device_map = {"embed": 0, "blocks.0": 0, "blocks.1": 1, "blocks.2": 1, "ln_final": 1, "unembed": 1}
+    model = HookedTransformer.from_pretrained(llama_folder, device_map=device_map)
+    assert model.blocks[0].attn.out.weight.device == torch.device("cuda:0")
+    assert model.blocks[2].attn.out.weight.device == torch.device("cuda:1")
+    seen = {}
+    tokens = tokens_for(model.cfg.d_vocab)
+    with torch.no_grad(), model.hooks([(lambda n: n.endswith("hook_resid_post"),
+                                        lambda x, hook: seen.setdefault(hook.name, x.device))]):
+        model(tokens)
+    assert seen["blocks.0.hook_resid_post"] == torch.device("cuda:0") and seen["blocks.1.hook_resid_post"] == torch.device("cuda:1")
+    _matches_cpu(model, HookedTransformer.from_pretrained(llama_folder))
+    auto = HookedTransformer.from_pretrained(llama_folder, device_map="auto")
+    _matches_cpu(auto, HookedTransformer.from_pretrained(llama_folder))
+
+
+def test_offloaded_blocks_compute_on_the_gpu_and_match_the_cpu(llama_folder):
+    model = HookedTransformer.from_pretrained(llama_folder, device_map={"": "cuda:0", "blocks.1": "cpu", "blocks.2": "cpu"})
+    assert model.placement.offloaded == {1, 2} and model.placement.main == torch.device("cuda:0")
+    assert model.blocks[1].attn.out.weight.device.type == "cpu" and model.weight_files is not None  # still mapped
+    seen = {}
+    with torch.no_grad(), model.hooks([("blocks.2.hook_resid_post", lambda x, hook: seen.setdefault("d", x.device))]):
+        model(tokens_for(model.cfg.d_vocab))
+    assert seen["d"] == torch.device("cuda:0")  # computed on the GPU, weights copied for the call
+    _matches_cpu(model, HookedTransformer.from_pretrained(llama_folder))
+
+
+def test_the_lens_readout_runs_on_the_readout_device(llama_folder):
+    model = HookedTransformer.from_pretrained(llama_folder, device_map={"": "cuda:0", "ln_final": "cpu", "unembed": "cpu"})
+    cpu = HookedTransformer.from_pretrained(llama_folder)
+    tokens = tokens_for(cpu.cfg.d_vocab)
+    with torch.no_grad():
+        got, want = Trajectory.from_prompt(LogitLens(model), tokens), Trajectory.from_prompt(LogitLens(cpu), tokens)
+        assert torch.equal(got.top_ids.cpu(), want.top_ids)
+        assert torch.allclose(got.kl_to_final.cpu(), want.kl_to_final, atol=1e-4)
+        lens = TunedLens(model)
+        h = model.run_with_cache(tokens)[1]["resid_post", 1]  # on cuda:0
+        assert lens(h, 2).device == torch.device("cpu")  # read out where the readout lives
+
+
+def test_activation_export_from_cuda_matches_the_cpu(tmp_path):
+    from lenses.activation_export import export_activations
+    from lenskit.io.activations import ActivationDataset
+
+    cpu = HookedTransformer.from_hf(make_hf_family("llama"))
+    gpu = HookedTransformer.from_hf(make_hf_family("llama").cuda())
+    windows = tokens_for(cpu.cfg.d_vocab, batch=5, pos=12)
+    export_activations(gpu, windows, "resid_post.0,resid_mid.1", tmp_path / "gpu", windows_per_shard=2, progress=False)
+    export_activations(cpu, windows, "resid_post.0,resid_mid.1", tmp_path / "cpu", windows_per_shard=2, progress=False)
+    for hook in ("resid_post.0", "resid_mid.1"):
+        got, want = ActivationDataset(tmp_path / "gpu", hook), ActivationDataset(tmp_path / "cpu", hook)
+        for w in range(5):
+            torch.testing.assert_close(got.window(w)[0], want.window(w)[0], atol=1e-4, rtol=1e-4)
+            assert torch.equal(got.window(w)[1], windows[w])

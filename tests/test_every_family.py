@@ -237,12 +237,20 @@ def test_neuron_ablation(family_model, tokens, every):
     _, clean = every
     d_mlp = model.cfg.d_mlp
     neurons = [0, d_mlp - 1]
-    _, cache = model.run_with_cache(tokens, names_filter=EVERY_HOOK, fwd_hooks=ablation_hooks(model, [Neurons(0, neurons)]))
-    post, clean_post = cache["blocks.0.mlp.hook_post"], clean["blocks.0.mlp.hook_post"]
+    moe = [i for i in range(model.cfg.n_layers) if model.cfg.is_moe_layer(i)]
+    dense = [i for i in range(model.cfg.n_layers) if i not in moe]
+    if moe:  # a mixture of experts has no neurons to name (its experts are ablated instead); its dense blocks do
+        with pytest.raises(ValueError, match="is a mixture of experts, whose MLP has no single d_mlp neurons"):
+            ablation_hooks(model, [Neurons(moe[0], [0])])
+    if not dense:
+        return
+    layer = dense[0]
+    _, cache = model.run_with_cache(tokens, names_filter=EVERY_HOOK, fwd_hooks=ablation_hooks(model, [Neurons(layer, neurons)]))
+    post, clean_post = cache[f"blocks.{layer}.mlp.hook_post"], clean[f"blocks.{layer}.mlp.hook_post"]
     assert post.shape[-1] == d_mlp and torch.equal(post[..., neurons], torch.zeros_like(post[..., neurons]))
     # Each neuron writes its activation times its column of fc_out; the ablated write lacks exactly those.
     # Where the block normalises the MLP's output (ln2_post), the write is that norm of the MLP's output.
-    block = model.blocks[0]
+    block = model.blocks[layer]
     w_out = block.mlp.fc_out.weight[:, neurons]  # [d_model, 2]
     if block.POST_NORMS:
         kept = clean_post.clone()
@@ -252,10 +260,10 @@ def test_neuron_ablation(family_model, tokens, every):
         unnormed = block.mlp.fc_out(clean_post) - clean_post[..., neurons] @ w_out.T  # the clean output less theirs
         torch.testing.assert_close(block.mlp.fc_out(kept), unnormed, atol=1e-5, rtol=1e-5)
     else:
-        want = clean["mlp_out", 0] - clean_post[..., neurons] @ w_out.T
-    torch.testing.assert_close(cache["mlp_out", 0], want, atol=1e-5, rtol=1e-5)
+        want = clean["mlp_out", layer] - clean_post[..., neurons] @ w_out.T
+    torch.testing.assert_close(cache["mlp_out", layer], want, atol=1e-5, rtol=1e-5)
     with pytest.raises(IndexError, match=f"{d_mlp} neurons"):
-        ablation_hooks(model, [Neurons(0, d_mlp)])
+        ablation_hooks(model, [Neurons(layer, d_mlp)])
 
 
 # ------------------------------------------------------------------------------------------ patching

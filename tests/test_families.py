@@ -101,7 +101,7 @@ def test_hook_shapes_follow_gqa_and_the_family(pair, tokens):
     rotary = c.positional == "rotary"
     assert ("blocks.0.attn.hook_rot_q" in model.hook_dict) == rotary
     assert ("hook_pos_embed" in model.hook_dict) == (not rotary)
-    assert ("blocks.0.attn.q_norm.hook_normalized" in model.hook_dict) == (model.cfg.family in ("qwen3", "gemma3_text", "olmo2"))
+    assert ("blocks.0.attn.q_norm.hook_normalized" in model.hook_dict) == (model.cfg.family in ("qwen3", "gemma3_text", "olmo2", "qwen3_moe", "olmoe"))
     if rotary:
         rot_q, q = cache["blocks.0.attn.hook_rot_q"], cache["blocks.0.attn.hook_q"]
         assert rot_q.shape == q.shape and cache["blocks.0.attn.hook_rot_k"].shape == cache["blocks.0.attn.hook_k"].shape
@@ -202,7 +202,8 @@ def test_presets_and_test_tables_derive_from_the_registry():
     from lenskit.families import FAMILIES as REGISTRY
 
     assert FAMILIES == list(FAMILY_CONFIGS) == list(FAMILY_BUILDERS) == list(REGISTRY) == [
-        "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "phi3"]
+        "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "phi3",
+        "mixtral", "qwen3_moe", "olmoe"]
     assert lenskit.PRESETS == {name: cfg for f in REGISTRY.values() for name, cfg in f.presets.items()}
     assert sum(len(f.presets) for f in REGISTRY.values()) == len(lenskit.PRESETS)  # no name in two families
     for model_type, family in REGISTRY.items():

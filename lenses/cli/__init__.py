@@ -14,6 +14,7 @@ COMMANDS = {
     "train-lens": "train_lens",
     "eval-lens": "eval_lens",
     "ablate": "ablate",
+    "cache": "cache",
 }
 # The one-line help `lenskit --help` lists, so that listing the commands imports none of their modules
 # (they import torch, which takes seconds). Each module's add_parser uses the same line.
@@ -23,6 +24,7 @@ SUMMARY = {
     "train-lens": "train a tuned lens (resumes from --out)",
     "eval-lens": "evaluate lenses side by side, per layer",
     "ablate": "ablate blocks, sublayers or heads and compare predictions with the clean run",
+    "cache": "export activations to sharded safetensors (resumes from --out)",
 }
 
 

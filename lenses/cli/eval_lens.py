@@ -8,6 +8,11 @@ The logit lens is always evaluated, as the baseline, first unless named. Every l
 the intervals are 95% bootstrap intervals over windows. With --card, the per-layer table also goes into the
 lens folder: under "eval" in its config.json and as the Evaluation section of its README.md model card (one
 lenskit tuned-lens folder on this disk only).
+
+Under torchrun the ranks score disjoint windows (NCCL on GPUs, gloo on CPU) and rank 0 prints and writes the
+tables, which are one process's up to float rounding:
+
+    torchrun --nproc-per-node 4 -m lenses.cli eval-lens --lens runs/tuned_lens --data heldout/ --csv table.csv
 """
 
 from __future__ import annotations
@@ -75,13 +80,22 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--card writes into one tuned-lens folder; got {len(folders)} lens folders among --lens")
         card_folder = Path(folders[0])
         check_card_folder(card_folder)  # before any work
+    from ..training import init_distributed
+
+    rank, world, device = init_distributed()
     # --card holds the lens folder's lock from before the lens is read until its card is written, so a
     # train-lens run cannot change the weights between the evaluation and the card (lenses/training/lock.py).
-    with folder_lock(card_folder) if card_folder is not None else contextlib.nullcontext():
-        return evaluate(args, specs, card_folder)
+    # Only rank 0 writes, so only rank 0 locks.
+    with folder_lock(card_folder) if card_folder is not None and rank == 0 else contextlib.nullcontext():
+        code = evaluate(args, specs, card_folder, rank, device)
+    if world > 1:
+        import torch
+
+        torch.distributed.destroy_process_group()
+    return code
 
 
-def evaluate(args: argparse.Namespace, specs: list[str], card_folder: Path | None) -> int:
+def evaluate(args: argparse.Namespace, specs: list[str], card_folder: Path | None, rank: int = 0, device=None) -> int:
     import pandas as pd
 
     from lenskit.io.data import load_token_stream
@@ -90,16 +104,18 @@ def evaluate(args: argparse.Namespace, specs: list[str], card_folder: Path | Non
     from ..evaluation import evaluate_windows, heldout_windows, per_layer, side_by_side
     from ..spec import load_lenses
 
-    model = lenskit.HookedTransformer.from_pretrained(args.model)
+    model = lenskit.HookedTransformer.from_pretrained(args.model, **({"device": device} if device is not None else {}))
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files; eval-lens needs one to read text")
     lenses = load_lenses(specs, model)
     stream = load_token_stream(args.data, model.tokenizer, text_field=args.text_field)
     windows = heldout_windows(stream, args.tokens or None, args.ctx or model.cfg.n_ctx, model.cfg.n_ctx)
-    if args.layer_transfer or args.layer_transfer_out:  # first: a lens it cannot read is refused before any work
+    if (args.layer_transfer or args.layer_transfer_out) and rank == 0:  # first: a lens it cannot read is refused before any work
         from .layer_transfer import run_layer_transfer
         run_layer_transfer(args, model, lenses, windows)
-    tidy = evaluate_windows(model, lenses, windows, progress=not args.quiet)
+    tidy = evaluate_windows(model, lenses, windows, progress=not args.quiet)  # under torchrun: every rank's windows
+    if rank != 0:
+        return 0  # rank 0 prints and writes
     table = per_layer(tidy, n_tokens=len(stream), n_bytes=stream.n_bytes)
     n_tokens = int(windows.numel())
     labels = list(lenses)

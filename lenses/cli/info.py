@@ -36,6 +36,12 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--n-ctx", type=int, default=None, help="context length for the FLOP count (default: the model's)")
     p.add_argument("--tokens", type=float, default=None, help="also print the training compute 6ND for this many tokens")
     p.add_argument("--csv", default=None, help="write the per-component parameter table to this CSV file")
+    p.add_argument("--device-map", default=None, metavar="MAP",
+                   help="also print where each block would go: auto, balanced, balanced_low_0 or sequential "
+                        "(accelerate's planner; blocks whole, nothing allocated)")
+    p.add_argument("--max-memory", default=None, metavar="DEV=SIZE,...",
+                   help="the planner's budget per device, e.g. cuda:0=20GiB,cuda:1=20GiB,cpu=64GiB")
+    p.add_argument("--dtype", default="bfloat16", help="the weights' dtype for --device-map (default: bfloat16)")
     p.set_defaults(run=run)
 
 
@@ -72,6 +78,20 @@ def _read_config(folder: Path, name: str) -> ModelConfig:
     return ModelConfig.from_json(folder / "config.json", name=name, tensor_names=names)
 
 
+def print_placement(cfg: ModelConfig, args: argparse.Namespace) -> None:
+    """Where `--device-map` would put each block under `--max-memory`, planned on the meta device."""
+    from lenskit.io.loading import parse_dtype
+    from lenskit.placement import placement_from_map, plan_device_map
+
+    if args.device_map is None:
+        raise ValueError("--max-memory is a budget for --device-map; pass --device-map auto too")
+    dtype = parse_dtype(args.dtype)
+    placement = placement_from_map(plan_device_map(cfg, args.device_map, args.max_memory, dtype), cfg.n_layers)
+    print(f"\nplacement: --device-map {args.device_map}" + (f" --max-memory {args.max_memory}" if args.max_memory else "")
+          + f", {str(dtype).removeprefix('torch.')} weights")
+    print(pd.DataFrame(placement.table(), columns=["part", "weights on", "computes on"]).to_string(index=False))
+
+
 def _count(x: float) -> str:
     return f"{int(x):,}"
 
@@ -105,7 +125,10 @@ def run(args: argparse.Namespace) -> int:
               f"attn_softcap={cfg.attn_softcap:g}" if cfg.attn_softcap else "",
               f"final_softcap={cfg.final_softcap:g}" if cfg.final_softcap else "",
               f"sliding_blocks={cfg.layer_types.count('sliding')}/{cfg.n_layers}" if cfg.layer_types else "",
-              f"local_rotary_base={cfg.local_rotary_base:g}" if cfg.local_rotary_base else ""]
+              f"local_rotary_base={cfg.local_rotary_base:g}" if cfg.local_rotary_base else "",
+              f"experts={cfg.n_experts} top_k={cfg.n_experts_per_token} d_expert={cfg.d_expert} routing={cfg.routing}"
+              if cfg.n_experts else "",
+              f"dense_blocks={list(cfg.dense_layers)}" if cfg.dense_layers else ""]
     if any(extras):
         print("  " + " ".join(e for e in extras if e))
 
@@ -115,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     shown["human"] = [_human(v) if not isinstance(v, float) else "" for v in summary["value"]]
     print(shown[["value", "human", "note"]].to_string())
 
-    print(f"\nper block (x{cfg.n_layers})")
+    print(f"\nper block (x{cfg.n_layers})" if not cfg.dense_layers else
+          f"\nper block (block 0, a {'MoE' if cfg.is_moe_layer(0) else 'dense'} block; the model mixes MoE and dense blocks)")
     per_block = pd.concat([block, block.sum().to_frame("total").T])
     per_block["share"] = per_block["params"] / block["params"].sum()
     print(per_block.to_string(formatters={"weights": _count, "biases": _count, "params": _count,
@@ -132,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tokens is not None:
         print(f"\ntraining compute 6ND for D={args.tokens:.3g} tokens: "
               f"{accounting.six_nd(cfg, args.tokens):.3g} FLOPs (N non-embedding)")
+    if args.device_map is not None or args.max_memory is not None:
+        print_placement(cfg, args)
     if args.csv:
         with open_output(args.csv, "the --csv table", pipe_ok=True) as f:
             accounting.param_table(cfg).to_csv(f, index=False)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from . import readers, writers
 from ..config import ModelConfig
-from .layouts import GEMMA, GPT2, GPT_NEOX, LLAMA, OLMO2, PHI3, Layout
+from .layouts import GEMMA, GPT2, GPT_NEOX, LLAMA, MIXTRAL, MOE, OLMO2, PHI3, Layout
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,9 @@ def _gemma(name: str, family: str, n_layers: int, d_model: int, n_heads: int, n_
 _GEMMA2 = dict(attn_softcap=50.0, final_softcap=30.0)
 _GEMMA3 = dict(qk_norm=True, rotary_base=1_000_000.0, local_rotary_base=10000.0)
 _LLAMA3 = dict(rope_type="llama3", rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_n_ctx=8192)
+_QWEN3_MOE = dict(qk_norm=True, routing="softmax_topk_renorm", n_experts=128, n_experts_per_token=8)
+_OLMOE = dict(qk_norm=True, qk_norm_per_head=False, norm_eps=1e-5, n_experts=64, n_experts_per_token=8,
+              routing="softmax_topk", bos_token_id=None, eos_token_id=50279)
 _OLMO2 = dict(qk_norm=True, qk_norm_per_head=False, norm_placement="post", norm_eps=1e-6, bos_token_id=None,
               eos_token_id=100257)
 
@@ -119,6 +122,12 @@ _SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, interm
 # query_pre_attn_scalar that is not d_head, one sliding block (window shorter than the prompt) and one global.
 _GEMMA_TINY = dict(_SHAPE, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=5,
                    initializer_range=0.2, final_logit_softcapping=2.0, pad_token_id=0)
+
+# Mixtures of experts: 4 experts, 2 per token, so every expert gets tokens; Mixtral with a window shorter than
+# the prompt, Qwen3-MoE with a dense block (mlp_only_layers) and a narrower expert width than its dense MLP,
+# OLMoE with its top-k weights renormalised (norm_topk_prob) and its q/k norms over the whole projection.
+# Mixtral's weights are 5x the usual scale, so its random blocks move the predictions enough for a tuned lens to learn.
+_MOE_TINY = dict(_SHAPE, num_key_value_heads=2, num_experts_per_tok=2)
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family(
@@ -201,6 +210,27 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                               mlp="swiglu_fused", sliding_window=2047, bos_token_id=1, eos_token_id=32000)),
         tiny=dict(_SHAPE, num_key_value_heads=2, sliding_window=6, pad_token_id=0,
                   rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+    ),
+    Family(
+        "mixtral", "MixtralForCausalLM", "MixtralConfig", "Mixtral", readers.read_mixtral, writers.write_mixtral, MIXTRAL,
+        presets=_named(_llama("mixtral-8x7b", "mixtral", 32, 4096, 32, 8, 14336, 32000, 32768, False, 1_000_000.0,
+                              norm_eps=1e-5, bos_token_id=1, eos_token_id=2, n_experts=8, n_experts_per_token=2,
+                              routing="softmax_topk_renorm")),
+        tiny=dict(_MOE_TINY, num_local_experts=4, sliding_window=5, head_dim=8, initializer_range=0.1),
+    ),
+    Family(
+        "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", "Qwen 3 MoE", readers.read_qwen3_moe,
+        writers.write_qwen3_moe, MOE,
+        presets=_named(_llama("qwen3-30b-a3b", "qwen3_moe", 48, 2048, 32, 4, 6144, 151936, 40960, False, 1_000_000.0,
+                              d_head=128, d_expert=768, **_QWEN3_MOE),
+                       _llama("qwen3-235b-a22b", "qwen3_moe", 94, 4096, 64, 4, 12288, 151936, 40960, False, 1_000_000.0,
+                              d_head=128, d_expert=1536, **_QWEN3_MOE)),
+        tiny=dict(_MOE_TINY, num_experts=4, head_dim=16, moe_intermediate_size=24, mlp_only_layers=[1]),
+    ),
+    Family(
+        "olmoe", "OlmoeForCausalLM", "OlmoeConfig", "OLMoE", readers.read_olmoe, writers.write_olmoe, MOE,
+        presets=_named(_llama("olmoe-1b-7b", "olmoe", 16, 2048, 16, 16, 1024, 50304, 4096, False, 10000.0, **_OLMOE)),
+        tiny=dict(_MOE_TINY, num_experts=4, norm_topk_prob=True, pad_token_id=0),
     ),
 )}
 

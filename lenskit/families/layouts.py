@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -39,6 +39,19 @@ _LLAMA_BLOCK = {
     "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight",
     **{f"mlp.{ours}.{p}": f"mlp.{theirs}.{p}" for ours, theirs in (("gate", "gate_proj"), ("fc_in", "up_proj"),
                                                                     ("fc_out", "down_proj")) for p in ("weight", "bias")},
+}
+
+
+# Mixture-of-experts blocks: the router and each expert's three projections, as the hub stores them.
+_MOE_BLOCK = {
+    **_LLAMA_BLOCK, "mlp.router.weight": "mlp.gate.weight",
+    **{f"mlp.experts.{{e}}.{ours}.weight": f"mlp.experts.{{e}}.{theirs}.weight"
+       for ours, theirs in (("gate", "gate_proj"), ("fc_in", "up_proj"), ("fc_out", "down_proj"))},
+}
+_MIXTRAL_BLOCK = {
+    **_LLAMA_BLOCK, "mlp.router.weight": "block_sparse_moe.gate.weight",
+    **{f"mlp.experts.{{e}}.{ours}.weight": f"block_sparse_moe.experts.{{e}}.{theirs}.weight"
+       for ours, theirs in (("gate", "w1"), ("fc_in", "w3"), ("fc_out", "w2"))},
 }
 
 
@@ -76,6 +89,32 @@ NEOX_QKV = Reshape(_neox_qkv, _neox_qkv_interleaved)
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
+@dataclass(frozen=True)
+class FusedExperts:
+    """transformers 5's in-memory spelling of a block's experts, which `from_hf` reads from `state_dict()` and which
+    a file written from it (safetensors' `save_file(model.state_dict())`) holds: every expert in two 3-D tensors,
+    `gate_up` [expert, 2 * d_expert, d_model] (each expert's gate rows, then its up rows) and `down`
+    [expert, d_model, d_expert], and the router at `router`. (transformers' own save_pretrained writes the hub's
+    per-expert names.) `Layout.split_fused` rewrites these to the layout's per-expert names, as views."""
+
+    gate_up: str = "mlp.experts.gate_up_proj"
+    down: str = "mlp.experts.down_proj"
+    router: str = "mlp.gate.weight"
+
+    def shapes(self, cfg) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The stored shapes of `gate_up` and `down` for `cfg`."""
+        return (cfg.n_experts, 2 * cfg.d_expert, cfg.d_model), (cfg.n_experts, cfg.d_model, cfg.d_expert)
+
+    def parts(self, gate_up: torch.Tensor, down: torch.Tensor, cfg) -> Iterator[tuple[int, str, torch.Tensor]]:
+        """(expert, our projection, its weight [out, in]) for every expert: views, not copies. Another storage order
+        (transposed, or gate and up rows interleaved) is a subclass that overrides this and `shapes`."""
+        m = cfg.d_expert
+        for e in range(cfg.n_experts):
+            yield e, "gate", gate_up[e, :m]
+            yield e, "fc_in", gate_up[e, m:]
+            yield e, "fc_out", down[e]
+
+
 @lru_cache(maxsize=None)
 def _template(name: str) -> re.Pattern:
     """`mlp.experts.{e}.gate.weight` -> a pattern for it in which each placeholder is a decimal index."""
@@ -105,6 +144,7 @@ class Layout:
     reshape: dict[str, Reshape] = field(default_factory=dict)  # block-local ours (as in `block`) -> how it is stored
     buffers: str = r"$^"  # regex, on unprefixed names, of stored buffers to skip
     aliases: dict[str, str] = field(default_factory=dict)  # other spellings -> the file's, e.g. in-memory names
+    fused: FusedExperts | None = None  # the fused 3-D spelling of a MoE block's experts, where transformers has one
 
     def __post_init__(self) -> None:
         for ours, theirs in self.block.items():
@@ -130,6 +170,32 @@ class Layout:
                 if ours not in self.top:
                     raise KeyError(f"no checkpoint name for our parameter {ours!r} in this layout")
                 out[self.top[ours]] = ours
+        return out
+
+    def split_fused(self, tensors: Mapping[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+        """`tensors` (unprefixed checkpoint names) with each block's fused experts (see `FusedExperts`) rewritten to
+        this layout's per-expert names, as views of the fused tensors (a memory-mapped file stays mapped). A fused
+        tensor of the wrong shape, or one without its partner, is refused by name."""
+        if self.fused is None or cfg.n_experts is None:
+            return dict(tensors)
+        fused, out = self.fused, dict(tensors)
+        pattern = re.compile(rf"{re.escape(self.blocks)}\.(\d+)\.{re.escape(fused.gate_up)}")
+        for name in [n for n in tensors if pattern.fullmatch(n)]:
+            block = name[: -len(fused.gate_up)]  # "layers.3."
+            gate_up, down = out.pop(name), out.pop(block + fused.down, None)
+            if down is None:
+                raise ValueError(f"checkpoint has {name!r} but not {block + fused.down!r}; the experts' down projections "
+                                 "are missing")
+            for tensor, key, want in zip((gate_up, down), (name, block + fused.down), fused.shapes(cfg)):
+                if tuple(tensor.shape) != want:
+                    raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, but config.json implies {want} "
+                                     f"([expert, ...] for {cfg.n_experts} experts of width {cfg.d_expert}); fix the "
+                                     "config or the checkpoint")
+            for e, ours, part in fused.parts(gate_up, down, cfg):
+                out[block + self.block[f"mlp.experts.{{e}}.{ours}.weight"].format(e=e)] = part
+            router = self.block["mlp.router.weight"]
+            if router != fused.router and block + fused.router in out:
+                out[block + router] = out.pop(block + fused.router)
         return out
 
     def reshape_of(self, ours: str) -> Reshape | None:
@@ -207,3 +273,7 @@ PHI3 = Layout(
     prefix="model.", blocks="layers", top=LLAMA.top,
     block={**_LLAMA_BLOCK, "attn.qkv.weight": "self_attn.qkv_proj.weight", "mlp.gate_up.weight": "mlp.gate_up_proj.weight"},
 )
+MIXTRAL = Layout(prefix="model.", blocks="layers", top=LLAMA.top, block=_MIXTRAL_BLOCK, buffers=LLAMA.buffers,
+                 fused=FusedExperts())
+MOE = Layout(prefix="model.", blocks="layers", top=LLAMA.top, block=_MOE_BLOCK, buffers=LLAMA.buffers,
+             fused=FusedExperts())  # Qwen3-MoE, OLMoE

@@ -7,13 +7,16 @@ by name and value.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 from ..config import ROPE_TYPES
-from .fields import HF_LAYER_TYPES, REFUSED, ConfigReader
+from .fields import HF_LAYER_TYPES, REFUSED, REQUIRED, ConfigReader
 
 _ROPE_KEYS = {"default": set(), "linear": {"factor"},
-              "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}
+              "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+              "yarn": {"factor", "beta_fast", "beta_slow", "original_max_position_embeddings", "truncate",
+                       "attention_factor", "mscale", "mscale_all_dim"}}
 
 
 def _rope_dict(r: ConfigReader, key: str) -> dict | None:
@@ -61,6 +64,8 @@ def _rotary(r: ConfigReader, params: Mapping[str, Any], where: str, head_dim: in
     fields: dict[str, Any] = {"positional": "rotary", "rotary_base": base, "rotary_dim": int(head_dim * share)}
     if rope_type in ("linear", "llama3"):
         fields.update(rope_type=rope_type, rope_factor=sub.float("factor", positive=True))
+    if rope_type == "yarn":
+        fields.update(_yarn(r, sub, where))
     if rope_type == "llama3":
         # transformers 5 fills a missing pre-training length from max_position_embeddings
         fields.update(rope_low_freq_factor=sub.float("low_freq_factor", positive=True),
@@ -69,20 +74,53 @@ def _rotary(r: ConfigReader, params: Mapping[str, Any], where: str, head_dim: in
     return fields
 
 
+def _yarn(r: ConfigReader, sub: ConfigReader, where: str) -> dict[str, Any]:
+    """YaRN's fields as transformers 5 reads them: a null factor is the context's growth, max_position_embeddings /
+    original_max_position_embeddings; an absent or null beta is the paper's 32 (fast) or 1 (slow); the attention
+    factor is given, or mscale / mscale_all_dim's ratio when both are given (DeepSeek's spelling), or None (derived
+    from the factor, see `lenskit.pieces.rotary.attention_factor`)."""
+    old_len = sub.int("original_max_position_embeddings", r.int("max_position_embeddings"))
+    factor = sub.float("factor", REQUIRED, positive=True, null=None)
+    factor = r.int("max_position_embeddings") / old_len if factor is None else factor
+    fast = sub.float("beta_fast", 32.0, positive=True, null=32.0)
+    slow = sub.float("beta_slow", 1.0, positive=True, null=1.0)
+    if fast < slow:
+        raise ValueError(f"config fields {where}.beta_fast={fast!r} and {where}.beta_slow={slow!r}: beta_fast must be at "
+                         f"least beta_slow (the ramp runs from the fast dims to the slow ones); fix config.json "
+                         f"(model_type={r.family!r})")
+    scale = sub.float("attention_factor", None, positive=True, null=None)
+    mscale, mscale_all = sub.float("mscale", None, null=None), sub.float("mscale_all_dim", None, null=None)
+    if scale is None and mscale and mscale_all:  # transformers reads a 0 as absent, so does this
+
+        def gain(m: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        if not gain(mscale) > 0 or not gain(mscale_all) > 0:
+            raise ValueError(f"config fields {where}.mscale={mscale!r} and {where}.mscale_all_dim={mscale_all!r} give a "
+                             f"non-positive attention factor for factor={factor!r}; fix config.json (model_type={r.family!r})")
+        scale = float(gain(mscale) / gain(mscale_all))
+    return {"rope_type": "yarn", "rope_factor": factor, "rope_original_n_ctx": old_len, "rope_beta_fast": fast,
+            "rope_beta_slow": slow, "rope_truncate": sub.bool("truncate", True), "rope_attention_factor": scale}
+
+
 def rope(r: ConfigReader, head_dim: int, *, theta_key: str = "rope_theta", fraction_key: str = "partial_rotary_factor",
-          default_fraction: float = 1.0, types: tuple[str, ...] = ROPE_TYPES, unread: tuple[str, ...] = ()) -> dict[str, Any]:
+          default_fraction: float = 1.0, types: tuple[str, ...] = ROPE_TYPES, unread: tuple[str, ...] = (),
+          default_theta: float = 10000.0, default_params: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Rotary fields from either spelling, resolved as transformers 5 resolves them: 4.x's `rope_scaling` when it is
     given, else 5.x's `rope_parameters`, completed by the top-level `theta_key` and `fraction_key` (4.x's
     `rope_theta`; GPT-NeoX's `rotary_emb_base`, `rotary_pct`). Both objects given with different settings are
     refused by name, as is a top-level value that contradicts the object's. `unread` are top-level rope_theta /
     partial_rotary_factor fields this family's transformers 5 ignores (GPT-NeoX's); they are refused unless they
-    agree with the result."""
+    agree with the result. `default_theta` is the family's base for an absent theta, `default_params` its settings
+    when neither object is given (gpt-oss: YaRN)."""
     given = {key: _rope_dict(r, key) for key in ("rope_scaling", "rope_parameters")}
+    if default_params is not None and not any(given.values()):
+        given["rope_parameters"] = dict(default_params)
     top = dict(theta=(theta_key, r.float(theta_key, None, positive=True, null=REFUSED)),
                fraction=(fraction_key, r.float(fraction_key, None, positive=True, null=None)))
 
     def resolve(key: str) -> dict[str, Any]:
-        return _rotary(r, given[key] or {}, key, head_dim, **top, default_theta=10000.0,
+        return _rotary(r, given[key] or {}, key, head_dim, **top, default_theta=default_theta,
                        default_fraction=default_fraction, types=types)
 
     if given["rope_scaling"] and given["rope_parameters"]:

@@ -102,6 +102,30 @@ def write_phi3(cfg: "ModelConfig") -> dict[str, Any]:
     return {**_llama_like(cfg, head_dim=False), "sliding_window": cfg.sliding_window}
 
 
+def _experts(cfg: "ModelConfig", key: str) -> dict[str, Any]:
+    return {key: cfg.n_experts, "num_experts_per_tok": cfg.n_experts_per_token, "output_router_logits": False}
+
+
+def _norm_topk(cfg: "ModelConfig") -> bool:
+    return cfg.routing == "softmax_topk_renorm"
+
+
+def write_mixtral(cfg: "ModelConfig") -> dict[str, Any]:
+    return {**_llama_like(cfg), "sliding_window": cfg.sliding_window, **_experts(cfg, "num_local_experts"),
+            "router_jitter_noise": 0.0}
+
+
+def write_qwen3_moe(cfg: "ModelConfig") -> dict[str, Any]:
+    return {**_llama_like(cfg), "attention_bias": cfg.qkv_bias, "use_sliding_window": False,
+            "moe_intermediate_size": cfg.d_expert, "norm_topk_prob": _norm_topk(cfg), "decoder_sparse_step": 1,
+            "mlp_only_layers": list(cfg.dense_layers), **_experts(cfg, "num_experts")}
+
+
+def write_olmoe(cfg: "ModelConfig") -> dict[str, Any]:
+    return {**_llama_like(cfg, head_dim=False), "attention_bias": cfg.qkv_bias, "clip_qkv": None,
+            "norm_topk_prob": _norm_topk(cfg), **_experts(cfg, "num_experts")}
+
+
 def _gemma(cfg: "ModelConfig") -> dict[str, Any]:
     return {
         "hidden_size": cfg.d_model, "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.n_layers,

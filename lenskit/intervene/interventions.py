@@ -138,7 +138,9 @@ def target_sites(model: HookedTransformer, target: Target) -> list[Site]:
     if isinstance(target, Stream):
         return [Site(target.hook_name(cfg.n_layers))]
     if not isinstance(target, (Block, Attn, Mlp, Head, Neurons)):
-        raise TypeError(f"an ablation target must be Block, Attn, Mlp, Head, Neurons or a Stream, got {target!r}")
+        raise TypeError(f"an ablation target must be Block, Attn, Mlp, Head, Neurons or a Stream, got {target!r}"
+                        + ("; experts are ablated by lenskit.intervene.experts.expert_ablation_hooks"
+                           if type(target).__name__ == "Expert" else ""))
     layer = _check_layer(target, cfg.n_layers)
     if isinstance(target, Block):
         return [Site(hook_name("attn_out", layer)), Site(hook_name("mlp_out", layer))]
@@ -149,6 +151,9 @@ def target_sites(model: HookedTransformer, target: Target) -> list[Site]:
     if isinstance(target, Head):
         heads = _check_units(target, target.heads, cfg.n_heads, "head")
         return [Site(hook_name("z", layer), axis=2, units=heads)]  # z: [batch, pos, head, d_head]
+    if cfg.is_moe_layer(layer):
+        raise ValueError(f"{target!r}: block {layer} is a mixture of experts, whose MLP has no single d_mlp neurons; "
+                         "ablate an expert instead (lenskit.intervene.experts.Expert)")
     neurons = _check_units(target, target.neurons, cfg.d_mlp, "neuron")
     return [Site(hook_name("post", layer), axis=2, units=neurons)]  # post: [batch, pos, d_mlp]
 

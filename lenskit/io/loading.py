@@ -4,17 +4,14 @@ Converting a checkpoint is a pure function from a flat name -> tensor mapping (a
 shapes, read from a model built on the meta device) to our state dict: the family's declarative name
 map and reshape list (layouts.py, found through the registry in families.py), and a check of every key, shape, dtype and value. Nothing is guessed and nothing is silently initialised. Files are read with safetensors
 (memory-mapped, and watched for in-place edits: lenskit.io.mapped); pickle checkpoints are refused, never
-opened. Every file is checked to be a regular file first (lenskit.io.files), and a hub snapshot to lie inside
-the hub cache (lenskit.io.hubcache).
+opened. Every file is checked to be a regular file first (lenskit.io.files). Finding the folder (an embedded
+model, a local folder, the hub cache) is lenskit.io.hub's; placing the weights on devices is lenskit.placement's.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import stat
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
@@ -23,18 +20,17 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
-from ..families import PRESETS, family_of
-from .files import check_output_file, check_regular_file, file_kind, read_json_object
-from .hubcache import HubCacheError, check_cached_file, check_ref, check_snapshot
+from ..families import family_of
+from ..placement import Placement, resolve_placement
+from .files import check_output_file, check_regular_file, read_json_object
+# Where a model's folder is (embedded, local or the hub cache): lenskit.io.hub, re-exported for older imports.
+from .hub import EMBEDDED_MODELS, embedded_model_folder, resolve_hub_file, resolve_model_folder  # noqa: F401
 from .mapped import WeightFiles
 from .tokenizer import TOKENIZER_FILES, load_tokenizer, save_tokenizer
 
 if TYPE_CHECKING:
     from ..model import HookedTransformer
 
-HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json", "vocab.json",
-             "merges.txt", "tokenizer_config.json", "special_tokens_map.json"]
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 class CheckpointError(ValueError):
@@ -54,13 +50,16 @@ def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 def expected_shapes(cls: type["HookedTransformer"], cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter shape of `cls(cfg)`, from a one-block model on the meta device: blocks have equal
-    shapes, so a config claiming thousands of layers is checked against the files before anything large is built."""
-    with torch.device("meta"):
-        one = model_shapes(cls(cfg.replace(n_layers=1)))
+    """Every parameter shape of `cls(cfg)`, from one-block models on the meta device: blocks of one kind (a
+    mixture of experts or a dense MLP) have equal shapes, so a config claiming thousands of layers is checked
+    against the files before anything large is built."""
+    blocks: dict[bool, dict[str, tuple[int, ...]]] = {}  # is_moe_layer -> one block's shapes
+    for moe in {cfg.is_moe_layer(i) for i in range(cfg.n_layers)}:
+        with torch.device("meta"):
+            one = model_shapes(cls(cfg.replace(n_layers=1, dense_layers=() if moe or cfg.n_experts is None else (0,))))
+        blocks[moe] = {k.removeprefix("blocks.0."): v for k, v in one.items() if k.startswith("blocks.0.")}
     shapes = {k: v for k, v in one.items() if not k.startswith("blocks.")}
-    block = {k.removeprefix("blocks.0."): v for k, v in one.items() if k.startswith("blocks.0.")}
-    shapes.update({f"blocks.{i}.{k}": v for i in range(cfg.n_layers) for k, v in block.items()})
+    shapes.update({f"blocks.{i}.{k}": v for i in range(cfg.n_layers) for k, v in blocks[cfg.is_moe_layer(i)].items()})
     return shapes
 
 
@@ -81,6 +80,7 @@ def convert_hf_state_dict(raw: Mapping[str, torch.Tensor], cfg: ModelConfig,
             continue
         check_dtype(key, tensor)  # before the key checks: a quantised file's extra scales are not the real cause
         stripped[name] = tensor
+    stripped = layout.split_fused(stripped, cfg)  # MoE experts in transformers 5's fused 3-D spelling -> per expert
     tied_head = layout.top["unembed.weight"]
     lm_head = stripped.pop(tied_head, None) if cfg.tie_word_embeddings else None
 
@@ -209,118 +209,6 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-# The models that ship inside the package, by short name -> folder beside this package's parent.
-EMBEDDED_MODELS = {"stdlib-gpt2": "default_model", "stdlib-llama": "stdlib_llama"}
-
-
-def embedded_model_folder(name: str) -> Path:
-    """The folder of an embedded model by its short name (`stdlib-gpt2`, `stdlib-llama`)."""
-    if name not in EMBEDDED_MODELS:
-        raise KeyError(f"no embedded model named {name!r}; lenskit ships {sorted(EMBEDDED_MODELS)}")
-    return Path(__file__).resolve().parents[1] / EMBEDDED_MODELS[name]
-
-
-def resolve_model_folder(name_or_path: str | os.PathLike) -> Path:
-    """An embedded model's short name first (`stdlib-gpt2`, `stdlib-llama`), then a local folder as is, then
-    a hub name (`gpt2`, `openai-community/gpt2`) through the local HF cache, downloading only when the
-    network allows.
-
-    A short name always means the embedded model, even where a folder of that name exists in the working
-    directory (that is said, as a warning): spell the folder as a path, `./stdlib-llama`, to load it."""
-    text = str(name_or_path)
-    if text in EMBEDDED_MODELS:
-        folder = embedded_model_folder(text)
-        if Path(text).is_dir():
-            warnings.warn(f"{text!r} names lenskit's embedded model; the folder ./{text} here is not loaded "
-                          f"(pass ./{text} to load it)", UserWarning, stacklevel=3)
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"the embedded model {text} is missing at {folder}; reinstall lenskit")
-        return folder
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path
-    text = str(name_or_path)
-    if path.exists():
-        mode = os.stat(path).st_mode
-        kind = "a file" if stat.S_ISREG(mode) else f"{file_kind(mode)}, not a folder"
-        raise NotADirectoryError(f"{text} is {kind}; pass the folder that holds config.json and the weights")
-    if not _HUB_ID.match(text) or text.startswith((".", "~")):
-        raise FileNotFoundError(f"no folder at {text}; pass a Hugging Face model folder or a hub name")
-    return _from_hub(text)
-
-
-def _hub_cache_dir() -> str | None:
-    """The hub cache folder, read from the environment now: huggingface_hub reads it once, at import."""
-    env = os.environ
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if env.get(var):
-            return os.path.expanduser(env[var])
-    if env.get("HF_HOME"):
-        return os.path.join(os.path.expanduser(env["HF_HOME"]), "hub")
-    return None  # huggingface_hub's default (~/.cache/huggingface/hub)
-
-
-def _hub_offline() -> bool:
-    from huggingface_hub import constants
-
-    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
-    return constants.HF_HUB_OFFLINE or any(f.strip().lower() in ("1", "true", "yes", "on") for f in flags)
-
-
-def _from_hub(name: str) -> Path:
-    from huggingface_hub import snapshot_download
-
-    cache_dir = _hub_cache_dir()
-    short = name in PRESETS and PRESETS[name].family == "gpt2"  # gpt2, gpt2-xl... now live under openai-community/
-    candidates = [name] + ([f"openai-community/{name}"] if short else [])
-    for repo_id in candidates:
-        check_ref(cache_dir, repo_id)  # a ref that would hang the read or name a folder outside the cache
-        try:
-            snapshot = snapshot_download(repo_id, allow_patterns=HUB_FILES, cache_dir=cache_dir, local_files_only=True)
-        except Exception:  # noqa: BLE001 - not cached under this id; try the next one
-            continue
-        return check_snapshot(cache_dir, repo_id, snapshot)
-    reason = "HF_HUB_OFFLINE is set"
-    if not _hub_offline():
-        try:
-            snapshot = snapshot_download(candidates[-1], allow_patterns=HUB_FILES, cache_dir=cache_dir)
-        except Exception as e:  # noqa: BLE001 - any network or hub failure gets the same advice
-            reason = f"download failed: {type(e).__name__}: {e}"
-        else:
-            return check_snapshot(cache_dir, candidates[-1], snapshot)
-    raise OSError(
-        f"{name!r} is not a local folder, and not in the local Hugging Face cache ({cache_dir or 'default location'}); it could not be "
-        f"fetched ({reason}). Pass a local folder instead: on a machine with network, run "
-        f"`hf download {candidates[-1]}` (or save_pretrained a model), copy the folder here, then "
-        "HookedTransformer.from_pretrained('/path/to/folder')"
-    )
-
-
-def resolve_hub_file(repo_id: str, filename: str) -> Path:
-    """One file of a hub repo (`filename` may be a path inside it), resolved as hub models are: the local
-    Hugging Face cache first, downloaded only when the network allows; otherwise an OSError saying what to do."""
-    from huggingface_hub import hf_hub_download
-
-    cache_dir = _hub_cache_dir()
-    check_ref(cache_dir, repo_id)
-    try:
-        return check_cached_file(cache_dir, repo_id, hf_hub_download(repo_id, filename, cache_dir=cache_dir, local_files_only=True))
-    except Exception as e:  # noqa: BLE001 - not cached; try the network below when allowed
-        if isinstance(e, HubCacheError):
-            raise
-    reason = "HF_HUB_OFFLINE is set"
-    if not _hub_offline():
-        try:
-            path = hf_hub_download(repo_id, filename, cache_dir=cache_dir)
-        except Exception as e:  # noqa: BLE001 - any network or hub failure gets the same advice
-            reason = f"download failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        else:
-            return check_cached_file(cache_dir, repo_id, path)
-    raise OSError(f"{filename!r} of hub repo {repo_id!r} is not in the local Hugging Face cache ({cache_dir or 'default location'}) "
-                  f"and could not be fetched ({reason}); on a machine with network run `hf download {repo_id} {filename}`, "
-                  "or pass the local file")
-
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -367,9 +255,11 @@ def parse_device(device: str | torch.device | None) -> torch.device:
 
 def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathLike, dtype: torch.dtype | str | None = None,
                     device: str | torch.device | None = None, check_finite: bool = True,
-                    mmap: bool = True) -> "HookedTransformer":
+                    mmap: bool = True, device_map=None, max_memory=None) -> "HookedTransformer":
     """See `HookedTransformer.from_pretrained`. With `mmap`, weights already in `dtype` on the CPU stay
     memory-mapped, and the files they map are watched (lenskit.io.mapped) before every forward."""
+    if device is not None and device_map is not None:
+        raise ValueError(f"pass device={device!r} or device_map, not both (a device map names every part's device)")
     dtype = parse_dtype(dtype)
     device = parse_device(device)
     folder = resolve_model_folder(name_or_path)
@@ -382,7 +272,12 @@ def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathL
     files.confirm()
     # The config's layer count is checked against the blocks the tensor names hold before anything scales with it.
     cfg = ModelConfig.from_hf_config(config, name=str(name_or_path), tensor_names=raw)
-    model = _assemble(cls, cfg, raw, load_tokenizer(folder), dtype, device, check_finite, copy=not mmap)
+    placement = resolve_placement(cfg, device, device_map, max_memory, dtype)
+    for used in {placement.embed, placement.readout, placement.main, *placement.blocks}:
+        parse_device(used)  # each device the map names can be used by this torch, before any weight moves
+    model = _assemble(cls, cfg, raw, load_tokenizer(folder), dtype, placement, check_finite, copy=not mmap)
+    if device_map is not None:
+        model.placement = placement
     if files and shares_memory(model, raw):
         model.weight_files = files  # checked at the start of every forward
     else:
@@ -403,13 +298,16 @@ def from_hf(cls: type["HookedTransformer"], hf_model: torch.nn.Module, tokenizer
     return _assemble(cls, cfg, raw, tokenizer, param.dtype, param.device)
 
 
-def _assemble(cls, cfg, raw, tokenizer, dtype, device, check_finite: bool = True, copy: bool = False) -> "HookedTransformer":
-    """Build on the meta device, convert the checkpoint against its shapes, then assign the tensors:
-    a checkpoint already in `dtype` on the CPU is used in place (memory-mapped), not copied, unless `copy`."""
+def _assemble(cls, cfg, raw, tokenizer, dtype, device: torch.device | Placement, check_finite: bool = True,
+              copy: bool = False) -> "HookedTransformer":
+    """Build on the meta device, convert the checkpoint against its shapes, then assign the tensors, each to its
+    unit's device: a checkpoint already in `dtype` on the CPU is used in place (memory-mapped), not copied, unless
+    `copy`."""
     state = convert_hf_state_dict(raw, cfg, expected_shapes(cls, cfg), check_finite)
     with torch.device("meta"):
         model = cls(cfg, tokenizer=tokenizer)
-    state = {k: v.to(device=device, dtype=dtype, copy=copy) for k, v in state.items()}
+    placement = device if isinstance(device, Placement) else Placement.single(device, cfg.n_layers)
+    state = {k: v.to(device=placement.device_of(k), dtype=dtype, copy=copy) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     return model.eval()

@@ -9,6 +9,7 @@ attaches a global hook instead, seen by every thread until it is removed or `res
 
 `CacheRecording` is what `run_with_cache` attaches: it keeps activations without copies, and while it records,
 a hook that is handed a tensor it already holds gets a copy, so an in-place edit never rewrites an earlier entry.
+With a host `device`, activations on an accelerator are copied off it as they are written (offload).
 """
 
 from __future__ import annotations
@@ -236,14 +237,31 @@ class CacheRecording:
         self._looked_at = 0  # how many entries `holds` has seen
         self._memory: set[int] = set()  # their data pointers
         self._versions: list[tuple[str, torch.Tensor, int]] = []  # (name, entry, version when first seen)
-        store = self.store
+        self._in_flight: set[torch.device] = set()  # accelerators with copies to the host still queued
+        store, in_flight = self.store, self._in_flight
+        to_host = device is not None and torch.device(device).type == "cpu"
         if device is None and dtype is None:
             def record(x: torch.Tensor, hook: "HookPoint") -> None:
                 store[hook.name] = x.detach()
         else:
-            def record(x: torch.Tensor, hook: "HookPoint") -> None:
-                store[hook.name] = x.detach().to(device=device, dtype=dtype)
+            def record(x: torch.Tensor, hook: "HookPoint") -> None:  # integer entries (expert indices) keep their dtype
+                x = x.detach().to(dtype=dtype if x.is_floating_point() else None)
+                if to_host and x.is_cuda:
+                    # Offload: a queued copy into pinned host memory, after any cast on the accelerator (only the
+                    # kept bytes cross). The forward goes on without waiting; `synchronise` waits once at the end.
+                    # A later in-place edit on the device is queued after the copy, so it never reaches the entry.
+                    kept = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                    store[hook.name] = kept.copy_(x, non_blocking=True)
+                    in_flight.add(x.device)
+                else:
+                    store[hook.name] = x.to(device=device)
         self.hook: HookFn = record
+
+    def synchronise(self) -> None:
+        """Wait for the copies to the host that the hook queued, once per accelerator, so that every entry holds
+        its values; a no-op when nothing was offloaded."""
+        while self._in_flight:
+            torch.cuda.current_stream(self._in_flight.pop()).synchronize()
 
     def holds(self, x: torch.Tensor) -> bool:
         """Whether `x` shares memory with an entry. Entries kept since the last call are looked at first: their

@@ -24,6 +24,8 @@ BLOCK_SHORT: dict[str, str] = {
     "rot_q": "attn.hook_rot_q", "rot_k": "attn.hook_rot_k",
     "attn_scores": "attn.hook_attn_scores", "pattern": "attn.hook_pattern", "result": "attn.hook_result",
     "pre": "mlp.hook_pre", "pre_linear": "mlp.hook_pre_linear", "post": "mlp.hook_post",
+    "router_logits": "mlp.hook_router_logits", "expert_indices": "mlp.hook_expert_indices",
+    "expert_weights": "mlp.hook_expert_weights", "expert_out": "mlp.hook_expert_out",
     "scale1": "ln1.hook_scale", "normalized1": "ln1.hook_normalized",
     "scale2": "ln2.hook_scale", "normalized2": "ln2.hook_normalized",
 }

@@ -1,9 +1,10 @@
 """Causal self-attention and its pieces: the q/k/v projection (fused or split), the masks (causal,
-sliding window), and grouped-query attention. Each option is chosen once, in `Attention.__init__`.
+sliding window), grouped-query attention and attention sinks. Each option is chosen once, in `Attention.__init__`.
 
 Hook shapes: hook_q, hook_rot_q, hook_z are per query head [batch, pos, head, d_head]; hook_k,
 hook_rot_k, hook_v are per key/value head [batch, pos, kv_head, d_head]; hook_attn_scores and
-hook_pattern are [batch, head, query_pos, key_pos]; hook_result [batch, pos, head, d_model].
+hook_pattern are [batch, head, query_pos, key_pos]; hook_sink [batch, head, query_pos]; hook_result
+[batch, pos, head, d_model].
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ class Attention(nn.Module):
     paths compute the same function, non-finite values included. Under grouped-query
     attention each group of n_heads / n_kv_heads query heads shares one key/value head. `layer` picks
     the block's mask and rotary base where the config alternates local and global blocks.
+
+    With `attn_sinks` (gpt-oss), each head has a learned logit `sinks[h]` that joins every softmax as one more key
+    with no value: hook_pattern is the probability over the real keys, and hook_sink the sink's share, so each
+    query's pattern sums to 1 - sink. The sink's share only observes (the sink has no value, so an edit changes
+    nothing); edit hook_pattern instead.
     """
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
@@ -123,6 +129,10 @@ class Attention(nn.Module):
             self.k_norm = make_norm(cfg, cfg.n_kv_heads * cfg.d_head)
         if cfg.qk_norm:
             internals += [self.q_norm.hook_scale, self.q_norm.hook_normalized, self.k_norm.hook_scale, self.k_norm.hook_normalized]
+        if cfg.attn_sinks:
+            self.sinks = nn.Parameter(torch.zeros(cfg.n_heads))  # [head], a logit per head
+            self.hook_sink = HookPoint()  # [batch, head, query_pos]
+            internals.append(self.hook_sink)
         if cfg.positional == "rotary":
             self.rotary = Rotary(cfg, local=cfg.layer_type(layer) == "sliding")
             self.hook_rot_q = HookPoint()  # [batch, pos, head, d_head]
@@ -133,6 +143,8 @@ class Attention(nn.Module):
                          else self._apply_flat_qk_norm)
         self._cap = _unchanged_scores if self.softcap is None else self._softcap_scores
         self._rotate_qk = self._apply_rotary if cfg.positional == "rotary" else _unchanged
+        self._softmax = self._softmax_with_sink if cfg.attn_sinks else _softmax
+        self._fused = self._fused_with_sink if cfg.attn_sinks else self._fused_plain
         self._internals = tuple(internals)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,10 +155,7 @@ class Attention(nn.Module):
         if self.softcap is not None or any(h.has_hooks() for h in self._internals) or not _fused_agrees(q, k):
             z = self._eager(q, k, v)
         else:
-            z = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=self.group > 1, scale=self.scale,
-                **self.mask.sdpa_kwargs(pos, x.device),
-            ).transpose(1, 2)  # [batch, pos, head, d_head]
+            z = self._fused(q, k, v)
         z = self.hook_z(z)
         if not self.hook_result.has_hooks():
             return self.out(z.reshape(batch, pos, self.n_heads * self.d_head))
@@ -217,6 +226,35 @@ class Attention(nn.Module):
     def _apply_rotary(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.hook_rot_q(self.rotary(q)), self.hook_rot_k(self.rotary(k))
 
+    def _fused_plain(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=self.group > 1, scale=self.scale,
+            **self.mask.sdpa_kwargs(q.shape[1], q.device),
+        ).transpose(1, 2)  # [batch, pos, head, d_head]
+
+    def _fused_with_sink(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The fused kernel with the sink as one more key that every query sees, with a zero value. One extra
+        feature carries its logit: the queries' is sinks[h] / scale, the sink key's 1, the real keys' 0, so the sink's
+        score is sinks[h] (exactly where the scale is a power of two, as gpt-oss's d_head 64 makes it; else to one
+        rounding in q's dtype) and the real scores are unchanged."""
+        batch, pos = q.shape[:2]
+        sink_logit = (self.sinks / self.scale).to(q.dtype).expand(batch, pos, -1)  # [batch, pos, head]
+        q = torch.cat([q, sink_logit[..., None]], dim=-1)  # [batch, pos, head, d_head + 1]
+        sink_key = F.pad(k.new_ones(batch, 1, self.n_kv_heads, 1), (self.d_head, 0))  # [batch, 1, kv_head, d_head + 1]
+        k = torch.cat([F.pad(k, (0, 1)), sink_key], dim=1)  # [batch, pos + 1, kv_head, d_head + 1]
+        v = F.pad(v, (0, 0, 0, 0, 0, 1))  # [batch, pos + 1, kv_head, d_head], the sink's value is zero
+        allowed = F.pad(self.mask.allowed(pos, q.device), (0, 1), value=True)  # [query_pos, key_pos + 1]
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed, enable_gqa=self.group > 1,
+            scale=self.scale,
+        ).transpose(1, 2)  # [batch, pos, head, d_head]
+
+    def _softmax_with_sink(self, scores: torch.Tensor) -> torch.Tensor:
+        sink = self.sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)  # [batch, head, query_pos, 1]
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)  # [batch, head, query_pos, key_pos + 1]
+        self.hook_sink(probs[..., -1])
+        return probs[..., :-1]
+
     def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pos = q.shape[1]
         k = k.repeat_interleave(self.group, dim=2)  # [batch, pos, head, d_head]: query head h reads kv head h // group
@@ -225,7 +263,7 @@ class Attention(nn.Module):
         allowed = self.mask.allowed(pos, q.device)
         # Masked scores become -inf, and a NaN stays NaN, as transformers' additive mask leaves it
         scores = self.hook_attn_scores(torch.where(allowed, scores, scores - float("inf")))
-        pattern = self.hook_pattern(scores.softmax(-1))
+        pattern = self.hook_pattern(self._softmax(scores))
         return torch.einsum("bhqk,bkhd->bqhd", pattern, v)  # [batch, pos, head, d_head]
 
 
@@ -248,3 +286,7 @@ def _unchanged(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 def _unchanged_scores(scores: torch.Tensor) -> torch.Tensor:
     return scores
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    return scores.softmax(-1)

@@ -2,7 +2,8 @@
 
 Architecture options are separate classes chosen once from the config (`make_norm` in norms.py,
 `Attention`'s pieces in attention.py, `make_mlp` and `make_block` here), so each forward reads
-like the maths and has no family branches.
+like the maths and has no family branches. A block's MLP is a mixture of experts (moe.py) where the config
+makes that block sparse, else one of the dense MLPs here.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from ..config import ModelConfig
 from .attention import Attention
 from ..observe.hooks import HookPoint
 from .linear import Linear
+from .moe import MoE
 from .norms import LayerNorm, RMSNorm, make_norm
 
-__all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "ParallelBlock", "PostNormBlock", "RMSNorm", "SandwichBlock",
+__all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "MoE", "ParallelBlock", "PostNormBlock", "RMSNorm", "SandwichBlock",
            "SwiGLU", "TransformerBlock", "make_block", "make_mlp", "make_norm"]
 
 
@@ -144,8 +146,9 @@ class FusedSwiGLU(SwiGLU):
 MLP_CLASSES = {"gelu": GeluMLP, "swiglu": SwiGLU, "geglu": SwiGLU, "swiglu_fused": FusedSwiGLU}
 
 
-def make_mlp(cfg: ModelConfig) -> MLP:
-    return MLP_CLASSES[cfg.mlp](cfg)
+def make_mlp(cfg: ModelConfig, layer: int = 0) -> MLP | MoE:
+    """Block `layer`'s MLP: a mixture of experts where the config makes that block sparse, else the dense MLP."""
+    return MoE(cfg) if cfg.is_moe_layer(layer) else MLP_CLASSES[cfg.mlp](cfg)
 
 
 class TransformerBlock(nn.Module):
@@ -162,7 +165,7 @@ class TransformerBlock(nn.Module):
             self.ln1_post = make_norm(cfg)
             self.ln2_post = make_norm(cfg)
         self.attn = Attention(cfg, layer)
-        self.mlp = make_mlp(cfg)
+        self.mlp = make_mlp(cfg, layer)
         self.dropout = nn.Dropout(dropout)
         self.hook_resid_pre = HookPoint()  # [batch, pos, d_model]
         self.hook_attn_out = HookPoint()  # [batch, pos, d_model]

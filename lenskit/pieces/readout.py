@@ -22,6 +22,8 @@ class Readout:
 
     It holds the model's own `ln_final` and `unembed` modules (not copies), so moving or editing the
     model moves and edits its readout. `softcap` is the final logit cap c (logits = c tanh(z / c)) or None.
+    Its input moves to the unembedding's device first (a no-op on one device), so a stream read on any block's
+    device under a device map is read out where the readout lives.
     """
 
     def __init__(self, norm: nn.Module, unembed: nn.Linear, softcap: float | None) -> None:
@@ -29,7 +31,7 @@ class Readout:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d_model] -> logits [..., d_vocab] in the model's dtype."""
-        return self.cap_(self.unembed(self.norm(h)))
+        return self.cap_(self.unembed(self.norm(h.to(self.unembed.weight.device))))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """What lenses hand back: h cast to the model's dtype, read out, and half-precision logits upcast to
@@ -39,7 +41,7 @@ class Readout:
 
     def uncapped(self, h: torch.Tensor) -> torch.Tensor:
         """The logits before any final soft-cap (the same as calling the readout for a model without one)."""
-        return self.unembed(self.norm(h))
+        return self.unembed(self.norm(h.to(self.unembed.weight.device)))
 
     @property
     def weight(self) -> torch.Tensor:
@@ -52,8 +54,8 @@ class Readout:
 
     def normed(self, h: torch.Tensor) -> torch.Tensor:
         """The final norm of h, in the model's dtype (h is cast to it first)."""
-        dtype = self.unembed.weight.dtype
-        return self.norm(h if h.dtype == dtype else h.to(dtype))
+        weight = self.unembed.weight
+        return self.norm(h.to(device=weight.device, dtype=weight.dtype))
 
     def into(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The readout of rows h [rows, d_model] written into the float32 buffer out [rows, d_vocab]."""

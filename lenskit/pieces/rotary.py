@@ -1,4 +1,4 @@
-"""Rotary position embedding: the frequencies (plain, or rescaled as Llama 3.1 does) and the rotation.
+"""Rotary position embedding: the frequencies (plain, or rescaled as Llama 3.1 or YaRN do) and the rotation.
 
 The rotation pairs dimension i with i + rotary_dim/2 (the "rotate half" convention of GPT-NeoX and
 Llama checkpoints). With partial rotary (Pythia's `rotary_pct`), only the first `rotary_dim`
@@ -21,14 +21,27 @@ def inverse_frequencies(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     dim = cfg.rotary_dim
     own_base = local and cfg.local_rotary_base is not None
     base = cfg.local_rotary_base if own_base else cfg.rotary_base
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    powers = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # [rotary_dim / 2]
+    inv_freq = 1.0 / powers
     if own_base:
         return inv_freq
     if cfg.rope_type == "llama3":
         inv_freq = _llama3_rescale(inv_freq, cfg)
     elif cfg.rope_type == "linear":  # positions divided by the factor, i.e. every frequency is
         inv_freq = inv_freq / cfg.rope_factor
+    elif cfg.rope_type == "yarn":
+        inv_freq = _yarn_rescale(powers, cfg)
     return inv_freq
+
+
+def attention_factor(cfg: ModelConfig, local: bool = False) -> float:
+    """What cos and sin are multiplied by: YaRN's `rope_attention_factor`, by default 0.1 ln(factor) + 1 (the
+    paper's sqrt(1/t)), so every score grows by its square; 1 for the other rotary types and for local blocks."""
+    if cfg.rope_type != "yarn" or (local and cfg.local_rotary_base is not None):
+        return 1.0
+    if cfg.rope_attention_factor is not None:
+        return cfg.rope_attention_factor
+    return 1.0 if cfg.rope_factor <= 1 else 0.1 * math.log(cfg.rope_factor) + 1.0
 
 
 def _llama3_rescale(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -45,6 +58,26 @@ def _llama3_rescale(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_rescale(powers: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """YaRN's "NTK-by-parts": a pair of dims that turns more than `rope_beta_fast` times over the pre-training
+    length keeps its speed, one that turns fewer than `rope_beta_slow` times is slowed by `rope_factor`, and the
+    dims between are blended along a linear ramp over the dim index (whole dims at its ends with `rope_truncate`)."""
+    dim, base, old_len = cfg.rotary_dim, cfg.rotary_base, cfg.rope_original_n_ctx
+
+    def dim_turning(turns: float) -> float:  # the dim index whose pair turns `turns` times over old_len positions
+        return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_turning(cfg.rope_beta_fast), dim_turning(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a step instead of a ramp, as transformers takes it
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [rotary_dim / 2]: 0 fast, 1 slow
+    kept = 1 - ramp  # the share of each dim's own speed; written so the rounding is transformers'
+    return 1.0 / (cfg.rope_factor * powers) * (1 - kept) + 1.0 / powers * kept
+
+
 class Rotary(nn.Module):
     """Rotates the first `rotary_dim` dims of q and k by position-dependent angles.
 
@@ -57,6 +90,7 @@ class Rotary(nn.Module):
         self.cfg, self.local = cfg, local
         self.rotary_dim = cfg.rotary_dim
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.attention_factor = attention_factor(cfg, local)
         # Chosen once: full rotary needs no split and re-join of the passed-through dims.
         self._rotate = self._rotate_all if cfg.rotary_dim == cfg.d_head else self._rotate_part
 
@@ -67,7 +101,8 @@ class Rotary(nn.Module):
             inv_freq = inverse_frequencies(self.cfg, self.local).to(like.device)
             angles = torch.outer(torch.arange(n_pos, device=like.device, dtype=torch.float32), inv_freq)  # [pos, rotary_dim/2]
             angles = torch.cat([angles, angles], dim=-1)  # [pos, rotary_dim]
-            tables = self._tables = (angles.cos().to(like.dtype), angles.sin().to(like.dtype))
+            scale = self.attention_factor  # YaRN's, applied in fp32 before the cast as transformers applies it (1: exact)
+            tables = self._tables = ((angles.cos() * scale).to(like.dtype), (angles.sin() * scale).to(like.dtype))
         return tables[0][:n_pos], tables[1][:n_pos]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

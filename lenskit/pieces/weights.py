@@ -14,7 +14,9 @@ h reading kv head h // (n_heads // n_kv_heads), as TransformerLens's `HookedTran
 A bias the model lacks (Llama has no q/k/v bias; no family has an unembedding bias) reads as zeros, as in
 TransformerLens, so `x @ W_U + b_U` and `x @ W_Q + b_Q` hold for every family. `W_gate` is None for an
 ungated MLP, and `b_gate` (the gate's bias, which TransformerLens lacks) with it; `W_pos` exists only
-for learned positions. Nothing is folded: these are the raw weights
+for learned positions. In a mixture of experts the MLP views are per expert (`lenskit.pieces.moe.MoE`):
+`W_in` / `W_gate` [layer, expert, d_model, d_expert], `W_out` [layer, expert, d_expert, d_model]; a model
+that mixes MoE and dense blocks refuses to stack them (read them per block). Nothing is folded: these are the raw weights
 (see README, "Coming from TransformerLens").
 """
 
@@ -29,7 +31,13 @@ def _stacked(part: str, name: str, doc: str) -> property:
 
     def get(self) -> torch.Tensor | None:
         views = [getattr(getattr(block, part), name) for block in self.blocks]
-        return None if views[0] is None else torch.stack(views)
+        if views[0] is None:
+            return None
+        shapes = {None if v is None else tuple(v.shape) for v in views}
+        if len(shapes) > 1:  # a mixture of experts with dense blocks (Qwen3-MoE's mlp_only_layers)
+            raise ValueError(f"model.{name} cannot stack the blocks' {part}.{name}: their shapes differ ({sorted(map(str, shapes))}); "
+                             f"read model.blocks[l].{part}.{name} block by block")
+        return torch.stack(views)
 
     return property(get, doc=doc)
 

@@ -1,0 +1,114 @@
+"""Expert ablation in mixture-of-experts blocks (lenskit.pieces.moe), as hook factories.
+
+`Expert(L, e)` names expert e (or several) of block L's MoE MLP. Two modes, for what "without the expert" means:
+
+- "zero": the expert's contribution is zeroed and nothing else changes. Wherever a token routed to the expert,
+  its weight becomes 0 (at `blocks.L.mlp.hook_expert_weights`); the other k - 1 experts keep their weights, so
+  `mlp_out = clean mlp_out - Σ_{slots routed to e} weight · expert_out`.
+- "reroute": the router runs as if the expert did not exist. Its router logit becomes -inf (at
+  `blocks.L.mlp.hook_router_logits`) before the routing rule, so every token that chose it takes its next-best
+  expert instead, and the weights are the rule's own over the experts that remain: for softmax-then-top-k
+  (Qwen3-MoE, OLMoE) the softmax is over the other experts, so each remaining weight is p_j / (1 - p_e); with
+  renormalisation (Mixtral, norm_topk_prob) the new top k are renormalised to sum to 1; for top-k-then-softmax
+  (gpt-oss) the softmax is over the new top k. At least k experts must remain.
+
+`positions` restricts either mode to some positions (all by default).
+
+>>> hooks = expert_ablation_hooks(model, [Expert(0, 3)], mode="reroute")
+>>> logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from ..observe.hooks import HookFn
+from ..observe.stream import check_layer
+from .masks import check_positions, selection_mask
+
+EXPERT_MODES = ("zero", "reroute")
+
+
+@dataclass(frozen=True)
+class Expert:
+    """One or several experts of block `layer`'s mixture of experts: `Expert(1, 3)` or `Expert(1, [0, 3])`."""
+
+    layer: int
+    experts: tuple[int, ...]
+
+    def __init__(self, layer: int, experts: int | Iterable[int]) -> None:
+        object.__setattr__(self, "layer", layer)
+        chosen = (experts,) if isinstance(experts, int) else tuple(int(e) for e in experts)
+        object.__setattr__(self, "experts", chosen)
+
+
+def _checked(model, target: Expert) -> tuple[int, tuple[int, ...]]:
+    """(layer, sorted experts) of `target`, refused by name unless the block is a MoE block that has them."""
+    cfg = model.cfg
+    try:
+        layer = check_layer(target.layer, cfg.n_layers)
+    except (TypeError, IndexError) as e:
+        raise type(e)(f"{target!r}: {e}") from None
+    if not cfg.is_moe_layer(layer):
+        what = "a dense model" if cfg.n_experts is None else "a dense block of this mixture of experts"
+        raise ValueError(f"{target!r}: block {layer} of {cfg.name} has no experts ({what}); name a MoE block")
+    if not target.experts:
+        raise ValueError(f"{target!r}: no experts given; name at least one")
+    bad = [e for e in target.experts if not 0 <= e < cfg.n_experts]
+    if bad:
+        raise IndexError(f"{target!r}: expert {bad[0]} is out of range; block {layer} has {cfg.n_experts} experts "
+                         f"(0..{cfg.n_experts - 1})")
+    return layer, tuple(sorted(set(target.experts)))
+
+
+def _zero(layer: int, experts: tuple[int, ...], positions: Sequence[int] | None) -> list[tuple[str, HookFn]]:
+    """Weight 0 for every slot routed to `experts`: a hook reads the indices, the next one (same block, same
+    forward, right after) zeroes those slots' weights."""
+    routed: list[torch.Tensor] = []
+
+    def read_indices(chosen: torch.Tensor, hook) -> None:  # [batch, pos, k]
+        routed.append(chosen)
+
+    def zero_weights(weights: torch.Tensor, hook) -> torch.Tensor:  # [batch, pos, k]
+        chosen = routed.pop()
+        check_positions(positions, weights.shape[1], "expert ablation")
+        hit = torch.isin(chosen, torch.tensor(experts, device=chosen.device)) & selection_mask(weights, positions)
+        return weights.masked_fill(hit, 0)
+
+    return [(f"blocks.{layer}.mlp.hook_expert_indices", read_indices),
+            (f"blocks.{layer}.mlp.hook_expert_weights", zero_weights)]
+
+
+def _reroute(layer: int, experts: tuple[int, ...], positions: Sequence[int] | None) -> list[tuple[str, HookFn]]:
+    def remove(logits: torch.Tensor, hook) -> torch.Tensor:  # [batch, pos, expert]
+        check_positions(positions, logits.shape[1], "expert ablation")
+        mask = selection_mask(logits, positions, axis=2, units=experts)
+        return logits.masked_fill(mask, float("-inf"))
+
+    return [(f"blocks.{layer}.mlp.hook_router_logits", remove)]
+
+
+def expert_ablation_hooks(model, targets: Expert | Sequence[Expert], mode: str = "zero", *,
+                          positions: int | Sequence[int] | None = None) -> list[tuple[str, HookFn]]:
+    """Hooks that ablate every expert target at once (see the module docstring for the two modes)."""
+    if mode not in EXPERT_MODES:
+        raise ValueError(f"unknown expert ablation mode {mode!r}; expected one of {', '.join(EXPERT_MODES)}")
+    targets = [targets] if isinstance(targets, Expert) else list(targets)
+    if not targets:
+        raise ValueError("no expert targets given; pass e.g. [Expert(0, 3)]")
+    by_layer: dict[int, set[int]] = {}
+    for target in targets:
+        layer, experts = _checked(model, target)
+        by_layer.setdefault(layer, set()).update(experts)
+    if positions is not None:
+        positions = (positions,) if isinstance(positions, int) else tuple(int(p) for p in positions)
+    hooks = []
+    for layer, experts in sorted(by_layer.items()):
+        if mode == "reroute" and model.cfg.n_experts - len(experts) < model.cfg.n_experts_per_token:
+            raise ValueError(f"rerouting around {len(experts)} of block {layer}'s {model.cfg.n_experts} experts leaves "
+                             f"fewer than the {model.cfg.n_experts_per_token} each token needs; remove fewer, or use mode 'zero'")
+        hooks += (_zero if mode == "zero" else _reroute)(layer, tuple(sorted(experts)), positions)
+    return hooks

@@ -1,0 +1,234 @@
+"""Exported activations on disk (`lenskit cache`): the format, the hook names it takes, and a reader.
+
+A folder holds `manifest.json` and shards `shard-{index:05d}-rank{rank}.safetensors`. Shard k holds windows
+k * windows_per_shard onwards (the last shard may hold fewer), whichever process wrote it:
+
+- `tokens` [window, pos] int64, the token ids of its windows, and `windows` [window] int64, their indices;
+- one tensor per exported hook, by its full name: [window, pos, *shape], e.g. [window, pos, d_model].
+
+The manifest names the model (fingerprint, name, family), the hooks, the per-token `shapes`, the stored
+`dtype`, the window length `ctx`, the plan (`n_windows`, `windows_per_shard`, `n_shards`), the data's
+provenance, and `shards`: one record per finished shard (`file`, `index`, `rank`, `first_window`,
+`n_windows`, `bytes`). `complete` is true once every shard is written. See docs/activation_export.md.
+
+>>> rows = ActivationDataset("acts/", "resid_post.6")   # row i: window i // ctx, position i % ctx
+>>> activation, token = rows[0]                          # [d_model], int64 []
+>>> loader = torch.utils.data.DataLoader(rows, batch_size=4096, shuffle=True)   # across shards
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from torch.utils.data import Dataset, Subset
+
+from ..observe.names import BLOCK_SHORT, get_act_name, hook_name
+from ..observe.stream import POINTS, Stream
+from .files import check_regular_file, read_json_object
+
+if TYPE_CHECKING:
+    from ..model import HookedTransformer
+
+FORMAT = "lenskit-activations"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+TOKENS, WINDOWS = "tokens", "windows"  # the shard tensors beside the hooks'
+# Hooks whose tensors are not one vector per token ([batch, head, query_pos, key_pos], [batch, head, query_pos]).
+NOT_PER_TOKEN = ("attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_sink")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_SHORT_LAYER = re.compile(r"^(?P<short>[a-z_0-9]+)[.:](?P<layer>-?\d+)$")
+
+
+def shard_name(index: int, rank: int) -> str:
+    """The file name of shard `index` written by process `rank`."""
+    return f"shard-{index:05d}-rank{rank}.safetensors"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ------------------------------------------------------------------ hook names
+def resolve_hook(n_layers: int, hook_dict: dict, spec: str) -> str:
+    """The full hook name for `spec`: a full name ("blocks.6.hook_resid_post"), short.layer ("resid_post.6",
+    "mlp_out.-1", "pre.3"; "resid_pre.{n_layers}" is the last stream) or TransformerLens's short forms ("k6").
+    An unknown name is refused by name (KeyError, with close matches), as is a hook without one vector per token."""
+    spec = spec.strip()
+    name = spec
+    if spec not in hook_dict:
+        short = _SHORT_LAYER.match(spec)
+        try:
+            if short and short["short"] in POINTS:
+                name = Stream.parse(spec).hook_name(n_layers)
+            elif short and short["short"] in BLOCK_SHORT:
+                name = hook_name(short["short"], int(short["layer"]), n_layers)
+            else:
+                name = get_act_name(spec)
+        except IndexError as e:  # a layer past the model
+            raise KeyError(f"hook {spec!r}: {e}") from None
+        except (KeyError, ValueError):
+            name = spec
+    if name not in hook_dict:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(hook_dict), n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else "; see model.hook_dict for all names"
+        raise KeyError(f"unknown hook name {spec!r}{hint}")
+    if name.endswith(NOT_PER_TOKEN):
+        raise ValueError(f"{name} is not one vector per token (it is per query and key position), so it cannot be "
+                         "exported as rows; export per-token hooks such as resid_post.L, attn_out.L or z.L")
+    return name
+
+
+def resolve_hooks(model: "HookedTransformer", specs: str | Sequence[str]) -> list[str]:
+    """Full hook names for a comma-separated list or a sequence of specs (see `resolve_hook`), duplicates dropped."""
+    if isinstance(specs, str):
+        specs = specs.split(",")
+    names = [resolve_hook(model.cfg.n_layers, model.hook_dict, s) for s in specs if s.strip()]
+    if not names:
+        raise ValueError("no hooks given; pass hook names such as resid_post.6,resid_mid.12")
+    return list(dict.fromkeys(names))
+
+
+# ------------------------------------------------------------------ the manifest
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+MANIFEST_FIELDS = {
+    "format": (lambda v: v == FORMAT, f"{FORMAT!r}"),
+    "format_version": (lambda v: v == FORMAT_VERSION, f"{FORMAT_VERSION}"),
+    "model_fingerprint": (lambda v: isinstance(v, str), "the model's fingerprint, a string"),
+    "hooks": (lambda v: isinstance(v, list) and v and all(isinstance(x, str) for x in v), "a list of hook names"),
+    "shapes": (lambda v: isinstance(v, dict) and all(isinstance(s, list) and all(_count(d) for d in s) for s in v.values()),
+               "per-token shapes, {hook: [sizes]}"),
+    "dtype": (lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}"),
+    "ctx": (lambda v: _count(v) and v >= 1, "the window length, an integer >= 1"),
+    "n_windows": (_count, "the number of windows, an integer >= 0"),
+    "windows_per_shard": (lambda v: _count(v) and v >= 1, "an integer >= 1"),
+    "n_shards": (_count, "the number of shards, an integer >= 0"),
+    "shards": (lambda v: isinstance(v, list) and all(isinstance(s, dict) and isinstance(s.get("file"), str)
+                                                     and _count(s.get("index")) and _count(s.get("n_windows"))
+                                                     and _count(s.get("first_window")) for s in v),
+               "a list of shard records {file, index, rank, first_window, n_windows, bytes}"),
+}
+
+
+def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of an export folder, every field checked (ValueError naming the file and the field)."""
+    path = Path(folder) / MANIFEST_FILE
+    if not os.path.lexists(path):
+        raise FileNotFoundError(f"no {MANIFEST_FILE} in {folder}; expected a folder written by `lenskit cache`")
+    manifest = read_json_object(path, what="an activation-export manifest")
+    for key, (ok, want) in MANIFEST_FIELDS.items():
+        if key not in manifest or not ok(manifest[key]):
+            found = "missing" if key not in manifest else f"{manifest[key]!r:.60}"
+            raise ValueError(f"{path}: field {key!r} must be {want}, found {found}; the export is corrupt: "
+                             "export again into a new folder")
+    missing = set(manifest["hooks"]) - set(manifest["shapes"])
+    if missing:
+        raise ValueError(f"{path}: 'shapes' has no entry for {sorted(missing)}; the export is corrupt: export again")
+    for s in manifest["shards"]:
+        if Path(s["file"]).name != s["file"]:
+            raise ValueError(f"{path}: shard file {s['file']!r} is not a plain file name; the export is corrupt")
+    return manifest
+
+
+# ------------------------------------------------------------------ the reader
+class ActivationDataset(Dataset):
+    """The per-token rows of one exported hook: `rows[i] == (activation [*shape], token id [] int64)`, row i
+    being window i // ctx, position i % ctx (windows in order), read from memory-mapped shards.
+
+    Each shard is opened with safetensors' `safe_open` on first use (in each DataLoader worker), and a row is
+    a view of the mapped file, so memory holds only the pages read. `DataLoader(rows, shuffle=True)` shuffles
+    across shards; `rows.shuffled(seed)` is a fixed order. A folder whose export is unfinished is refused
+    unless `allow_incomplete=True` (then the rows are those of the shards written, in window order).
+    """
+
+    def __init__(self, folder: str | os.PathLike, hook: str | None = None, *, allow_incomplete: bool = False) -> None:
+        self.folder = Path(folder)
+        self.manifest = read_manifest(self.folder)
+        m = self.manifest
+        hooks = m["hooks"]
+        if hook is None:
+            if len(hooks) != 1:
+                raise ValueError(f"{folder} holds {len(hooks)} hooks ({', '.join(hooks)}); name the one to read")
+            hook = hooks[0]
+        n_layers = m.get("n_layers")
+        by_name = dict.fromkeys(hooks)
+        try:
+            self.hook = hook if hook in by_name else resolve_hook(n_layers if isinstance(n_layers, int) else 0, by_name, hook)
+        except (KeyError, ValueError):
+            raise KeyError(f"{folder} holds no hook {hook!r}; it holds {', '.join(hooks)}") from None
+        self.shape = tuple(m["shapes"][self.hook])
+        self.dtype = DTYPES[m["dtype"]]
+        self.ctx = m["ctx"]
+        shards = sorted(m["shards"], key=lambda s: s["index"])
+        self.complete = bool(m.get("complete")) and len(shards) == m["n_shards"]
+        if not self.complete and not allow_incomplete:
+            raise ValueError(f"the export in {folder} is unfinished ({len(shards)} of {m['n_shards']} shards); rerun the "
+                             "same `lenskit cache` command to finish it, or pass allow_incomplete=True")
+        self.shards = shards
+        self._starts = []  # first row of each shard
+        total = 0
+        for s in shards:
+            self._starts.append(total)
+            total += s["n_windows"] * self.ctx
+        self._rows = total
+        self._open: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def _shard(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shard k's (activations [window * pos, *shape], tokens [window * pos]), mapped on first use."""
+        if k not in self._open:
+            from safetensors import safe_open
+
+            record = self.shards[k]
+            path = self.folder / record["file"]
+            check_regular_file(path, "an activation shard (safetensors)")
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                acts, tokens = f.get_tensor(self.hook), f.get_tensor(TOKENS)
+            want = (record["n_windows"], self.ctx, *self.shape)
+            if tuple(acts.shape) != want or acts.dtype != self.dtype or tuple(tokens.shape) != want[:2]:
+                raise ValueError(f"{path} holds {self.hook} of shape {tuple(acts.shape)} {acts.dtype}, expected {want} "
+                                 f"{self.dtype} (the manifest's); the export is corrupt: export again")
+            self._open[k] = acts.reshape(-1, *self.shape), tokens.reshape(-1)
+        return self._open[k]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i < 0:
+            i += self._rows
+        if not 0 <= i < self._rows:
+            raise IndexError(f"row {i} is out of range for {self._rows} rows")
+        k = bisect.bisect_right(self._starts, i) - 1
+        acts, tokens = self._shard(k)
+        r = i - self._starts[k]
+        return acts[r], tokens[r]
+
+    def window(self, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Window `w` (by its place among the windows read) whole: (activations [pos, *shape], tokens [pos])."""
+        n = self._rows // self.ctx
+        if not -n <= w < n:
+            raise IndexError(f"window {w} is out of range for {n} windows")
+        rows = slice((w % n) * self.ctx, (w % n + 1) * self.ctx)
+        k = bisect.bisect_right(self._starts, rows.start) - 1
+        acts, tokens = self._shard(k)
+        r = rows.start - self._starts[k]
+        return acts[r: r + self.ctx], tokens[r: r + self.ctx]
+
+    def shuffled(self, seed: int) -> Subset:
+        """The rows in an order fixed by `seed` (a permutation of every row, across shards)."""
+        return Subset(self, torch.randperm(self._rows, generator=torch.Generator().manual_seed(seed)).tolist())
+
+    def __getstate__(self) -> dict:  # DataLoader workers map their own shards
+        return {**self.__dict__, "_open": {}}
+
+    def __repr__(self) -> str:
+        return f"ActivationDataset({str(self.folder)!r}, {self.hook!r}: {self._rows:,} rows of {list(self.shape)} {dtype_name(self.dtype)})"
