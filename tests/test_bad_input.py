@@ -373,8 +373,8 @@ ROWS = [
     Row("cli train-lens --lr -1", cli(*TRAIN, "--out", "{root}/rows/lr", "--lr", "-1"), 2, ("--lr", "> 0")),
     # --------------------------------------------------------------- output folder, lock, checkpoint (items 4-6)
     Row("train into a folder locked by a live run", locked_by_live_process, FolderLockedError,
-        ("in use by another training run", "pid", "--out")),
-    Row("cli train-lens into a locked folder", locked_cli_run, 2, ("in use by another training run",)),
+        ("in use by another lenskit run", "pid", "--out")),
+    Row("cli train-lens into a locked folder", locked_cli_run, 2, ("in use by another lenskit run",)),
     Row("lock the same folder twice", lock_twice, FolderLockedError, ("in use", str(os.getpid()))),
     Row("lock released on KeyboardInterrupt", lock_released_on_interrupt, WORKS,
         check=lambda e, out: None if not (out / LOCK_FILE).exists() else pytest.fail("lock left behind")),

@@ -131,7 +131,7 @@ def test_a_second_run_into_the_same_folder_refuses(setup, tmp_path):
     holder = hold_lock(out)
     try:
         proc = train(root, out)
-        assert_one_line_refusal(proc, "in use by another training run", f"pid {holder.pid}", "--out")
+        assert_one_line_refusal(proc, "in use by another lenskit run", f"pid {holder.pid}", "--out")
         assert (out / LOCK_FILE).read_text().split()[0] == str(holder.pid)  # the live owner keeps its lock
         assert not (out / CHECKPOINT_FILE).exists()
     finally:
@@ -143,7 +143,7 @@ def test_a_lock_held_by_a_process_killed_with_sigkill_is_free_at_once(tmp_path):
     out = tmp_path / "lens"
     holder = hold_lock(out)
     try:
-        with pytest.raises(FolderLockedError, match=f"in use by another training run \\(pid {holder.pid} "):
+        with pytest.raises(FolderLockedError, match=f"in use by another lenskit run \\(pid {holder.pid} "):
             with folder_lock(out):
                 pass
     finally:

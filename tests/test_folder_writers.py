@@ -98,7 +98,7 @@ def test_save_into_a_folder_another_process_holds_is_refused(tiny, tmp_path, kin
     folder = tmp_path / "lens"
     holder = hold_lock(folder)
     try:
-        with pytest.raises(FolderLockedError, match=f"in use by another training run \\(pid {holder.pid}"):
+        with pytest.raises(FolderLockedError, match=f"in use by another lenskit run \\(pid {holder.pid}"):
             lenses_of(model)[kind].save(folder)
     finally:
         holder.kill()
@@ -139,7 +139,7 @@ def test_card_takes_the_folder_lock(tiny, tmp_path, monkeypatch, capsys):
         holder.kill()
         holder.wait()
     err = capsys.readouterr().err
-    assert "in use by another training run" in err and str(holder.pid) in err and err.count("\n") == 1, err
+    assert "in use by another lenskit run" in err and str(holder.pid) in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("target", ["folder", "config.json", "README.md"])

@@ -120,7 +120,7 @@ def folder_lock(folder: str | os.PathLike, join: bool = False) -> Iterator[Path]
         yield folder / LOCK_FILE
         return
     if not entry[0].acquire(blocking=join and entry[1] != me):
-        raise FolderLockedError(f"{folder} is in use by another training run{_holder(folder / LOCK_FILE)} (in this "
+        raise FolderLockedError(f"{folder} is in use by another lenskit run{_holder(folder / LOCK_FILE)} (in this "
                                 f"process, pid {os.getpid()}); wait for it to finish or pass another --out")
     entry[1] = me
     try:
@@ -139,8 +139,9 @@ def _process_lock(folder: Path) -> Iterator[Path]:
     path = folder / LOCK_FILE
     unlock = _lock(path)
     if unlock is None:
-        raise FolderLockedError(f"{folder} is in use by another training run{_holder(path)} (or a save, or eval-lens "
-                                "--card, into the same folder); wait for it to finish or pass another --out")
+        raise FolderLockedError(f"{folder} is in use by another lenskit run{_holder(path)} (train-lens, a save, "
+                                "eval-lens --card, a Jacobian-lens fit or an activation export into the same folder); "
+                                "wait for it to finish or pass another --out")
     try:
         for partial in folder.glob(".*.tmp[0-9]*"):  # write_atomic's staging folders, left by a run killed mid-write
             shutil.rmtree(partial, ignore_errors=True)
