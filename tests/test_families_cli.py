@@ -88,6 +88,30 @@ def test_ablate_a_head(folder, tmp_path, capsys):
     assert len(pd.read_csv(csv)) > 0
 
 
+@pytest.mark.parametrize("mode", ["zero", "reroute"])
+def test_ablate_an_expert(folder, tmp_path, capsys, mode):
+    """A MoE family's expert, by the CLI, scores as the library's expert ablation does; a dense family refuses."""
+    from lenses.compare import compare_runs, output_summary
+    from lenskit.intervene.experts import Expert, expert_ablation_hooks
+
+    model = HookedTransformer.from_pretrained(folder / "model")
+    layer = next((l for l in range(model.cfg.n_layers) if model.cfg.is_moe_layer(l)), None)
+    csv = tmp_path / "ablate.csv"
+    args = ["ablate", PROMPT, "--model", str(folder / "model"), "--expert", f"{layer or 0}.1", "--expert-mode", mode,
+            "--csv", str(csv)]
+    if layer is None:
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "has no experts (a dense model)" in err and len(err.strip().splitlines()) == 1, err
+        return
+    assert main(args) == 0
+    got = pd.read_csv(csv)
+    hooks = expert_ablation_hooks(model, [Expert(layer, 1)], mode)
+    want = output_summary(compare_runs(model, model.to_tokens(PROMPT), hooks))
+    assert got["ablated_loss"].tolist() == pytest.approx(want["ablated_loss"].tolist(), abs=1e-6)
+    assert f"ablated expert {layer}.1 (experts {mode})" in capsys.readouterr().out
+
+
 def test_info(folder, capsys):
     assert main(["info", "--model", str(folder / "model")]) == 0
     out = capsys.readouterr().out

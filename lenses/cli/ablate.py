@@ -1,5 +1,6 @@
-"""`lenskit ablate PROMPT (--block L | --attn L | --mlp L | --head L.H)... [--mode zero|mean|resample]`:
-what the model predicts at each position with and without the ablated parts, and what that costs.
+"""`lenskit ablate PROMPT (--block L | --attn L | --mlp L | --head L.H | --expert L.E)... [--mode zero|mean|resample]
+[--expert-mode zero|reroute]`: what the model predicts at each position with and without the ablated parts, and
+what that costs.
 
 Mean and resample ablations need reference text. By default it is `DEFAULT_REFERENCE`: modules of the
 running Python's standard library that the embedded model never trained on (they fall in its held-out
@@ -17,6 +18,7 @@ import pandas as pd
 
 import lenskit
 from lenskit.io.data import HELDOUT_SAMPLE, reference_windows
+from lenskit.intervene.experts import EXPERT_MODES, Expert, expert_ablation_hooks
 from lenskit.intervene.interventions import MODES, Attn, Block, Head, Mlp, ablation_hooks
 from lenses.cli.figure_options import add_figure_options, check_figure_output, figure_kwargs
 
@@ -41,6 +43,16 @@ def _head(text: str) -> Head:
         raise argparse.ArgumentTypeError(f"expected LAYER.HEAD such as 3.1, got {text!r}") from None
 
 
+def _expert(text: str) -> Expert:
+    layer, dot, expert = text.partition(".")
+    try:
+        if not dot:
+            raise ValueError
+        return Expert(int(layer), int(expert))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LAYER.EXPERT such as 1.3, got {text!r}") from None
+
+
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p = subparsers.add_parser(
         name, help="ablate blocks, sublayers or heads and compare predictions with the clean run",
@@ -59,8 +71,13 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
                    help="ablate the MLP write of block L; repeatable")
     p.add_argument("--head", dest="targets", action="append", type=_head, metavar="L.H",
                    help="ablate head H of block L (through its z); repeatable")
+    p.add_argument("--expert", dest="targets", action="append", type=_expert, metavar="L.E",
+                   help="ablate expert E of block L's mixture of experts (see --expert-mode); repeatable")
     p.add_argument("--mode", choices=list(MODES), default="zero",
                    help="zero; mean over the reference tokens; or resample from a reference window (default: zero)")
+    p.add_argument("--expert-mode", choices=list(EXPERT_MODES), default="zero",
+                   help="for --expert: zero its contribution, other weights unchanged; or reroute: remove it from "
+                        "routing, so tokens take their next-best expert (default: zero)")
     p.add_argument("--reference", nargs="+", default=None, metavar="PATH",
                    help="text files, folders or .jsonl for mean/resample (default: held-out stdlib modules)")
     p.add_argument("--seed", type=int, default=0, help="seed for the reference windows and resampling (default 0)")
@@ -77,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from lenses.compare import compare_runs, output_summary
 
     if not args.targets:
-        raise ValueError("nothing to ablate: give at least one of --block L, --attn L, --mlp L, --head L.H")
+        raise ValueError("nothing to ablate: give at least one of --block L, --attn L, --mlp L, --head L.H, --expert L.E")
     from lenskit.io.files import check_output_file, open_output
 
     if args.csv:  # outputs before any work, not after it
@@ -87,12 +104,15 @@ def run(args: argparse.Namespace) -> int:
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files; lenskit ablate needs one to read PROMPT")
     tokens = model.to_tokens(args.prompt)
+    experts = [t for t in args.targets if isinstance(t, Expert)]
+    parts = [t for t in args.targets if not isinstance(t, Expert)]
     reference = None
-    if args.mode != "zero":
+    if args.mode != "zero" and parts:
         length = tokens.shape[1] if args.mode == "resample" else min(MEAN_WINDOW, model.cfg.n_ctx)
         reference = reference_windows(model.tokenizer, args.reference, length, args.seed)
     try:
-        hooks = ablation_hooks(model, args.targets, args.mode, reference=reference, seed=args.seed)
+        hooks = ablation_hooks(model, parts, args.mode, reference=reference, seed=args.seed) if parts else []
+        hooks += expert_ablation_hooks(model, experts, args.expert_mode) if experts else []
     except IndexError as e:  # an out-of-range layer or head: a user error, reported like the others
         raise ValueError(str(e)) from None
     frame = compare_runs(model, tokens, hooks)
@@ -100,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
 
     names = ", ".join(_describe(t) for t in args.targets)
     ref = "" if reference is None else f" over {len(reference)} reference windows of {reference.shape[1]} tokens"
-    print(f"ablated {names} ({args.mode}{ref}) in {model.cfg.name}, {tokens.shape[1]} tokens")
+    modes = ([f"{args.mode}{ref}"] if parts else []) + ([f"experts {args.expert_mode}"] if experts else [])
+    print(f"ablated {names} ({', '.join(modes)}) in {model.cfg.name}, {tokens.shape[1]} tokens")
     if summary.empty:
         print("the prompt has one token, so no position has a next token to score; give a longer prompt")
     else:
@@ -126,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
 def _describe(target) -> str:
     if isinstance(target, Head):
         return f"head {target.layer}.{target.heads[0]}"
+    if isinstance(target, Expert):
+        return f"expert {target.layer}.{target.experts[0]}"
     return f"{type(target).__name__.lower()} {target.layer}"
 
 
