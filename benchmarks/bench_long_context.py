@@ -5,7 +5,8 @@ attention pattern in lenskit, against TransformerLens 4.3's bridge caching every
 
 The model is a tiny random Llama (d_model 256, 4 blocks, 8 heads of 32, GQA 2 kv heads, vocabulary 32,000,
 n_ctx 32,768) written once under ~/.cache/lenskit/bench. Every (case, length) runs in a fresh process: one
-untimed warm-up call, then the median of --repeats timed calls; peak memory is the process's resident-set high
+untimed warm-up call up to 2,048 tokens, then the median of --repeats timed calls (--long-repeats past 4,096
+tokens, where one call is seconds to minutes of work); peak memory is the process's resident-set high
 water mark (VmHWM, reset after loading) above its size after loading, or on CUDA the allocator's peak above the
 model. TransformerLens' bridge forces eager attention (so its hooks can see every pattern); past --tl-max
 tokens it would not fit this machine's memory, and those cells say so.
@@ -80,7 +81,8 @@ def one_case(case: str, n_tokens: int, device: str, repeats: int) -> dict:
         else:
             call = lambda: model.run_with_cache(tokens, names_filter="blocks.2.attn.hook_pattern")  # noqa: E731
     with torch.no_grad():
-        call()  # warm-up
+        if n_tokens <= 2048:  # a first call's one-off costs matter only next to a short prompt's work
+            call()
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -105,6 +107,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--long-repeats", type=int, default=1, help="timed calls past 4,096 tokens")
     ap.add_argument("--tl-max", type=int, default=8192, help="longest prompt TransformerLens is given (memory)")
     ap.add_argument("--pattern-max", type=int, default=8192, help="longest prompt the one-pattern case is given")
     ap.add_argument("--csv", type=Path, default=HERE / "long_context.csv")
@@ -122,8 +125,9 @@ def main() -> None:
                 rows.append({"case": case, "tokens": n, "seconds": float("nan"), "peak_mib": float("nan"),
                              "note": f"not run: past --{'tl' if 'transformer' in case else 'pattern'}-max={limit}"})
                 continue
+            repeats = args.repeats if n <= 4096 else args.long_repeats
             run = subprocess.run([sys.executable, __file__, "--child", case, str(n), "--device", args.device,
-                                  "--repeats", str(args.repeats)], capture_output=True, text=True)
+                                  "--repeats", str(repeats)], capture_output=True, text=True)
             if run.returncode != 0:
                 note = (run.stderr.strip().splitlines() or [f"exit {run.returncode}"])[-1][:120]
                 rows.append({"case": case, "tokens": n, "seconds": float("nan"), "peak_mib": float("nan"), "note": note})

@@ -134,6 +134,7 @@ class JacobianLens(BasisLens):
         if layer is None:
             return h
         J = getattr(self, f"J_{layer}")
+        h = h.to(J.device)  # under a device map, a stream read on its block's device is read where the lens lives
         if J.dtype == h.dtype:
             return h @ J.T
         return (h.to(J.dtype) @ J.T).to(h.dtype)  # a float32 lens on a lower-precision model

@@ -146,6 +146,7 @@ class TunedLens(BasisLens):
         t = self.translator(s)
         if t is None:
             return h
+        h = h.to(t.bias.device)  # under a device map, a stream read on its block's device is read where the lens lives
         if t.bias.dtype == h.dtype:
             return h + t(h)
         # A float32 lens on a lower-precision model: translate in float32, read out in the model's dtype.
