@@ -26,8 +26,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 FOLDER = Path.home() / ".cache/lenskit/bench/llama-long-context"
-CASES = ("lenskit_cache_resid_post", "lenskit_logit_lens_trajectory", "lenskit_cache_one_pattern",
-         "transformer_lens_cache_resid_post")
+CASES = ("lenskit_cache_resid_post", "lenskit_cache_resid_post_no_logits", "lenskit_logit_lens_trajectory",
+         "lenskit_cache_one_pattern", "transformer_lens_cache_resid_post")
 
 
 def write_model(folder: Path) -> Path:
@@ -75,6 +75,9 @@ def one_case(case: str, n_tokens: int, device: str, repeats: int) -> dict:
         model = HookedTransformer.from_pretrained(FOLDER, device=device).eval()
         if case == "lenskit_cache_resid_post":
             call = lambda: model.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_resid_post"))  # noqa: E731
+        elif case == "lenskit_cache_resid_post_no_logits":  # the unembedding skipped: nothing reads the logits
+            call = lambda: model.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_resid_post"),  # noqa: E731
+                                                return_logits=False)
         elif case == "lenskit_logit_lens_trajectory":
             lens = LogitLens(model)
             call = lambda: Trajectory.from_prompt(lens, tokens)  # noqa: E731
@@ -110,6 +113,7 @@ def main() -> None:
     ap.add_argument("--long-repeats", type=int, default=1, help="timed calls past 4,096 tokens")
     ap.add_argument("--tl-max", type=int, default=8192, help="longest prompt TransformerLens is given (memory)")
     ap.add_argument("--pattern-max", type=int, default=8192, help="longest prompt the one-pattern case is given")
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     ap.add_argument("--csv", type=Path, default=HERE / "long_context.csv")
     ap.add_argument("--child", nargs=2, metavar=("CASE", "TOKENS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -119,7 +123,7 @@ def main() -> None:
     write_model(FOLDER)
     rows = []
     for n in args.tokens:
-        for case in CASES:
+        for case in args.cases:
             limit = args.tl_max if case.startswith("transformer_lens") else args.pattern_max if "pattern" in case else None
             if limit is not None and n > limit:
                 rows.append({"case": case, "tokens": n, "seconds": float("nan"), "peak_mib": float("nan"),
@@ -140,10 +144,11 @@ def main() -> None:
     table = pd.DataFrame(rows)
     table.to_csv(args.csv, index=False)
     wide = table.pivot(index="tokens", columns="case", values="seconds")
-    base = wide["lenskit_cache_resid_post"]
-    print("\nseconds per call, and each case / lenskit_cache_resid_post")
+    print("\nseconds per call")
     print(wide.round(3).to_string())
-    print((wide.div(base, axis=0)).round(2).to_string())
+    if "lenskit_cache_resid_post" in wide:
+        print("\neach case / lenskit_cache_resid_post")
+        print((wide.div(wide["lenskit_cache_resid_post"], axis=0)).round(2).to_string())
     print("\npeak MiB above the loaded model")
     print(table.pivot(index="tokens", columns="case", values="peak_mib").round(1).to_string())
 
