@@ -17,11 +17,21 @@ Conventions (the ones of Kaplan et al., 2020, "Scaling Laws for Neural Language 
   `n_keys = n_ctx` (the full score matrix, as dense kernels compute it). `causal=True` counts only the
   keys a query can see: `(n_ctx + 1) / 2` on average. Kaplan et al.'s own `2 n_layer n_ctx d_attn`
   counts one of the two matmuls; multiply ours by 1/2 to compare.
-- In a mixture of experts (`cfg.n_experts`), a MoE block's MLP holds its router (`d_model * n_experts`) and
-  every expert; *active* parameters are those one token uses: the router and its k routed experts, so
-  `active = total - (n_experts - k) * per_expert` summed over the MoE blocks. MLP FLOPs count the active weights
+- In a mixture of experts (`cfg.n_experts`), a MoE block's MLP holds its router (`d_model * n_experts`, plus a
+  bias per expert where `cfg.router_bias`) and every expert (with its biases, gpt-oss's); *active* parameters are
+  those one token uses: the router and its k routed experts, so
+  `active = total - (n_experts - k) * per_expert` summed over the MoE blocks. Attention sinks (gpt-oss, a logit
+  per head) count as attention biases. MLP FLOPs count the active weights
   only (the router and the k routed experts); the dense blocks of a sparse model (Qwen3-MoE's mlp_only_layers)
   count their dense MLP.
+- A linear-attention block (Qwen 3.5's Gated DeltaNet, `layer_types` "linear") holds its projections (q/k/v,
+  the output gate z, beta and a: `in_qkv`, `in_z`, `in_b`, `in_a`), the depthwise causal convolution (2 FLOPs per
+  weight per token, like a matmul's), `out_proj`, and per value head `A_log` and `dt_bias` (counted as biases);
+  its gated output norm's gain counts with the norms. Its core (row `linear_core`) is the delta rule's recurrence:
+  per token and value head, the state's read of k, its rank-one update and its read of q, `6 d_k d_v` FLOPs,
+  whatever the context: linear attention's cost is linear in the context, where softmax attention's core
+  (`attn_core`, the full-attention blocks only) grows with it. Gated attention's q projection also gives its
+  output gate: `2 d_attn` rows.
 - Training costs 3x the forward pass (the backward pass is about twice the forward): `6 N` per token,
   so `C = 6 N D` for `D` tokens with `N` the non-embedding parameters.
 
@@ -59,22 +69,40 @@ def _d_attn(cfg: ModelConfig) -> int:
 
 
 # ---------------------------------------------------------------- parameters
-def _per_expert(cfg: ModelConfig) -> int:
-    """One expert's parameters: its gate, up and down projections."""
+def _expert_weights(cfg: ModelConfig) -> int:
+    """One expert's matrices: its gate, up and down projections."""
     return 3 * cfg.d_model * cfg.d_expert
+
+
+def _expert_biases(cfg: ModelConfig) -> int:
+    """One expert's biases: gate, up and down (gpt-oss's experts), else none."""
+    return 2 * cfg.d_expert + cfg.d_model if cfg.mlp == "swiglu_clamped" else 0
+
+
+def _per_expert(cfg: ModelConfig) -> int:
+    """One expert's parameters."""
+    return _expert_weights(cfg) + _expert_biases(cfg)
 
 
 def _active_mlp(cfg: ModelConfig, layer: int) -> int:
     """The MLP weights of block `layer` that one token's forward multiplies: all of a dense MLP; a MoE block's
     router and its k routed experts."""
     if cfg.is_moe_layer(layer):
-        return cfg.d_model * cfg.n_experts + cfg.n_experts_per_token * _per_expert(cfg)
+        return cfg.d_model * cfg.n_experts + cfg.n_experts_per_token * _expert_weights(cfg)
     return int(block_params(cfg, layer).loc["mlp", "weights"])
 
 
 def _kinds(cfg: ModelConfig) -> dict[int, int]:
     """A representative block of each kind (MoE or dense) -> how many blocks are of that kind. Blocks of one kind
-    are equal, so sums over the blocks are a few products, whatever n_layers is."""
+    are equal, so sums over the blocks are a few products, whatever n_layers is. In a hybrid model a block's kind
+    is also its token mixer (linear or softmax attention)."""
+    if cfg.layer_types is not None and "linear" in cfg.layer_types:
+        first: dict[tuple[bool, bool], int] = {}
+        counts: dict[int, int] = {}
+        for i, kind in enumerate(cfg.layer_types):
+            rep = first.setdefault((kind == "linear", cfg.is_moe_layer(i)), i)
+            counts[rep] = counts.get(rep, 0) + 1
+        return counts
     if cfg.n_experts is None or not cfg.dense_layers:
         return {0: cfg.n_layers}
     kinds = {cfg.dense_layers[0]: len(cfg.dense_layers)}
@@ -95,16 +123,24 @@ def block_params(model_or_cfg: ConfigLike, layer: int = 0) -> pd.DataFrame:
     cfg = as_config(model_or_cfg)
     d, a, m = cfg.d_model, _d_attn(cfg), cfg.d_mlp
     kv = cfg.n_kv_heads * cfg.d_head  # each of k and v: smaller than d_attn under grouped-query attention
-    attn_w = d * (a + 2 * kv) + a * d  # q, k, v, out
-    attn_b = (a + 2 * kv if cfg.qkv_bias else 0) + (d if cfg.out_bias else 0)
-    if cfg.is_moe_layer(layer):
-        mlp_w, mlp_b = d * cfg.n_experts + cfg.n_experts * _per_expert(cfg), 0  # router, experts
+    q = 2 * a if cfg.attn_output_gate else a  # gated attention: q's projection also gives the output gate
+    attn_w = d * (q + 2 * kv) + a * d  # q, k, v, out
+    attn_b = (q + 2 * kv if cfg.qkv_bias else 0) + (d if cfg.out_bias else 0) + (cfg.n_heads if cfg.attn_sinks else 0)
+    linear = cfg.layer_type(layer) == "linear"
+    if linear:  # Gated DeltaNet: in_qkv, in_z, in_b, in_a, the convolution, out_proj; A_log and dt_bias per value head
+        k_dim, v_dim, n_v = cfg.linear_n_k_heads * cfg.linear_d_k, cfg.linear_n_v_heads * cfg.linear_d_v, cfg.linear_n_v_heads
+        attn_w = d * (2 * k_dim + 2 * v_dim + 2 * n_v) + (2 * k_dim + v_dim) * cfg.linear_conv_width + v_dim * d
+        attn_b = 2 * n_v
+    if cfg.is_moe_layer(layer):  # router, experts
+        mlp_w = d * cfg.n_experts + cfg.n_experts * _expert_weights(cfg)
+        mlp_b = (cfg.n_experts if cfg.router_bias else 0) + cfg.n_experts * _expert_biases(cfg)
     elif cfg.mlp == "gelu":
         mlp_w, mlp_b = 2 * d * m, (m + d if cfg.mlp_bias else 0)  # fc_in, fc_out
     else:
         mlp_w, mlp_b = 3 * d * m, (2 * m + d if cfg.mlp_bias else 0)  # gate, fc_in, fc_out
     n_norms = 4 if cfg.norm_placement == "sandwich" else 2  # ln1, ln2 and/or ln1_post, ln2_post
     qk = (2 * cfg.d_head if cfg.qk_norm_per_head else a + kv) if cfg.qk_norm else 0  # q/k norm gains: per head, or all heads
+    qk = cfg.linear_d_v if linear else qk  # a linear-attention block's gated output norm instead
     norm_w = n_norms * d + qk
     norm_b = n_norms * d if cfg.norm == "layernorm" else 0
     rows = {"attn": (attn_w, attn_b), "mlp": (mlp_w, mlp_b), "norms": (norm_w, norm_b)}
@@ -181,7 +217,8 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
         "pos_embed": (int(by["pos_embed"]), "n_ctx * d_model" if cfg.positional == "learned" else "rotary: none"),
         "unembed": (int(by["unembed"]), "tied to embed, counted once" if cfg.tie_word_embeddings else "d_model * d_vocab"),
         "non_embedding": (non_embedding, "blocks + final norm (Kaplan et al.'s N)"),
-        "blocks": (blocks, "n_layers * per_block" if len(kinds) == 1 else "MoE blocks and dense blocks"),
+        "blocks": (blocks, "n_layers * per_block" if len(kinds) == 1 else "MoE blocks and dense blocks" if
+                   cfg.dense_layers else "linear- and full-attention blocks (per_block*: block 0's)"),
         "per_block": (per_block, "12 d^2 + 13 d for GPT-2 shapes" if cfg.is_gpt2 and cfg.d_mlp == 4 * cfg.d_model else ""),
         "per_block_attn": (int(block.loc["attn", "params"]), "q, k, v and out projections" +
                            (f" (k, v: {cfg.n_kv_heads} of {cfg.n_heads} heads)" if cfg.n_kv_heads != cfg.n_heads else "")),
@@ -191,7 +228,7 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
                                                                "sandwich": "ln1, ln2, ln1_post and ln2_post"}[cfg.norm_placement]
                             + (", q/k norms" if cfg.qk_norm else "")),
         "weights": (total("weights"), "matrices, embeddings and norm gains"),
-        "biases": (total("biases"), "linear biases and norm shifts"),
+        "biases": (total("biases"), "linear biases and norm shifts" + (", attention sinks" if cfg.attn_sinks else "")),
         "mlp_share_of_block": (float(block.loc["mlp", "params"] / per_block), "GPT-2: 2/3"),
         "attn_share_of_block": (float(block.loc["attn", "params"] / per_block), "GPT-2: 1/3"),
         "per_block_over_d2": (per_block / cfg.d_model**2, "GPT-2: 12 + 13/d"),
@@ -201,8 +238,10 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
         unused = n_moe * (cfg.n_experts - cfg.n_experts_per_token) * _per_expert(cfg)
         values.update({
             "experts": (n_moe * cfg.n_experts * _per_expert(cfg),
-                        f"{cfg.n_experts} experts x 3 d_model d_expert in each of {n_moe} MoE blocks"),
-            "per_expert": (_per_expert(cfg), "gate, up and down projections"),
+                        f"{cfg.n_experts} experts x 3 d_model d_expert{' + biases' if _expert_biases(cfg) else ''} in "
+                        f"each of {n_moe} MoE blocks"),
+            "per_expert": (_per_expert(cfg), "gate, up and down projections" + (" and their biases" if
+                                                                                  _expert_biases(cfg) else "")),
             "active": (values["total"][0] - unused, f"what one token uses: the router and {cfg.n_experts_per_token} of "
                        f"{cfg.n_experts} experts per MoE block, and everything else"),
             "active_non_embedding": (non_embedding - unused, "active, less the embeddings"),
@@ -218,7 +257,8 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
 def flops_per_token(model_or_cfg: ConfigLike, n_ctx: int | None = None, causal: bool = False) -> pd.DataFrame:
     """Matmul FLOPs per token at context length `n_ctx` (default: the model's), by component.
 
-    Rows: `attn_proj` (qkv and out), `attn_core` (`Q K^T` and `pattern V`), `mlp` (in a mixture of experts the
+    Rows: `attn_proj` (qkv and out), `attn_core` (`Q K^T` and `pattern V`), `linear_core` (only for a model
+    with linear-attention blocks: their delta rule, constant per token), `mlp` (in a mixture of experts the
     router and the k routed experts), `unembed`, `total`.
     Columns: `forward`, `training` (3 x forward), `share` (of the forward total). See the module
     docstring for the conventions; the attention core is the only term that grows with `n_ctx`.
@@ -227,11 +267,13 @@ def flops_per_token(model_or_cfg: ConfigLike, n_ctx: int | None = None, causal: 
     n_ctx = cfg.n_ctx if n_ctx is None else n_ctx
     if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx <= 0:
         raise ValueError(f"n_ctx must be a positive int (tokens of context), got {n_ctx!r}")
-    block = block_params(cfg)
     n_keys = (n_ctx + 1) / 2 if causal else n_ctx  # mean number of keys a query attends to
+    kinds = _kinds(cfg)
+    n_linear = sum(n for layer, n in kinds.items() if cfg.layer_type(layer) == "linear")
     forward = {
-        "attn_proj": 2 * cfg.n_layers * int(block.loc["attn", "weights"]),
-        "attn_core": 2 * 2 * cfg.n_layers * n_keys * _d_attn(cfg),
+        "attn_proj": 2 * sum(int(block_params(cfg, layer).loc["attn", "weights"]) * n for layer, n in kinds.items()),
+        "attn_core": 2 * 2 * (cfg.n_layers - n_linear) * n_keys * _d_attn(cfg),
+        **({"linear_core": 6 * n_linear * cfg.linear_n_v_heads * cfg.linear_d_k * cfg.linear_d_v} if n_linear else {}),
         "mlp": 2 * sum(_active_mlp(cfg, layer) * n for layer, n in _kinds(cfg).items()),  # routed experts only
         "unembed": 2 * cfg.d_model * cfg.d_vocab,
     }

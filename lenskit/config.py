@@ -17,9 +17,11 @@ ROPE_TYPES = ("default", "llama3", "linear")  # what a rotary family reads unles
 ROPE_TYPES_IMPLEMENTED = ROPE_TYPES + ("yarn",)  # yarn: gpt-oss
 
 NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")  # rmsnorm_offset: gain (1 + weight), Gemma's
-MLPS = ("gelu", "swiglu", "geglu", "swiglu_fused")  # geglu: gated, tanh GELU (Gemma); swiglu_fused: one gate_up (Phi-3)
+# geglu: gated, tanh GELU (Gemma); swiglu_fused: one gate_up (Phi-3); swiglu_clamped: gpt-oss's experts (biased,
+# gate and up clamped at swiglu_limit, sigmoid gain swiglu_alpha), for mixture-of-experts blocks only
+MLPS = ("gelu", "swiglu", "geglu", "swiglu_fused", "swiglu_clamped")
 NORM_PLACEMENTS = ("pre", "sandwich", "post")  # before each sublayer; before and after (Gemma); after only (OLMo 2)
-LAYER_TYPES = ("full", "sliding")
+LAYER_TYPES = ("full", "sliding", "linear")  # linear: a Gated DeltaNet block (Qwen 3.5), lenskit.pieces.deltanet
 # Router logits -> k expert weights (lenskit.pieces.moe): softmax over all experts then the top k (Qwen3-MoE and
 # OLMoE without norm_topk_prob), the same renormalised to sum to 1 (Mixtral; norm_topk_prob), or the top k logits
 # then a softmax over them (gpt-oss).
@@ -28,12 +30,12 @@ POSITIONALS = ("learned", "rotary")
 ACTIVATIONS = GELU_ACTIVATIONS
 _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
-                "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate")
+                "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate", "router_bias", "attn_output_gate")
 _POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rotary_base",
                      "rope_attention_factor")
 _ORGANISATION = re.compile(r"[A-Za-z0-9][\w.-]*")  # a hub organisation: no path separators, no leading "." or "~"
 _POSITIVE = ("rotary_base", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
-             "rope_beta_slow")
+             "rope_beta_slow", "swiglu_alpha", "swiglu_limit")
 
 
 @dataclass(frozen=True)
@@ -93,12 +95,23 @@ class ModelConfig:
     final_softcap: float | None = None  # logits -> c * tanh(logits / c) at the end of the readout (Gemma 2)
     layer_types: tuple[str, ...] | None = None  # per block, "full" or "sliding"; None: every block uses sliding_window
     local_rotary_base: float | None = None  # rotary base of the "sliding" blocks when it differs (Gemma 3)
+    nope_layers: tuple[int, ...] = ()  # blocks whose attention has no rotary embedding at all ("NoPE", SmolLM3)
     # Mixture of experts (lenskit.pieces.moe); all None / () for a dense model.
     n_experts: int | None = None  # experts in each MoE block
     n_experts_per_token: int | None = None  # k: the experts each token is routed to
     d_expert: int | None = None  # each expert's hidden width; None means d_mlp (a MoE model's dense blocks use d_mlp)
     routing: str = "softmax_topk"  # how router logits become k weights, see ROUTINGS
     dense_layers: tuple[int, ...] = ()  # blocks of a MoE model whose MLP is the ordinary dense one (Qwen3-MoE)
+    router_bias: bool = False  # the router's logits have a learned bias per expert (gpt-oss)
+    swiglu_alpha: float = 1.702  # mlp="swiglu_clamped": the gain inside the sigmoid, gate * sigmoid(alpha * gate)
+    swiglu_limit: float = 7.0  # mlp="swiglu_clamped": the gate is clamped above at this, the up projection to +-this
+    attn_output_gate: bool = False  # q's projection also gives each head a sigmoid gate on its output (Qwen 3.5)
+    # Linear-attention blocks (layer_types "linear", lenskit.pieces.deltanet); all None without them.
+    linear_n_k_heads: int | None = None  # q/k heads of the Gated DeltaNet
+    linear_n_v_heads: int | None = None  # value heads (a multiple of the q/k heads, each k head serving a group)
+    linear_d_k: int | None = None  # q/k head width
+    linear_d_v: int | None = None  # value head width
+    linear_conv_width: int | None = None  # the causal convolution's kernel width
 
     def __post_init__(self) -> None:
         if self.d_mlp is None:
@@ -170,7 +183,16 @@ class ModelConfig:
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool)
                                                 or self.sliding_window <= 0):
             raise ValueError(f"ModelConfig.sliding_window must be None or a positive int, got {self.sliding_window!r}")
+        object.__setattr__(self, "nope_layers", tuple(self.nope_layers))
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in self.nope_layers) \
+                or list(self.nope_layers) != sorted(set(self.nope_layers)):
+            raise ValueError(f"ModelConfig.nope_layers={self.nope_layers!r} must be increasing block indices in "
+                             f"[0, {self.n_layers})")
+        if self.nope_layers and self.positional != "rotary":
+            raise ValueError(f"ModelConfig.nope_layers={self.nope_layers!r} names blocks without rotary, but positional="
+                             f"{self.positional!r}; leave nope_layers empty")
         self._check_experts()
+        self._check_linear()
 
     @property
     def gelu_approximate(self) -> str:
@@ -183,17 +205,38 @@ class ModelConfig:
             return self.layer_types[layer]
         return "full" if self.sliding_window is None else "sliding"
 
+    def rotates(self, layer: int) -> bool:
+        """Whether block `layer`'s attention rotates q and k (rotary positions, and not one of `nope_layers`)."""
+        return self.positional == "rotary" and layer not in self.nope_layers
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer`'s MLP is a mixture of experts (lenskit.pieces.moe) rather than the dense MLP."""
         return self.n_experts is not None and layer not in self.dense_layers
+
+    def _check_linear(self) -> None:
+        """The linear-attention fields, where layer_types has a "linear" block: positive ints, v heads a multiple of
+        k heads. (Without one they are unused; a one-block copy of a hybrid model keeps them.)"""
+        fields = ("linear_n_k_heads", "linear_n_v_heads", "linear_d_k", "linear_d_v", "linear_conv_width")
+        if self.layer_types is None or "linear" not in self.layer_types:
+            return
+        for field in fields:
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{field} must be a positive int for linear-attention blocks, got {value!r}")
+        if self.linear_n_v_heads % self.linear_n_k_heads:
+            raise ValueError(f"ModelConfig.linear_n_v_heads={self.linear_n_v_heads} is not a multiple of linear_n_k_heads="
+                             f"{self.linear_n_k_heads}: each q/k head serves a whole group of value heads")
 
     def _check_experts(self) -> None:
         """The MoE fields: all unset for a dense model; else n_experts >= k >= 1, a known routing rule, blocks in range."""
         fields = ("n_experts", "n_experts_per_token", "d_expert")
         if self.n_experts is None:
-            if self.n_experts_per_token is not None or self.d_expert is not None or self.dense_layers:
-                raise ValueError("ModelConfig.n_experts is None (a dense model), so n_experts_per_token, d_expert and "
-                                 "dense_layers must be unset; give n_experts for a mixture of experts")
+            if self.n_experts_per_token is not None or self.d_expert is not None or self.dense_layers or self.router_bias:
+                raise ValueError("ModelConfig.n_experts is None (a dense model), so n_experts_per_token, d_expert, "
+                                 "dense_layers and router_bias must be unset; give n_experts for a mixture of experts")
+            if self.mlp == "swiglu_clamped":
+                raise ValueError("ModelConfig.mlp='swiglu_clamped' is an expert piece (gpt-oss); give n_experts, or "
+                                 "choose a dense MLP")
             return
         if self.d_expert is None:
             object.__setattr__(self, "d_expert", self.d_mlp)
@@ -205,6 +248,9 @@ class ModelConfig:
         if self.n_experts_per_token > self.n_experts:
             raise ValueError(f"ModelConfig.n_experts_per_token={self.n_experts_per_token} exceeds n_experts="
                              f"{self.n_experts}: each token is routed to k of the experts; lower k")
+        if self.mlp == "swiglu_clamped" and self.dense_layers:
+            raise ValueError(f"ModelConfig.mlp='swiglu_clamped' is an expert piece only, but dense_layers="
+                             f"{self.dense_layers!r} asks for dense blocks; leave dense_layers empty")
         if self.routing not in ROUTINGS:
             raise ValueError(f"ModelConfig.routing={self.routing!r}; supported: {ROUTINGS}")
         if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in self.dense_layers) \
@@ -229,6 +275,7 @@ class ModelConfig:
         - query_pre_attn_scalar: keeps its ratio to d_head (Gemma's scores are scaled by d_head ** -0.5);
         - mlp_bias: when mlp changes, the new MLP's default, unless the old value differed from the old default;
         - layer_types: its repeating pattern continues over the new n_layers (Gemma 3's five local, one global).
+        - nope_layers: its repeating pattern continues too (SmolLM3's every fourth block without rotary);
 
         >>> small = ModelConfig.from_name("pythia-70m").replace(n_layers=2, d_model=64, n_heads=4)
         >>> small.d_head, small.rotary_dim, small.d_mlp
@@ -269,6 +316,10 @@ class ModelConfig:
             fields["layer_types"] = tuple(types[i % period] for i in range(changes["n_layers"]))
         if given("n_layers") and "dense_layers" not in changes:  # dense blocks past the new depth are gone
             fields["dense_layers"] = tuple(i for i in self.dense_layers if i < changes["n_layers"])
+        if given("n_layers") and "nope_layers" not in changes and self.nope_layers:  # as layer_types: the pattern goes on
+            flags = [i in self.nope_layers for i in range(self.n_layers)]
+            period = next(p for p in range(1, len(flags) + 1) if all(f == flags[i % p] for i, f in enumerate(flags)))
+            fields["nope_layers"] = tuple(i for i in range(changes["n_layers"]) if flags[i % period])
         fields.update(changes)
         return ModelConfig(**fields)
 

@@ -38,11 +38,13 @@ class HookedTransformer(WeightViews, HookedRootModule):
     >>> cache["resid_post", 3].shape   # [batch, pos, d_model]
     """
 
-    ON_REQUEST = ("attn.hook_result", "mlp.hook_expert_out")
+    ON_REQUEST = ("attn.hook_result", "mlp.hook_expert_out", "attn.hook_state")
     # The files from_pretrained left the weights memory-mapped from (lenskit.io.mapped), checked before each forward.
     weight_files = None
     # Where each block computes (lenskit.placement); None: all on the weights' one device, as `.to()` put them.
     placement: Placement | None = None
+    # The weight processing applied (lenskit.processing), in order: () for the raw weights.
+    processing: tuple[str, ...] = ()
 
     def __init__(self, cfg: ModelConfig, tokenizer: "PreTrainedTokenizerBase | None" = None, dropout: float = 0.0) -> None:
         super().__init__()
@@ -202,6 +204,18 @@ class HookedTransformer(WeightViews, HookedRootModule):
         recording.check_unchanged()
         return (out if return_logits else None), ActivationCache(recording.store, self.cfg.n_layers, self)
 
+    def _unknown(self, name: str) -> KeyError:
+        """An unknown hook name; one that a block's kind of token mixer lacks (a linear-attention block's
+        `attn.hook_pattern`) names the block's kind."""
+        layer = layer_of(name)
+        if layer is not None and layer < len(self.blocks):
+            attn = self.blocks[layer].attn
+            if name.removeprefix(f"blocks.{layer}.attn.") in getattr(attn, "NO_HOOKS", ()):
+                return KeyError(f"{name}: block {layer} is a {attn.LAYER_TYPE} layer, which has no attention scores, "
+                                f"pattern, rotary or per-head results; use its attn.hook_q/k/v, hook_beta, hook_g, hook_z "
+                                f"or hook_state, or a block whose layer type is 'full' ({self.cfg.layer_types})")
+        return super()._unknown(name)
+
     def _names_of(self, target: NameOrPredicate) -> list[str]:
         if isinstance(target, str):
             return [target]
@@ -339,7 +353,7 @@ class HookedTransformer(WeightViews, HookedRootModule):
     def from_pretrained(
         cls, name_or_path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
         check_finite: bool = True, mmap: bool = True, device_map: str | dict | None = None,
-        max_memory: dict | str | None = None,
+        max_memory: dict | str | None = None, **processing: bool,
     ) -> "HookedTransformer":
         """Load a local folder in its family's Hugging Face layout, or a hub name via the local HF cache.
 
@@ -357,11 +371,24 @@ class HookedTransformer(WeightViews, HookedRootModule):
 
         `device_map` spreads the model over devices instead of `device`: "auto" (accelerate's planner, under
         `max_memory`, e.g. {0: "20GiB", "cpu": "64GiB"}) or {module prefix: device}, blocks whole; blocks left on
-        the CPU beside a GPU are offloaded, computed on the GPU one at a time (lenskit.placement)."""
+        the CPU beside a GPU are offloaded, computed on the GPU one at a time (lenskit.placement).
+
+        `fold_ln`, `center_writing_weights`, `center_unembed`, `fold_value_biases`, `refactor_factored_attn_matrices`
+        (all False: the raw weights) process the weights as TransformerLens does; see `process_weights`."""
         from .io.loading import load_pretrained
 
         return load_pretrained(cls, name_or_path, dtype=dtype, device=device, check_finite=check_finite, mmap=mmap,
-                               device_map=device_map, max_memory=max_memory)
+                               device_map=device_map, max_memory=max_memory, **processing)
+
+    def process_weights(self, fold_ln: bool | None = True, center_writing_weights: bool | None = None,
+                        center_unembed: bool | None = True, fold_value_biases: bool | None = True,
+                        refactor_factored_attn_matrices: bool | None = False, inplace: bool = False) -> "HookedTransformer":
+        """A copy (or with `inplace`, this model) with TransformerLens's weight processing (lenskit.processing): True
+        applies an option or refuses saying why, None applies it where TransformerLens's default would."""
+        from .processing import process_weights
+
+        return process_weights(self, fold_ln, center_writing_weights, center_unembed, fold_value_biases,
+                               refactor_factored_attn_matrices, inplace=inplace)
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module, tokenizer: "PreTrainedTokenizerBase | None" = None) -> "HookedTransformer":

@@ -56,13 +56,16 @@ def make_hf_gpt2(seed: int = 0, **overrides) -> transformers.GPT2LMHeadModel:
 
 
 def _perturb(model: torch.nn.Module) -> None:
-    """Norm gains away from 1 and biases away from 0, so a wrong norm or a dropped bias cannot hide."""
+    """Norm gains away from 1 and biases away from 0, so a wrong norm or a dropped bias cannot hide; attention sinks
+    (gpt-oss) far from zero, so that a sink takes anything from a small share of a query's attention to most of it."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or ".ln_" in name or "ln_f" in name:
                 p.add_(torch.randn_like(p) * 0.3)
-            elif name.endswith(".bias"):
+            elif name.endswith("bias"):  # also gpt-oss's fused expert biases, `gate_up_proj_bias`, `down_proj_bias`
                 p.add_(torch.randn_like(p) * 0.05)
+            elif name.endswith(".sinks"):
+                p.add_(torch.randn_like(p) * 2.0)
 
 
 # One tiny config per family, from the registry (lenskit.families: each record's `tiny`, which says what it

@@ -19,9 +19,36 @@ def hf_blocks(hf) -> list:
     base = getattr(hf, "transformer", None) or getattr(hf, "gpt_neox", None) or getattr(hf, "model", None) or hf
     return list(getattr(base, "h", None) or base.layers)
 
+def hf_module_outputs(hf, tokens, module: str, keep=lambda m: True) -> dict[int, object]:
+    """Each block's `module` (e.g. "mlp.router") output in transformers' own forward, by block index; blocks whose
+    module fails `keep` (e.g. a dense block's MLP, which has no router) are left out."""
+    seen, handles = {}, []
+    for i, block in enumerate(hf_blocks(hf)):
+        target = block.get_submodule(module) if _has(block, module) else None
+        if target is not None and keep(target):
+            handles.append(target.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, out)))
+    try:
+        with torch.no_grad():
+            hf(tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _has(block, module: str) -> bool:
+    try:
+        block.get_submodule(module)
+    except AttributeError:
+        return False
+    return True
+
+
 
 def hf_attention(block):
-    return getattr(block, "attn", None) or getattr(block, "attention", None) or block.self_attn
+    # Qwen 3.5's linear-attention blocks hold a `linear_attn` where the others hold `self_attn`
+    return (getattr(block, "attn", None) or getattr(block, "attention", None) or getattr(block, "linear_attn", None)
+            or block.self_attn)
 
 
 def hf_writes(block) -> tuple:

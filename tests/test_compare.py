@@ -78,11 +78,12 @@ def test_matches_transformers_with_a_skipped_block(model, hf_model, tokens):
 
 @every_family
 def test_fixed_target_and_output_summary(model, tokens):
-    frame = compare_runs(model, tokens[0], ablation_hooks(model, Head(0, [0, 1])), target=42)
+    headed = next(l for l in range(model.cfg.n_layers) if model.cfg.layer_type(l) != "linear")  # Qwen 3.5: block 1
+    frame = compare_runs(model, tokens[0], ablation_hooks(model, Head(headed, [0, 1])), target=42)
     assert (frame["target_token_id"] == 42).all() and frame["clean_target_prob"].notna().all()
     np.testing.assert_allclose(frame["delta_target_prob"], frame["ablated_target_prob"] - frame["clean_target_prob"])
     np.testing.assert_allclose(np.exp(-frame["clean_target_loss"]), frame["clean_target_prob"], rtol=1e-6)
-    nxt = output_summary(compare_runs(model, tokens[0], ablation_hooks(model, Head(0, [0, 1]))))
+    nxt = output_summary(compare_runs(model, tokens[0], ablation_hooks(model, Head(headed, [0, 1]))))
     assert list(nxt["position"]) == list(range(tokens.shape[1] - 1))
     assert {"position", "input_token", "clean_top_token_id", "ablated_top_token_id", "clean_loss", "ablated_loss",
             "kl"} <= set(nxt.columns)

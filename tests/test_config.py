@@ -179,9 +179,10 @@ def test_every_preset_shrinks_and_runs(name):
         assert small.query_pre_attn_scalar / small.d_head == preset.query_pre_attn_scalar / preset.d_head
     if preset.layer_types is not None:
         assert small.layer_types == preset.layer_types[:2]
+    assert small.nope_layers == tuple(i for i in preset.nope_layers if i < 2)  # blocks without rotary (SmolLM3)
     same = {f.name for f in dataclasses.fields(ModelConfig)} - {
         "n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_head", "n_kv_heads", "d_mlp", "rotary_dim",
-        "query_pre_attn_scalar", "layer_types"}
+        "query_pre_attn_scalar", "layer_types", "nope_layers"}
     assert all(getattr(small, f) == getattr(preset, f) for f in same)
     model = HookedTransformer(small).eval()
     with torch.no_grad():

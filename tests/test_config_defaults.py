@@ -215,6 +215,21 @@ ROPE = [
     ("mixtral", {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}, None),
     ("qwen3_moe", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 2e5}, None),
     ("olmoe", {"rope_theta": 5e5}, None),
+    ("gpt_oss", {"rope_parameters": {"rope_type": "default"}, "rope_theta": 2e5}, None),  # gpt-oss's default is YaRN
+    ("gpt_oss", {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, None),
+    ("olmo3", {"rope_theta": 5e5}, None),  # the sliding blocks' own default base, so transformers 4 and 5 agree
+    ("olmo3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}, None),
+    ("olmo3", {"rope_theta": 1e4, "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     None),
+    ("olmo3", {"rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, None),  # the full blocks only
+    ("smollm3", {}, None),  # SmolLM3's own base, 2e6
+    # Qwen 3.5: a quarter of each head rotates by default; the mrope sections are typed, and moot for text positions
+    ("qwen3_5_text", {}, None),
+    ("qwen3_5_text", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.5,
+                                          "mrope_section": [2, 1, 1], "mrope_interleaved": True}}, None),
+    ("qwen3_5_text", {"rope_theta": 5e5, "partial_rotary_factor": 0.5}, None),
+    ("smollm3", {"rope_theta": 5e6}, None),
     # both spellings, agreeing
     ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_theta": 5e5}, None),
     ("gemma2", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
@@ -229,7 +244,7 @@ ROPE = [
     ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e4},
      ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")),
     *((f, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e4},
-       ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")) for f in ("mixtral", "qwen3_moe", "olmoe")),
+       ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")) for f in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")),
     ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": {"type": "linear", "factor": 2.0}},
      ("rope_scaling", "rope_parameters", "disagree")),
     ("mistral", {"rope_parameters": {"rope_type": "linear", "factor": 4.0}, "rope_scaling": {"type": "linear", "factor": 2.0}},
@@ -248,6 +263,21 @@ ROPE = [
                      "rope_local_base_freq": 100.0}, ("sliding_attention.rope_theta=10000.0", "rope_local_base_freq=100.0")),
     ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6}},
                      "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, ("rope_scaling", "full_attention", "disagree")),
+    ("olmo3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6}}, "rope_theta": 1e4},
+     ("rope_parameters.full_attention.rope_theta=1000000.0", "rope_theta=10000.0")),
+    ("olmo3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+               "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, ("rope_scaling", "full_attention", "disagree")),
+    # transformers 5 gives a top-level base to OLMo 3's full blocks only, transformers 4 to every block
+    ("olmo3", {"rope_theta": 1e4}, ("rope_theta=10000.0", "sliding_attention")),
+    ("olmo3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, ("rope_parameters", "full_attention")),
+    ("olmo3", {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     ("sliding_attention", "'linear'")),
+    ("olmo3", {"rope_parameters": {"full_attention": {"rope_type": "default", "partial_rotary_factor": 0.5}}},
+     ("full_attention.partial_rotary_factor=0.5",)),
+    ("smollm3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e4},
+     ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")),
+    ("qwen3_5_text", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [11, 11, 10]},
+                      "rope_theta": 1e4}, ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")),
     # what transformers 5 refuses for the family
     ("phi3", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, ("rope_type='linear'", "phi3")),
 ]

@@ -101,13 +101,16 @@ def test_hook_shapes_follow_gqa_and_the_family(pair, tokens):
     rotary = c.positional == "rotary"
     assert ("blocks.0.attn.hook_rot_q" in model.hook_dict) == rotary
     assert ("hook_pos_embed" in model.hook_dict) == (not rotary)
-    assert ("blocks.0.attn.q_norm.hook_normalized" in model.hook_dict) == (model.cfg.family in ("qwen3", "gemma3_text", "olmo2", "qwen3_moe", "olmoe"))
+    assert ("blocks.0.attn.q_norm.hook_normalized" in model.hook_dict) == (model.cfg.family in ("qwen3", "gemma3_text", "olmo2", "qwen3_moe", "olmoe", "olmo3", "qwen3_5_text"))
     if rotary:
         rot_q, q = cache["blocks.0.attn.hook_rot_q"], cache["blocks.0.attn.hook_q"]
         assert rot_q.shape == q.shape and cache["blocks.0.attn.hook_rot_k"].shape == cache["blocks.0.attn.hook_k"].shape
-        # Position 0 is not rotated; later positions are (after any q norm).
+        # Position 0 is not rotated (only scaled, by YaRN's attention factor: gpt-oss, not OLMo 3's sliding block 0); later positions are
+        # (after any q norm).
+        from lenskit.pieces.rotary import attention_factor
+
         before = cache.get("blocks.0.attn.q_norm.hook_normalized", q).view_as(q)  # OLMo 2's spans the heads: [batch, pos, head * d_head]
-        torch.testing.assert_close(rot_q[:, 0], before[:, 0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(rot_q[:, 0], before[:, 0] * attention_factor(c, local=c.layer_type(0) == "sliding"), atol=1e-6, rtol=0)
         assert max_diff(rot_q[:, 1:], before[:, 1:]) > 1e-3
 
 
@@ -123,7 +126,11 @@ def test_expected_family_pieces():
                                   final_softcap=2.0, layer_types=("sliding", "full"), rotary_base=10000.0,
                                   rope_type="linear", rope_factor=4.0, local_rotary_base=100.0),
               "olmo2": dict(norm_placement="post", qk_norm=True, qk_norm_per_head=False, norm="rmsnorm"),
-              "phi3": dict(fused_qkv=True, mlp="swiglu_fused", rotary_dim=4, sliding_window=6, n_kv_heads=2)}
+              "phi3": dict(fused_qkv=True, mlp="swiglu_fused", rotary_dim=4, sliding_window=6, n_kv_heads=2),
+              "olmo3": dict(norm_placement="post", qk_norm=True, qk_norm_per_head=False, sliding_window=5,
+                            layer_types=("sliding", "full"), rope_type="yarn", rope_factor=4.0, rotary_base=10000.0,
+                            local_rotary_base=100.0),
+              "smollm3": dict(nope_layers=(1,), n_kv_heads=2, sliding_window=None, layer_types=None, rotary_base=2e6)}
     for family, fields in expect.items():
         cfg = HookedTransformer.from_hf(make_hf_family(family)).cfg
         assert {k: getattr(cfg, k) for k in fields} == fields, family
@@ -203,7 +210,7 @@ def test_presets_and_test_tables_derive_from_the_registry():
 
     assert FAMILIES == list(FAMILY_CONFIGS) == list(FAMILY_BUILDERS) == list(REGISTRY) == [
         "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "phi3",
-        "mixtral", "qwen3_moe", "olmoe"]
+        "mixtral", "qwen3_moe", "olmoe", "gpt_oss", "olmo3", "smollm3", "qwen3_5_text"]
     assert lenskit.PRESETS == {name: cfg for f in REGISTRY.values() for name, cfg in f.presets.items()}
     assert sum(len(f.presets) for f in REGISTRY.values()) == len(lenskit.PRESETS)  # no name in two families
     for model_type, family in REGISTRY.items():

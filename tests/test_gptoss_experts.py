@@ -1,4 +1,5 @@
-"""gpt-oss's clamped SwiGLU experts and top-k-then-softmax router, against transformers' GptOssExperts and GptOssTopKRouter."""
+"""gpt-oss's clamped SwiGLU experts and top-k-then-softmax router (lenskit.pieces.moe; the interleaved gate_up from
+lenskit.families.layouts), against transformers' GptOssExperts and GptOssTopKRouter."""
 
 from __future__ import annotations
 
@@ -8,7 +9,21 @@ import torch.nn.functional as F
 import transformers
 
 from golden import max_diff
-from lenskit.pieces.gptoss_experts import ALPHA, LIMIT, clamped_swiglu, split_gate_up, top_k_then_softmax
+from lenskit import ModelConfig
+from lenskit.families.layouts import split_gate_up
+from lenskit.pieces.moe import clamped_swiglu as _clamped_swiglu
+from lenskit.pieces.moe import topk_softmax
+
+ALPHA, LIMIT = ModelConfig.swiglu_alpha, ModelConfig.swiglu_limit  # our defaults, which must be gpt-oss's
+
+
+def clamped_swiglu(gate, up):
+    return _clamped_swiglu(gate, up, ALPHA, LIMIT)
+
+
+def top_k_then_softmax(logits, k):
+    weights, indices = topk_softmax(logits, k)
+    return indices, weights
 
 D_MODEL, D_MLP, N_EXPERTS, TOP_K, TOKENS = 16, 12, 6, 2, 40
 

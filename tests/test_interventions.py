@@ -216,11 +216,12 @@ def test_resample_is_deterministic_by_seed(model, tokens):
 def test_hooks_compose_with_cache_and_context_and_are_removed(model, tokens):
     clean = model(tokens)
     neurons = not model.cfg.is_moe_layer(1)  # a mixture of experts has no neurons
-    hooks = ablation_hooks(model, [Head(0, [1, 2])] + [Neurons(1, 4)] * neurons, positions=[0, 5])
+    headed = next(l for l in range(model.cfg.n_layers) if model.cfg.layer_type(l) != "linear")  # Qwen 3.5: block 1
+    hooks = ablation_hooks(model, [Head(headed, [1, 2])] + [Neurons(1, 4)] * neurons, positions=[0, 5])
     with model.hooks(hooks):
         inside = model(tokens)
     _, cache = model.run_with_cache(tokens, fwd_hooks=hooks)
-    z = cache["z", 0]  # [batch, pos, head, d_head]
+    z = cache["z", headed]  # [batch, pos, head, d_head]
     assert torch.equal(z[:, [0, 5]][:, :, [1, 2]], torch.zeros_like(z[:, [0, 5]][:, :, [1, 2]]))
     assert (z[:, 1].abs() > 0).all() and (z[:, :, 0].abs() > 0).all()
     assert not neurons or ((cache["post", 1][:, [0, 5], 4] == 0).all() and (cache["post", 1][:, 1, 4] != 0).all())

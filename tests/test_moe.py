@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 from conftest import make_hf_family
-from golden import assert_golden, hf_blocks, max_diff
+from golden import assert_golden, hf_blocks, hf_module_outputs, max_diff
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -42,18 +42,7 @@ def moe_layers(model) -> list[int]:
 
 def hf_routing(hf, tokens) -> dict[int, tuple]:
     """transformers' own router outputs per MoE block: (logits, weights, indices), each [token, ...]."""
-    seen, handles = {}, []
-    for i, block in enumerate(hf_blocks(hf)):
-        router = getattr(block.mlp, "gate", None)
-        if hasattr(router, "top_k"):  # a MoE block; a dense block has no router
-            handles.append(router.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, out)))
-    try:
-        with torch.no_grad():
-            hf(tokens)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
+    return hf_module_outputs(hf, tokens, "mlp.gate", keep=lambda router: hasattr(router, "top_k"))  # dense: no router
 
 
 # ------------------------------------------------------------------------------------- router and expert hooks

@@ -13,7 +13,7 @@ from lenskit import HookedTransformer
 from lenskit.intervene.experts import Expert, expert_ablation_hooks
 from lenskit.intervene.interventions import ablation_hooks
 
-MOE_FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]
+MOE_FAMILIES = ["mixtral", "qwen3_moe", "olmoe", "gpt_oss"]
 EVERY_HOOK = lambda name: True  # noqa: E731
 
 

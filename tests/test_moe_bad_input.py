@@ -27,7 +27,7 @@ def tiny_config(family: str, **changes) -> dict:
 
 
 @pytest.mark.parametrize("family, key", [("mixtral", "num_local_experts"), ("qwen3_moe", "num_local_experts"),
-                                         ("olmoe", "num_experts")])
+                                         ("olmoe", "num_experts"), ("gpt_oss", "num_local_experts")])
 def test_more_experts_per_token_than_experts(family, key):
     d = tiny_config(family, num_experts_per_tok=5)
     assert d[key] == 4  # the spelling transformers 5 writes

@@ -124,11 +124,17 @@ def run(args: argparse.Namespace) -> int:
               f"query_pre_attn_scalar={cfg.query_pre_attn_scalar:g}" if cfg.query_pre_attn_scalar else "",
               f"attn_softcap={cfg.attn_softcap:g}" if cfg.attn_softcap else "",
               f"final_softcap={cfg.final_softcap:g}" if cfg.final_softcap else "",
-              f"sliding_blocks={cfg.layer_types.count('sliding')}/{cfg.n_layers}" if cfg.layer_types else "",
+              f"sliding_blocks={cfg.layer_types.count('sliding')}/{cfg.n_layers}" if cfg.layer_types and "sliding" in
+              cfg.layer_types else "",
               f"local_rotary_base={cfg.local_rotary_base:g}" if cfg.local_rotary_base else "",
+              f"no_rotary_blocks={list(cfg.nope_layers)}" if cfg.nope_layers else "",
               f"experts={cfg.n_experts} top_k={cfg.n_experts_per_token} d_expert={cfg.d_expert} routing={cfg.routing}"
               if cfg.n_experts else "",
-              f"dense_blocks={list(cfg.dense_layers)}" if cfg.dense_layers else ""]
+              f"dense_blocks={list(cfg.dense_layers)}" if cfg.dense_layers else "",
+              f"linear_attention_blocks={cfg.layer_types.count('linear')}/{cfg.n_layers} (Gated DeltaNet: "
+              f"{cfg.linear_n_k_heads} q/k heads of {cfg.linear_d_k}, {cfg.linear_n_v_heads} value heads of {cfg.linear_d_v}, "
+              f"conv width {cfg.linear_conv_width})" if cfg.layer_types and "linear" in cfg.layer_types else "",
+              "attn_output_gate" if cfg.attn_output_gate else ""]
     if any(extras):
         print("  " + " ".join(e for e in extras if e))
 
@@ -138,7 +144,9 @@ def run(args: argparse.Namespace) -> int:
     shown["human"] = [_human(v) if not isinstance(v, float) else "" for v in summary["value"]]
     print(shown[["value", "human", "note"]].to_string())
 
-    print(f"\nper block (x{cfg.n_layers})" if not cfg.dense_layers else
+    hybrid = cfg.layer_types is not None and "linear" in cfg.layer_types
+    print(f"\nper block (block 0, a {cfg.layer_type(0)}-attention block; the model mixes linear- and full-attention blocks)"
+          if hybrid else f"\nper block (x{cfg.n_layers})" if not cfg.dense_layers else
           f"\nper block (block 0, a {'MoE' if cfg.is_moe_layer(0) else 'dense'} block; the model mixes MoE and dense blocks)")
     per_block = pd.concat([block, block.sum().to_frame("total").T])
     per_block["share"] = per_block["params"] / block["params"].sum()
@@ -153,6 +161,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"  forward / params = {flops.loc['total', 'forward'] / total:.2f} "
           f"({(flops.loc['total', 'forward'] - core) / total:.2f} without the attention core); "
           f"attention core = {core / (2 * non_emb):.1%} of 2N (N non-embedding), {core / (2 * total):.1%} of 2N (N all)")
+    if "linear_core" in flops.index:
+        print(f"  linear attention ({cfg.layer_types.count('linear')} of {cfg.n_layers} blocks): linear_core is the same per "
+              "token at any context, so its cost is linear in the context; only attn_core (the full-attention blocks) "
+              "grows with n_ctx")
     if args.tokens is not None:
         print(f"\ntraining compute 6ND for D={args.tokens:.3g} tokens: "
               f"{accounting.six_nd(cfg, args.tokens):.3g} FLOPs (N non-embedding)")

@@ -69,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
     if args.csv:
         Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
         with open_output(args.csv, "the --csv table", pipe_ok=True) as f:
-            frame.to_csv(f, index=False)
+            # CRLF rows (RFC 4180, the csv module's default): only then does the writer quote a token that is a bare
+            # "\r", at which a reader would otherwise split the row.
+            frame.to_csv(f, index=False, lineterminator="\r\n")
     if args.out:
         from lenses import plots
 

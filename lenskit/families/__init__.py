@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from . import readers, writers
 from ..config import ModelConfig
-from .layouts import GEMMA, GPT2, GPT_NEOX, LLAMA, MIXTRAL, MOE, OLMO2, PHI3, Layout
+from .layouts import GEMMA, GPT2, GPT_NEOX, GPT_OSS, LLAMA, MIXTRAL, MOE, OLMO2, PHI3, QWEN3_5, Layout
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,36 @@ def _gemma(name: str, family: str, n_layers: int, d_model: int, n_heads: int, n_
     )
 
 
+def _gpt_oss(name: str, n_layers: int, n_experts: int) -> ModelConfig:
+    """gpt-oss: 64 heads of 64 over d_model 2880, 8 kv heads, every other block sliding (window 128), YaRN
+    (x32 over a 4096-token pre-training length), biased attention and router, attention sinks, top-4 experts."""
+    return ModelConfig(
+        n_layers=n_layers, d_model=2880, n_heads=64, n_kv_heads=8, d_head=64, d_mlp=2880, d_vocab=201088,
+        n_ctx=131072, norm="rmsnorm", norm_eps=1e-5, mlp="swiglu_clamped", tie_word_embeddings=False, family="gpt_oss",
+        positional="rotary", rotary_base=150000.0, rope_type="yarn", rope_factor=32.0, rope_original_n_ctx=4096,
+        rope_beta_fast=32.0, rope_beta_slow=1.0, rope_truncate=False, fused_qkv=False, qkv_bias=True, out_bias=True,
+        attn_sinks=True, sliding_window=128, layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(n_layers)),
+        n_experts=n_experts, n_experts_per_token=4, routing="topk_softmax", router_bias=True, eos_token_id=200002,
+        name=name,
+    )
+
+
+def _qwen3_5(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int, n_v_heads: int,
+             tied: bool) -> ModelConfig:
+    """Qwen 3.5 (dense), the text part of Qwen/Qwen3.5-*'s config.json (`text_config`; shapes from the published
+    configs as recalled, cross-checked against Qwen3_5TextConfig's defaults, which are the 9B's): three Gated DeltaNet
+    blocks (16 q/k heads of 128, value heads of 128) then one gated full-attention block (heads of 256, a quarter
+    of each rotating, base 1e7), (1 + w) RMSNorms, a 248,320-token vocabulary, 262,144 positions."""
+    return ModelConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=256, d_mlp=d_mlp,
+        d_vocab=248320, n_ctx=262144, norm="rmsnorm_offset", norm_eps=1e-6, mlp="swiglu", tie_word_embeddings=tied,
+        family="qwen3_5_text", positional="rotary", rotary_base=10_000_000.0, rotary_dim=64, fused_qkv=False,
+        qkv_bias=False, out_bias=False, qk_norm=True, attn_output_gate=True,
+        layer_types=tuple("full" if (i + 1) % 4 == 0 else "linear" for i in range(n_layers)), linear_n_k_heads=16,
+        linear_n_v_heads=n_v_heads, linear_d_k=128, linear_d_v=128, linear_conv_width=4, eos_token_id=248044, name=name,
+    )
+
+
 _GEMMA2 = dict(attn_softcap=50.0, final_softcap=30.0)
 _GEMMA3 = dict(qk_norm=True, rotary_base=1_000_000.0, local_rotary_base=10000.0)
 _LLAMA3 = dict(rope_type="llama3", rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_n_ctx=8192)
@@ -111,6 +141,16 @@ _OLMOE = dict(qk_norm=True, qk_norm_per_head=False, norm_eps=1e-5, n_experts=64,
               routing="softmax_topk", bos_token_id=None, eos_token_id=50279)
 _OLMO2 = dict(qk_norm=True, qk_norm_per_head=False, norm_placement="post", norm_eps=1e-6, bos_token_id=None,
               eos_token_id=100257)
+
+
+def _olmo3(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int) -> ModelConfig:
+    """OLMo 3: OLMo 2's block, three sliding-window blocks (window 4096) to one full, YaRN (x8 over 8192 tokens) on the
+    full blocks only. Shapes from the published config.json files (allenai/Olmo-3-1025-7B, allenai/Olmo-3-1125-32B),
+    written from memory, not downloaded; the window, pattern and base agree with Olmo3Config's defaults."""
+    return _llama(name, "olmo3", n_layers, d_model, n_heads, n_kv_heads, d_mlp, 100278, 65536, False, 500000.0,
+                  **_OLMO2, rope_type="yarn", rope_factor=8.0, rope_original_n_ctx=8192,
+                  rope_attention_factor=1.2079441541679836, local_rotary_base=500000.0, sliding_window=4096,
+                  layer_types=tuple("full" if (i + 1) % 4 == 0 else "sliding" for i in range(n_layers)))
 
 # ------------------------------------------------------------------ tiny test configs
 # Each exercises what makes the family itself: partial rotary and the parallel block (gpt_neox), GQA and
@@ -128,6 +168,23 @@ _GEMMA_TINY = dict(_SHAPE, num_key_value_heads=2, head_dim=16, query_pre_attn_sc
 # OLMoE with its top-k weights renormalised (norm_topk_prob) and its q/k norms over the whole projection.
 # Mixtral's weights are 5x the usual scale, so its random blocks move the predictions enough for a tuned lens to learn.
 _MOE_TINY = dict(_SHAPE, num_key_value_heads=2, num_experts_per_tok=2)
+# gpt-oss: the first block sliding with a window shorter than the prompt, the second full; YaRN (x4 over 16 tokens);
+# heads of 16 (q is wider than d_model); weights large enough, and a limit low enough, that the clamp bites; a sigmoid
+# gain that is not the default. conftest moves the sinks far from zero and the expert biases away from it.
+_GPT_OSS_TINY = dict(_MOE_TINY, num_local_experts=4, head_dim=16, sliding_window=5, initializer_range=0.2,
+                     swiglu_limit=1.5, swiglu_alpha=1.5,
+                     rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                          truncate=False, original_max_position_embeddings=16))
+
+# Qwen 3.5: a gated full-attention block then a Gated DeltaNet one, and with 3 blocks linear, full, linear (the tests
+# look at the heads of block 0 of the first, block 1 of the second); two q/k heads serving four value heads, d_k != d_v,
+# half of each attention head rotating, mrope sections (which text positions make moot), weights large enough that
+# the linear blocks' writes matter, room for prompts longer than the 64-position chunk.
+_QWEN3_5_TINY = dict(_SHAPE, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.1,
+                     layer_types=["full_attention", "linear_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
+                     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                          mrope_section=[2, 1, 1], mrope_interleaved=True))
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family(
@@ -231,6 +288,40 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
         "olmoe", "OlmoeForCausalLM", "OlmoeConfig", "OLMoE", readers.read_olmoe, writers.write_olmoe, MOE,
         presets=_named(_llama("olmoe-1b-7b", "olmoe", 16, 2048, 16, 16, 1024, 50304, 4096, False, 10000.0, **_OLMOE)),
         tiny=dict(_MOE_TINY, num_experts=4, norm_topk_prob=True, pad_token_id=0),
+    ),
+    Family(
+        "gpt_oss", "GptOssForCausalLM", "GptOssConfig", "gpt-oss", readers.read_gpt_oss, writers.write_gpt_oss, GPT_OSS,
+        presets=_named(_gpt_oss("gpt-oss-20b", 24, 32), _gpt_oss("gpt-oss-120b", 36, 128)),
+        tiny=_GPT_OSS_TINY,
+    ),
+    Family(
+        "olmo3", "Olmo3ForCausalLM", "Olmo3Config", "OLMo 3", readers.read_olmo3, writers.write_olmo3, OLMO2,
+        presets=_named(_olmo3("olmo-3-7b", 32, 4096, 32, 32, 11008), _olmo3("olmo-3-32b", 64, 5120, 40, 8, 27648)),
+        # a sliding block (window shorter than the prompt, its own base) and a full one with YaRN (x4 over 16 tokens)
+        tiny=dict(_SHAPE, num_key_value_heads=2, pad_token_id=0, sliding_window=5,
+                  layer_types=["sliding_attention", "full_attention"],
+                  rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
+                                   "full_attention": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                          original_max_position_embeddings=16)}),
+        tiny_3_blocks=dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    ),
+    Family(
+        "smollm3", "SmolLM3ForCausalLM", "SmolLM3Config", "SmolLM3", readers.read_smollm3, writers.write_smollm3, LLAMA,
+        # HuggingFaceTB/SmolLM3-3B's config.json (from memory, not downloaded): every fourth block without rotary
+        presets=_named(_llama("smollm3-3b", "smollm3", 36, 2048, 16, 4, 11008, 128256, 65536, True, 5_000_000.0,
+                              nope_layers=tuple(range(3, 36, 4)), bos_token_id=None, eos_token_id=128012)),
+        tiny=dict(_SHAPE, num_key_value_heads=2, no_rope_layer_interval=2, pad_token_id=0),  # block 1 (of 2 or 3): no rotary
+    ),
+    Family(
+        "qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", "Qwen 3.5 (text only)", readers.read_qwen3_5_text,
+        writers.write_qwen3_5_text, QWEN3_5,
+        presets=_named(_qwen3_5("qwen3.5-0.8b", 24, 1024, 8, 2, 3584, 16, True),
+                       _qwen3_5("qwen3.5-2b", 24, 2048, 8, 2, 6144, 16, True),
+                       _qwen3_5("qwen3.5-4b", 32, 2560, 16, 4, 9216, 32, True),
+                       _qwen3_5("qwen3.5-9b", 32, 4096, 16, 4, 12288, 32, False),
+                       _qwen3_5("qwen3.5-27b", 64, 5120, 24, 4, 17408, 48, False)),
+        tiny=_QWEN3_5_TINY,
+        tiny_3_blocks=dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"]),
     ),
 )}
 

@@ -55,6 +55,27 @@ _MIXTRAL_BLOCK = {
 }
 
 
+# gpt-oss: the router with its bias, attention sinks, and per-expert names that exist only between
+# `Layout.split_fused` and `Layout.join_fused` (its files spell the experts fused, `GptOssExperts`).
+_GPT_OSS_BLOCK = {
+    **_LLAMA_BLOCK, "attn.sinks": "self_attn.sinks", "mlp.router.weight": "mlp.router.weight",
+    "mlp.router.bias": "mlp.router.bias",
+    **{f"mlp.experts.{{e}}.{ours}.{p}": f"mlp.experts.{{e}}.{ours}.{p}" for ours in ("gate", "fc_in", "fc_out")
+       for p in ("weight", "bias")},
+}
+
+
+# Qwen 3.5: full-attention blocks as Llama's (`self_attn`; its q_proj holds each head's query and gate rows), the
+# Gated DeltaNet blocks under `linear_attn`.
+_QWEN3_5_BLOCK = {
+    **_LLAMA_BLOCK,
+    **{f"attn.{ours}": f"linear_attn.{theirs}" for ours, theirs in (
+        ("in_qkv.weight", "in_proj_qkv.weight"), ("in_z.weight", "in_proj_z.weight"), ("in_b.weight", "in_proj_b.weight"),
+        ("in_a.weight", "in_proj_a.weight"), ("conv_weight", "conv1d.weight"), ("A_log", "A_log"), ("dt_bias", "dt_bias"),
+        ("out_norm.weight", "norm.weight"), ("out_proj.weight", "out_proj.weight"))},
+}
+
+
 def _transposed(t: torch.Tensor, cfg) -> torch.Tensor:
     """A view, not a copy: a transposed weight is as fast in F.linear (benchmarks/results.md, "Big checkpoints")
     and lets a memory-mapped checkpoint stay mapped."""
@@ -95,14 +116,17 @@ class FusedExperts:
     a file written from it (safetensors' `save_file(model.state_dict())`) holds: every expert in two 3-D tensors,
     `gate_up` [expert, 2 * d_expert, d_model] (each expert's gate rows, then its up rows) and `down`
     [expert, d_model, d_expert], and the router at `router`. (transformers' own save_pretrained writes the hub's
-    per-expert names.) `Layout.split_fused` rewrites these to the layout's per-expert names, as views."""
+    per-expert names.) `Layout.split_fused` rewrites these to the layout's per-expert names, as views; where the
+    family's files have no other spelling (`only`), `Layout.join_fused` writes them back for saving."""
 
     gate_up: str = "mlp.experts.gate_up_proj"
     down: str = "mlp.experts.down_proj"
     router: str = "mlp.gate.weight"
+    biases: tuple[str, str] | None = None  # the fused biases of gate_up and down, where the experts have biases
+    only: bool = False  # the family's own files spell the experts only so (gpt-oss)
 
-    def shapes(self, cfg) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The stored shapes of `gate_up` and `down` for `cfg`."""
+    def shapes(self, cfg) -> tuple[tuple[int, ...], ...]:
+        """The stored shapes of `gate_up` and `down` (then of `biases`, where there are any) for `cfg`."""
         return (cfg.n_experts, 2 * cfg.d_expert, cfg.d_model), (cfg.n_experts, cfg.d_model, cfg.d_expert)
 
     def parts(self, gate_up: torch.Tensor, down: torch.Tensor, cfg) -> Iterator[tuple[int, str, torch.Tensor]]:
@@ -113,6 +137,66 @@ class FusedExperts:
             yield e, "gate", gate_up[e, :m]
             yield e, "fc_in", gate_up[e, m:]
             yield e, "fc_out", down[e]
+
+    def bias_parts(self, gate_up: torch.Tensor, down: torch.Tensor, cfg) -> Iterator[tuple[int, str, torch.Tensor]]:
+        """(expert, our projection, its bias [out]) from the fused biases, where `biases` names them."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused biases")
+
+    def fuse(self, expert: Callable[[int, str, str], torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+        """The inverse of `parts` and `bias_parts`: block-local fused name -> tensor, from `expert(e, projection,
+        "weight" or "bias")`. Needed only where `only`."""
+        raise NotImplementedError(f"{type(self).__name__} is not the only spelling of its family's experts")
+
+
+def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., 2 * d_expert], gate and up interleaved (gpt-oss's layout) -> gate, up, each [..., d_expert] (views)."""
+    return gate_up[..., 0::2], gate_up[..., 1::2]
+
+
+def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The inverse of `split_gate_up`: [..., d_expert] each -> [..., 2 * d_expert]."""
+    return torch.stack([gate, up], dim=-1).flatten(-2)
+
+
+@dataclass(frozen=True)
+class GptOssExperts(FusedExperts):
+    """gpt-oss's experts, the only spelling its files have: `gate_up_proj` [expert, d_model, 2 * d_expert]
+    (transposed: `x @ W`; gate and up interleaved along the last axis, gate at the even columns), `down_proj`
+    [expert, d_expert, d_model], their biases [expert, 2 * d_expert] (interleaved too) and [expert, d_model], and the
+    router `mlp.router` with its bias. (Its MXFP4 files hold the two weights quantized: lenskit.io.mxfp4.)"""
+
+    router: str = "mlp.router.weight"
+    biases: tuple[str, str] | None = ("mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias")
+    only: bool = True
+
+    def shapes(self, cfg) -> tuple[tuple[int, ...], ...]:
+        n, d, m = cfg.n_experts, cfg.d_model, cfg.d_expert
+        return (n, d, 2 * m), (n, m, d), (n, 2 * m), (n, d)
+
+    def parts(self, gate_up: torch.Tensor, down: torch.Tensor, cfg) -> Iterator[tuple[int, str, torch.Tensor]]:
+        for e in range(cfg.n_experts):
+            gate, up = split_gate_up(gate_up[e])  # [d_model, d_expert] each
+            yield e, "gate", gate.T
+            yield e, "fc_in", up.T
+            yield e, "fc_out", down[e].T
+
+    def bias_parts(self, gate_up: torch.Tensor, down: torch.Tensor, cfg) -> Iterator[tuple[int, str, torch.Tensor]]:
+        for e in range(cfg.n_experts):
+            gate, up = split_gate_up(gate_up[e])  # [d_expert] each
+            yield e, "gate", gate
+            yield e, "fc_in", up
+            yield e, "fc_out", down[e]
+
+    def fuse(self, expert: Callable[[int, str, str], torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+        experts = range(cfg.n_experts)
+        gate_up_bias, down_bias = self.biases
+        return {
+            self.gate_up: torch.stack([_interleave(expert(e, "gate", "weight").T, expert(e, "fc_in", "weight").T)
+                                       for e in experts]),  # [expert, d_model, 2 * d_expert]
+            self.down: torch.stack([expert(e, "fc_out", "weight").T for e in experts]),  # [expert, d_expert, d_model]
+            gate_up_bias: torch.stack([_interleave(expert(e, "gate", "bias"), expert(e, "fc_in", "bias")) for e in experts]),
+            down_bias: torch.stack([expert(e, "fc_out", "bias") for e in experts]),
+        }
 
 
 @lru_cache(maxsize=None)
@@ -175,27 +259,53 @@ class Layout:
     def split_fused(self, tensors: Mapping[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
         """`tensors` (unprefixed checkpoint names) with each block's fused experts (see `FusedExperts`) rewritten to
         this layout's per-expert names, as views of the fused tensors (a memory-mapped file stays mapped). A fused
-        tensor of the wrong shape, or one without its partner, is refused by name."""
+        tensor of the wrong shape, or one without its partners, is refused by name; where the fused spelling is the
+        family's only one, so is a MoE block without it."""
         if self.fused is None or cfg.n_experts is None:
             return dict(tensors)
         fused, out = self.fused, dict(tensors)
-        pattern = re.compile(rf"{re.escape(self.blocks)}\.(\d+)\.{re.escape(fused.gate_up)}")
-        for name in [n for n in tensors if pattern.fullmatch(n)]:
-            block = name[: -len(fused.gate_up)]  # "layers.3."
-            gate_up, down = out.pop(name), out.pop(block + fused.down, None)
-            if down is None:
-                raise ValueError(f"checkpoint has {name!r} but not {block + fused.down!r}; the experts' down projections "
-                                 "are missing")
-            for tensor, key, want in zip((gate_up, down), (name, block + fused.down), fused.shapes(cfg)):
+        if fused.only:
+            blocks = [f"{self.blocks}.{i}." for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
+        else:
+            pattern = re.compile(rf"{re.escape(self.blocks)}\.(\d+)\.{re.escape(fused.gate_up)}")
+            blocks = [n[: -len(fused.gate_up)] for n in tensors if pattern.fullmatch(n)]  # "layers.3."
+        for block in blocks:
+            keys = [block + k for k in (fused.gate_up, fused.down, *(fused.biases or ()))]
+            stored = [out.pop(key, None) for key in keys]
+            absent = [key for key, t in zip(keys, stored) if t is None]
+            if absent:
+                have = f"has {keys[0]!r} but not" if stored[0] is not None else "is missing"
+                raise ValueError(f"checkpoint {have} {absent[0]!r} (a {cfg.family} MoE block stores its experts in "
+                                 f"{[k.removeprefix(block) for k in keys]}); the checkpoint is incomplete")
+            for tensor, key, want in zip(stored, keys, fused.shapes(cfg)):
                 if tuple(tensor.shape) != want:
                     raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, but config.json implies {want} "
                                      f"([expert, ...] for {cfg.n_experts} experts of width {cfg.d_expert}); fix the "
                                      "config or the checkpoint")
-            for e, ours, part in fused.parts(gate_up, down, cfg):
-                out[block + self.block[f"mlp.experts.{{e}}.{ours}.weight"].format(e=e)] = part
+            split = [(fused.parts(*stored[:2], cfg), "weight")]
+            if fused.biases:
+                split.append((fused.bias_parts(*stored[2:], cfg), "bias"))
+            for parts, kind in split:
+                for e, ours, part in parts:
+                    out[block + self.block[f"mlp.experts.{{e}}.{ours}.{kind}"].format(e=e)] = part
             router = self.block["mlp.router.weight"]
             if router != fused.router and block + fused.router in out:
                 out[block + router] = out.pop(block + fused.router)
+        return out
+
+    def join_fused(self, tensors: Mapping[str, torch.Tensor], cfg, prefix: str = "") -> dict[str, torch.Tensor]:
+        """The inverse of `split_fused` for saving, where the fused spelling is the family's only one: `tensors`
+        (names with `prefix`) with each MoE block's per-expert tensors replaced by the fused ones."""
+        if self.fused is None or not self.fused.only or cfg.n_experts is None:
+            return dict(tensors)
+        out = dict(tensors)
+        for i in (i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)):
+            block = f"{prefix}{self.blocks}.{i}."
+
+            def expert(e: int, ours: str, kind: str) -> torch.Tensor:
+                return out.pop(block + self.block[f"mlp.experts.{{e}}.{ours}.{kind}"].format(e=e))
+
+            out.update({block + name: t.contiguous() for name, t in self.fused.fuse(expert, cfg).items()})
         return out
 
     def reshape_of(self, ours: str) -> Reshape | None:
@@ -277,3 +387,5 @@ MIXTRAL = Layout(prefix="model.", blocks="layers", top=LLAMA.top, block=_MIXTRAL
                  fused=FusedExperts())
 MOE = Layout(prefix="model.", blocks="layers", top=LLAMA.top, block=_MOE_BLOCK, buffers=LLAMA.buffers,
              fused=FusedExperts())  # Qwen3-MoE, OLMoE
+QWEN3_5 = Layout(prefix="model.", blocks="layers", top=LLAMA.top, block=_QWEN3_5_BLOCK)
+GPT_OSS = Layout(prefix="model.", blocks="layers", top=LLAMA.top, block=_GPT_OSS_BLOCK, fused=GptOssExperts())

@@ -9,11 +9,13 @@ way back.
 
 from __future__ import annotations
 
+from collections import ChainMap
 from typing import Any, Callable, Mapping
 
 from ..config import GELU_ACTIVATIONS, ROPE_TYPES
+from ..io.mxfp4 import check_family_quantization
 from .fields import HF_LAYER_TYPES, REFUSED, ConfigReader
-from .rope import gemma3_rope, rope
+from .rope import gemma3_rope, olmo3_rope, rope
 
 
 def _heads(r: ConfigReader, d_model_key: str, heads_key: str, *, must_divide: bool) -> tuple[int, int]:
@@ -97,9 +99,12 @@ def read_gpt_neox(r: ConfigReader) -> dict[str, Any]:
 
 def _llama_like(r: ConfigReader, qkv_bias: bool, out_bias: bool, mlp_bias: bool, *, eps: float, bos: int | None,
                 eos: int | None, kv_heads: int | None = None, head_dim: int | None = None, null_head_dim: bool = True,
-                null_kv_heads: bool = True, must_divide: bool = False, rope_types: tuple[str, ...] = ROPE_TYPES) -> dict[str, Any]:
+                null_kv_heads: bool = True, must_divide: bool = False, rope_types: tuple[str, ...] = ROPE_TYPES,
+                rotary: Callable[[ConfigReader, int], dict[str, Any]] | None = None, **rope_defaults: Any) -> dict[str, Any]:
     """What the SwiGLU families share. The keywords are the family's transformers defaults: `kv_heads` and `head_dim`
-    None derive (n_heads; d_model // n_heads); `null_*`: whether an explicit null derives too or is refused."""
+    None derive (n_heads; d_model // n_heads); `null_*`: whether an explicit null derives too or is refused;
+    `rope_defaults` go to `rope` (a family's own base and settings for absent rotary fields); `rotary`, where given,
+    reads the rotary fields instead of `rope` (per-layer-type settings: OLMo 3)."""
     r.require("hidden_act", ("silu",), "silu")
     n_layers = r.n_layers("num_hidden_layers")
     d_model, n_heads = _heads(r, "hidden_size", "num_attention_heads", must_divide=must_divide)
@@ -111,7 +116,7 @@ def _llama_like(r: ConfigReader, qkv_bias: bool, out_bias: bool, mlp_bias: bool,
         "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
         "norm_eps": r.float("rms_norm_eps", eps, positive=True), "norm": "rmsnorm", "mlp": "swiglu",
         "tie_word_embeddings": r.bool("tie_word_embeddings", False), "fused_qkv": False,
-        "qkv_bias": qkv_bias, "out_bias": out_bias, "mlp_bias": mlp_bias, **rope(r, d_head, types=rope_types),
+        "qkv_bias": qkv_bias, "out_bias": out_bias, "mlp_bias": mlp_bias, **(rope(r, d_head, types=rope_types, **rope_defaults) if rotary is None else rotary(r, d_head)),
     }
 
 
@@ -156,6 +161,16 @@ def _layer_types(r: ConfigReader, n_layers: int, pattern: int) -> tuple[str, ...
     return tuple(HF_LAYER_TYPES[t] for t in types)
 
 
+def _windows(r: ConfigReader, n_layers: int, pattern: int, window: int) -> dict[str, Any]:
+    """Per-block attention kinds (`_layer_types`) and the sliding blocks' window (`window` where absent)."""
+    types = _layer_types(r, n_layers, pattern)
+    window = r.int("sliding_window", window, null=None)
+    if window is None and "sliding" in types:  # transformers would run its sliding blocks without a window
+        raise ValueError(f"config field sliding_window=None, but layer_types has sliding-window blocks; give the window "
+                         f"(model_type={r.family!r})")
+    return {"layer_types": types, "sliding_window": window if "sliding" in types else None}
+
+
 def _gemma(r: ConfigReader, pattern: int) -> dict[str, Any]:
     """What Gemma 2 and Gemma 3 share: (1 + w) RMSNorms before and after each sublayer, a scaled embedding,
     GELU-gated MLP, query_pre_attn_scalar, alternating sliding-window and global blocks."""
@@ -164,11 +179,6 @@ def _gemma(r: ConfigReader, pattern: int) -> dict[str, Any]:
     n_layers = r.n_layers("num_hidden_layers")  # before anything built per layer
     d_model, n_heads = _heads(r, "hidden_size", "num_attention_heads", must_divide=True)
     bias = r.bool("attention_bias", False)
-    types = _layer_types(r, n_layers, pattern)
-    window = r.int("sliding_window", 4096, null=None)
-    if window is None and "sliding" in types:  # transformers would run its sliding blocks without a window
-        raise ValueError(f"config field sliding_window=None, but layer_types has sliding-window blocks; give the window "
-                         f"(model_type={r.family!r})")
     return {
         **_common(r, bos=2, eos=1),
         "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads,
@@ -179,7 +189,7 @@ def _gemma(r: ConfigReader, pattern: int) -> dict[str, Any]:
         "activation": act, "norm_placement": "sandwich", "scale_embed": True,
         "tie_word_embeddings": r.bool("tie_word_embeddings", True), "fused_qkv": False, "qkv_bias": bias,
         "out_bias": bias, "mlp_bias": False, "query_pre_attn_scalar": r.float("query_pre_attn_scalar", 256.0, positive=True),
-        "layer_types": types, "sliding_window": window if "sliding" in types else None,
+        **_windows(r, n_layers, pattern, 4096),
     }
 
 
@@ -208,11 +218,98 @@ def read_olmo2(r: ConfigReader) -> dict[str, Any]:
             "norm_placement": "post"}
 
 
+def read_olmo3(r: ConfigReader) -> dict[str, Any]:
+    """OLMo 2's block with sliding-window blocks (three in four by default) and rotary settings per layer type."""
+    bias = r.bool("attention_bias", False)
+    fields = _llama_like(r, bias, bias, False, eps=1e-5, bos=None, eos=50279, rotary=olmo3_rope)
+    return {**fields, **_windows(r, fields["n_layers"], 4, 4096), "qk_norm": True, "qk_norm_per_head": False,
+            "norm_placement": "post"}
+
+
+def _nope_layers(r: ConfigReader, n_layers: int) -> tuple[int, ...]:
+    """SmolLM3's blocks without rotary: `no_rope_layers` (1: the block rotates, 0: it does not, one per block; more
+    entries are never read), or every `no_rope_layer_interval`-th block without."""
+    flags = r.d.get("no_rope_layers")
+    interval = r.int("no_rope_layer_interval", 4)
+    if flags is None:
+        return tuple(i for i in range(n_layers) if (i + 1) % interval == 0)
+    if not isinstance(flags, list) or len(flags) < n_layers or any(type(f) is not int or f not in (0, 1) for f in flags):
+        raise ValueError(f"config field no_rope_layers={flags!r} must list 1 (rotary) or 0 (none) for each of the "
+                         f"{n_layers} layers (model_type={r.family!r})")
+    return tuple(i for i in range(n_layers) if not flags[i])
+
+
+def read_smollm3(r: ConfigReader) -> dict[str, Any]:
+    """Llama with no rotary in some blocks (every fourth by default); with `use_sliding_window`, those blocks are the
+    sliding-window ones. A block is sliding where `layer_types` says so, as transformers' masks make it."""
+    bias = r.bool("attention_bias", False)
+    fields = _llama_like(r, bias, bias, r.bool("mlp_bias", False), eps=1e-6, bos=128000, eos=128001, kv_heads=4,
+                         rope_types=ROPE_TYPES + ("yarn",), default_theta=2_000_000.0)  # YaRN: its card's long context
+    n = fields["n_layers"]
+    nope = _nope_layers(r, n)
+    use_window, window = r.bool("use_sliding_window", False), r.int("sliding_window", None)
+    if r.d.get("layer_types") is None:
+        types = tuple("sliding" if use_window and window is not None and i in nope else "full" for i in range(n))
+    else:
+        types = _layer_types(r, n, pattern=1)
+    if "sliding" in types and window is None:
+        raise ValueError("config field sliding_window=None, but layer_types has sliding-window blocks; give the window "
+                         f"(model_type={r.family!r})")
+    sliding = "sliding" in types
+    return {**fields, "tie_word_embeddings": r.bool("tie_word_embeddings", True), "nope_layers": nope,
+            "layer_types": types if sliding else None, "sliding_window": window if sliding else None}
+
+
 def read_phi3(r: ConfigReader) -> dict[str, Any]:
     r.int("original_max_position_embeddings", 4096)  # typed only: it matters to longrope scaling, which is refused
     # transformers 5's Phi-3 accepts only plain and longrope rotary; lenskit implements the plain one
     return {**_llama_like(r, False, False, False, eps=1e-5, bos=1, eos=32000, rope_types=("default",)),
             "fused_qkv": True, "mlp": "swiglu_fused", "sliding_window": r.int("sliding_window", None)}
+
+
+_HYBRID_LAYER_TYPES = {"linear_attention": "linear", "full_attention": "full"}
+_MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+
+
+def read_qwen3_5_text(r: ConfigReader) -> dict[str, Any]:
+    """Qwen 3.5's text model: Gated DeltaNet blocks and, every `full_attention_interval`-th, gated full attention
+    (per-head q/k norms, partial rotary), with (1 + w) RMSNorms. Its rotary settings' `mrope_section` and
+    `mrope_interleaved` share the rotary dims between text, height and width positions; a text prompt gives all
+    three the same position, so they leave the function unchanged and are typed only."""
+    r.require("attention_bias", (False,), False)
+    r.require("attn_output_gate", (True,), True)  # Qwen3-Next's switch: transformers' Qwen 3.5 always gates
+    stripped = {}  # the rotary settings without the mrope fields; every other field is read from r.d itself
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(r.d.get(key), dict):
+            sub = ConfigReader(r.d[key], r.family, where=f"{key}.")
+            section = sub.d.get("mrope_section")
+            if section is not None and (not isinstance(section, list) or any(
+                    isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in section)):
+                raise ValueError(f"config field {key}.mrope_section={section!r} must be a list of non-negative ints "
+                                 f"(model_type={r.family!r})")
+            sub.bool("mrope_interleaved", False)
+            stripped[key] = {k: v for k, v in r.d[key].items() if k not in _MROPE_KEYS}
+    fields = _llama_like(ConfigReader(ChainMap(stripped, r.d), r.family, r.n_blocks), False, False, False, eps=1e-6, bos=None, eos=None,
+                         kv_heads=4, head_dim=256, null_head_dim=False, null_kv_heads=False, rope_types=("default",),
+                         default_fraction=0.25)
+    n = fields["n_layers"]
+    types = r.d.get("layer_types")
+    if types is None:
+        every = r.int("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in _HYBRID_LAYER_TYPES for t in types):
+        raise ValueError(f"config field layer_types={types!r} must list one of {sorted(_HYBRID_LAYER_TYPES)} for each of "
+                         f"the {n} layers (model_type={r.family!r})")
+    types = tuple(_HYBRID_LAYER_TYPES[t] for t in types)
+    linear = dict(linear_n_k_heads=r.int("linear_num_key_heads", 16), linear_n_v_heads=r.int("linear_num_value_heads", 32),
+                  linear_d_k=r.int("linear_key_head_dim", 128), linear_d_v=r.int("linear_value_head_dim", 128),
+                  linear_conv_width=r.int("linear_conv_kernel_dim", 4))
+    if linear["linear_n_v_heads"] % linear["linear_n_k_heads"]:
+        raise ValueError(f"config fields linear_num_value_heads={linear['linear_n_v_heads']} and linear_num_key_heads="
+                         f"{linear['linear_n_k_heads']}: each key head serves a whole group of value heads, so the first "
+                         f"must be a multiple of the second (model_type={r.family!r}); fix config.json")
+    return {**fields, "norm": "rmsnorm_offset", "qk_norm": True, "attn_output_gate": True, "layer_types": types,
+            **(linear if "linear" in types else {})}
 
 
 # ------------------------------------------------------------------------------------ mixtures of experts
@@ -287,6 +384,23 @@ def read_olmoe(r: ConfigReader) -> dict[str, Any]:
             **_experts(r, "num_experts", "num_local_experts", 64, 8, renorm=r.bool("norm_topk_prob", False))}
 
 
+# gpt-oss: transformers 5's GptOssConfig fills absent rotary fields with YaRN over a 4096-token pre-training length.
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+
+
+def read_gpt_oss(r: ConfigReader) -> dict[str, Any]:
+    """gpt-oss: attention sinks, every other block sliding (from the first), YaRN, biases on q/k/v/o and the router,
+    the top k logits then a softmax, and biased experts with the clamped SwiGLU."""
+    bias = r.bool("attention_bias", True)
+    fields = _llama_like(r, bias, bias, False, eps=1e-5, bos=None, eos=None, kv_heads=8, head_dim=64,
+                         null_head_dim=False, null_kv_heads=False, rope_types=("default", "yarn"), default_theta=150000.0, default_params=_GPT_OSS_ROPE)
+    experts = _experts(r, "num_local_experts", "num_experts", 128, 4, renorm=False)
+    return {**fields, **experts, **_windows(r, fields["n_layers"], 2, 128), "attn_sinks": True, "routing": "topk_softmax",
+            "mlp": "swiglu_clamped", "router_bias": True, "swiglu_alpha": r.float("swiglu_alpha", 1.702, positive=True),
+            "swiglu_limit": r.float("swiglu_limit", 7.0, positive=True)}
+
+
 def read_config(d: Mapping[str, Any], model_type: str, read: Callable[[ConfigReader], dict[str, Any]],
                 n_blocks: int | None = None) -> dict[str, Any]:
     """`ModelConfig` keyword arguments for the config dict `d` of `model_type`, read by the family's `read`.
@@ -294,4 +408,5 @@ def read_config(d: Mapping[str, Any], model_type: str, read: Callable[[ConfigRea
     r = ConfigReader(d, model_type, n_blocks)
     for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         r.float(key, 0.0)  # typed only: dropout is off at inference and lenskit's own `dropout` governs training
+    check_family_quantization(d, model_type)  # MXFP4 (gpt-oss) is dequantized on load; any other method is refused
     return read(r)

@@ -168,3 +168,45 @@ def gemma3_rope(r: ConfigReader, head_dim: int) -> dict[str, Any]:
         raise ValueError("config field rope_parameters.sliding_attention: lenskit implements only plain rotary with the "
                          "global blocks' rotary dims for Gemma 3's local blocks")
     return {**glob, "local_rotary_base": local["rotary_base"]}
+
+
+_OLMO3_THETA = 500000.0  # transformers 5's Olmo3Config.default_theta, for either layer type
+
+
+def olmo3_rope(r: ConfigReader, head_dim: int) -> dict[str, Any]:
+    """OLMo 3's two rotary settings, as transformers 5 resolves them: `rope_parameters` keyed by layer type, full
+    blocks (`full_attention`: maybe YaRN, as the published checkpoints are) and sliding blocks (`sliding_attention`:
+    plain, their own base), completed by 4.x's `rope_scaling` (merged into the full one) and the top-level
+    `rope_theta`, which transformers 5 gives to the full blocks only. A top-level base the sliding blocks would not
+    get (transformers 4 gave it to every block) and fields that contradict each other are refused by name."""
+    params = r.d.get("rope_parameters")
+    if params is not None and (not isinstance(params, dict) or set(params) - set(HF_LAYER_TYPES)):
+        raise ValueError(f"config field rope_parameters={params!r} must map {sorted(HF_LAYER_TYPES)} to rotary settings "
+                         f"(model_type={r.family!r})")
+    glob_params, local_params = ((params or {}).get(t) or {} for t in ("full_attention", "sliding_attention"))
+    for where, given in (("full_attention", glob_params), ("sliding_attention", local_params)):
+        if given.get("partial_rotary_factor", 1.0) != 1.0:  # OLMo 3's rotary always spans the whole head
+            raise ValueError(f"config field rope_parameters.{where}.partial_rotary_factor={given['partial_rotary_factor']!r} "
+                             f"is not read by transformers for model_type={r.family!r}; remove it")
+    theta = ("rope_theta", r.float("rope_theta", None, positive=True, null=REFUSED))
+    types = ROPE_TYPES + ("yarn",)
+    where = "rope_parameters.full_attention"
+    glob = _rotary(r, glob_params, where, head_dim, theta=theta, default_theta=_OLMO3_THETA, types=types)
+    scaling = _rope_dict(r, "rope_scaling")
+    if scaling:
+        merged = _rotary(r, {**glob_params, **scaling}, "rope_scaling", head_dim, theta=theta, default_theta=_OLMO3_THETA,
+                         types=types)
+        if glob_params and merged != glob:
+            raise ValueError(f"config fields rope_scaling={scaling!r} and {where}={glob_params!r} disagree (transformers 5 "
+                             f"merges rope_scaling into it); keep the one the checkpoint was trained with (model_type={r.family!r})")
+        glob = merged
+    local = _rotary(r, local_params, "rope_parameters.sliding_attention", head_dim, theta=("rope_theta", None),
+                    default_theta=_OLMO3_THETA)
+    if theta[1] is not None and "rope_theta" not in local_params and theta[1] != local["rotary_base"]:
+        raise ValueError(f"config field rope_theta={theta[1]!r}: transformers 5 gives it to the full-attention blocks only "
+                         f"(the sliding ones keep {_OLMO3_THETA!r}), transformers 4 to every block; give "
+                         f"rope_parameters.sliding_attention.rope_theta as well (model_type={r.family!r})")
+    if local.get("rope_type", "default") != "default":
+        raise ValueError("config field rope_parameters.sliding_attention: lenskit implements only plain rotary for "
+                         f"OLMo 3's sliding blocks, found rope_type={local['rope_type']!r}")
+    return {**glob, "local_rotary_base": local["rotary_base"]}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..config import ModelConfig
 
-_LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}
+_LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention", "linear": "linear_attention"}
 
 
 def _common(cfg: "ModelConfig") -> dict[str, Any]:
@@ -45,6 +45,11 @@ def _rope(cfg: "ModelConfig", base: float | None = None, scaled: bool = True, pa
         params.update(factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
                       high_freq_factor=cfg.rope_high_freq_factor,
                       original_max_position_embeddings=cfg.rope_original_n_ctx)
+    elif params["rope_type"] == "yarn":
+        params.update(factor=cfg.rope_factor, beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
+                      truncate=cfg.rope_truncate, original_max_position_embeddings=cfg.rope_original_n_ctx)
+        if cfg.rope_attention_factor is not None:
+            params["attention_factor"] = cfg.rope_attention_factor
     return params
 
 
@@ -98,8 +103,32 @@ def write_olmo2(cfg: "ModelConfig") -> dict[str, Any]:
     return {**_llama_like(cfg, head_dim=False), "attention_bias": cfg.qkv_bias}
 
 
+def write_olmo3(cfg: "ModelConfig") -> dict[str, Any]:
+    local = cfg.rotary_base if cfg.local_rotary_base is None else cfg.local_rotary_base
+    return {**_llama_like(cfg), "attention_bias": cfg.qkv_bias, "sliding_window": cfg.sliding_window,
+            "layer_types": [_LAYER_TYPES[cfg.layer_type(i)] for i in range(cfg.n_layers)],
+            "rope_parameters": {"sliding_attention": _rope(cfg, base=local, scaled=False), "full_attention": _rope(cfg)}}
+
+
+def write_smollm3(cfg: "ModelConfig") -> dict[str, Any]:
+    return {**_llama_like(cfg), "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias,
+            "no_rope_layers": [int(i not in cfg.nope_layers) for i in range(cfg.n_layers)],
+            "use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window,
+            "layer_types": [_LAYER_TYPES[cfg.layer_type(i)] for i in range(cfg.n_layers)]}
+
+
 def write_phi3(cfg: "ModelConfig") -> dict[str, Any]:
     return {**_llama_like(cfg, head_dim=False), "sliding_window": cfg.sliding_window}
+
+
+def write_qwen3_5_text(cfg: "ModelConfig") -> dict[str, Any]:
+    linear = {} if cfg.linear_n_k_heads is None else {
+        "linear_num_key_heads": cfg.linear_n_k_heads, "linear_num_value_heads": cfg.linear_n_v_heads,
+        "linear_key_head_dim": cfg.linear_d_k, "linear_value_head_dim": cfg.linear_d_v,
+        "linear_conv_kernel_dim": cfg.linear_conv_width}
+    types = cfg.layer_types or ("full",) * cfg.n_layers
+    return {**_llama_like(cfg), "attention_bias": cfg.qkv_bias, "rope_parameters": _rope(cfg, partial=True),
+            "layer_types": [_LAYER_TYPES[t] for t in types], **linear}
 
 
 def _experts(cfg: "ModelConfig", key: str) -> dict[str, Any]:
@@ -124,6 +153,13 @@ def write_qwen3_moe(cfg: "ModelConfig") -> dict[str, Any]:
 def write_olmoe(cfg: "ModelConfig") -> dict[str, Any]:
     return {**_llama_like(cfg, head_dim=False), "attention_bias": cfg.qkv_bias, "clip_qkv": None,
             "norm_topk_prob": _norm_topk(cfg), **_experts(cfg, "num_experts")}
+
+
+def write_gpt_oss(cfg: "ModelConfig") -> dict[str, Any]:
+    return {**_llama_like(cfg), "attention_bias": cfg.qkv_bias, "sliding_window": cfg.sliding_window,
+            "layer_types": [_LAYER_TYPES[cfg.layer_type(i)] for i in range(cfg.n_layers)],
+            "swiglu_alpha": cfg.swiglu_alpha, "swiglu_limit": cfg.swiglu_limit,
+            **_experts(cfg, "num_local_experts")}
 
 
 def _gemma(cfg: "ModelConfig") -> dict[str, Any]:

@@ -99,6 +99,9 @@ def patching_hooks(
     if heads is not None and site != "head":
         raise ValueError(f"heads= applies to the 'head' site only, not {site!r}")
     heads = [heads] if isinstance(heads, int) else heads
+    if site == "head" and model.cfg.layer_type(layer) == "linear":
+        raise ValueError(f"site 'head': block {layer} is a linear-attention (Gated DeltaNet) layer, which has no attention "
+                         "heads; patch its 'attn_out', or the heads of a full-attention block")
     if heads is not None:
         bad = [h for h in heads if not 0 <= h < model.cfg.n_heads]
         if bad:
@@ -168,6 +171,8 @@ def activation_patching(
     jobs = []  # (site, layer, position or None, head or None)
     for site in sites:
         for layer in range(model.cfg.n_layers):
+            if site == "head" and model.cfg.layer_type(layer) == "linear":
+                continue  # no attention heads there (patching_hooks refuses them)
             for head in (range(n_heads) if site == "head" else [None]):
                 for position in (range(n_pos) if per_position else [None]):
                     jobs.append((site, layer, position, head))

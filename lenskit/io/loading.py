@@ -26,6 +26,7 @@ from .files import check_output_file, check_regular_file, read_json_object
 # Where a model's folder is (embedded, local or the hub cache): lenskit.io.hub, re-exported for older imports.
 from .hub import EMBEDDED_MODELS, embedded_model_folder, resolve_hub_file, resolve_model_folder  # noqa: F401
 from .mapped import WeightFiles
+from .mxfp4 import check_quantization_config, dequantize_checkpoint
 from .tokenizer import TOKENIZER_FILES, load_tokenizer, save_tokenizer
 
 if TYPE_CHECKING:
@@ -53,13 +54,18 @@ def expected_shapes(cls: type["HookedTransformer"], cfg: ModelConfig) -> dict[st
     """Every parameter shape of `cls(cfg)`, from one-block models on the meta device: blocks of one kind (a
     mixture of experts or a dense MLP) have equal shapes, so a config claiming thousands of layers is checked
     against the files before anything large is built."""
-    blocks: dict[bool, dict[str, tuple[int, ...]]] = {}  # is_moe_layer -> one block's shapes
-    for moe in {cfg.is_moe_layer(i) for i in range(cfg.n_layers)}:
+    def kind(i: int) -> tuple[bool, str]:  # what a block's shapes depend on: its MLP and its token mixer (linear attention)
+        return cfg.is_moe_layer(i), cfg.layer_type(i)
+
+    blocks: dict[tuple[bool, str], dict[str, tuple[int, ...]]] = {}  # kind -> one block's shapes
+    for moe, mixer in {kind(i) for i in range(cfg.n_layers)}:
+        one_block = cfg.replace(n_layers=1, dense_layers=() if moe or cfg.n_experts is None else (0,),
+                                layer_types=None if cfg.layer_types is None else (mixer,))
         with torch.device("meta"):
-            one = model_shapes(cls(cfg.replace(n_layers=1, dense_layers=() if moe or cfg.n_experts is None else (0,))))
-        blocks[moe] = {k.removeprefix("blocks.0."): v for k, v in one.items() if k.startswith("blocks.0.")}
+            one = model_shapes(cls(one_block))
+        blocks[moe, mixer] = {k.removeprefix("blocks.0."): v for k, v in one.items() if k.startswith("blocks.0.")}
     shapes = {k: v for k, v in one.items() if not k.startswith("blocks.")}
-    shapes.update({f"blocks.{i}.{k}": v for i in range(cfg.n_layers) for k, v in blocks[cfg.is_moe_layer(i)].items()})
+    shapes.update({f"blocks.{i}.{k}": v for i in range(cfg.n_layers) for k, v in blocks[kind(i)].items()})
     return shapes
 
 
@@ -149,7 +155,7 @@ def to_hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dic
         tensor = layout.to_stored(ours, state[ours].detach(), cfg)
         key = theirs if theirs == layout.top["unembed.weight"] else f"{layout.prefix}{theirs}"
         out[key] = tensor.contiguous().cpu()
-    return out
+    return layout.join_fused(out, cfg, layout.prefix)  # experts fused where the family's files know no other spelling
 
 
 # ------------------------------------------------------------------ files
@@ -255,7 +261,7 @@ def parse_device(device: str | torch.device | None) -> torch.device:
 
 def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathLike, dtype: torch.dtype | str | None = None,
                     device: str | torch.device | None = None, check_finite: bool = True,
-                    mmap: bool = True, device_map=None, max_memory=None) -> "HookedTransformer":
+                    mmap: bool = True, device_map=None, max_memory=None, **processing: bool) -> "HookedTransformer":
     """See `HookedTransformer.from_pretrained`. With `mmap`, weights already in `dtype` on the CPU stay
     memory-mapped, and the files they map are watched (lenskit.io.mapped) before every forward."""
     if device is not None and device_map is not None:
@@ -270,8 +276,11 @@ def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathL
     files = WeightFiles(checkpoint_files(folder)[0]) if mmap else WeightFiles()
     raw = read_safetensors(folder)
     files.confirm()
-    # The config's layer count is checked against the blocks the tensor names hold before anything scales with it.
+    # The config's layer count is checked against the blocks the tensor names hold before anything scales with it;
+    # its quantization_config is refused unless it is MXFP4 in a family that has it (gpt-oss).
     cfg = ModelConfig.from_hf_config(config, name=str(name_or_path), tensor_names=raw)
+    if check_quantization_config(config):
+        raw = dequantize_checkpoint(raw, dtype)
     placement = resolve_placement(cfg, device, device_map, max_memory, dtype)
     for used in {placement.embed, placement.readout, placement.main, *placement.blocks}:
         parse_device(used)  # each device the map names can be used by this torch, before any weight moves
@@ -282,6 +291,9 @@ def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathL
         model.weight_files = files  # checked at the start of every forward
     else:
         files.close()  # every weight was copied (another dtype or device): the files no longer matter
+    if processing:  # fold_ln=..., as TransformerLens (lenskit.processing); processed tensors are new, never the file's
+        from ..processing import process_weights
+        model = process_weights(model, **processing, inplace=True)
     return model
 
 

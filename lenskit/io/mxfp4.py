@@ -11,7 +11,8 @@ format reserves for NaN; both are refused, naming the tensor. Weights are dequan
 working memory stays a few tens of MiB beside the result.
 
 gpt-oss's dense expert layout is the transpose of the quantized rows: `gate_up_proj_blocks` [expert, 2 * d_mlp,
-d_model / 32, 16] holds `gate_up_proj` [expert, d_model, 2 * d_mlp] (`dequantize_experts`).
+d_model / 32, 16] holds `gate_up_proj` [expert, d_model, 2 * d_mlp] (`dequantize_experts`). The loader reads an
+MXFP4 checkpoint through `dequantize_checkpoint`: every pair is checked first, then each becomes its dense tensor.
 """
 
 from __future__ import annotations
@@ -47,6 +48,33 @@ def check_quantization_config(config: Mapping[str, Any]) -> bool:
         raise ValueError(f"config field quantization_config.quant_method={method!r} is not supported; lenskit dequantizes "
                          "only 'mxfp4' on load: use the unquantized checkpoint")
     return True
+
+
+QUANTIZED_FAMILIES = ("gpt_oss",)  # the model types whose published checkpoints are MXFP4
+
+
+def check_family_quantization(config: Mapping[str, Any], model_type: str) -> None:
+    """Refuse, by name, a `quantization_config` that lenskit cannot read for `model_type`: another method in any
+    family, and MXFP4 outside the families published so."""
+    if check_quantization_config(config) and model_type not in QUANTIZED_FAMILIES:
+        raise ValueError(f"config field quantization_config.quant_method='mxfp4' is supported only for model_type in "
+                         f"{list(QUANTIZED_FAMILIES)}, not {model_type!r}; use the unquantized checkpoint")
+
+
+def dequantize_checkpoint(raw: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors with each `W_blocks` / `W_scales` pair replaced by `W`, dequantized exactly to `dtype`
+    (bfloat16 or float32; float32 for another dtype, which the loader then converts to). Every pair's shapes and
+    dtypes are checked before any is dequantized; a dense `W` beside its pair is refused as ambiguous."""
+    pairs = packed_pairs(raw)
+    for dense, (blocks, scales) in pairs.items():
+        check_packed(dense, raw[blocks], raw[scales])
+        if dense in raw:
+            raise ValueError(f"checkpoint has {dense} and its MXFP4 pair {blocks}, {scales}; keep one of them")
+    out = {k: v for k, v in raw.items() if not k.endswith((BLOCKS, SCALES))}
+    to = dtype if dtype in DTYPES else torch.float32
+    for dense, (blocks, scales) in pairs.items():
+        out[dense] = dequantize_experts(raw[blocks], raw[scales], to, name=dense)
+    return out
 
 
 def packed_pairs(names: Iterable[str]) -> dict[str, tuple[str, str]]:

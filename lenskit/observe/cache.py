@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from .names import get_act_name, hook_name
-from .resid import Part, PosSlice, apply_slice, need, pinned_norm, post_normed, resid_parts
+from .resid import Part, PosSlice, apply_slice, headless, need, pinned_norm, post_normed, resid_parts
 from .stream import Stream, as_stream, check_layer
 
 if TYPE_CHECKING:
@@ -205,6 +205,9 @@ class ActivationCache(Mapping):
                 raise ValueError(f"stack_head_results: block {l} normalises attention's output (ln1_post) after its "
                                  "heads are summed, so the heads' writes do not add up to what reaches the stream; "
                                  "use decompose_resid for whole-layer writes")
+            if kind := headless(self, l):
+                raise ValueError(f"stack_head_results: block {l} is a {kind} layer, which has no heads' writes; use "
+                                 "decompose_resid for whole-layer writes")
             result = need(self, hook_name("result", l), "stack_head_results")  # [..., pos, head, d_model]
             heads += list(result.movedim(-2, 0))
             labels += [f"L{l}H{h}" for h in range(result.shape[-2])]

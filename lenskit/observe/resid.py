@@ -71,7 +71,8 @@ def resid_parts(cache: "ActivationCache", s: Stream, per_head: bool = False) -> 
 
     The position embedding is a part only where the model has one (learned positions); rotary
     families add positions inside attention. With `per_head`, each attention write becomes its heads
-    (`hook_result`) plus an `attn_bias` part, `attn_out - sum(heads)`, so the parts still sum exactly.
+    (`hook_result`) plus an `attn_bias` part, `attn_out - sum(heads)`, so the parts still sum exactly; a
+    linear-attention block (Qwen 3.5's Gated DeltaNet), which has no heads, stays one part.
     """
     why = "decomposing the stream"
     embed = need(cache, "hook_embed", why)
@@ -86,7 +87,7 @@ def resid_parts(cache: "ActivationCache", s: Stream, per_head: bool = False) -> 
         if per_head and post_normed(cache, i):
             raise ValueError(f"block {i} normalises attention's output (ln1_post) after its heads are summed, so the "
                              "heads do not add up to attn_out; decompose with per_head=False")
-        if per_head:
+        if per_head and not headless(cache, i):  # a linear-attention block has no heads: its write stays whole
             result = need(cache, hook_name("result", i), "a per-head decomposition")  # [..., pos, head, d_model]
             parts += [Part(result[..., h, :], f"L{i}H{h}", "head", i, h) for h in range(result.shape[-2])]
             parts.append(Part(attn_out - result.sum(-2), f"{i}_attn_bias", "attn_bias", i, None))
@@ -118,6 +119,11 @@ def post_normed(cache: "ActivationCache", layer: int) -> bool:
     """Whether block `layer` normalises its attention write after the heads are summed (Gemma, OLMo 2)."""
     name = f"blocks.{layer}.ln1_post.hook_normalized"
     return name in cache or (cache.model is not None and name in cache.model.hook_dict)
+
+
+def headless(cache: "ActivationCache", layer: int) -> str | None:
+    """The layer type of block `layer` where its token mixer has no heads' writes (linear attention), else None."""
+    return None if cache.model is None else getattr(cache.model.blocks[layer].attn, "LAYER_TYPE", None)
 
 
 def pinned_norm(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, model: nn.Module) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Causal self-attention and its pieces: the q/k/v projection (fused or split), the masks (causal,
-sliding window), grouped-query attention and attention sinks. Each option is chosen once, in `Attention.__init__`.
+sliding window), grouped-query attention, attention sinks and the output gate (Qwen 3.5: each head's output times a
+sigmoid gate that q's projection also gives, `hook_gate`). Each option is chosen once, in `Attention.__init__`.
 
 Hook shapes: hook_q, hook_rot_q, hook_z are per query head [batch, pos, head, d_head]; hook_k,
 hook_rot_k, hook_v are per key/value head [batch, pos, kv_head, d_head]; hook_attn_scores and
@@ -62,6 +63,26 @@ class SplitQKV(nn.Module):
         return tuple((linear.weight, linear.bias) for linear in (self.q, self.k, self.v))
 
 
+class GatedSplitQKV(SplitQKV):
+    """SplitQKV whose `q` also gives each head an output gate (Qwen 3.5): per head, d_head query rows then d_head
+    gate rows, as the checkpoints store `q_proj`. forward returns q, k, v and the gate's logits [batch, pos, head, d_head]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.q = Linear(cfg.d_model, 2 * cfg.n_heads * cfg.d_head, bias=cfg.qkv_bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, pos, _ = x.shape
+        q, gate = self.q(x).view(batch, pos, -1, 2 * self.d_head).chunk(2, dim=-1)  # 2 x [batch, pos, head, d_head]
+        return q, self.k(x).view(batch, pos, -1, self.d_head), self.v(x).view(batch, pos, -1, self.d_head), gate
+
+    def parts(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        """(weight [out, d_model], bias [out] or None) of q (its query rows, a copy), k and v."""
+        (weight, bias), k, v = super().parts()
+        rows = lambda t: t.view(-1, 2, self.d_head, *t.shape[1:])[:, 0].reshape(-1, *t.shape[1:])  # noqa: E731
+        return (rows(weight), None if bias is None else rows(bias)), k, v
+
+
 class CausalMask:
     """Each query sees itself and every earlier key."""
 
@@ -108,7 +129,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
         self.group = cfg.n_heads // cfg.n_kv_heads
-        self.qkv = FusedQKV(cfg) if cfg.fused_qkv else SplitQKV(cfg)
+        self.qkv = FusedQKV(cfg) if cfg.fused_qkv else GatedSplitQKV(cfg) if cfg.attn_output_gate else SplitQKV(cfg)
         self.out = Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.out_bias)
         self.mask = make_mask(cfg, layer)
         self.scale = (cfg.d_head if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar) ** -0.5
@@ -120,6 +141,8 @@ class Attention(nn.Module):
         self.hook_pattern = HookPoint()  # [batch, head, query_pos, key_pos]
         self.hook_z = HookPoint()  # [batch, pos, head, d_head]
         self.hook_result = HookPoint()  # [batch, pos, head, d_model], computed only when hooked
+        if cfg.attn_output_gate:  # hook_z is then each head's mix times its gate: what the output projection reads
+            self.hook_gate = HookPoint()  # [batch, pos, head, d_head], sigmoid of the gate, in (0, 1)
         internals = [self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern]
         if cfg.qk_norm and cfg.qk_norm_per_head:
             self.q_norm = make_norm(cfg, cfg.d_head)  # over d_head, per head, before rotary
@@ -133,7 +156,7 @@ class Attention(nn.Module):
             self.sinks = nn.Parameter(torch.zeros(cfg.n_heads))  # [head], a logit per head
             self.hook_sink = HookPoint()  # [batch, head, query_pos]
             internals.append(self.hook_sink)
-        if cfg.positional == "rotary":
+        if cfg.rotates(layer):  # not in a NoPE block (SmolLM3's every fourth), which has no positions at all
             self.rotary = Rotary(cfg, local=cfg.layer_type(layer) == "sliding")
             self.hook_rot_q = HookPoint()  # [batch, pos, head, d_head]
             self.hook_rot_k = HookPoint()  # [batch, pos, kv_head, d_head]
@@ -142,21 +165,22 @@ class Attention(nn.Module):
         self._norm_qk = (_unchanged if not cfg.qk_norm else self._apply_qk_norm if cfg.qk_norm_per_head
                          else self._apply_flat_qk_norm)
         self._cap = _unchanged_scores if self.softcap is None else self._softcap_scores
-        self._rotate_qk = self._apply_rotary if cfg.positional == "rotary" else _unchanged
+        self._rotate_qk = self._apply_rotary if cfg.rotates(layer) else _unchanged
         self._softmax = self._softmax_with_sink if cfg.attn_sinks else _softmax
         self._fused = self._fused_with_sink if cfg.attn_sinks else self._fused_plain
+        self._gate_z = self._output_gate if cfg.attn_output_gate else _ungated
         self._internals = tuple(internals)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, pos, _ = x.shape
-        q, k, v = self.qkv(x)  # [batch, pos, head, d_head], 2 x [batch, pos, kv_head, d_head]
+        q, k, v, *gate = self.qkv(x)  # [batch, pos, head, d_head], 2 x [batch, pos, kv_head, d_head]; gate as q, if any
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         q, k = self._rotate_qk(*self._norm_qk(q, k))
         if self.softcap is not None or any(h.has_hooks() for h in self._internals) or not _fused_agrees(q, k):
             z = self._eager(q, k, v)
         else:
             z = self._fused(q, k, v)
-        z = self.hook_z(z)
+        z = self.hook_z(self._gate_z(z, *gate))
         if not self.hook_result.has_hooks():
             return self.out(z.reshape(batch, pos, self.n_heads * self.d_head))
         result = self.hook_result(torch.einsum("bphd,hdm->bphm", z, self.W_O))  # [batch, pos, head, d_model]
@@ -220,6 +244,9 @@ class Attention(nn.Module):
     def _apply_flat_qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
 
+    def _output_gate(self, z: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return z * self.hook_gate(torch.sigmoid(gate))
+
     def _softcap_scores(self, scores: torch.Tensor) -> torch.Tensor:
         return torch.tanh(scores / self.softcap) * self.softcap
 
@@ -282,6 +309,10 @@ def _fused_agrees(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def _unchanged(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, k
+
+
+def _ungated(z: torch.Tensor) -> torch.Tensor:
+    return z
 
 
 def _unchanged_scores(scores: torch.Tensor) -> torch.Tensor:

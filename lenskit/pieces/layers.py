@@ -16,6 +16,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import Attention
+from .deltanet import GatedDeltaNet
 from ..observe.hooks import HookPoint
 from .linear import Linear
 from .moe import MoE
@@ -151,6 +152,11 @@ def make_mlp(cfg: ModelConfig, layer: int = 0) -> MLP | MoE:
     return MoE(cfg) if cfg.is_moe_layer(layer) else MLP_CLASSES[cfg.mlp](cfg)
 
 
+def make_attention(cfg: ModelConfig, layer: int = 0) -> Attention | GatedDeltaNet:
+    """Block `layer`'s token mixer: softmax attention, or linear attention where the config makes that block linear."""
+    return GatedDeltaNet(cfg) if cfg.layer_type(layer) == "linear" else Attention(cfg, layer)
+
+
 class TransformerBlock(nn.Module):
     """Pre-LN block: each sublayer reads a normalised copy of the stream and adds its write back."""
 
@@ -164,7 +170,7 @@ class TransformerBlock(nn.Module):
         if self.POST_NORMS:
             self.ln1_post = make_norm(cfg)
             self.ln2_post = make_norm(cfg)
-        self.attn = Attention(cfg, layer)
+        self.attn = make_attention(cfg, layer)
         self.mlp = make_mlp(cfg, layer)
         self.dropout = nn.Dropout(dropout)
         self.hook_resid_pre = HookPoint()  # [batch, pos, d_model]

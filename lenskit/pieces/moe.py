@@ -1,13 +1,13 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE): a router sends each token to k experts, and the
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE, gpt-oss): a router sends each token to k experts, and the
 block's write is their weighted sum.
 
-    logits            = x @ W_router.T                        [batch, pos, expert]
+    logits            = x @ W_router.T (+ b_router)           [batch, pos, expert]
     weights, experts  = route(logits, k)                       [batch, pos, k] each
     mlp_out           = Σ_j weights_j · expert_{experts_j}(x)  [batch, pos, d_model]
 
 `route` is one of `ROUTES`, chosen once from `cfg.routing`: a softmax over every expert then the top k, the same
-renormalised over those k, or the top k logits then a softmax over them. The softmax runs in float32 whatever the
-model's dtype, as transformers runs it. Experts run grouped by expert: the (token, slot) pairs are sorted by the
+renormalised over those k, or the top k logits then a softmax over them. Each softmax runs in the dtype transformers
+runs it in: float32 after a softmax over every expert, the logits' own dtype for gpt-oss's top k. Experts run grouped by expert: the (token, slot) pairs are sorted by the
 expert they go to, and each expert that has tokens runs once on all of them, never a loop over tokens nor a dense
 pass over every expert.
 
@@ -16,8 +16,8 @@ Hooks: `hook_router_logits` [batch, pos, expert], `hook_expert_indices` and `hoo
 slot's unweighted expert output, computed only when something is attached to it (it is in the model's
 ON_REQUEST list). `mlp_out = Σ_j weights_j · expert_out_j` either way.
 
-Another kind of expert (gpt-oss's clamped SwiGLU with biases) is one more `SwiGLUExpert` subclass in `EXPERTS`, keyed
-by `cfg.mlp`; a router bias is the `bias` argument of `MoE.router`.
+The kind of expert is `EXPERTS[cfg.mlp]`: the SwiGLU expert, or gpt-oss's biased one with the clamped SwiGLU
+(`ClampedSwiGLUExpert`); the router has a bias where `cfg.router_bias` says so (gpt-oss).
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ def softmax_topk_renorm(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
 
 
 def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest logits, then a softmax over those k (gpt-oss)."""
+    """The k largest logits, in descending order, then a softmax over those k alone, so each token's weights sum to
+    one (gpt-oss; in the logits' dtype, as transformers' GptOssTopKRouter computes it)."""
     top, indices = logits.topk(k, dim=-1)
-    return torch.softmax(top.float(), dim=-1), indices
+    return torch.softmax(top, dim=-1), indices
 
 
 Route = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
@@ -74,7 +75,31 @@ class SwiGLUExpert(nn.Module):
         return self.fc_out(F.silu(self.gate(x)) * self.fc_in(x))
 
 
-EXPERTS: dict[str, type[SwiGLUExpert]] = {"swiglu": SwiGLUExpert}  # cfg.mlp -> the expert piece
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gated activation, [..., d_expert] each -> [..., d_expert]: the gate clamped from above at `limit`, the
+    up projection to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate). The + 1 is gpt-oss's: an up
+    projection of zero passes the gate through."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
+
+
+class ClampedSwiGLUExpert(SwiGLUExpert):
+    """gpt-oss's expert: biased projections, fc_out(clamped_swiglu(gate(x), fc_in(x))) with the config's
+    `swiglu_alpha` and `swiglu_limit`. Its checkpoints fuse gate and fc_in, interleaved (`layouts.GptOssExperts`)."""
+
+    BIAS = True
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [token, d_model] -> [token, d_model]
+        return self.fc_out(clamped_swiglu(self.gate(x), self.fc_in(x), self.alpha, self.limit))
+
+
+# cfg.mlp -> the expert piece
+EXPERTS: dict[str, type[SwiGLUExpert]] = {"swiglu": SwiGLUExpert, "swiglu_clamped": ClampedSwiGLUExpert}
 
 
 class MoE(nn.Module):
@@ -82,7 +107,8 @@ class MoE(nn.Module):
 
     Weight views, per expert as TransformerLens shows a dense MLP's (`x @ W + b`): `W_in`, `W_gate`
     [expert, d_model, d_expert], `W_out` [expert, d_expert, d_model], biases [expert, d_expert] and
-    [expert, d_model] (zeros where the experts have none), `W_router` [d_model, expert]. They are copies.
+    [expert, d_model] (zeros where the experts have none), `W_router` [d_model, expert], `b_router` [expert] (zeros
+    without a router bias). They are copies.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -92,7 +118,7 @@ class MoE(nn.Module):
                              f"lenskit implements experts of kind {sorted(EXPERTS)}")
         self.k = cfg.n_experts_per_token
         self.route = ROUTES[cfg.routing]
-        self.router = Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.router = Linear(cfg.d_model, cfg.n_experts, bias=cfg.router_bias)
         self.experts = nn.ModuleList(EXPERTS[cfg.mlp](cfg) for _ in range(cfg.n_experts))
         self.hook_router_logits = HookPoint()  # [batch, pos, expert]
         self.hook_expert_indices = HookPoint()  # [batch, pos, k], long
@@ -152,6 +178,11 @@ class MoE(nn.Module):
     @property
     def W_router(self) -> torch.Tensor:
         return self.router.weight.T  # [d_model, expert]
+
+    @property
+    def b_router(self) -> torch.Tensor:
+        bias = self.router.bias
+        return self.router.weight.new_zeros(self.router.weight.shape[0]) if bias is None else bias  # [expert]
 
     @property
     def W_in(self) -> torch.Tensor:

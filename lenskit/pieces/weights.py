@@ -30,6 +30,11 @@ def _stacked(part: str, name: str, doc: str) -> property:
     """A view that each block's `part` (attn or mlp) owns, stacked over layers; None where the blocks have None."""
 
     def get(self) -> torch.Tensor | None:
+        without = [l for l, block in enumerate(self.blocks) if not hasattr(type(getattr(block, part)), name)]
+        if without:  # Qwen 3.5's linear-attention blocks have no heads' weights
+            kind = getattr(getattr(self.blocks[without[0]], part), "LAYER_TYPE", type(getattr(self.blocks[without[0]], part)).__name__)
+            raise ValueError(f"model.{name} cannot stack the blocks' {part}.{name}: blocks {without} are {kind} layers, "
+                             f"which have none; read model.blocks[l].{part}.{name} of the other blocks")
         views = [getattr(getattr(block, part), name) for block in self.blocks]
         if views[0] is None:
             return None
@@ -66,8 +71,10 @@ class WeightViews:
 
     @property
     def b_U(self) -> torch.Tensor:
-        """Unembedding bias [d_vocab]: zeros, since no supported family has one."""
-        return self.unembed.weight.new_zeros(self.cfg.d_vocab)
+        """Unembedding bias [d_vocab]: zeros, since no supported family has one, unless `fold_ln` folded a
+        LayerNorm's bias into it (lenskit.processing)."""
+        bias = self.unembed.bias
+        return self.unembed.weight.new_zeros(self.cfg.d_vocab) if bias is None else bias
 
     # ------------------------------------------- attention (lenskit.pieces.attention.Attention's views)
     W_Q = _stacked("attn", "W_Q", "[layer, head, d_model, d_head]")
