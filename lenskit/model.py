@@ -18,7 +18,7 @@ from .observe.hooks import CacheRecording, HookedRootModule, HookFn, NameOrPredi
 from .pieces.layers import make_block, make_norm
 from .pieces.linear import Linear
 from .pieces.readout import Readout
-from .io.text import encode_texts, is_text, single_token_id
+from .io.text import TextMethods, is_text
 from .pieces.weights import WeightViews
 from .placement import Placement
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 TokensLike = Union[torch.Tensor, str, Sequence[str]]
 
 
-class HookedTransformer(WeightViews, HookedRootModule):
+class HookedTransformer(TextMethods, WeightViews, HookedRootModule):
     """A transformer with TransformerLens-style hook points, numerically equal to `transformers`' own
     class for its family. Positions are learned (`pos_embed`, `hook_pos_embed`) or rotary (inside
     attention); the choice is made once, here.
@@ -279,75 +279,6 @@ class HookedTransformer(WeightViews, HookedRootModule):
             raise ValueError(f"token id {value} at {where} is outside the vocabulary [0, {self.cfg.d_vocab})")
         return ids
 
-    def _ids_to_read(self, tokens: Any, what: str) -> torch.Tensor:
-        """Token ids [pos] or [batch, pos] for turning into text (a lone id counts as [1]), checked like a forward's."""
-        try:
-            ids = torch.as_tensor(tokens)
-        except (TypeError, ValueError, RuntimeError, OverflowError):
-            raise TypeError(f"{what} takes text or token ids [pos] or [batch, pos], got {type(tokens).__name__} "
-                            f"{tokens!r:.60}") from None
-        if ids.ndim > 2:
-            raise ValueError(f"{what} takes token ids [pos] or [batch, pos], got a tensor of shape {tuple(ids.shape)}; "
-                             "pass one batch of it, e.g. tokens[0]")
-        return ids.long() if ids.numel() == 0 else self._in_vocabulary(ids.reshape(-1) if ids.ndim == 0 else ids)
-
-    def _need_tokenizer(self) -> "PreTrainedTokenizerBase":
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer; pass token ids, or load from a folder with tokenizer files")
-        return self.tokenizer
-
-    def to_tokens(self, text: str | Sequence[str], prepend_bos: bool | None = None) -> torch.Tensor:
-        """Token ids [batch, pos]. Several texts are right-padded with the EOS id; causal attention keeps
-        the real positions exact, and positions past a text's end are padding.
-
-        `prepend_bos=None` does what the checkpoint's own tokenizer does: Llama 3 and Mistral tokenizers
-        put BOS first, GPT-2, Pythia and Qwen ones do not. True or False overrides that, as in TransformerLens.
-
-        >>> model.to_tokens("Hello world")   # GPT-2's tokenizer: tensor([[15496, 995]])
-        """
-        tok = self._need_tokenizer()
-        texts = [text] if isinstance(text, str) else list(text)
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise ValueError(f"to_tokens needs a string or a non-empty list of strings; got no texts or non-strings: {text!r:.80}")
-        tokens, _ = encode_texts(tok, texts, bos=self.bos_id(prepend_bos))
-        return tokens.to(self.embed.weight.device)
-
-    def bos_id(self, prepend_bos: bool | None = None) -> int | None:
-        """The id `to_tokens` puts first, or None: `prepend_bos=None` follows the checkpoint's tokenizer."""
-        tok = self._need_tokenizer()
-        if not (adds_bos(tok) if prepend_bos is None else prepend_bos):
-            return None
-        bos = tok.bos_token_id if tok.bos_token_id is not None else self.cfg.bos_token_id
-        if bos is None:
-            raise ValueError("prepend_bos=True but neither the tokenizer nor the config defines a BOS token")
-        return bos
-
-    def to_single_token(self, text: str) -> int:
-        """The id of text that is exactly one token (no BOS), or a ValueError naming its pieces."""
-        return single_token_id(self._need_tokenizer(), text)
-
-    def to_str_tokens(self, tokens: TokensLike) -> list[str] | list[list[str]]:
-        """Each token as its text: a list for one sequence, a list of lists for a batch."""
-        tok = self._need_tokenizer()
-        if isinstance(tokens, str):
-            tokens = self.to_tokens(tokens)
-        elif is_text(tokens):
-            return [self.to_str_tokens(t) for t in tokens]
-        ids = self._ids_to_read(tokens, "to_str_tokens")
-        if ids.ndim == 2 and ids.shape[0] == 1:
-            ids = ids[0]
-        if ids.ndim == 2:
-            return [[tok.decode([t]) for t in row] for row in ids.tolist()]
-        return [tok.decode([t]) for t in ids.tolist()]
-
-    def to_string(self, tokens: torch.Tensor) -> str | list[str]:
-        """The text of token ids: one string for [pos], a list of strings for [batch, pos]."""
-        tok = self._need_tokenizer()
-        ids = self._ids_to_read(tokens, "to_string")
-        if ids.ndim == 2:
-            return [tok.decode(row) for row in ids.tolist()]
-        return tok.decode(ids.tolist())
-
     # ------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(
@@ -415,12 +346,6 @@ def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     if tokens.shape[1] < 2:
         raise ValueError("a loss needs at least 2 tokens per sequence (each position predicts the next)")
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
-
-
-def adds_bos(tokenizer: "PreTrainedTokenizerBase") -> bool:
-    """Whether the tokenizer's own encoding, special tokens on, starts a text with its BOS token."""
-    bos = tokenizer.bos_token_id
-    return bos is not None and tokenizer.encode("a", add_special_tokens=True)[:1] == [bos]
 
 
 def _embed_scaled(x: torch.Tensor) -> torch.Tensor:

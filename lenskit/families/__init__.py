@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from . import readers, writers
+from . import readers, readers_moe, writers
 from ..config import ModelConfig
 from .layouts import GEMMA, GPT2, GPT_NEOX, GPT_OSS, LLAMA, MIXTRAL, MOE, OLMO2, PHI3, QWEN3_5, Layout
 
@@ -269,14 +269,14 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                   rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
     ),
     Family(
-        "mixtral", "MixtralForCausalLM", "MixtralConfig", "Mixtral", readers.read_mixtral, writers.write_mixtral, MIXTRAL,
+        "mixtral", "MixtralForCausalLM", "MixtralConfig", "Mixtral", readers_moe.read_mixtral, writers.write_mixtral, MIXTRAL,
         presets=_named(_llama("mixtral-8x7b", "mixtral", 32, 4096, 32, 8, 14336, 32000, 32768, False, 1_000_000.0,
                               norm_eps=1e-5, bos_token_id=1, eos_token_id=2, n_experts=8, n_experts_per_token=2,
                               routing="softmax_topk_renorm")),
         tiny=dict(_MOE_TINY, num_local_experts=4, sliding_window=5, head_dim=8, initializer_range=0.1),
     ),
     Family(
-        "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", "Qwen 3 MoE", readers.read_qwen3_moe,
+        "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", "Qwen 3 MoE", readers_moe.read_qwen3_moe,
         writers.write_qwen3_moe, MOE,
         presets=_named(_llama("qwen3-30b-a3b", "qwen3_moe", 48, 2048, 32, 4, 6144, 151936, 40960, False, 1_000_000.0,
                               d_head=128, d_expert=768, **_QWEN3_MOE),
@@ -285,12 +285,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
         tiny=dict(_MOE_TINY, num_experts=4, head_dim=16, moe_intermediate_size=24, mlp_only_layers=[1]),
     ),
     Family(
-        "olmoe", "OlmoeForCausalLM", "OlmoeConfig", "OLMoE", readers.read_olmoe, writers.write_olmoe, MOE,
+        "olmoe", "OlmoeForCausalLM", "OlmoeConfig", "OLMoE", readers_moe.read_olmoe, writers.write_olmoe, MOE,
         presets=_named(_llama("olmoe-1b-7b", "olmoe", 16, 2048, 16, 16, 1024, 50304, 4096, False, 10000.0, **_OLMOE)),
         tiny=dict(_MOE_TINY, num_experts=4, norm_topk_prob=True, pad_token_id=0),
     ),
     Family(
-        "gpt_oss", "GptOssForCausalLM", "GptOssConfig", "gpt-oss", readers.read_gpt_oss, writers.write_gpt_oss, GPT_OSS,
+        "gpt_oss", "GptOssForCausalLM", "GptOssConfig", "gpt-oss", readers_moe.read_gpt_oss, writers.write_gpt_oss, GPT_OSS,
         presets=_named(_gpt_oss("gpt-oss-20b", 24, 32), _gpt_oss("gpt-oss-120b", 36, 128)),
         tiny=_GPT_OSS_TINY,
     ),

@@ -1,5 +1,6 @@
 """Text and tokens in one place: is this text?, text to padded token ids with each row's length, one-token
-text to its id, and a token shown as a reader should see it (`show_token`, `decode_token`)."""
+text to its id, a token shown as a reader should see it (`show_token`, `decode_token`), and the model's own text
+methods (`TextMethods`: `to_tokens`, `to_str_tokens`, `to_string`, ...)."""
 
 from __future__ import annotations
 
@@ -121,3 +122,83 @@ def token_texts(tokenizer: "PreTrainedTokenizerBase | None", ids: Any) -> list[s
         return [f"<{i}>" for i in ids]
     memo = {i: decode_token(tokenizer, i) for i in set(ids)}
     return [memo[i] for i in ids]
+
+
+def adds_bos(tokenizer: "PreTrainedTokenizerBase") -> bool:
+    """Whether the tokenizer's own encoding, special tokens on, starts a text with its BOS token."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer.encode("a", add_special_tokens=True)[:1] == [bos]
+
+
+class TextMethods:
+    """The model's text methods (TransformerLens's names): text to ids, ids to text. Mixed into
+    `HookedTransformer`, which gives them `tokenizer`, `cfg`, `embed` and `_in_vocabulary` (the forward's id check)."""
+
+    def _ids_to_read(self, tokens: Any, what: str) -> torch.Tensor:
+        """Token ids [pos] or [batch, pos] for turning into text (a lone id counts as [1]), checked like a forward's."""
+        try:
+            ids = torch.as_tensor(tokens)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise TypeError(f"{what} takes text or token ids [pos] or [batch, pos], got {type(tokens).__name__} "
+                            f"{tokens!r:.60}") from None
+        if ids.ndim > 2:
+            raise ValueError(f"{what} takes token ids [pos] or [batch, pos], got a tensor of shape {tuple(ids.shape)}; "
+                             "pass one batch of it, e.g. tokens[0]")
+        return ids.long() if ids.numel() == 0 else self._in_vocabulary(ids.reshape(-1) if ids.ndim == 0 else ids)
+
+    def _need_tokenizer(self) -> "PreTrainedTokenizerBase":
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass token ids, or load from a folder with tokenizer files")
+        return self.tokenizer
+
+    def to_tokens(self, text: str | Sequence[str], prepend_bos: bool | None = None) -> torch.Tensor:
+        """Token ids [batch, pos]. Several texts are right-padded with the EOS id; causal attention keeps
+        the real positions exact, and positions past a text's end are padding.
+
+        `prepend_bos=None` does what the checkpoint's own tokenizer does: Llama 3 and Mistral tokenizers
+        put BOS first, GPT-2, Pythia and Qwen ones do not. True or False overrides that, as in TransformerLens.
+
+        >>> model.to_tokens("Hello world")   # GPT-2's tokenizer: tensor([[15496, 995]])
+        """
+        tok = self._need_tokenizer()
+        texts = [text] if isinstance(text, str) else list(text)
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise ValueError(f"to_tokens needs a string or a non-empty list of strings; got no texts or non-strings: {text!r:.80}")
+        tokens, _ = encode_texts(tok, texts, bos=self.bos_id(prepend_bos))
+        return tokens.to(self.embed.weight.device)
+
+    def bos_id(self, prepend_bos: bool | None = None) -> int | None:
+        """The id `to_tokens` puts first, or None: `prepend_bos=None` follows the checkpoint's tokenizer."""
+        tok = self._need_tokenizer()
+        if not (adds_bos(tok) if prepend_bos is None else prepend_bos):
+            return None
+        bos = tok.bos_token_id if tok.bos_token_id is not None else self.cfg.bos_token_id
+        if bos is None:
+            raise ValueError("prepend_bos=True but neither the tokenizer nor the config defines a BOS token")
+        return bos
+
+    def to_single_token(self, text: str) -> int:
+        """The id of text that is exactly one token (no BOS), or a ValueError naming its pieces."""
+        return single_token_id(self._need_tokenizer(), text)
+
+    def to_str_tokens(self, tokens: torch.Tensor | str | Sequence[str]) -> list[str] | list[list[str]]:
+        """Each token as its text: a list for one sequence, a list of lists for a batch."""
+        tok = self._need_tokenizer()
+        if isinstance(tokens, str):
+            tokens = self.to_tokens(tokens)
+        elif is_text(tokens):
+            return [self.to_str_tokens(t) for t in tokens]
+        ids = self._ids_to_read(tokens, "to_str_tokens")
+        if ids.ndim == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.ndim == 2:
+            return [[tok.decode([t]) for t in row] for row in ids.tolist()]
+        return [tok.decode([t]) for t in ids.tolist()]
+
+    def to_string(self, tokens: torch.Tensor) -> str | list[str]:
+        """The text of token ids: one string for [pos], a list of strings for [batch, pos]."""
+        tok = self._need_tokenizer()
+        ids = self._ids_to_read(tokens, "to_string")
+        if ids.ndim == 2:
+            return [tok.decode(row) for row in ids.tolist()]
+        return tok.decode(ids.tolist())
