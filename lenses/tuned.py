@@ -57,8 +57,13 @@ def model_fingerprint(model: HookedTransformer, dtype: torch.dtype | None = None
     C order, so the digest depends on the numbers alone: not on the device, the storage dtype's
     quirks, strides, pickling or the Python version (tuned-lens' hash of a pickle broke on exactly that).
     With `dtype`, the values are first rounded to that dtype (what the model would hold if loaded in it).
+    Centred writing weights (`model.processing`) move every stream along the all-ones direction without touching
+    the readout, so they are hashed too and a lens fitted on the raw weights is refused there. (The other processing
+    options leave the streams as they were or rewrite the readout itself.) A raw model's digest is as it always was.
     """
     digest = hashlib.sha256()
+    if "center_writing_weights" in getattr(model, "processing", ()):
+        digest.update(b"processing:center_writing_weights\n")
     params = {f"ln_final.{n}": p for n, p in model.ln_final.named_parameters()}
     params.update({f"unembed.{n}": p for n, p in model.unembed.named_parameters()})
     for name in sorted(params):

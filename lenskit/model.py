@@ -311,11 +311,12 @@ class HookedTransformer(TextMethods, WeightViews, HookedRootModule):
         return load_pretrained(cls, name_or_path, dtype=dtype, device=device, check_finite=check_finite, mmap=mmap,
                                device_map=device_map, max_memory=max_memory, **processing)
 
-    def process_weights(self, fold_ln: bool | None = True, center_writing_weights: bool | None = None,
-                        center_unembed: bool | None = True, fold_value_biases: bool | None = True,
+    def process_weights(self, fold_ln: bool | None = None, center_writing_weights: bool | None = None,
+                        center_unembed: bool | None = None, fold_value_biases: bool | None = None,
                         refactor_factored_attn_matrices: bool | None = False, inplace: bool = False) -> "HookedTransformer":
         """A copy (or with `inplace`, this model) with TransformerLens's weight processing (lenskit.processing): True
-        applies an option or refuses saying why, None applies it where TransformerLens's default would."""
+        applies an option or refuses saying why, None (the default) applies it where TransformerLens's default would
+        and skips it where TransformerLens skips it; False skips it."""
         from .processing import process_weights
 
         return process_weights(self, fold_ln, center_writing_weights, center_unembed, fold_value_biases,

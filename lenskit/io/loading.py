@@ -328,6 +328,10 @@ def _assemble(cls, cfg, raw, tokenizer, dtype, device: torch.device | Placement,
 def save_pretrained(model: "HookedTransformer", folder: str | os.PathLike) -> None:
     """The family's Hugging Face folder: config.json, model.safetensors and the tokenizer files. Both are
     built before anything is written, so a family or config that cannot be saved leaves the folder as it was."""
+    if model.processing:  # the layout cannot say so: the saved folder would read back as raw weights
+        raise ValueError(f"this model's weights are processed ({', '.join(model.processing)}), which a Hugging Face "
+                         "folder cannot record; save the raw model and process it after loading "
+                         "(from_pretrained(..., fold_ln=True, ...))")
     config = model.cfg.to_hf_dict()
     tensors = to_hf_state_dict(model.state_dict(), model.cfg)
     folder = Path(folder)

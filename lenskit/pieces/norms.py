@@ -1,7 +1,9 @@
 """Normalisation pieces: LayerNorm, RMSNorm and Gemma's (1 + w) RMSNorm, each written out, chosen once by `make_norm`.
 
 Both expose `hook_scale` ([..., 1], the divisor) and `hook_normalized` (the output), and run the fused
-kernel when neither hook is in use; the two paths compute the same function.
+kernel when neither hook is in use; the two paths compute the same function. After `fold_ln`
+(lenskit.processing) a norm's weight is at its identity and LayerNorm's bias is zero, so `hook_normalized` is the
+pure normalisation, TransformerLens's meaning: (x - mean) / scale for LayerNorm, x / scale for RMSNorm.
 """
 
 from __future__ import annotations
