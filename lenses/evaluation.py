@@ -133,9 +133,10 @@ def _per_token_stats(model: HookedTransformer, lenses: dict[str, Lens], hs: list
     n_layers, d_model = len(locations), hs[0].shape[-1]
     flat = [h.reshape(-1, d_model) for h in hs]  # [batch * pos, d_model] per stream
     n, d_vocab = len(flat[0]), model.readout.d_vocab
-    next_ids = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(-1, 1)  # position pos-1's is a stand-in, dropped later
+    device = model.readout.weight.device  # where every lens reads out (under a device map, not the streams' device)
+    next_ids = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(-1, 1).to(device)  # pos-1's is a stand-in, dropped later
     chunk = min(n, max(CHUNK_ROWS, CHUNK_BYTES // (4 * d_vocab)))
-    final_z, final_e, z, scratch = torch.empty(4, chunk, d_vocab, dtype=torch.float32, device=flat[0].device)
+    final_z, final_e, z, scratch = torch.empty(4, chunk, d_vocab, dtype=torch.float32, device=device)
     out = {name: {k: torch.empty(n_layers, n, dtype=torch.float32, device=z.device) for k in ("kl", "ce", "entropy")}
            for name in lenses}
     for name in lenses:

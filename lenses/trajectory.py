@@ -111,7 +111,7 @@ class Trajectory:
         batch, pos = tokens.shape
         rows = batch * pos  # decode (batch, pos) rows in flat chunks
         flat_streams = [cache[n].reshape(rows, -1) for n in names]  # each [batch*pos, d_model]
-        flat_targets = targets.reshape(rows).to(flat_streams[0].device)
+        flat_targets = targets.reshape(rows).to(model.readout.weight.device)  # where the lens reads out (device maps)
         has_target = flat_targets != NO_TARGET
         safe_targets = flat_targets.clamp(min=0)
         chunk = chunk_size or max(1, (1 << 21) // model.cfg.d_vocab)

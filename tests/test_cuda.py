@@ -211,6 +211,12 @@ def test_the_lens_readout_runs_on_the_readout_device(llama_folder):
         lens = TunedLens(model)
         h = model.run_with_cache(tokens)[1]["resid_post", 1]  # on cuda:0
         assert lens(h, 2).device == torch.device("cpu")  # read out where the readout lives
+    from lenses.evaluation import evaluate_windows
+
+    windows = torch.randint(0, cpu.cfg.d_vocab, (3, 16), generator=torch.Generator().manual_seed(1))
+    got = evaluate_windows(model, [LogitLens(model), TunedLens(model)], windows, progress=False)
+    want = evaluate_windows(cpu, [LogitLens(cpu), TunedLens(cpu)], windows, progress=False)
+    assert (got[["kl", "ce", "entropy"]] - want[["kl", "ce", "entropy"]]).abs().max().max() < 1e-4
 
 
 def test_activation_export_from_cuda_matches_the_cpu(tmp_path):
