@@ -32,6 +32,9 @@ Conventions (the ones of Kaplan et al., 2020, "Scaling Laws for Neural Language 
   whatever the context: linear attention's cost is linear in the context, where softmax attention's core
   (`attn_core`, the full-attention blocks only) grows with it. Gated attention's q projection also gives its
   output gate: `2 d_attn` rows.
+- Gemma 4's full blocks have their own head width and kv heads (so their own `d_attn`), and their values are their
+  keys' projection (no v weights); its value norm has no gain, and each block's `layer_scalar` is a buffer, not a
+  parameter (as in transformers).
 - Training costs 3x the forward pass (the backward pass is about twice the forward): `6 N` per token,
   so `C = 6 N D` for `D` tokens with `N` the non-embedding parameters.
 
@@ -64,8 +67,8 @@ def as_config(model_or_cfg: ConfigLike) -> ModelConfig:
     )
 
 
-def _d_attn(cfg: ModelConfig) -> int:
-    return cfg.n_heads * cfg.d_head
+def _d_attn(cfg: ModelConfig, layer: int = 0) -> int:
+    return cfg.n_heads * cfg.d_head_of(layer)
 
 
 # ---------------------------------------------------------------- parameters
@@ -96,11 +99,12 @@ def _kinds(cfg: ModelConfig) -> dict[int, int]:
     """A representative block of each kind (MoE or dense) -> how many blocks are of that kind. Blocks of one kind
     are equal, so sums over the blocks are a few products, whatever n_layers is. In a hybrid model a block's kind
     is also its token mixer (linear or softmax attention)."""
-    if cfg.layer_types is not None and "linear" in cfg.layer_types:
-        first: dict[tuple[bool, bool], int] = {}
+    shaped = cfg.full_d_head is not None or cfg.full_n_kv_heads is not None or cfg.full_k_is_v  # Gemma 4's full blocks
+    if cfg.layer_types is not None and ("linear" in cfg.layer_types or shaped):
+        first: dict[tuple[bool, bool, bool], int] = {}
         counts: dict[int, int] = {}
         for i, kind in enumerate(cfg.layer_types):
-            rep = first.setdefault((kind == "linear", cfg.is_moe_layer(i)), i)
+            rep = first.setdefault((kind == "linear", cfg.is_moe_layer(i), shaped and kind == "full"), i)
             counts[rep] = counts.get(rep, 0) + 1
         return counts
     if cfg.n_experts is None or not cfg.dense_layers:
@@ -121,11 +125,12 @@ def block_params(model_or_cfg: ConfigLike, layer: int = 0) -> pd.DataFrame:
     expert (see `param_summary`'s `active` for what one token uses).
     """
     cfg = as_config(model_or_cfg)
-    d, a, m = cfg.d_model, _d_attn(cfg), cfg.d_mlp
-    kv = cfg.n_kv_heads * cfg.d_head  # each of k and v: smaller than d_attn under grouped-query attention
+    d, a, m, d_head = cfg.d_model, _d_attn(cfg, layer), cfg.d_mlp, cfg.d_head_of(layer)
+    kv = cfg.n_kv_heads_of(layer) * d_head  # each of k and v: smaller than d_attn under grouped-query attention
     q = 2 * a if cfg.attn_output_gate else a  # gated attention: q's projection also gives the output gate
-    attn_w = d * (q + 2 * kv) + a * d  # q, k, v, out
-    attn_b = (q + 2 * kv if cfg.qkv_bias else 0) + (d if cfg.out_bias else 0) + (cfg.n_heads if cfg.attn_sinks else 0)
+    n_kv = 1 if cfg.k_is_v(layer) else 2  # Gemma 4's full blocks: the keys' projection gives the values too
+    attn_w = d * (q + n_kv * kv) + a * d  # q, k, v, out
+    attn_b = (q + n_kv * kv if cfg.qkv_bias else 0) + (d if cfg.out_bias else 0) + (cfg.n_heads if cfg.attn_sinks else 0)
     linear = cfg.layer_type(layer) == "linear"
     if linear:  # Gated DeltaNet: in_qkv, in_z, in_b, in_a, the convolution, out_proj; A_log and dt_bias per value head
         k_dim, v_dim, n_v = cfg.linear_n_k_heads * cfg.linear_d_k, cfg.linear_n_v_heads * cfg.linear_d_v, cfg.linear_n_v_heads
@@ -139,7 +144,7 @@ def block_params(model_or_cfg: ConfigLike, layer: int = 0) -> pd.DataFrame:
     else:
         mlp_w, mlp_b = 3 * d * m, (2 * m + d if cfg.mlp_bias else 0)  # gate, fc_in, fc_out
     n_norms = 4 if cfg.norm_placement == "sandwich" else 2  # ln1, ln2 and/or ln1_post, ln2_post
-    qk = (2 * cfg.d_head if cfg.qk_norm_per_head else a + kv) if cfg.qk_norm else 0  # q/k norm gains: per head, or all heads
+    qk = (2 * d_head if cfg.qk_norm_per_head else a + kv) if cfg.qk_norm else 0  # q/k norm gains: per head, or all heads
     qk = cfg.linear_d_v if linear else qk  # a linear-attention block's gated output norm instead
     norm_w = n_norms * d + qk
     norm_b = n_norms * d if cfg.norm == "layernorm" else 0
@@ -272,7 +277,8 @@ def flops_per_token(model_or_cfg: ConfigLike, n_ctx: int | None = None, causal: 
     n_linear = sum(n for layer, n in kinds.items() if cfg.layer_type(layer) == "linear")
     forward = {
         "attn_proj": 2 * sum(int(block_params(cfg, layer).loc["attn", "weights"]) * n for layer, n in kinds.items()),
-        "attn_core": 2 * 2 * (cfg.n_layers - n_linear) * n_keys * _d_attn(cfg),
+        "attn_core": 2 * 2 * n_keys * sum(n * _d_attn(cfg, layer) for layer, n in kinds.items()
+                                           if cfg.layer_type(layer) != "linear"),
         **({"linear_core": 6 * n_linear * cfg.linear_n_v_heads * cfg.linear_d_k * cfg.linear_d_v} if n_linear else {}),
         "mlp": 2 * sum(_active_mlp(cfg, layer) * n for layer, n in _kinds(cfg).items()),  # routed experts only
         "unembed": 2 * cfg.d_model * cfg.d_vocab,

@@ -11,10 +11,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from .config_checks import check_experts, check_full_heads, check_linear
+
 # GPT-2's "gelu_new" and PyTorch's tanh GELU are the same function; "gelu" is the exact erf form.
 GELU_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 ROPE_TYPES = ("default", "llama3", "linear")  # what a rotary family reads unless it opts in to more
-ROPE_TYPES_IMPLEMENTED = ROPE_TYPES + ("yarn",)  # yarn: gpt-oss
+ROPE_TYPES_IMPLEMENTED = ROPE_TYPES + ("yarn", "proportional")  # yarn: gpt-oss; proportional: Gemma 4's full blocks
 
 NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")  # rmsnorm_offset: gain (1 + weight), Gemma's
 # geglu: gated, tanh GELU (Gemma); swiglu_fused: one gate_up (Phi-3); swiglu_clamped: gpt-oss's experts (biased,
@@ -30,7 +32,8 @@ POSITIONALS = ("learned", "rotary")
 ACTIVATIONS = GELU_ACTIVATIONS
 _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
-                "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate", "router_bias", "attn_output_gate")
+                "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate", "router_bias", "attn_output_gate",
+                "full_k_is_v", "v_norm", "layer_scalar")
 _POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rotary_base",
                      "rope_attention_factor")
 _ORGANISATION = re.compile(r"[A-Za-z0-9][\w.-]*")  # a hub organisation: no path separators, no leading "." or "~"
@@ -112,6 +115,13 @@ class ModelConfig:
     linear_d_k: int | None = None  # q/k head width
     linear_d_v: int | None = None  # value head width
     linear_conv_width: int | None = None  # the causal convolution's kernel width
+    # Gemma 4: "full" blocks with their own head shapes, keys that are also values, value norms, a rescaled stream.
+    full_d_head: int | None = None  # d_head of the "full" blocks where it differs (global_head_dim); None: d_head
+    full_n_kv_heads: int | None = None  # kv heads of the "full" blocks where they differ; None: n_kv_heads
+    full_k_is_v: bool = False  # the "full" blocks' values are their keys' projection, no v of their own (attention_k_eq_v)
+    v_norm: bool = False  # a weightless RMSNorm over each value head, like the q/k norms but with no gain
+    layer_scalar: bool = False  # each block ends by multiplying the stream by a stored scalar (`hook_rescale_out`)
+    rope_proportion: float = 1.0  # rope_type="proportional": the share of each head's dim pairs that turn at all
 
     def __post_init__(self) -> None:
         if self.d_mlp is None:
@@ -191,8 +201,13 @@ class ModelConfig:
         if self.nope_layers and self.positional != "rotary":
             raise ValueError(f"ModelConfig.nope_layers={self.nope_layers!r} names blocks without rotary, but positional="
                              f"{self.positional!r}; leave nope_layers empty")
-        self._check_experts()
-        self._check_linear()
+        check_experts(self)
+        check_linear(self)
+        if self.full_d_head == self.d_head:  # one way to say "the full blocks' heads are the others'": None
+            object.__setattr__(self, "full_d_head", None)
+        if self.full_n_kv_heads == self.n_kv_heads:
+            object.__setattr__(self, "full_n_kv_heads", None)
+        check_full_heads(self)
 
     @property
     def gelu_approximate(self) -> str:
@@ -213,50 +228,18 @@ class ModelConfig:
         """Whether block `layer`'s MLP is a mixture of experts (lenskit.pieces.moe) rather than the dense MLP."""
         return self.n_experts is not None and layer not in self.dense_layers
 
-    def _check_linear(self) -> None:
-        """The linear-attention fields, where layer_types has a "linear" block: positive ints, v heads a multiple of
-        k heads. (Without one they are unused; a one-block copy of a hybrid model keeps them.)"""
-        fields = ("linear_n_k_heads", "linear_n_v_heads", "linear_d_k", "linear_d_v", "linear_conv_width")
-        if self.layer_types is None or "linear" not in self.layer_types:
-            return
-        for field in fields:
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ModelConfig.{field} must be a positive int for linear-attention blocks, got {value!r}")
-        if self.linear_n_v_heads % self.linear_n_k_heads:
-            raise ValueError(f"ModelConfig.linear_n_v_heads={self.linear_n_v_heads} is not a multiple of linear_n_k_heads="
-                             f"{self.linear_n_k_heads}: each q/k head serves a whole group of value heads")
+    def d_head_of(self, layer: int) -> int:
+        """Block `layer`'s head width: `full_d_head` for a "full" block where it is set, else d_head."""
+        return self.full_d_head if self.full_d_head is not None and self.layer_type(layer) == "full" else self.d_head
 
-    def _check_experts(self) -> None:
-        """The MoE fields: all unset for a dense model; else n_experts >= k >= 1, a known routing rule, blocks in range."""
-        fields = ("n_experts", "n_experts_per_token", "d_expert")
-        if self.n_experts is None:
-            if self.n_experts_per_token is not None or self.d_expert is not None or self.dense_layers or self.router_bias:
-                raise ValueError("ModelConfig.n_experts is None (a dense model), so n_experts_per_token, d_expert, "
-                                 "dense_layers and router_bias must be unset; give n_experts for a mixture of experts")
-            if self.mlp == "swiglu_clamped":
-                raise ValueError("ModelConfig.mlp='swiglu_clamped' is an expert piece (gpt-oss); give n_experts, or "
-                                 "choose a dense MLP")
-            return
-        if self.d_expert is None:
-            object.__setattr__(self, "d_expert", self.d_mlp)
-        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
-        for field in fields:
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ModelConfig.{field} must be a positive int for a mixture of experts, got {value!r}")
-        if self.n_experts_per_token > self.n_experts:
-            raise ValueError(f"ModelConfig.n_experts_per_token={self.n_experts_per_token} exceeds n_experts="
-                             f"{self.n_experts}: each token is routed to k of the experts; lower k")
-        if self.mlp == "swiglu_clamped" and self.dense_layers:
-            raise ValueError(f"ModelConfig.mlp='swiglu_clamped' is an expert piece only, but dense_layers="
-                             f"{self.dense_layers!r} asks for dense blocks; leave dense_layers empty")
-        if self.routing not in ROUTINGS:
-            raise ValueError(f"ModelConfig.routing={self.routing!r}; supported: {ROUTINGS}")
-        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in self.dense_layers) \
-                or list(self.dense_layers) != sorted(set(self.dense_layers)):
-            raise ValueError(f"ModelConfig.dense_layers={self.dense_layers!r} must be increasing block indices in "
-                             f"[0, {self.n_layers})")
+    def n_kv_heads_of(self, layer: int) -> int:
+        """Block `layer`'s key/value heads: `full_n_kv_heads` for a "full" block where it is set, else n_kv_heads."""
+        full = self.full_n_kv_heads is not None and self.layer_type(layer) == "full"
+        return self.full_n_kv_heads if full else self.n_kv_heads
+
+    def k_is_v(self, layer: int) -> bool:
+        """Whether block `layer`'s values are its keys' projection (a "full" block under `full_k_is_v`)."""
+        return self.full_k_is_v and self.layer_type(layer) == "full"
 
     @property
     def is_gpt2(self) -> bool:
@@ -272,7 +255,9 @@ class ModelConfig:
           is not a multiple of it;
         - d_mlp: keeps the MLP's width ratio d_mlp / d_model (rounded): 4 for GPT-2, 3.5 for Llama 3.1 8B;
         - rotary_dim: keeps its fraction of d_head (Pythia's quarter, Phi-3's whole), rounded down to even;
-        - query_pre_attn_scalar: keeps its ratio to d_head (Gemma's scores are scaled by d_head ** -0.5);
+        - query_pre_attn_scalar: keeps its ratio to d_head (Gemma's scores are scaled by d_head ** -0.5), except 1
+          (Gemma 4's unscaled scores, whose q/k norms set their size), which stays 1;
+        - full_d_head and full_n_kv_heads (Gemma 4's full blocks): keep their ratio to d_head and their group;
         - mlp_bias: when mlp changes, the new MLP's default, unless the old value differed from the old default;
         - layer_types: its repeating pattern continues over the new n_layers (Gemma 3's five local, one global).
         - nope_layers: its repeating pattern continues too (SmolLM3's every fourth block without rotary);
@@ -301,13 +286,17 @@ class ModelConfig:
                     f"and n_heads={changes['n_heads']} is not a multiple of {group}; pass n_kv_heads as well"
                 )
             fields["n_kv_heads"] = changes["n_heads"] // group
+            if self.full_n_kv_heads is not None and "full_n_kv_heads" not in changes:  # Gemma 4's full blocks' group too
+                fields["full_n_kv_heads"] = max(1, changes["n_heads"] // (self.n_heads // self.full_n_kv_heads))
         if given("d_model") and "d_mlp" not in changes:
             fields["d_mlp"] = max(1, round(changes["d_model"] * self.d_mlp / self.d_model))
         if usable(d_head) and d_head != self.d_head:
             if "rotary_dim" not in changes and self.rotary_dim is not None:
                 fields["rotary_dim"] = max(2, d_head * self.rotary_dim // self.d_head // 2 * 2)
-            if "query_pre_attn_scalar" not in changes and self.query_pre_attn_scalar is not None:
+            if "query_pre_attn_scalar" not in changes and self.query_pre_attn_scalar not in (None, 1.0):
                 fields["query_pre_attn_scalar"] = self.query_pre_attn_scalar * d_head / self.d_head
+            if "full_d_head" not in changes and self.full_d_head is not None:  # Gemma 4's wider full heads, in ratio
+                fields["full_d_head"] = max(2, d_head * self.full_d_head // self.d_head // 2 * 2)
         if "mlp" in changes and "mlp_bias" not in changes and self.mlp_bias == (self.mlp == "gelu"):
             fields["mlp_bias"] = None  # __post_init__: the new MLP's default
         if given("n_layers") and "layer_types" not in changes and self.layer_types is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
 
 import torch
@@ -145,9 +146,27 @@ class HookedTransformer(TextMethods, WeightViews, HookedRootModule):
         """`model.readout.uncapped(h)`: the logits before any final soft-cap, which attribution splits into parts."""
         return self.readout.uncapped(h)
 
-    def run_with_hooks(self, tokens: TokensLike, fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (), **kwargs: Any) -> torch.Tensor:
-        """Run with hooks attached for this call only; they are removed even if the call raises."""
-        with self.hooks(fwd_hooks):
+    def run_with_hooks(self, tokens: TokensLike, fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (),
+                       bwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (), *, reset_hooks_end: bool = True,
+                       **kwargs: Any) -> torch.Tensor:
+        """Run with hooks attached for this call only; they are removed even if the call raises.
+
+        Backward hooks removed on return never see a gradient, so `bwd_hooks` need `reset_hooks_end=False`, as in
+        TransformerLens: then all the hooks are attached globally and stay until `reset_hooks()`. Within one thread,
+        `with model.hooks(fwd_hooks, bwd_hooks): model(tokens, return_type="loss").backward()` is the temporary form.
+        """
+        if not reset_hooks_end:
+            for dir, pairs in (("fwd", list(fwd_hooks)), ("bwd", list(bwd_hooks))):
+                self._pairs(pairs, f"{dir}_hooks")  # refuse a bad pair before attaching any
+                for target, fn in pairs:
+                    self.add_hook(target, fn, dir=dir)
+            return self(tokens, **kwargs)
+        bwd_hooks = list(bwd_hooks)
+        if bwd_hooks:
+            warnings.warn("run_with_hooks removes its hooks when it returns, before any backward pass can run, so "
+                          "bwd_hooks will not be called; pass reset_hooks_end=False (and call reset_hooks() after), "
+                          "or call .backward() inside `with model.hooks(fwd_hooks, bwd_hooks):`", stacklevel=2)
+        with self.hooks(fwd_hooks, bwd_hooks):
             return self(tokens, **kwargs)
 
     def run_with_cache(
@@ -160,6 +179,7 @@ class HookedTransformer(TextMethods, WeightViews, HookedRootModule):
         fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (),
         return_logits: bool = True,
         cache_device: str | torch.device | None = None,
+        incl_bwd: bool = False,
         **kwargs: Any,
     ) -> tuple[torch.Tensor | None, ActivationCache]:
         """Run once and keep the activations `names_filter` selects (see `hook_names`).
@@ -176,7 +196,14 @@ class HookedTransformer(TextMethods, WeightViews, HookedRootModule):
         target lives in, skipping the unembedding, and returns `(None, cache)`:
 
         >>> _, cache = model.run_with_cache(tokens, ["blocks.2.hook_resid_post"], return_logits=False)  # 3 blocks run
+
+        `incl_bwd=True` does as TransformerLens does: it calls `.backward()` on the output, which must then be a
+        scalar (`return_type="loss"`), and caches the gradient reaching each cached point under `<name>_grad`.
+        Parameter gradients accumulate into `.grad` as in any backward pass.
         """
+        if incl_bwd and not return_logits:
+            raise ValueError("incl_bwd=True differentiates the model's output, so the run cannot stop early; "
+                             "drop return_logits=False")
         if cache_device is not None and device is not None and torch.device(cache_device) != torch.device(device):
             raise ValueError(f"device={device!r} and cache_device={cache_device!r} both say where the cache goes; pass one")
         recording = CacheRecording(cache_device if cache_device is not None else device, dtype)
@@ -196,13 +223,24 @@ class HookedTransformer(TextMethods, WeightViews, HookedRootModule):
             if late:
                 raise ValueError(f"stop_at_layer={kwargs['stop_at_layer']} ends the run before {late[:3]} fire; "
                                  "drop those names, raise stop_at_layer, or use return_logits=False")
+        grads = CacheRecording(cache_device if cache_device is not None else device, dtype)
+        bwd_hooks = [(name, grads.hook) for name in names] if incl_bwd else []
         try:
-            with self.hooks([*fwd_hooks, *((name, recording.hook) for name in names)]), recording.recording():
-                out = self(tokens, **kwargs)
+            with self.hooks([*fwd_hooks, *((name, recording.hook) for name in names)], bwd_hooks):
+                with recording.recording():
+                    out = self(tokens, **kwargs)
+                if incl_bwd:
+                    if not (isinstance(out, torch.Tensor) and out.ndim == 0 and out.requires_grad):
+                        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+                        raise ValueError(f"incl_bwd=True calls .backward() on the model's output, which must be a scalar "
+                                         f"with a gradient (return_type='loss', outside torch.no_grad()); got {got}")
+                    out.backward()
         finally:
             recording.synchronise()  # offloaded entries hold their values from here on
+            grads.synchronise()
         recording.check_unchanged()
-        return (out if return_logits else None), ActivationCache(recording.store, self.cfg.n_layers, self)
+        store = {**recording.store, **{f"{name}_grad": g for name, g in grads.store.items()}}
+        return (out if return_logits else None), ActivationCache(store, self.cfg.n_layers, self)
 
     def _unknown(self, name: str) -> KeyError:
         """An unknown hook name; one that a block's kind of token mixer lacks (a linear-attention block's
@@ -233,14 +271,16 @@ class HookedTransformer(TextMethods, WeightViews, HookedRootModule):
 
     generate = generate  # lenskit/generation.py: greedy, or sampled with a seedable generator
 
-    def add_hook(self, name: NameOrPredicate, fn: HookFn) -> None:
+    def add_hook(self, name: NameOrPredicate, fn: HookFn, dir: str = "fwd") -> None:
         """Attach `fn` to a hook point (or every point a predicate selects) GLOBALLY: every thread and every
-        later call sees it until `reset_hooks()`. Prefer `model.hooks(...)` / `run_with_hooks`, which are
-        temporary and belong to the calling thread."""
+        later call sees it until `reset_hooks()`. `dir="bwd"` attaches a backward hook (`lenskit.observe.backward`).
+        Prefer `model.hooks(...)` / `run_with_hooks`, which are temporary and belong to the calling thread."""
         if not callable(fn):
             raise TypeError(f"hook for {name!r} is not callable: {fn!r}")
+        if dir not in ("fwd", "bwd"):
+            raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
         for hp in self._resolve(name):
-            hp.add_hook(fn)
+            hp.add_hook(fn, dir=dir)
 
     # --------------------------------------------------------------- tokens
     def validate_tokens(self, tokens: TokensLike) -> torch.Tensor:

@@ -66,6 +66,9 @@ def _perturb(model: torch.nn.Module) -> None:
                 p.add_(torch.randn_like(p) * 0.05)
             elif name.endswith(".sinks"):
                 p.add_(torch.randn_like(p) * 2.0)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's per-block scale of the stream, 1 in a fresh model
+                b.mul_(0.5 + torch.rand_like(b))
 
 
 # One tiny config per family, from the registry (lenskit.families: each record's `tiny`, which says what it

@@ -175,14 +175,19 @@ def test_every_preset_shrinks_and_runs(name):
     assert small.d_mlp == round(small.d_model * preset.d_mlp / preset.d_model)  # and the MLP's width ratio
     if preset.rotary_dim is not None:  # and the rotary fraction of d_head: Pythia's quarter, the others' whole
         assert small.rotary_dim / small.d_head == preset.rotary_dim / preset.d_head
-    if preset.query_pre_attn_scalar is not None:
+    if preset.query_pre_attn_scalar == 1.0:  # Gemma 4's unscaled scores stay unscaled
+        assert small.query_pre_attn_scalar == 1.0
+    elif preset.query_pre_attn_scalar is not None:
         assert small.query_pre_attn_scalar / small.d_head == preset.query_pre_attn_scalar / preset.d_head
+    if preset.full_d_head is not None:  # and Gemma 4's full blocks their wider heads, and their GQA group where it fits
+        assert small.full_d_head / small.d_head == preset.full_d_head / preset.d_head
+        assert small.full_n_kv_heads == max(1, small.n_heads // (preset.n_heads // preset.full_n_kv_heads))
     if preset.layer_types is not None:
         assert small.layer_types == preset.layer_types[:2]
     assert small.nope_layers == tuple(i for i in preset.nope_layers if i < 2)  # blocks without rotary (SmolLM3)
     same = {f.name for f in dataclasses.fields(ModelConfig)} - {
         "n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_head", "n_kv_heads", "d_mlp", "rotary_dim",
-        "query_pre_attn_scalar", "layer_types", "nope_layers"}
+        "query_pre_attn_scalar", "layer_types", "nope_layers", "full_d_head", "full_n_kv_heads"}
     assert all(getattr(small, f) == getattr(preset, f) for f in same)
     model = HookedTransformer(small).eval()
     with torch.no_grad():

@@ -32,6 +32,11 @@ REQUIRED = {"model_type", "n_layer", "n_embd", "n_head", "n_positions", "vocab_s
             "num_attention_heads", "intermediate_size", "max_position_embeddings"}
 
 
+# Fields whose transformers default turns on a piece lenskit refuses by name (Gemma 4's per-layer inputs, 256): their
+# absence is refused, and the no-argument config is compared with them turned off on both sides.
+DEFAULT_REFUSED = {"gemma4_text": {"hidden_size_per_layer_input": 0}}
+
+
 def hf_config_class(family: str) -> type:
     return getattr(transformers, FAMILY_CONFIGS[family][0])
 
@@ -92,8 +97,9 @@ def fields_read(d: dict) -> set[str]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_absent_fields_take_the_defaults_of_transformers_config_class(family):
     """A config.json holding only the sizes reads as the config transformers builds with no arguments at all."""
-    full = hf_config_class(family)().to_dict()
-    minimal = {"model_type": family}
+    off = DEFAULT_REFUSED.get(family, {})
+    full = hf_config_class(family)(**off).to_dict()
+    minimal = {"model_type": family, **off}
     for _ in range(len(REQUIRED)):
         try:
             config_fields(minimal)
@@ -102,7 +108,7 @@ def test_absent_fields_take_the_defaults_of_transformers_config_class(family):
             missing = re.search(r"lacks required field '(\w+)'", str(e))
             assert missing, f"{family}: a config with only some sizes is refused for another reason: {e}"
             minimal[missing.group(1)] = full[missing.group(1)]
-    assert set(minimal) <= REQUIRED, f"{family}: lenskit requires {sorted(set(minimal) - REQUIRED)}, which have defaults"
+    assert set(minimal) <= REQUIRED | set(off), f"{family}: lenskit requires {sorted(set(minimal) - REQUIRED)}, which have defaults"
     assert len(minimal) >= 5  # the test compared something: the sizes are required, everything else defaulted
     diff = differences(ModelConfig.from_hf_config(minimal), ModelConfig.from_hf_config(full))
     assert not diff, f"{family}: absent fields read as (lenskit, transformers' default): {diff}"
@@ -127,7 +133,8 @@ def test_each_field_absent_or_null_reads_as_transformers_reads_it(family):
             if isinstance(ours, ValueError):
                 if key not in str(ours) or "\n" in str(ours):
                     wrong.append(f"{where}: refused without naming the field in one line: {ours}")
-                elif variant == "absent" and key not in REQUIRED and not isinstance(theirs, Exception):
+                elif (variant == "absent" and key not in REQUIRED and key not in DEFAULT_REFUSED.get(family, {})
+                      and not isinstance(theirs, Exception)):
                     wrong.append(f"{where}: refused ({ours}), but transformers has a default")
             elif isinstance(theirs, Exception):
                 wrong.append(f"{where}: transformers refuses it ({type(theirs).__name__}), lenskit loads it")
@@ -179,7 +186,8 @@ def hf_inverse_frequencies(family: str, d: dict) -> dict[str, torch.Tensor]:
 
 def our_inverse_frequencies(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     if cfg.local_rotary_base is not None:
-        return {"full_attention": inverse_frequencies(cfg), "sliding_attention": inverse_frequencies(cfg, local=True)}
+        return {"full_attention": inverse_frequencies(cfg, dim=cfg.full_d_head),  # Gemma 4's full heads are wider
+                "sliding_attention": inverse_frequencies(cfg, local=True)}
     return {"inv_freq": inverse_frequencies(cfg)}
 
 
@@ -222,6 +230,13 @@ ROPE = [
                                           "mrope_section": [2, 1, 1], "mrope_interleaved": True}}, None),
     ("qwen3_5_text", {"rope_theta": 5e5, "partial_rotary_factor": 0.5}, None),
     ("smollm3", {"rope_theta": 5e6}, None),
+    # Gemma 4: per layer type, proportional rotary (a share of the full blocks' wider heads turning) by default
+    ("gemma4_text", {}, None),
+    ("gemma4_text", {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                                            "rope_theta": 1e4, "factor": 2.0}}}, None),
+    ("gemma4_text", {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                         "full_attention": {"rope_type": "default", "rope_theta": 1e4}}}, None),
     # both spellings, agreeing
     ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_theta": 5e5}, None),
     ("gemma2", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
@@ -270,6 +285,16 @@ ROPE = [
      ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")),
     ("qwen3_5_text", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [11, 11, 10]},
                       "rope_theta": 1e4}, ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")),
+    ("gemma4_text", {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                         "full_attention": {"rope_type": "proportional", "rope_theta": 1e6}},
+                     "rope_theta": 5e5}, ("rope_theta",)),  # transformers 5 reads Gemma 4's bases per layer type only
+    ("gemma4_text", {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                                         "full_attention": {"rope_type": "proportional", "rope_theta": 1e6}}},
+     ("sliding_attention", "'linear'")),
+    ("gemma4_text", {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                         "full_attention": {"rope_type": "default", "rope_theta": 1e6,
+                                                            "partial_rotary_factor": 0.5}}},
+     ("full_attention.partial_rotary_factor", "proportional")),
     # what transformers 5 refuses for the family
     ("phi3", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, ("rope_type='linear'", "phi3")),
 ]

@@ -21,6 +21,7 @@ from lenses.evaluation import evaluate
 from lenses.trajectory import Trajectory
 from lenses.training import Recipe, train
 from lenses.tuned import model_fingerprint
+from lenskit.observe.resid import late_writes
 from lenskit import Stream
 from lenskit.io.data import load_token_stream
 from lenskit.intervene.interventions import Attn, Block, Head, Mlp, Neurons, ablation_hooks
@@ -198,7 +199,8 @@ def test_block_and_sublayer_ablations(family_model, tokens, every):
     # fused vs eager attention kernels: rounding relative to the stream's size (Gemma scales its embedding by sqrt(d))
     torch.testing.assert_close(cache["resid_pre", 1], clean["resid_pre", 1], atol=1e-5, rtol=1e-5)
     _, cache = model.run_with_cache(tokens, fwd_hooks=ablation_hooks(model, [Mlp(1)]))
-    assert torch.equal(cache["resid_post", 1], cache["resid_mid", 1])
+    late = sum(cache[f"blocks.1.hook_{w}"] for w in late_writes(model.hook_dict, 1))  # Gemma 4's rescale_out stays
+    assert torch.equal(cache["resid_post", 1], cache["resid_mid", 1] + late)
     torch.testing.assert_close(cache["resid_mid", 1], clean["resid_mid", 1], atol=1e-5, rtol=1e-5)
 
 
@@ -316,7 +318,8 @@ def test_a_cache_without_the_position_term_is_refused_unless_there_is_none(famil
     """Without hook_pos_embed the first stream must be the token embedding alone (rotary families);
     a learned-position model's cache that lacks it is refused, never decomposed without it."""
     model = family_model.model
-    writes = [f"blocks.{i}.hook_{p}" for i in range(model.cfg.n_layers) for p in ("attn_out", "mlp_out")]
+    writes = [f"blocks.{i}.hook_{p}" for i in range(model.cfg.n_layers)
+              for p in ("attn_out", "mlp_out", *late_writes(model.hook_dict, i))]
     _, cache = model.run_with_cache(tokens, names_filter=["hook_embed", *writes])
     with pytest.raises(KeyError, match="hook_pos_embed"):
         decompose_resid(cache, 1)

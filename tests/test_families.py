@@ -18,6 +18,7 @@ from conftest import FAMILIES, FAMILY_CONFIGS, make_hf_family
 from golden import assert_golden, hf_attention, hf_blocks, max_diff
 
 from lenskit import PRESETS, HookedTransformer
+from lenskit.observe.resid import late_writes
 
 ALL_HOOKS = lambda name: True  # noqa: E731 - every hook on: the eager attention path
 
@@ -75,7 +76,8 @@ def test_stream_identities(pair, tokens):
     for i in range(model.cfg.n_layers):
         pre, mid, post = (cache[f"blocks.{i}.hook_{p}"] for p in ("resid_pre", "resid_mid", "resid_post"))
         torch.testing.assert_close(mid, pre + cache[f"blocks.{i}.hook_attn_out"], atol=1e-6, rtol=0)
-        torch.testing.assert_close(post, mid + cache[f"blocks.{i}.hook_mlp_out"], atol=1e-6, rtol=0)
+        late = sum(cache[f"blocks.{i}.hook_{w}"] for w in late_writes(model.hook_dict, i))  # Gemma 4's rescale_out
+        torch.testing.assert_close(post, mid + cache[f"blocks.{i}.hook_mlp_out"] + late, atol=1e-6, rtol=0)
         if i + 1 < model.cfg.n_layers:
             assert torch.equal(post, cache[f"blocks.{i + 1}.hook_resid_pre"])
     last = cache[f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"]
@@ -101,7 +103,7 @@ def test_hook_shapes_follow_gqa_and_the_family(pair, tokens):
     rotary = c.positional == "rotary"
     assert ("blocks.0.attn.hook_rot_q" in model.hook_dict) == rotary
     assert ("hook_pos_embed" in model.hook_dict) == (not rotary)
-    assert ("blocks.0.attn.q_norm.hook_normalized" in model.hook_dict) == (model.cfg.family in ("qwen3", "gemma3_text", "olmo2", "qwen3_moe", "olmoe", "olmo3", "qwen3_5_text"))
+    assert ("blocks.0.attn.q_norm.hook_normalized" in model.hook_dict) == (model.cfg.family in ("qwen3", "gemma3_text", "olmo2", "qwen3_moe", "olmoe", "olmo3", "qwen3_5_text", "gemma4_text"))
     if rotary:
         rot_q, q = cache["blocks.0.attn.hook_rot_q"], cache["blocks.0.attn.hook_q"]
         assert rot_q.shape == q.shape and cache["blocks.0.attn.hook_rot_k"].shape == cache["blocks.0.attn.hook_k"].shape
@@ -130,7 +132,12 @@ def test_expected_family_pieces():
               "olmo3": dict(norm_placement="post", qk_norm=True, qk_norm_per_head=False, sliding_window=5,
                             layer_types=("sliding", "full"), rope_type="yarn", rope_factor=4.0, rotary_base=10000.0,
                             local_rotary_base=100.0),
-              "smollm3": dict(nope_layers=(1,), n_kv_heads=2, sliding_window=None, layer_types=None, rotary_base=2e6)}
+              "smollm3": dict(nope_layers=(1,), n_kv_heads=2, sliding_window=None, layer_types=None, rotary_base=2e6),
+              "gemma4_text": dict(norm="rmsnorm", norm_placement="sandwich", qk_norm=True, v_norm=True, layer_scalar=True,
+                                  query_pre_attn_scalar=1.0, final_softcap=2.0, layer_types=("sliding", "full"),
+                                  sliding_window=5, d_head=16, full_d_head=24, n_kv_heads=2, full_n_kv_heads=1,
+                                  full_k_is_v=True, rope_type="proportional", rope_proportion=0.25, rotary_base=10000.0,
+                                  local_rotary_base=100.0)}
     for family, fields in expect.items():
         cfg = HookedTransformer.from_hf(make_hf_family(family)).cfg
         assert {k: getattr(cfg, k) for k in fields} == fields, family
@@ -210,7 +217,7 @@ def test_presets_and_test_tables_derive_from_the_registry():
 
     assert FAMILIES == list(FAMILY_CONFIGS) == list(FAMILY_BUILDERS) == list(REGISTRY) == [
         "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "phi3",
-        "mixtral", "qwen3_moe", "olmoe", "gpt_oss", "olmo3", "smollm3", "qwen3_5_text"]
+        "mixtral", "qwen3_moe", "olmoe", "gpt_oss", "olmo3", "smollm3", "qwen3_5_text", "gemma4_text"]
     assert lenskit.PRESETS == {name: cfg for f in REGISTRY.values() for name, cfg in f.presets.items()}
     assert sum(len(f.presets) for f in REGISTRY.values()) == len(lenskit.PRESETS)  # no name in two families
     for model_type, family in REGISTRY.items():

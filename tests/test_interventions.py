@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from families import every_family
+from lenskit.observe.resid import late_writes
 from lenskit.intervene.interventions import (Attn, Block, Head, Mlp, Neurons, ablation_hooks, mean_activations,
                                    merge_sites, resample_indices, target_sites)
 
@@ -234,8 +235,9 @@ def test_hooks_compose_with_cache_and_context_and_are_removed(model, tokens):
 def test_targets_merge_per_hook_point(model):
     sites = merge_sites([*target_sites(model, Head(1, 0)), *target_sites(model, Head(1, [2, 0])),
                          *target_sites(model, Attn(1)), *target_sites(model, Block(1))])
-    assert sorted((s.name, s.units) for s in sites) == [
-        ("blocks.1.attn.hook_z", (0, 2)), ("blocks.1.hook_attn_out", None), ("blocks.1.hook_mlp_out", None)]
+    late = [(f"blocks.1.hook_{w}", None) for w in late_writes(model.hook_dict, 1)]  # Gemma 4's rescale_out
+    assert sorted((s.name, s.units) for s in sites) == sorted([
+        ("blocks.1.attn.hook_z", (0, 2)), ("blocks.1.hook_attn_out", None), ("blocks.1.hook_mlp_out", None), *late])
     assert target_sites(model, Block(-1))[0].name == "blocks.2.hook_attn_out"
 
 

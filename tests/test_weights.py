@@ -54,6 +54,13 @@ def test_shapes(family_model):
     if len(headed) < c.n_layers:
         with pytest.raises(ValueError, match=r"model.W_Q cannot stack .* are linear-attention \(Gated DeltaNet\) layers"):
             model.W_Q
+    if c.full_d_head is not None:  # Gemma 4's full blocks have wider heads: no stack, each block has its own views
+        with pytest.raises(ValueError, match=r"model.W_Q cannot stack .* their shapes differ"):
+            model.W_Q
+        headed = [l for l in headed if c.d_head_of(l) == c.d_head]
+        wide = next(l for l in range(c.n_layers) if c.d_head_of(l) != c.d_head)
+        a, w = model.blocks[wide].attn, c.full_d_head
+        assert a.W_Q.shape == a.W_K.shape == a.W_V.shape == (c.n_heads, c.d_model, w) and a.W_O.shape == (c.n_heads, w, c.d_model)
     attn = {name: torch.stack([getattr(model.blocks[l].attn, name) for l in headed]) if len(headed) < c.n_layers
             else getattr(model, name) for name in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")}
     n = len(headed)
@@ -105,10 +112,10 @@ def test_attention_views_reproduce_q_k_v(family_model):
     finally:
         for handle in handles:
             handle.remove()
-    group = c.n_heads // c.n_kv_heads
     for l, (x, out) in enumerate(seen):
         if c.layer_type(l) == "linear":  # Qwen 3.5's Gated DeltaNet has no heads' views (tests/test_deltanet.py)
             continue
+        group = c.n_heads // c.n_kv_heads_of(l)  # Gemma 4's full blocks have their own kv heads
         a = model.blocks[l].attn  # its views are the stacks' rows (test_shapes)
         close(torch.einsum("bpm,hmd->bphd", x, a.W_Q) + a.b_Q, cache["q", l])
         for w, b, short in [(a.W_K, a.b_K, "k"), (a.W_V, a.b_V, "v")]:

@@ -17,9 +17,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from . import readers, readers_moe, writers
+from . import readers, readers_hybrid, readers_moe, writers
 from ..config import ModelConfig
-from .layouts import GEMMA, GPT2, GPT_NEOX, GPT_OSS, LLAMA, MIXTRAL, MOE, OLMO2, PHI3, QWEN3_5, Layout
+from .layouts import GEMMA, GEMMA4, GPT2, GPT_NEOX, GPT_OSS, LLAMA, MIXTRAL, MOE, OLMO2, PHI3, QWEN3_5, Layout
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,25 @@ _OLMO2 = dict(qk_norm=True, qk_norm_per_head=False, norm_placement="post", norm_
               eos_token_id=100257)
 
 
+def _gemma4(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, full_n_kv_heads: int, d_mlp: int,
+            window: int, n_ctx: int) -> ModelConfig:
+    """Gemma 4 (text) without per-layer inputs, kv sharing or experts: heads of 256 on the sliding blocks, of 512 with
+    their own kv heads and keys as values on the full ones (one in six, and the last), proportional rotary over a
+    quarter of the full blocks' pairs (base 1e6), base 1e4 on the sliding ones, a final soft-cap of 30, a 262,144-token
+    vocabulary. Shapes from the published config.json (text_config) as recalled and cross-checked against public
+    copies, not downloaded; the rest are Gemma4TextConfig's defaults."""
+    return ModelConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=256, d_mlp=d_mlp,
+        d_vocab=262144, n_ctx=n_ctx, norm="rmsnorm", norm_eps=1e-6, mlp="geglu", activation="gelu_pytorch_tanh",
+        norm_placement="sandwich", scale_embed=True, tie_word_embeddings=True, family="gemma4_text", positional="rotary",
+        rotary_base=1_000_000.0, local_rotary_base=10000.0, rope_type="proportional", rope_proportion=0.25,
+        fused_qkv=False, qkv_bias=False, out_bias=False, query_pre_attn_scalar=1.0, qk_norm=True, v_norm=True,
+        layer_scalar=True, sliding_window=window, full_d_head=512, full_n_kv_heads=full_n_kv_heads, full_k_is_v=True,
+        layer_types=tuple("full" if (i + 1) % 6 == 0 or i == n_layers - 1 else "sliding" for i in range(n_layers)),
+        final_softcap=30.0, bos_token_id=2, eos_token_id=1, name=name,
+    )
+
+
 def _olmo3(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int) -> ModelConfig:
     """OLMo 3: OLMo 2's block, three sliding-window blocks (window 4096) to one full, YaRN (x8 over 8192 tokens) on the
     full blocks only. Shapes from the published config.json files (allenai/Olmo-3-1025-7B, allenai/Olmo-3-1125-32B),
@@ -185,6 +204,16 @@ _QWEN3_5_TINY = dict(_SHAPE, num_key_value_heads=2, head_dim=16, max_position_em
                      linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
                      rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
                                           mrope_section=[2, 1, 1], mrope_interleaved=True))
+
+# Gemma 4: a sliding block (window shorter than the prompt, base 100) and a full one, whose heads are wider (24, not 16)
+# with one kv head whose keys are also its values, proportional rotary over a quarter of its pairs; plain-gain norms
+# (perturbed by conftest, which also moves each block's layer_scalar off 1), a final soft-cap that bites.
+_GEMMA4_TINY = dict(_SHAPE, num_key_value_heads=2, head_dim=16, global_head_dim=24, num_global_key_value_heads=1,
+                    attention_k_eq_v=True, sliding_window=5, initializer_range=0.2, final_logit_softcapping=2.0,
+                    pad_token_id=0, hidden_size_per_layer_input=0, layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
+                                     "full_attention": dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                                            rope_theta=10000.0)})
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family(
@@ -313,7 +342,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
         tiny=dict(_SHAPE, num_key_value_heads=2, no_rope_layer_interval=2, pad_token_id=0),  # block 1 (of 2 or 3): no rotary
     ),
     Family(
-        "qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", "Qwen 3.5 (text only)", readers.read_qwen3_5_text,
+        "qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", "Qwen 3.5 (text only)", readers_hybrid.read_qwen3_5_text,
         writers.write_qwen3_5_text, QWEN3_5,
         presets=_named(_qwen3_5("qwen3.5-0.8b", 24, 1024, 8, 2, 3584, 16, True),
                        _qwen3_5("qwen3.5-2b", 24, 2048, 8, 2, 6144, 16, True),
@@ -322,6 +351,16 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                        _qwen3_5("qwen3.5-27b", 64, 5120, 24, 4, 17408, 48, False)),
         tiny=_QWEN3_5_TINY,
         tiny_3_blocks=dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    ),
+    Family(
+        "gemma4_text", "Gemma4ForCausalLM", "Gemma4TextConfig", "Gemma 4 (text only: 31B; not yet E2B, E4B, 26B-A4B)",
+        readers.read_gemma4_text, writers.write_gemma4_text, GEMMA4,
+        # google/gemma-4-31B's text_config: 60 blocks (50 sliding, window 1024), 32 heads, 16 kv heads (4 on the full
+        # blocks), d_mlp 21504, 262,144 positions
+        presets=_named(_gemma4("gemma-4-31b", 60, 5376, 32, 16, 4, 21504, 1024, 262144)),
+        tiny=_GEMMA4_TINY,
+        # transformers makes the last block full, so three blocks are sliding, sliding, full
+        tiny_3_blocks=dict(num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
     ),
 )}
 

@@ -374,6 +374,7 @@ GEMMA = Layout(
     block={**_LLAMA_BLOCK, "ln1_post.weight": "post_attention_layernorm.weight",
            "ln2.weight": "pre_feedforward_layernorm.weight", "ln2_post.weight": "post_feedforward_layernorm.weight"},
 )
+GEMMA4 = Layout(prefix="model.", blocks="layers", top=GEMMA.top, block={**GEMMA.block, "layer_scalar": "layer_scalar"})
 OLMO2 = Layout(  # post-norms only: transformers' post_attention_layernorm follows attention, as our ln1_post does
     prefix="model.", blocks="layers", top=LLAMA.top,
     block={**_LLAMA_BLOCK, "ln1_post.weight": "post_attention_layernorm.weight",

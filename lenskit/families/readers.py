@@ -9,13 +9,12 @@ way back.
 
 from __future__ import annotations
 
-from collections import ChainMap
 from typing import Any, Callable, Mapping
 
 from ..config import GELU_ACTIVATIONS, ROPE_TYPES
 from ..io.mxfp4 import check_family_quantization
 from .fields import HF_LAYER_TYPES, REFUSED, ConfigReader
-from .rope import gemma3_rope, olmo3_rope, rope
+from .rope import gemma3_rope, gemma4_rope, olmo3_rope, rope
 
 
 def _heads(r: ConfigReader, d_model_key: str, heads_key: str, *, must_divide: bool) -> tuple[int, int]:
@@ -97,10 +96,10 @@ def read_gpt_neox(r: ConfigReader) -> dict[str, Any]:
     }
 
 
-def _llama_like(r: ConfigReader, qkv_bias: bool, out_bias: bool, mlp_bias: bool, *, eps: float, bos: int | None,
-                eos: int | None, kv_heads: int | None = None, head_dim: int | None = None, null_head_dim: bool = True,
-                null_kv_heads: bool = True, must_divide: bool = False, rope_types: tuple[str, ...] = ROPE_TYPES,
-                rotary: Callable[[ConfigReader, int], dict[str, Any]] | None = None, **rope_defaults: Any) -> dict[str, Any]:
+def llama_like(r: ConfigReader, qkv_bias: bool, out_bias: bool, mlp_bias: bool, *, eps: float, bos: int | None,
+               eos: int | None, kv_heads: int | None = None, head_dim: int | None = None, null_head_dim: bool = True,
+               null_kv_heads: bool = True, must_divide: bool = False, rope_types: tuple[str, ...] = ROPE_TYPES,
+               rotary: Callable[[ConfigReader, int], dict[str, Any]] | None = None, **rope_defaults: Any) -> dict[str, Any]:
     """What the SwiGLU families share. The keywords are the family's transformers defaults: `kv_heads` and `head_dim`
     None derive (n_heads; d_model // n_heads); `null_*`: whether an explicit null derives too or is refused;
     `rope_defaults` go to `rope` (a family's own base and settings for absent rotary fields); `rotary`, where given,
@@ -122,16 +121,16 @@ def _llama_like(r: ConfigReader, qkv_bias: bool, out_bias: bool, mlp_bias: bool,
 
 def read_llama(r: ConfigReader) -> dict[str, Any]:
     bias = r.bool("attention_bias", False)
-    return _llama_like(r, bias, bias, r.bool("mlp_bias", False), eps=1e-6, bos=1, eos=2, must_divide=True)
+    return llama_like(r, bias, bias, r.bool("mlp_bias", False), eps=1e-6, bos=1, eos=2, must_divide=True)
 
 
 def read_mistral(r: ConfigReader) -> dict[str, Any]:
     # A null sliding_window is no window (Mistral 7B v0.2 on); an absent one is transformers' 4096.
-    return {**_llama_like(r, False, False, False, eps=1e-6, bos=1, eos=2, kv_heads=8, null_kv_heads=False),
+    return {**llama_like(r, False, False, False, eps=1e-6, bos=1, eos=2, kv_heads=8, null_kv_heads=False),
             "sliding_window": r.int("sliding_window", 4096, null=None)}
 
 
-def _no_qwen_sliding(r: ConfigReader) -> None:
+def no_qwen_sliding(r: ConfigReader) -> None:
     r.require("use_sliding_window", (False,), False)
     types = r.d.get("layer_types")
     if types is not None and any(t != "full_attention" for t in types):
@@ -139,14 +138,14 @@ def _no_qwen_sliding(r: ConfigReader) -> None:
 
 
 def read_qwen2(r: ConfigReader) -> dict[str, Any]:
-    _no_qwen_sliding(r)
-    return _llama_like(r, True, False, False, eps=1e-6, bos=None, eos=None, kv_heads=32)
+    no_qwen_sliding(r)
+    return llama_like(r, True, False, False, eps=1e-6, bos=None, eos=None, kv_heads=32)
 
 
 def read_qwen3(r: ConfigReader) -> dict[str, Any]:
-    _no_qwen_sliding(r)
+    no_qwen_sliding(r)
     bias = r.bool("attention_bias", False)
-    return {**_llama_like(r, bias, bias, False, eps=1e-6, bos=None, eos=None, kv_heads=32, head_dim=128,
+    return {**llama_like(r, bias, bias, False, eps=1e-6, bos=None, eos=None, kv_heads=32, head_dim=128,
                           null_head_dim=False), "qk_norm": True}
 
 
@@ -161,7 +160,7 @@ def _layer_types(r: ConfigReader, n_layers: int, pattern: int) -> tuple[str, ...
     return tuple(HF_LAYER_TYPES[t] for t in types)
 
 
-def _windows(r: ConfigReader, n_layers: int, pattern: int, window: int) -> dict[str, Any]:
+def sliding_windows(r: ConfigReader, n_layers: int, pattern: int, window: int) -> dict[str, Any]:
     """Per-block attention kinds (`_layer_types`) and the sliding blocks' window (`window` where absent)."""
     types = _layer_types(r, n_layers, pattern)
     window = r.int("sliding_window", window, null=None)
@@ -189,7 +188,7 @@ def _gemma(r: ConfigReader, pattern: int) -> dict[str, Any]:
         "activation": act, "norm_placement": "sandwich", "scale_embed": True,
         "tie_word_embeddings": r.bool("tie_word_embeddings", True), "fused_qkv": False, "qkv_bias": bias,
         "out_bias": bias, "mlp_bias": False, "query_pre_attn_scalar": r.float("query_pre_attn_scalar", 256.0, positive=True),
-        **_windows(r, n_layers, pattern, 4096),
+        **sliding_windows(r, n_layers, pattern, 4096),
     }
 
 
@@ -212,17 +211,103 @@ def read_gemma3_text(r: ConfigReader) -> dict[str, Any]:
             "final_softcap": _cap(r, "final_logit_softcapping", None)}
 
 
+# Gemma 4 pieces lenskit does not implement yet, each refused by name unless off; the sizes each one excludes are
+# in README's families table. transformers' default turns the per-layer inputs on (256), so an absent field refuses.
+_GEMMA4_REFUSED = {
+    "hidden_size_per_layer_input": "per-layer input embeddings (E2B, E4B)",
+    "num_kv_shared_layers": "blocks reading an earlier block's keys and values (E2B, E4B)",
+    "enable_moe_block": "experts beside the dense MLP (26B-A4B)",
+}
+
+
+def read_gemma4_text(r: ConfigReader) -> dict[str, Any]:
+    """Gemma 4's text model: Gemma's sandwich block with plain-gain RMSNorms, q/k norms and a gainless value norm,
+    attention scores unscaled (the norms set their size), full blocks with their own head width and kv heads (and
+    values that are their keys, `attention_k_eq_v`), proportional rotary on the full blocks, a stored scalar per block."""
+    given = {"hidden_size_per_layer_input": r.int("hidden_size_per_layer_input", 256, positive=False),
+             "num_kv_shared_layers": r.int("num_kv_shared_layers", 0, positive=False),
+             "enable_moe_block": r.bool("enable_moe_block", False)}
+    for key, value in given.items():
+        if value:
+            source = "" if key in r.d else " (transformers' default for an absent field)"
+            raise ValueError(f"config field {key}={value!r}{source}: lenskit does not implement {_GEMMA4_REFUSED[key]} "
+                             f"for model_type={r.family!r} yet; only {key}={type(value)(0)!r} loads")
+    r.require("use_bidirectional_attention", (None, "vision"), None)  # "vision" concerns image tokens only
+    r.require("attn_logit_softcapping", (None,), None)  # not a Gemma 4 field; refused rather than ignored
+    for key in ("rope_scaling", "rope_theta", "rope_local_base_freq", "partial_rotary_factor"):
+        r.require(key, (None,), None)  # transformers 5 reads Gemma 4's rotary settings from rope_parameters only
+    r.bool("use_double_wide_mlp", False)  # widens only the kv-sharing blocks, which are refused above
+    r.int("vocab_size_per_layer_input", 262144)  # typed only: the per-layer inputs are off
+    r.float("query_pre_attn_scalar", None, positive=True, null=None)  # typed only: transformers 5 does not read it
+    act = r.require("hidden_activation", tuple(GELU_ACTIVATIONS), "gelu_pytorch_tanh")
+    n_layers = r.n_layers("num_hidden_layers")
+    d_model, n_heads = _heads(r, "hidden_size", "num_attention_heads", must_divide=False)
+    d_head = _head_dim(r, d_model, n_heads, 256, null_derives=False)
+    n_kv = _kv_heads(r, n_heads, 4, null_derives=False)
+    windows = sliding_windows(r, n_layers, 6, 512)
+    types = windows["layer_types"][:-1] + ("full",)  # transformers 5 makes the last block full, whatever the config says
+    k_is_v = r.bool("attention_k_eq_v", False)
+    full_d_head, full_n_kv = _gemma4_full_heads(r, types, d_head, n_kv, k_is_v)
+    bias = r.bool("attention_bias", False)
+    return {
+        **_common(r, bos=2, eos=1),
+        "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads, "d_head": d_head, "n_kv_heads": n_kv,
+        "d_vocab": r.int("vocab_size"), "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
+        "norm_eps": r.float("rms_norm_eps", 1e-6, positive=True), "norm": "rmsnorm", "mlp": "geglu", "activation": act,
+        "norm_placement": "sandwich", "scale_embed": True, "tie_word_embeddings": r.bool("tie_word_embeddings", True),
+        "fused_qkv": False, "qkv_bias": bias, "out_bias": bias, "mlp_bias": False, "query_pre_attn_scalar": 1.0,
+        "qk_norm": True, "v_norm": True, "layer_scalar": True, "layer_types": types,
+        "sliding_window": windows["sliding_window"] if "sliding" in types else None,
+        "full_d_head": full_d_head, "full_n_kv_heads": full_n_kv, "full_k_is_v": k_is_v and "full" in types,
+        "final_softcap": _cap(r, "final_logit_softcapping", None), **gemma4_rope(r, d_head),
+    }
+
+
+def _gemma4_full_heads(r: ConfigReader, types: tuple[str, ...], d_head: int, n_kv: int,
+                       k_is_v: bool) -> tuple[int | None, int | None]:
+    """The full blocks' head width and kv heads, None where they are the sliding blocks': from `per_layer_config`
+    (how transformers 5 writes them: layer index -> overrides, which must be the same for every full block and
+    absent for the others), else `global_head_dim` (512 when absent) and `num_global_key_value_heads` (read only
+    with attention_k_eq_v, as transformers reads it)."""
+    per_layer = r.d.get("per_layer_config")
+    full = [i for i, t in enumerate(types) if t == "full"]
+    if per_layer is None:
+        width = r.int("global_head_dim", 512)
+        heads = r.int("num_global_key_value_heads", None)
+        heads = heads if k_is_v else None
+    else:
+        if not isinstance(per_layer, dict):
+            raise ValueError(f"config field per_layer_config={per_layer!r:.80} must be an object (model_type={r.family!r})")
+        keys = {k: int(k) if isinstance(k, str) and k.isdigit() else k for k in per_layer}  # transformers writes "05"
+        given = {keys[k]: v for k, v in per_layer.items()}
+        firsts = [given.get(i) for i in full]
+        first = firsts[0] if firsts else {}
+        if (set(given) - set(full) or any(f != first for f in firsts) or not isinstance(first, dict)
+                or set(first) - {"head_dim", "num_key_value_heads"}):
+            raise ValueError(f"config field per_layer_config={per_layer!r:.120}: lenskit implements the same head_dim and "
+                             f"num_key_value_heads overrides on every full_attention block ({full}) and none elsewhere "
+                             f"(model_type={r.family!r})")
+        sub = ConfigReader(first, r.family, where="per_layer_config.")
+        width, heads = sub.int("head_dim", None), sub.int("num_key_value_heads", None)
+    if not full:
+        return None, None
+    if heads is not None and r.d.get("num_attention_heads", 0) % heads:
+        raise ValueError(f"config field num_global_key_value_heads={heads} must divide num_attention_heads="
+                         f"{r.d.get('num_attention_heads')} (model_type={r.family!r}); fix config.json")
+    return (None if width in (None, d_head) else width), (None if heads in (None, n_kv) else heads)
+
+
 def read_olmo2(r: ConfigReader) -> dict[str, Any]:
     bias = r.bool("attention_bias", False)
-    return {**_llama_like(r, bias, bias, False, eps=1e-5, bos=None, eos=50279), "qk_norm": True, "qk_norm_per_head": False,
+    return {**llama_like(r, bias, bias, False, eps=1e-5, bos=None, eos=50279), "qk_norm": True, "qk_norm_per_head": False,
             "norm_placement": "post"}
 
 
 def read_olmo3(r: ConfigReader) -> dict[str, Any]:
     """OLMo 2's block with sliding-window blocks (three in four by default) and rotary settings per layer type."""
     bias = r.bool("attention_bias", False)
-    fields = _llama_like(r, bias, bias, False, eps=1e-5, bos=None, eos=50279, rotary=olmo3_rope)
-    return {**fields, **_windows(r, fields["n_layers"], 4, 4096), "qk_norm": True, "qk_norm_per_head": False,
+    fields = llama_like(r, bias, bias, False, eps=1e-5, bos=None, eos=50279, rotary=olmo3_rope)
+    return {**fields, **sliding_windows(r, fields["n_layers"], 4, 4096), "qk_norm": True, "qk_norm_per_head": False,
             "norm_placement": "post"}
 
 
@@ -243,7 +328,7 @@ def read_smollm3(r: ConfigReader) -> dict[str, Any]:
     """Llama with no rotary in some blocks (every fourth by default); with `use_sliding_window`, those blocks are the
     sliding-window ones. A block is sliding where `layer_types` says so, as transformers' masks make it."""
     bias = r.bool("attention_bias", False)
-    fields = _llama_like(r, bias, bias, r.bool("mlp_bias", False), eps=1e-6, bos=128000, eos=128001, kv_heads=4,
+    fields = llama_like(r, bias, bias, r.bool("mlp_bias", False), eps=1e-6, bos=128000, eos=128001, kv_heads=4,
                          rope_types=ROPE_TYPES + ("yarn",), default_theta=2_000_000.0)  # YaRN: its card's long context
     n = fields["n_layers"]
     nope = _nope_layers(r, n)
@@ -263,53 +348,8 @@ def read_smollm3(r: ConfigReader) -> dict[str, Any]:
 def read_phi3(r: ConfigReader) -> dict[str, Any]:
     r.int("original_max_position_embeddings", 4096)  # typed only: it matters to longrope scaling, which is refused
     # transformers 5's Phi-3 accepts only plain and longrope rotary; lenskit implements the plain one
-    return {**_llama_like(r, False, False, False, eps=1e-5, bos=1, eos=32000, rope_types=("default",)),
+    return {**llama_like(r, False, False, False, eps=1e-5, bos=1, eos=32000, rope_types=("default",)),
             "fused_qkv": True, "mlp": "swiglu_fused", "sliding_window": r.int("sliding_window", None)}
-
-
-_HYBRID_LAYER_TYPES = {"linear_attention": "linear", "full_attention": "full"}
-_MROPE_KEYS = ("mrope_section", "mrope_interleaved")
-
-
-def read_qwen3_5_text(r: ConfigReader) -> dict[str, Any]:
-    """Qwen 3.5's text model: Gated DeltaNet blocks and, every `full_attention_interval`-th, gated full attention
-    (per-head q/k norms, partial rotary), with (1 + w) RMSNorms. Its rotary settings' `mrope_section` and
-    `mrope_interleaved` share the rotary dims between text, height and width positions; a text prompt gives all
-    three the same position, so they leave the function unchanged and are typed only."""
-    r.require("attention_bias", (False,), False)
-    r.require("attn_output_gate", (True,), True)  # Qwen3-Next's switch: transformers' Qwen 3.5 always gates
-    stripped = {}  # the rotary settings without the mrope fields; every other field is read from r.d itself
-    for key in ("rope_parameters", "rope_scaling"):
-        if isinstance(r.d.get(key), dict):
-            sub = ConfigReader(r.d[key], r.family, where=f"{key}.")
-            section = sub.d.get("mrope_section")
-            if section is not None and (not isinstance(section, list) or any(
-                    isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in section)):
-                raise ValueError(f"config field {key}.mrope_section={section!r} must be a list of non-negative ints "
-                                 f"(model_type={r.family!r})")
-            sub.bool("mrope_interleaved", False)
-            stripped[key] = {k: v for k, v in r.d[key].items() if k not in _MROPE_KEYS}
-    fields = _llama_like(ConfigReader(ChainMap(stripped, r.d), r.family, r.n_blocks), False, False, False, eps=1e-6, bos=None, eos=None,
-                         kv_heads=4, head_dim=256, null_head_dim=False, null_kv_heads=False, rope_types=("default",),
-                         default_fraction=0.25)
-    n = fields["n_layers"]
-    types = r.d.get("layer_types")
-    if types is None:
-        every = r.int("full_attention_interval", 4)
-        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in _HYBRID_LAYER_TYPES for t in types):
-        raise ValueError(f"config field layer_types={types!r} must list one of {sorted(_HYBRID_LAYER_TYPES)} for each of "
-                         f"the {n} layers (model_type={r.family!r})")
-    types = tuple(_HYBRID_LAYER_TYPES[t] for t in types)
-    linear = dict(linear_n_k_heads=r.int("linear_num_key_heads", 16), linear_n_v_heads=r.int("linear_num_value_heads", 32),
-                  linear_d_k=r.int("linear_key_head_dim", 128), linear_d_v=r.int("linear_value_head_dim", 128),
-                  linear_conv_width=r.int("linear_conv_kernel_dim", 4))
-    if linear["linear_n_v_heads"] % linear["linear_n_k_heads"]:
-        raise ValueError(f"config fields linear_num_value_heads={linear['linear_n_v_heads']} and linear_num_key_heads="
-                         f"{linear['linear_n_k_heads']}: each key head serves a whole group of value heads, so the first "
-                         f"must be a multiple of the second (model_type={r.family!r}); fix config.json")
-    return {**fields, "norm": "rmsnorm_offset", "qk_norm": True, "attn_output_gate": True, "layer_types": types,
-            **(linear if "linear" in types else {})}
 
 
 def read_config(d: Mapping[str, Any], model_type: str, read: Callable[[ConfigReader], dict[str, Any]],

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .fields import ConfigReader
-from .readers import _llama_like, _no_qwen_sliding, _windows
+from .readers import llama_like, no_qwen_sliding, sliding_windows
 from .rope import rope
 
 
@@ -45,15 +45,15 @@ def _rotary_base_default(r: ConfigReader, fields: dict[str, Any], theta: float) 
 
 def read_mixtral(r: ConfigReader) -> dict[str, Any]:
     r.float("router_jitter_noise", 0.0)  # typed only: noise on the router's input in training, off at inference
-    fields = _llama_like(r, False, False, False, eps=1e-5, bos=1, eos=2, kv_heads=8, null_kv_heads=False)
+    fields = llama_like(r, False, False, False, eps=1e-5, bos=1, eos=2, kv_heads=8, null_kv_heads=False)
     return {**_rotary_base_default(r, fields, 1_000_000.0), "sliding_window": r.int("sliding_window", None),
             **_experts(r, "num_local_experts", "num_experts", 8, 2, renorm=True)}
 
 
 def read_qwen3_moe(r: ConfigReader) -> dict[str, Any]:
-    _no_qwen_sliding(r)
+    no_qwen_sliding(r)
     bias = r.bool("attention_bias", False)
-    fields = _llama_like(r, bias, bias, False, eps=1e-6, bos=None, eos=None, kv_heads=4, null_head_dim=False,
+    fields = llama_like(r, bias, bias, False, eps=1e-6, bos=None, eos=None, kv_heads=4, null_head_dim=False,
                           null_kv_heads=False)
     n = fields["n_layers"]
     step = r.int("decoder_sparse_step", 1)
@@ -71,7 +71,7 @@ def read_olmoe(r: ConfigReader) -> dict[str, Any]:
     r.require("clip_qkv", (None,), None)  # clamping q, k and v is not implemented
     r.require("sliding_window", (None,), None)
     bias = r.bool("attention_bias", False)
-    fields = _llama_like(r, bias, bias, False, eps=1e-5, bos=None, eos=50279)
+    fields = llama_like(r, bias, bias, False, eps=1e-5, bos=None, eos=50279)
     d_model, n_heads, d_head = fields["d_model"], fields["n_heads"], fields["d_head"]
     if d_head * n_heads != d_model:  # its q norm spans hidden_size features, its q projection heads * head_dim
         raise ValueError(f"config fields hidden_size={d_model}, num_attention_heads={n_heads} and head_dim={d_head}: "
@@ -90,9 +90,9 @@ def read_gpt_oss(r: ConfigReader) -> dict[str, Any]:
     """gpt-oss: attention sinks, every other block sliding (from the first), YaRN, biases on q/k/v/o and the router,
     the top k logits then a softmax, and biased experts with the clamped SwiGLU."""
     bias = r.bool("attention_bias", True)
-    fields = _llama_like(r, bias, bias, False, eps=1e-5, bos=None, eos=None, kv_heads=8, head_dim=64,
+    fields = llama_like(r, bias, bias, False, eps=1e-5, bos=None, eos=None, kv_heads=8, head_dim=64,
                          null_head_dim=False, null_kv_heads=False, rope_types=("default", "yarn"), default_theta=150000.0, default_params=_GPT_OSS_ROPE)
     experts = _experts(r, "num_local_experts", "num_experts", 128, 4, renorm=False)
-    return {**fields, **experts, **_windows(r, fields["n_layers"], 2, 128), "attn_sinks": True, "routing": "topk_softmax",
+    return {**fields, **experts, **sliding_windows(r, fields["n_layers"], 2, 128), "attn_sinks": True, "routing": "topk_softmax",
             "mlp": "swiglu_clamped", "router_bias": True, "swiglu_alpha": r.float("swiglu_alpha", 1.702, positive=True),
             "swiglu_limit": r.float("swiglu_limit", 7.0, positive=True)}

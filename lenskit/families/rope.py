@@ -210,3 +210,51 @@ def olmo3_rope(r: ConfigReader, head_dim: int) -> dict[str, Any]:
         raise ValueError("config field rope_parameters.sliding_attention: lenskit implements only plain rotary for "
                          f"OLMo 3's sliding blocks, found rope_type={local['rope_type']!r}")
     return {**glob, "local_rotary_base": local["rotary_base"]}
+
+
+_GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+
+
+def gemma4_rope(r: ConfigReader, head_dim: int) -> dict[str, Any]:
+    """Gemma 4's two rotary settings from `rope_parameters` keyed by layer type (transformers 5's defaults, a plain
+    base 1e4 on the sliding blocks and proportional rotary over a quarter of the pairs at base 1e6 on the full ones,
+    when it is absent): the sliding blocks plain and whole-head; the full blocks plain or proportional (pairs across
+    the whole head, the last ones standing still). Anything else is refused by name."""
+    params = r.d.get("rope_parameters")
+    params = _GEMMA4_ROPE if params is None else params
+    if not isinstance(params, dict) or set(params) - set(HF_LAYER_TYPES):
+        raise ValueError(f"config field rope_parameters={params!r} must map {sorted(HF_LAYER_TYPES)} to rotary settings "
+                         f"(model_type={r.family!r})")
+    types = set(HF_LAYER_TYPES[t] for t in (r.d.get("layer_types") or HF_LAYER_TYPES))
+    for key in ("sliding_attention", "full_attention"):
+        if not isinstance(params.get(key), dict) and HF_LAYER_TYPES[key] in types:
+            raise ValueError(f"config field rope_parameters.{key} is missing (model_type={r.family!r}); give its "
+                             f"rope_type and rope_theta")
+    local = params.get("sliding_attention") or {"rope_type": "default"}
+    glob = dict(params.get("full_attention") or {"rope_type": "default"})
+    local_fields = _rotary(r, local, "rope_parameters.sliding_attention", head_dim, theta=("rope_theta", None),
+                           default_theta=10000.0, types=("default",))
+    if local_fields["rotary_dim"] != head_dim:
+        raise ValueError("config field rope_parameters.sliding_attention.partial_rotary_factor: lenskit implements "
+                         f"whole-head rotary on Gemma 4's sliding blocks (model_type={r.family!r})")
+    where = "rope_parameters.full_attention"
+    rope_type = glob.get("rope_type", "default")
+    if rope_type == "proportional":
+        sub = ConfigReader(glob, r.family, where=f"{where}.")
+        extra = sorted(set(glob) - {"rope_type", "rope_theta", "partial_rotary_factor", "factor"})
+        if extra:
+            raise ValueError(f"config field {where} has {extra}, which rope_type='proportional' does not use; lenskit "
+                             "refuses to guess")
+        share = sub.float("partial_rotary_factor", 1.0, positive=True, null=1.0)
+        if share > 1:
+            raise ValueError(f"config field {where}.partial_rotary_factor={share!r} must be in (0, 1] (model_type={r.family!r})")
+        return {"positional": "rotary", "rotary_dim": head_dim, "rotary_base": sub.float("rope_theta", positive=True),
+                "rope_type": "proportional", "rope_factor": sub.float("factor", 1.0, positive=True, null=1.0),
+                "rope_proportion": share, "local_rotary_base": local_fields["rotary_base"]}
+    glob_fields = _rotary(r, glob, where, head_dim, theta=("rope_theta", None), default_theta=1_000_000.0,
+                          types=("default",))
+    if glob_fields["rotary_dim"] != head_dim:
+        raise ValueError(f"config field {where}.partial_rotary_factor: with rope_type='default' lenskit implements "
+                         f"whole-head rotary on Gemma 4's full blocks; use rope_type='proportional' (model_type={r.family!r})")
+    return {**glob_fields, "local_rotary_base": local_fields["rotary_base"]}

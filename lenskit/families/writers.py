@@ -182,3 +182,23 @@ def write_gemma3_text(cfg: "ModelConfig") -> dict[str, Any]:
     local = cfg.rotary_base if cfg.local_rotary_base is None else cfg.local_rotary_base
     return {**_gemma(cfg), "attn_logit_softcapping": None,
             "rope_parameters": {"sliding_attention": _rope(cfg, base=local, scaled=False), "full_attention": _rope(cfg)}}
+
+
+def write_gemma4_text(cfg: "ModelConfig") -> dict[str, Any]:
+    full = next((i for i in range(cfg.n_layers) if cfg.layer_type(i) == "full"), cfg.n_layers - 1)
+    glob: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rotary_base}
+    if cfg.rope_type == "proportional":
+        glob.update(partial_rotary_factor=cfg.rope_proportion, factor=cfg.rope_factor)
+    local = cfg.rotary_base if cfg.local_rotary_base is None else cfg.local_rotary_base
+    return {
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head,
+        "global_head_dim": cfg.d_head_of(full), "num_global_key_value_heads": cfg.full_n_kv_heads,
+        "attention_k_eq_v": cfg.full_k_is_v, "hidden_activation": cfg.activation, "max_position_embeddings": cfg.n_ctx,
+        "rms_norm_eps": cfg.norm_eps, **_common(cfg), "attention_bias": cfg.qkv_bias,
+        "sliding_window": cfg.sliding_window if cfg.sliding_window is not None else 512,
+        "layer_types": [_LAYER_TYPES[cfg.layer_type(i)] for i in range(cfg.n_layers)],
+        "final_logit_softcapping": cfg.final_softcap, "attention_dropout": 0.0, "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0, "enable_moe_block": False,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": local}, "full_attention": glob},
+    }

@@ -9,7 +9,8 @@ One call turns any mix of targets into ordinary `(hook name, fn)` pairs, so abla
 
 Where each target acts (a "site" is a hook point plus the slice of it that is replaced):
 
-    Block(L)          blocks.L.hook_attn_out and blocks.L.hook_mlp_out   the whole write of the block
+    Block(L)          blocks.L.hook_attn_out and blocks.L.hook_mlp_out   the whole write of the block (and its late
+                      writes, Gemma 4's blocks.L.hook_rescale_out, see lenskit.observe.resid)
     Attn(L)           blocks.L.hook_attn_out                             [batch, pos, d_model]
     Mlp(L)            blocks.L.hook_mlp_out                              [batch, pos, d_model]
     Head(L, h)        blocks.L.attn.hook_z                               [:, :, h, :] of [batch, pos, head, d_head]
@@ -42,6 +43,7 @@ import torch
 
 from ..observe.cache import hook_name
 from ..observe.hooks import HookFn
+from ..observe.resid import late_writes
 from .masks import check_positions, replace_where
 from ..model import HookedTransformer
 from ..observe.stream import Stream, check_layer
@@ -143,7 +145,7 @@ def target_sites(model: HookedTransformer, target: Target) -> list[Site]:
                            if type(target).__name__ == "Expert" else ""))
     layer = _check_layer(target, cfg.n_layers)
     if isinstance(target, Block):
-        return [Site(hook_name("attn_out", layer)), Site(hook_name("mlp_out", layer))]
+        return [Site(hook_name(w, layer)) for w in ("attn_out", "mlp_out", *late_writes(model.hook_dict, layer))]
     if isinstance(target, Attn):
         return [Site(hook_name("attn_out", layer))]
     if isinstance(target, Mlp):

@@ -11,6 +11,8 @@ run the clean prompt and copy in the corrupted activation, to see what breaks it
 Sites: the points of each block's stream (`lenskit.observe.stream.POINTS`: "resid_pre", "attn_out", "resid_mid",
 "mlp_out", "resid_post") and each attention head ("head", through its `hook_z`). `patching_hooks` also
 takes any `Stream`, e.g. `patching_hooks(model, cache, Stream(3, "resid_mid"))`.
+
+`attribution_patching` (from `.attribution`) estimates the same table from one forward and one backward pass.
 """
 
 from __future__ import annotations
@@ -190,3 +192,7 @@ def activation_patching(
     df.attrs.update(clean_metric=clean_m, corrupted_metric=corrupted_m, direction=direction,
                     metric=getattr(metric, "__name__", "metric"))
     return df
+
+
+# Its linear estimate, from one backward pass, lives next door (it imports the sites and metrics above).
+from .attribution import activations_and_gradients, attribution_patching  # noqa: E402

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from .names import get_act_name, hook_name
-from .resid import Part, PosSlice, apply_slice, headless, need, pinned_norm, post_normed, resid_parts
+from .resid import LATE_WRITES, Part, PosSlice, apply_slice, headless, need, pinned_norm, post_normed, resid_parts
 from .stream import Stream, as_stream, check_layer
 
 if TYPE_CHECKING:
@@ -171,7 +171,8 @@ class ActivationCache(Mapping):
                         ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
         """The input of block `layer` (its MLP's with `mlp_input`) as a stack of the writes that sum to it:
         [component, batch, pos, d_model], labels "embed", "pos_embed" (learned positions only), "l_attn_out",
-        "l_mlp_out". `mode` keeps "all", only "attn" or only "mlp" writes; `incl_embeds` keeps the embeddings.
+        "l_mlp_out" (and a block's late writes, "l_rescale_out", see `lenskit.observe.resid`). `mode` keeps "all",
+        only "attn" or only "mlp" writes; `incl_embeds` keeps the embeddings.
         `apply_ln` applies that input's norm with its cached scale (`apply_ln_to_stack`).
         """
         if mode not in ("all", "attn", "mlp"):
@@ -181,7 +182,7 @@ class ActivationCache(Mapping):
             raise ValueError("mlp_input=True names block `layer`'s MLP input; the final stream (layer = n_layers) has none")
         s = Stream(layer, "resid_mid" if mlp_input else "resid_pre")
         keep = {"embed", "pos_embed"} if incl_embeds else set()
-        keep |= {"attn", "mlp"} if mode == "all" else {mode}
+        keep |= {"attn", "mlp", *LATE_WRITES} if mode == "all" else {mode}
         parts: list[Part] = [p for p in resid_parts(self, s) if p.kind in keep]
         stack = self._stack([p.tensor for p in parts], pos_slice, -2)
         if apply_ln:

@@ -7,6 +7,8 @@ Hooks added through `hooks()`, `run_with_hooks` or `run_with_cache` belong to th
 `contextvars` context): two threads running one model never see each other's hooks. `HookPoint.add_hook`
 attaches a global hook instead, seen by every thread until it is removed or `reset_hooks()` runs.
 
+Backward hooks (`bwd_hooks=`, `dir="bwd"`) see the gradient reaching a hook point; see `lenskit.observe.backward`.
+
 `CacheRecording` is what `run_with_cache` attaches: it keeps activations without copies, and while it records,
 a hook that is handed a tensor it already holds gets a copy, so an in-place edit never rewrites an earlier entry.
 With a host `device`, activations on an accelerator are copied off it as they are written (offload).
@@ -23,6 +25,8 @@ from typing import Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 from torch import nn
+
+from .backward import BACKWARD_HOOKS, Attachment, attach_backward
 
 HookFn = Callable[[torch.Tensor, "HookPoint"], Union[torch.Tensor, None]]
 NameOrPredicate = Union[str, Callable[[str], bool]]
@@ -51,11 +55,25 @@ class HookPoint(nn.Module):
         super().__init__()
         self.name: str = ""
         self._fns: list[HookFn] = []
+        self._bwd: list[Attachment] = []  # global backward hooks
 
-    def add_hook(self, fn: HookFn) -> Callable[[], None]:
-        """Attach `fn` globally (every thread sees it); returns a function that removes exactly this attachment.
+    def add_hook(self, fn: HookFn, dir: str = "fwd") -> Callable[[], None]:
+        """Attach `fn` globally (every thread sees it) to the forward (`dir="fwd"`) or backward (`"bwd"`) pass;
+        returns a function that removes exactly this attachment.
 
         Prefer `model.hooks(...)`, whose hooks belong to the calling thread and are removed on exit."""
+        if dir == "bwd":
+            attachment = Attachment(fn)
+            self._bwd.append(attachment)
+
+            def remove_bwd() -> None:
+                attachment.live = False
+                if attachment in self._bwd:
+                    self._bwd.remove(attachment)
+
+            return remove_bwd
+        if dir != "fwd":
+            raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
         self._fns.append(fn)
 
         def remove() -> None:
@@ -67,14 +85,19 @@ class HookPoint(nn.Module):
         return remove
 
     def remove_hooks(self) -> None:
+        """Remove the global hooks, forward and backward."""
         self._fns.clear()
+        for attachment in self._bwd:
+            attachment.live = False  # also for gradients of a forward that already ran
+        self._bwd.clear()
 
     def has_hooks(self) -> bool:
-        """Whether a global hook or one of the calling context's hooks is attached here."""
-        if self._fns:
+        """Whether a global hook or one of the calling context's hooks, forward or backward, is attached here
+        (pieces compute a point only on request, or take a fused path that skips it, when none is)."""
+        if self._fns or self._bwd:
             return True
-        local = _CONTEXT_HOOKS.get()
-        return local is not None and self in local
+        local, bwd = _CONTEXT_HOOKS.get(), BACKWARD_HOOKS.get()
+        return (local is not None and self in local) or (bwd is not None and self in bwd)
 
     def hook_fns(self) -> list[HookFn]:
         """The hooks that run here for the calling context: global ones, then the context's."""
@@ -84,12 +107,13 @@ class HookPoint(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = _CONTEXT_HOOKS.get()
         mine = local.get(self, ()) if local is not None else ()
-        if not self._fns:
-            if not mine:
-                return x  # the no-hook fast path: one context lookup
-            fns = mine
-        else:
-            fns = (*self._fns, *mine)
+        if self._fns or mine:
+            x = self._run(x, (*self._fns, *mine) if self._fns else mine)
+        if self._bwd or BACKWARD_HOOKS.get() is not None:  # without hooks: two context lookups, and x as it came
+            x = attach_backward(self, x, self._bwd)  # on the value the forward hooks left
+        return x
+
+    def _run(self, x: torch.Tensor, fns: tuple[HookFn, ...]) -> torch.Tensor:
         writer, recording = _RECORDING.get() or (None, None)
         for fn in fns:
             if fn is not writer and recording is not None and recording.holds(x):
@@ -175,44 +199,68 @@ class HookedRootModule(nn.Module):
 
     # ------------------------------------------------------------- attaching
     @contextmanager
-    def hooks(self, fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = ()) -> Iterator["HookedRootModule"]:
+    def hooks(self, fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (),
+              bwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = ()) -> Iterator["HookedRootModule"]:
         """Attach hooks for the body of a `with` block; they are removed on exit, also when it raises.
 
         >>> with model.hooks([("blocks.0.hook_attn_out", lambda x, hook: x * 0)]):
         ...     logits = model(tokens)
 
+        `bwd_hooks` see the gradient reaching their point (`lenskit.observe.backward`); call `.backward()`
+        inside the block, since after it they no longer run:
+
+        >>> with model.hooks(bwd_hooks=[("blocks.1.hook_resid_post", lambda grad, hook: grad * 0)]):
+        ...     model(tokens, return_type="loss").backward()
+
         The hooks belong to the calling thread (its context): another thread running the same model
         meanwhile does not see them.
         """
+        added = self._pairs(fwd_hooks, "fwd_hooks")
+        added_bwd = {hp: tuple(map(Attachment, fns)) for hp, fns in self._pairs(bwd_hooks, "bwd_hooks").items()}
+        if not added and not added_bwd:
+            yield self
+            return
+        tokens = []
+        for var, new in ((_CONTEXT_HOOKS, added), (BACKWARD_HOOKS, added_bwd)):
+            if new:
+                merged = dict(var.get() or {})
+                for hp, fns in new.items():
+                    merged[hp] = (*merged.get(hp, ()), *fns)
+                tokens.append((var, var.set(merged)))
+        try:
+            yield self
+        finally:
+            for attachments in added_bwd.values():
+                for a in attachments:
+                    a.live = False  # a later backward through this forward's graph calls nothing
+            for var, token in reversed(tokens):
+                var.reset(token)
+
+    def _pairs(self, items: Iterable[tuple[NameOrPredicate, HookFn]], what: str) -> dict[HookPoint, list[HookFn]]:
+        """(name or predicate, fn) pairs as hook point -> fns, refusing unknown names and non-callables."""
         added: dict[HookPoint, list[HookFn]] = {}
-        for item in fwd_hooks:
+        for item in items:
             if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise TypeError(f"fwd_hooks must hold (hook name or predicate, fn) pairs, got {item!r:.80}")
+                raise TypeError(f"{what} must hold (hook name or predicate, fn) pairs, got {item!r:.80}")
             target, fn = item
             if not callable(fn):
                 raise TypeError(f"hook for {target!r} is not callable: {fn!r}")
             for hp in self._resolve(target):
                 added.setdefault(hp, []).append(fn)
-        if not added:
-            yield self
-            return
-        merged = dict(_CONTEXT_HOOKS.get() or {})
-        for hp, fns in added.items():
-            merged[hp] = (*merged.get(hp, ()), *fns)
-        token = _CONTEXT_HOOKS.set(merged)
-        try:
-            yield self
-        finally:
-            _CONTEXT_HOOKS.reset(token)
+        return added
 
     def reset_hooks(self) -> None:
-        """Remove every global hook from every hook point, and this context's hooks on this model."""
+        """Remove every global hook, forward and backward, from every hook point, and this context's hooks on this model."""
         for hp in self.hook_dict.values():
             hp.remove_hooks()
-        local = _CONTEXT_HOOKS.get()
-        if local:
-            mine = set(self.hook_dict.values())
-            _CONTEXT_HOOKS.set({hp: fns for hp, fns in local.items() if hp not in mine} or None)
+        mine = set(self.hook_dict.values())
+        for attachments in (v for hp, v in (BACKWARD_HOOKS.get() or {}).items() if hp in mine):
+            for a in attachments:
+                a.live = False
+        for var in (_CONTEXT_HOOKS, BACKWARD_HOOKS):
+            local = var.get()
+            if local:
+                var.set({hp: fns for hp, fns in local.items() if hp not in mine} or None)
 
 
 class CacheRecording:

@@ -26,6 +26,7 @@ BLOCK_SHORT: dict[str, str] = {
     "pre": "mlp.hook_pre", "pre_linear": "mlp.hook_pre_linear", "post": "mlp.hook_post",
     "router_logits": "mlp.hook_router_logits", "expert_indices": "mlp.hook_expert_indices",
     "expert_weights": "mlp.hook_expert_weights", "expert_out": "mlp.hook_expert_out",
+    "rescale_out": "hook_rescale_out",  # Gemma 4: (layer_scalar - 1) * stream, the block's last write
     "scale1": "ln1.hook_scale", "normalized1": "ln1.hook_normalized",
     "scale2": "ln2.hook_scale", "normalized2": "ln2.hook_normalized",
 }

@@ -2,9 +2,10 @@
 
 A pre-norm model only ever adds to its stream, so the stream before a point is exactly
 
-    embed (+ pos_embed) + sum over earlier writes of (attn_out, mlp_out)
+    embed (+ pos_embed) + sum over earlier writes of (attn_out, mlp_out, and any late writes)
 
-and each attention write is its heads' writes (`attn.hook_result`) plus the output bias. `resid_parts`
+where a block's late writes are those after its MLP's, where it has them (`LATE_WRITES`: Gemma 4's rescaling of
+the stream by its `layer_scalar`, `hook_rescale_out`), and each attention write is its heads' writes (`attn.hook_result`) plus the output bias. `resid_parts`
 lists those parts from a cache; `ActivationCache.decompose_resid` and `lenses.anatomy` both read it.
 
 A norm is not linear, but with its scale held at the value the whole stream gave it (the cached
@@ -15,7 +16,7 @@ each put through it, sum to the norm's output less its bias.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import TYPE_CHECKING, Container, Sequence, Union
 
 import torch
 from torch import nn
@@ -51,10 +52,20 @@ class Part:
     """One term of a stream decomposition: its tensor [..., pos, d_model] and what wrote it."""
 
     tensor: torch.Tensor
-    label: str  # "embed", "pos_embed", "3_attn_out", "3_mlp_out", "L3H1", "3_attn_bias"
-    kind: str  # "embed", "pos_embed", "attn", "mlp", "head", "attn_bias"
+    label: str  # "embed", "pos_embed", "3_attn_out", "3_mlp_out", "L3H1", "3_attn_bias", "3_rescale_out"
+    kind: str  # "embed", "pos_embed", "attn", "mlp", "head", "attn_bias", or a late write's name ("rescale_out")
     layer: int | None
     head: int | None
+
+
+# A block's writes after the MLP's, by short name, in the order they are added; a block has those its hooks name.
+LATE_WRITES = ("rescale_out",)
+
+
+def late_writes(hook_names: "Container[str]", layer: int) -> tuple[str, ...]:
+    """The short names of block `layer`'s late writes (see `LATE_WRITES`): those among `hook_names` (a model's
+    `hook_dict`, or a cache's names)."""
+    return tuple(w for w in LATE_WRITES if hook_name(w, layer) in hook_names)
 
 
 def need(cache: "ActivationCache", name: str, why: str) -> torch.Tensor:
@@ -95,6 +106,8 @@ def resid_parts(cache: "ActivationCache", s: Stream, per_head: bool = False) -> 
             parts.append(Part(attn_out, f"{i}_attn_out", "attn", i, None))
         if i < n_mlp:
             parts.append(Part(need(cache, hook_name("mlp_out", i), why), f"{i}_mlp_out", "mlp", i, None))
+            names = cache if cache.model is None else cache.model.hook_dict
+            parts += [Part(need(cache, hook_name(w, i), why), f"{i}_{w}", w, i, None) for w in late_writes(names, i)]
     return parts
 
 

@@ -1,6 +1,8 @@
 """Causal self-attention and its pieces: the q/k/v projection (fused or split), the masks (causal,
-sliding window), grouped-query attention, attention sinks and the output gate (Qwen 3.5: each head's output times a
-sigmoid gate that q's projection also gives, `hook_gate`). Each option is chosen once, in `Attention.__init__`.
+sliding window), grouped-query attention, attention sinks, the output gate (Qwen 3.5: each head's output times a
+sigmoid gate that q's projection also gives, `hook_gate`), and Gemma 4's pieces: blocks whose heads have their own width
+and kv heads (`cfg.d_head_of`, `cfg.n_kv_heads_of`), keys that are also the values (`KeyValueQK`) and a gainless norm
+on each value head (`attn.v_norm`). Each option is chosen once, in `Attention.__init__`.
 
 Hook shapes: hook_q, hook_rot_q, hook_z are per query head [batch, pos, head, d_head]; hook_k,
 hook_rot_k, hook_v are per key/value head [batch, pos, kv_head, d_head]; hook_attn_scores and
@@ -19,14 +21,14 @@ from torch import nn
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
 from .linear import Linear
-from .norms import make_norm
+from .norms import UnitRMSNorm, make_norm
 from .rotary import Rotary
 
 
 class FusedQKV(Linear):
     """One projection to [q heads | k heads | v heads] (GPT-2; NeoX after its per-head layout is unpacked)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
         self.sizes = (cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head)
         self.d_head = cfg.d_head
@@ -46,12 +48,13 @@ class FusedQKV(Linear):
 class SplitQKV(nn.Module):
     """Three projections `q`, `k`, `v` (Llama, Mistral, Qwen), as the checkpoints store them."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.d_head = cfg.d_head
-        self.q = Linear(cfg.d_model, cfg.n_heads * cfg.d_head, bias=cfg.qkv_bias)
-        self.k = Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
-        self.v = Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.d_head = d_head = cfg.d_head_of(layer)  # block `layer`'s heads (Gemma 4's full blocks have their own)
+        n_kv = cfg.n_kv_heads_of(layer)
+        self.q = Linear(cfg.d_model, cfg.n_heads * d_head, bias=cfg.qkv_bias)
+        self.k = Linear(cfg.d_model, n_kv * d_head, bias=cfg.qkv_bias)
+        self.v = Linear(cfg.d_model, n_kv * d_head, bias=cfg.qkv_bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, pos, _ = x.shape
@@ -67,8 +70,8 @@ class GatedSplitQKV(SplitQKV):
     """SplitQKV whose `q` also gives each head an output gate (Qwen 3.5): per head, d_head query rows then d_head
     gate rows, as the checkpoints store `q_proj`. forward returns q, k, v and the gate's logits [batch, pos, head, d_head]."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+        super().__init__(cfg, layer)
         self.q = Linear(cfg.d_model, 2 * cfg.n_heads * cfg.d_head, bias=cfg.qkv_bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,6 +84,34 @@ class GatedSplitQKV(SplitQKV):
         (weight, bias), k, v = super().parts()
         rows = lambda t: t.view(-1, 2, self.d_head, *t.shape[1:])[:, 0].reshape(-1, *t.shape[1:])  # noqa: E731
         return (rows(weight), None if bias is None else rows(bias)), k, v
+
+
+class KeyValueQK(SplitQKV):
+    """SplitQKV with no `v`: the values are the keys' projection itself, before the key norm and rotary (Gemma 4's
+    full blocks, `attention_k_eq_v`). forward returns q, k and k again; hook_k and hook_v both see it."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+        super().__init__(cfg, layer)
+        del self.v
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, pos, _ = x.shape
+        k = self.k(x).view(batch, pos, -1, self.d_head)  # [batch, pos, kv_head, d_head]
+        return self.q(x).view(batch, pos, -1, self.d_head), k, k
+
+    def parts(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        """(weight [out, d_model], bias [out] or None) of q, k and v (which is k's)."""
+        k = (self.k.weight, self.k.bias)
+        return (self.q.weight, self.q.bias), k, k
+
+
+def make_qkv(cfg: ModelConfig, layer: int = 0) -> nn.Module:
+    """Block `layer`'s projection to q, k and v: fused, gated, keys as values, or three."""
+    if cfg.fused_qkv:
+        return FusedQKV(cfg, layer)
+    if cfg.attn_output_gate:
+        return GatedSplitQKV(cfg, layer)
+    return KeyValueQK(cfg, layer) if cfg.k_is_v(layer) else SplitQKV(cfg, layer)
 
 
 class CausalMask:
@@ -127,12 +158,13 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-        self.group = cfg.n_heads // cfg.n_kv_heads
-        self.qkv = FusedQKV(cfg) if cfg.fused_qkv else GatedSplitQKV(cfg) if cfg.attn_output_gate else SplitQKV(cfg)
-        self.out = Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.out_bias)
+        d_head, n_kv = cfg.d_head_of(layer), cfg.n_kv_heads_of(layer)  # Gemma 4's full blocks have their own
+        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, n_kv, d_head
+        self.group = cfg.n_heads // n_kv
+        self.qkv = make_qkv(cfg, layer)
+        self.out = Linear(cfg.n_heads * d_head, cfg.d_model, bias=cfg.out_bias)
         self.mask = make_mask(cfg, layer)
-        self.scale = (cfg.d_head if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar) ** -0.5
+        self.scale = (d_head if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar) ** -0.5
         self.softcap = cfg.attn_softcap
         self.hook_q = HookPoint()  # [batch, pos, head, d_head]
         self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
@@ -145,25 +177,29 @@ class Attention(nn.Module):
             self.hook_gate = HookPoint()  # [batch, pos, head, d_head], sigmoid of the gate, in (0, 1)
         internals = [self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern]
         if cfg.qk_norm and cfg.qk_norm_per_head:
-            self.q_norm = make_norm(cfg, cfg.d_head)  # over d_head, per head, before rotary
-            self.k_norm = make_norm(cfg, cfg.d_head)
+            self.q_norm = make_norm(cfg, d_head)  # over d_head, per head, before rotary
+            self.k_norm = make_norm(cfg, d_head)
         elif cfg.qk_norm:  # one norm over every head's features at once (OLMo 2); hooks see [batch, pos, head * d_head]
-            self.q_norm = make_norm(cfg, cfg.n_heads * cfg.d_head)
-            self.k_norm = make_norm(cfg, cfg.n_kv_heads * cfg.d_head)
+            self.q_norm = make_norm(cfg, cfg.n_heads * d_head)
+            self.k_norm = make_norm(cfg, n_kv * d_head)
         if cfg.qk_norm:
             internals += [self.q_norm.hook_scale, self.q_norm.hook_normalized, self.k_norm.hook_scale, self.k_norm.hook_normalized]
+        if cfg.v_norm:  # no gain, over d_head per value head (Gemma 4)
+            self.v_norm = UnitRMSNorm(cfg.norm_eps)
+            internals += [self.v_norm.hook_scale, self.v_norm.hook_normalized]
         if cfg.attn_sinks:
             self.sinks = nn.Parameter(torch.zeros(cfg.n_heads))  # [head], a logit per head
             self.hook_sink = HookPoint()  # [batch, head, query_pos]
             internals.append(self.hook_sink)
         if cfg.rotates(layer):  # not in a NoPE block (SmolLM3's every fourth), which has no positions at all
-            self.rotary = Rotary(cfg, local=cfg.layer_type(layer) == "sliding")
+            self.rotary = Rotary(cfg, local=cfg.layer_type(layer) == "sliding", d_head=d_head)
             self.hook_rot_q = HookPoint()  # [batch, pos, head, d_head]
             self.hook_rot_k = HookPoint()  # [batch, pos, kv_head, d_head]
             internals += [self.hook_rot_q, self.hook_rot_k]
         # Each optional step is chosen here, once; forward calls whichever was chosen.
         self._norm_qk = (_unchanged if not cfg.qk_norm else self._apply_qk_norm if cfg.qk_norm_per_head
                          else self._apply_flat_qk_norm)
+        self._norm_v = self.v_norm if cfg.v_norm else _ungated
         self._cap = _unchanged_scores if self.softcap is None else self._softcap_scores
         self._rotate_qk = self._apply_rotary if cfg.rotates(layer) else _unchanged
         self._softmax = self._softmax_with_sink if cfg.attn_sinks else _softmax
@@ -176,6 +212,7 @@ class Attention(nn.Module):
         q, k, v, *gate = self.qkv(x)  # [batch, pos, head, d_head], 2 x [batch, pos, kv_head, d_head]; gate as q, if any
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         q, k = self._rotate_qk(*self._norm_qk(q, k))
+        v = self._norm_v(v)
         if self.softcap is not None or any(h.has_hooks() for h in self._internals) or not _fused_agrees(q, k):
             z = self._eager(q, k, v)
         else:

@@ -1,4 +1,5 @@
-"""The MLPs and the blocks that put the pieces together: sequential (pre-norm, sandwich, post-norm) or parallel.
+"""The MLPs and the blocks that put the pieces together: sequential (pre-norm, sandwich, post-norm, Gemma 4's sandwich
+with a stored scale of the stream) or parallel.
 
 Architecture options are separate classes chosen once from the config (`make_norm` in norms.py,
 `Attention`'s pieces in attention.py, `make_mlp` and `make_block` here), so each forward reads
@@ -22,7 +23,7 @@ from .linear import Linear
 from .moe import MoE
 from .norms import LayerNorm, RMSNorm, make_norm
 
-__all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "MoE", "ParallelBlock", "PostNormBlock", "RMSNorm", "SandwichBlock",
+__all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "MoE", "ParallelBlock", "PostNormBlock", "RMSNorm", "RescaledSandwichBlock", "SandwichBlock",
            "SwiGLU", "TransformerBlock", "make_block", "make_mlp", "make_norm"]
 
 
@@ -212,6 +213,23 @@ class SandwichBlock(TransformerBlock):
         return x
 
 
+class RescaledSandwichBlock(SandwichBlock):
+    """Gemma 4's block: Gemma's sandwich, then the whole stream times the block's stored `layer_scalar`. The
+    rescaling is written as one more write to the stream, hook_rescale_out = (layer_scalar - 1) * stream, so
+    resid_post = resid_mid + mlp_out + rescale_out and the stream stays a sum of parts."""
+
+    def __init__(self, cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> None:
+        super().__init__(cfg, dropout, layer)
+        self.register_buffer("layer_scalar", torch.ones(1))  # [1], the checkpoint's; a buffer there as here
+        self.hook_rescale_out = HookPoint()  # [batch, pos, d_model]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.hook_resid_pre(x)
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.ln1_post(self.attn(self.ln1(x))))))
+        x = x + self.hook_mlp_out(self.dropout(self.ln2_post(self.mlp(self.ln2(x)))))
+        return self.hook_resid_post(x + self.hook_rescale_out(x * (self.layer_scalar - 1)))
+
+
 class PostNormBlock(TransformerBlock):
     """OLMo 2's block: each sublayer reads the raw stream and its output is normalised (ln1_post,
     ln2_post) before it is added; there are no norms before the sublayers. hook_attn_out and
@@ -231,5 +249,5 @@ BLOCK_CLASSES = {"pre": TransformerBlock, "sandwich": SandwichBlock, "post": Pos
 
 def make_block(cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> TransformerBlock:
     """Block `layer` (its index picks its mask and rotary base where the config alternates them)."""
-    cls = ParallelBlock if cfg.parallel_block else BLOCK_CLASSES[cfg.norm_placement]
+    cls = ParallelBlock if cfg.parallel_block else RescaledSandwichBlock if cfg.layer_scalar else BLOCK_CLASSES[cfg.norm_placement]
     return cls(cfg, dropout, layer)

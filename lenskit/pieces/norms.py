@@ -1,4 +1,5 @@
-"""Normalisation pieces: LayerNorm, RMSNorm and Gemma's (1 + w) RMSNorm, each written out, chosen once by `make_norm`.
+"""Normalisation pieces: LayerNorm, RMSNorm and Gemma's (1 + w) RMSNorm, each written out, chosen once by `make_norm`;
+and Gemma 4's value norm, an RMSNorm with no gain (`UnitRMSNorm`).
 
 Both expose `hook_scale` ([..., 1], the divisor) and `hook_normalized` (the output), and run the fused
 kernel when neither hook is in use; the two paths compute the same function. After `fold_ln`
@@ -84,6 +85,22 @@ class OffsetRMSNorm(RMSNorm):
     @property
     def gain(self) -> torch.Tensor:
         return 1.0 + self.weight
+
+
+class UnitRMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) with no gain, in float32 and cast back (Gemma 4's value norm). It has no weight to
+    fold, so `lenskit.processing` leaves it alone."""
+
+    def __init__(self, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.hook_scale = HookPoint()  # [batch, pos, head, 1]
+        self.hook_normalized = HookPoint()  # [batch, pos, head, d_head]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [..., 1]
+        return self.hook_normalized((xf / scale).type_as(x))
 
 
 NORM_CLASSES = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "rmsnorm_offset": OffsetRMSNorm}

@@ -2,7 +2,8 @@
 
 The rotation pairs dimension i with i + rotary_dim/2 (the "rotate half" convention of GPT-NeoX and
 Llama checkpoints). With partial rotary (Pythia's `rotary_pct`), only the first `rotary_dim`
-dimensions of each head rotate; the rest pass through.
+dimensions of each head rotate; the rest pass through. Gemma 4's "proportional" rotary instead pairs dims across the
+whole head and gives the pairs past `rope_proportion` of them a zero speed, so they do not turn.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from torch import nn
 from ..config import ModelConfig
 
 
-def inverse_frequencies(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+def inverse_frequencies(cfg: ModelConfig, local: bool = False, dim: int | None = None) -> torch.Tensor:
     """[rotary_dim / 2] angular speeds in fp32, computed as transformers computes them. `local`: for a
-    sliding-window block of a model whose local blocks have their own, unscaled base (Gemma 3)."""
-    dim = cfg.rotary_dim
+    sliding-window block of a model whose local blocks have their own, unscaled base (Gemma 3). `dim`: the rotated
+    width where a block's heads are not d_head wide (Gemma 4's full blocks); None: rotary_dim."""
+    dim = cfg.rotary_dim if dim is None else dim
     own_base = local and cfg.local_rotary_base is not None
     base = cfg.local_rotary_base if own_base else cfg.rotary_base
     powers = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # [rotary_dim / 2]
@@ -31,6 +33,9 @@ def inverse_frequencies(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
         inv_freq = inv_freq / cfg.rope_factor
     elif cfg.rope_type == "yarn":
         inv_freq = _yarn_rescale(powers, cfg)
+    elif cfg.rope_type == "proportional":  # the first share of pairs turn at their usual speed, the rest stand still
+        turning = int(cfg.rope_proportion * dim // 2)
+        inv_freq = torch.cat([inv_freq[:turning], inv_freq.new_zeros(dim // 2 - turning)]) / cfg.rope_factor
     return inv_freq
 
 
@@ -85,20 +90,22 @@ class Rotary(nn.Module):
     dtype at hand, and grown when a longer prompt arrives; they hold no learned state.
     """
 
-    def __init__(self, cfg: ModelConfig, local: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, local: bool = False, d_head: int | None = None) -> None:
         super().__init__()
         self.cfg, self.local = cfg, local
-        self.rotary_dim = cfg.rotary_dim
+        # a block whose heads are wider than d_head (Gemma 4's full blocks) turns them whole (ModelConfig checks it)
+        d_head = cfg.d_head if d_head is None else d_head
+        self.rotary_dim = cfg.rotary_dim if d_head == cfg.d_head else d_head
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self.attention_factor = attention_factor(cfg, local)
         # Chosen once: full rotary needs no split and re-join of the passed-through dims.
-        self._rotate = self._rotate_all if cfg.rotary_dim == cfg.d_head else self._rotate_part
+        self._rotate = self._rotate_all if self.rotary_dim == d_head else self._rotate_part
 
     def tables(self, n_pos: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin, each [pos, rotary_dim], for positions 0..n_pos-1."""
         tables = self._tables
         if tables is None or tables[0].shape[0] < n_pos or tables[0].device != like.device or tables[0].dtype != like.dtype:
-            inv_freq = inverse_frequencies(self.cfg, self.local).to(like.device)
+            inv_freq = inverse_frequencies(self.cfg, self.local, self.rotary_dim).to(like.device)
             angles = torch.outer(torch.arange(n_pos, device=like.device, dtype=torch.float32), inv_freq)  # [pos, rotary_dim/2]
             angles = torch.cat([angles, angles], dim=-1)  # [pos, rotary_dim]
             scale = self.attention_factor  # YaRN's, applied in fp32 before the cast as transformers applies it (1: exact)

@@ -1,0 +1,78 @@
+"""`ModelConfig`'s checks of the newer architectures' fields, called from its `__post_init__`: Gemma 4's full
+blocks, Qwen 3.5's linear-attention blocks, and the mixtures of experts. Each refuses a value by field name."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+
+
+def check_full_heads(cfg: "ModelConfig") -> None:
+    """Gemma 4's fields: positive ints or None, whole heads turning where the full blocks' heads differ, a
+    proportion in (0, 1]."""
+    for field in ("full_d_head", "full_n_kv_heads"):
+        value = getattr(cfg, field)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"ModelConfig.{field} must be None or a positive int, got {value!r}")
+    if cfg.full_n_kv_heads is not None and cfg.n_heads % cfg.full_n_kv_heads:
+        raise ValueError(f"n_heads={cfg.n_heads} is not a multiple of full_n_kv_heads={cfg.full_n_kv_heads}")
+    if cfg.full_d_head is not None and (cfg.full_d_head % 2 or (cfg.positional == "rotary" and cfg.rotary_dim != cfg.d_head)):
+        raise ValueError(f"ModelConfig.full_d_head={cfg.full_d_head!r} needs an even width and whole heads turning "
+                         f"(rotary_dim={cfg.rotary_dim!r} == d_head={cfg.d_head}); lenskit implements no partial rotary there")
+    value = cfg.rope_proportion
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"ModelConfig.rope_proportion must be in (0, 1], got {value!r}")
+    if cfg.layer_scalar and (cfg.norm_placement != "sandwich" or cfg.parallel_block):
+        raise ValueError("ModelConfig.layer_scalar is Gemma 4's sandwich block; it needs norm_placement='sandwich' "
+                         "and parallel_block=False")
+    if cfg.rope_type != "proportional" and value != 1.0:
+        raise ValueError(f"ModelConfig.rope_proportion={value!r} is a proportional-rotary setting; rope_type="
+                         f"{cfg.rope_type!r} turns every pair, so leave it 1.0")
+
+def check_linear(cfg: "ModelConfig") -> None:
+    """The linear-attention fields, where layer_types has a "linear" block: positive ints, v heads a multiple of
+    k heads. (Without one they are unused; a one-block copy of a hybrid model keeps them.)"""
+    fields = ("linear_n_k_heads", "linear_n_v_heads", "linear_d_k", "linear_d_v", "linear_conv_width")
+    if cfg.layer_types is None or "linear" not in cfg.layer_types:
+        return
+    for field in fields:
+        value = getattr(cfg, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"ModelConfig.{field} must be a positive int for linear-attention blocks, got {value!r}")
+    if cfg.linear_n_v_heads % cfg.linear_n_k_heads:
+        raise ValueError(f"ModelConfig.linear_n_v_heads={cfg.linear_n_v_heads} is not a multiple of linear_n_k_heads="
+                         f"{cfg.linear_n_k_heads}: each q/k head serves a whole group of value heads")
+
+def check_experts(cfg: "ModelConfig") -> None:
+    """The MoE fields: all unset for a dense model; else n_experts >= k >= 1, a known routing rule, blocks in range."""
+    from .config import ROUTINGS
+    fields = ("n_experts", "n_experts_per_token", "d_expert")
+    if cfg.n_experts is None:
+        if cfg.n_experts_per_token is not None or cfg.d_expert is not None or cfg.dense_layers or cfg.router_bias:
+            raise ValueError("ModelConfig.n_experts is None (a dense model), so n_experts_per_token, d_expert, "
+                             "dense_layers and router_bias must be unset; give n_experts for a mixture of experts")
+        if cfg.mlp == "swiglu_clamped":
+            raise ValueError("ModelConfig.mlp='swiglu_clamped' is an expert piece (gpt-oss); give n_experts, or "
+                             "choose a dense MLP")
+        return
+    if cfg.d_expert is None:
+        object.__setattr__(cfg, "d_expert", cfg.d_mlp)
+    object.__setattr__(cfg, "dense_layers", tuple(cfg.dense_layers))
+    for field in fields:
+        value = getattr(cfg, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"ModelConfig.{field} must be a positive int for a mixture of experts, got {value!r}")
+    if cfg.n_experts_per_token > cfg.n_experts:
+        raise ValueError(f"ModelConfig.n_experts_per_token={cfg.n_experts_per_token} exceeds n_experts="
+                         f"{cfg.n_experts}: each token is routed to k of the experts; lower k")
+    if cfg.mlp == "swiglu_clamped" and cfg.dense_layers:
+        raise ValueError(f"ModelConfig.mlp='swiglu_clamped' is an expert piece only, but dense_layers="
+                         f"{cfg.dense_layers!r} asks for dense blocks; leave dense_layers empty")
+    if cfg.routing not in ROUTINGS:
+        raise ValueError(f"ModelConfig.routing={cfg.routing!r}; supported: {ROUTINGS}")
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.n_layers for i in cfg.dense_layers) \
+            or list(cfg.dense_layers) != sorted(set(cfg.dense_layers)):
+        raise ValueError(f"ModelConfig.dense_layers={cfg.dense_layers!r} must be increasing block indices in "
+                         f"[0, {cfg.n_layers})")
