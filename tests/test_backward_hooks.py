@@ -251,20 +251,13 @@ def test_incl_bwd_matches_transformer_lens(tmp_path):
     """The same gradients as TransformerLens 4.3's bridge (compatibility mode, raw weights) on one checkpoint, under
     the same `<name>_grad` keys. (Not at hook_resid_mid: the bridge's is the input of ln2, whose gradient lacks the
     residual path's, where TransformerLens 3's and ours have the whole derivative.)"""
-    import logging
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        release = tuple(int(x) for x in version("transformer-lens").split(".")[:2])
-    except PackageNotFoundError:
-        release = ()
-    if release < (4, 3):
-        pytest.skip("needs TransformerLens 4.3 or later (pip install -e .[bench])")
-    from transformer_lens.model_bridge import TransformerBridge
     from conftest import make_hf_family
+    from references import transformer_lens_4_3
     from tiny_tokenizer import CORPUS, VOCAB, make_tokenizer
 
-    logging.getLogger("transformer_lens").setLevel(logging.ERROR)
+    transformer_lens_4_3()
+    from transformer_lens.model_bridge import TransformerBridge
+
     make_hf_family("gpt2", vocab_size=VOCAB).save_pretrained(tmp_path)
     make_tokenizer().save_pretrained(tmp_path)
     bridge = TransformerBridge.boot_transformers(str(tmp_path), device="cpu").eval()

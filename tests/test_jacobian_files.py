@@ -20,6 +20,7 @@ from lenskit import Stream
 from lenses import JacobianLens
 from lenses.jacobian_fit import CHECKPOINT_FILE
 from lenses.tuned import model_fingerprint
+from references import transformer_lens_4_3
 
 
 def random_lens(model, seed=0, streams=None):
@@ -290,20 +291,10 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
 # ------------------------------------------------------------------ TransformerLens 4.3
 @pytest.fixture(scope="module")
 def transformer_lens():
-    import logging
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        release = tuple(int(x) for x in version("transformer-lens").split(".")[:2])
-    except PackageNotFoundError:
-        release = ()
-    if release < (4, 3):
-        pytest.skip("needs TransformerLens 4.3 or later (pip install -e .[bench])")
-
+    transformer_lens_4_3()
     from transformer_lens.model_bridge import TransformerBridge
     from transformer_lens.tools.analysis import JacobianLens as TLJacobianLens
 
-    logging.getLogger("transformer_lens").setLevel(logging.ERROR)
     return TransformerBridge, TLJacobianLens
 
 

@@ -4,14 +4,13 @@ checkpoint, and every option that cannot be exact for a family is refused by nam
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
 import lenskit
 from conftest import make_hf_family
 from families import build_family_model
+from references import transformer_lens_4_3
 from tiny_tokenizer import VOCAB, make_tokenizer
 
 OPTIONS = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases")
@@ -184,17 +183,9 @@ def test_from_pretrained_processes_and_inplace(tmp_path):
 # ------------------------------------------------------------------ TransformerLens 4.3's bridge
 @pytest.fixture(scope="module")
 def bridge_class():
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        release = tuple(int(x) for x in version("transformer-lens").split(".")[:2])
-    except PackageNotFoundError:
-        release = ()
-    if release < (4, 3):
-        pytest.skip("needs TransformerLens 4.3 or later (pip install -e .[bench])")
+    transformer_lens_4_3()
     from transformer_lens.model_bridge import TransformerBridge
 
-    logging.getLogger("transformer_lens").setLevel(logging.ERROR)
     return TransformerBridge
 
 

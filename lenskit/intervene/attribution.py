@@ -23,7 +23,7 @@ import torch
 
 from ..model import HookedTransformer, TokensLike
 from ..observe.stream import POINTS
-from .patching import DIRECTIONS, Metric, next_token_loss, site_hook_name
+from .patching import Metric, checked_sweep, site_hook_name
 
 SITES = (*POINTS, "head")  # per block: [batch, pos, d_model]; per head, through attn.hook_z: [batch, pos, head, d_head]
 STREAM_START = ("hook_embed", "hook_pos_embed")  # where the residual stream begins: the gradient is taken w.r.t. these
@@ -80,21 +80,8 @@ def attribution_patching(
     takes the gradient on the corrupted run and the difference clean - corrupted; "corrupted->clean" the reverse.
     `df.attrs` holds clean_metric, corrupted_metric (both measured), direction, metric and method="attribution".
     """
-    if direction not in DIRECTIONS:
-        raise ValueError(f"unknown direction {direction!r}; expected one of {', '.join(DIRECTIONS)}")
-    clean, corrupted = model.validate_tokens(clean), model.validate_tokens(corrupted)
-    if clean.shape != corrupted.shape:
-        raise ValueError(f"clean tokens have shape {tuple(clean.shape)} but corrupted {tuple(corrupted.shape)}; "
-                         "patching needs aligned inputs of the same length")
-    if isinstance(metric, str):
-        if metric != "loss":
-            raise ValueError(f"metric must be a callable on logits or 'loss', got {metric!r}")
-        metric = next_token_loss(clean)
-    sites = [sites] if isinstance(sites, str) else list(sites)
-    unknown = [s for s in sites if s not in SITES]
-    if unknown or not sites:
-        raise ValueError(f"unknown attribution patching site {unknown[0] if unknown else None!r}; "
-                         f"expected some of {', '.join(SITES)}")
+    clean, corrupted, metric, sites = checked_sweep(model, clean, corrupted, metric, sites, direction, SITES,
+                                                    "attribution patching")
 
     n_layers = model.cfg.n_layers
     layers = {s: [l for l in range(n_layers) if not (s == "head" and model.cfg.layer_type(l) == "linear")] for s in sites}

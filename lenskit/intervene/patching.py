@@ -121,6 +121,29 @@ def patching_hooks(
     return [(name, patch)]
 
 
+def checked_sweep(model: HookedTransformer, clean: TokensLike, corrupted: TokensLike, metric: Metric | str,
+                  sites: str | Iterable[str], direction: str, allowed: Iterable[str], what: str) -> tuple:
+    """(clean, corrupted, metric, sites) of a patching sweep, checked: a known direction, aligned token ids of one
+    shape, a callable metric ("loss": the clean tokens' next-token loss) and sites among `allowed`. Shared by
+    activation and attribution patching (`what` names which in the messages)."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"unknown direction {direction!r}; expected one of {', '.join(DIRECTIONS)}")
+    clean, corrupted = model.validate_tokens(clean), model.validate_tokens(corrupted)
+    if clean.shape != corrupted.shape:
+        raise ValueError(f"clean tokens have shape {tuple(clean.shape)} but corrupted {tuple(corrupted.shape)}; "
+                         "patching needs aligned inputs of the same length")
+    if isinstance(metric, str):
+        if metric != "loss":
+            raise ValueError(f"metric must be a callable on logits or 'loss', got {metric!r}")
+        metric = next_token_loss(clean)
+    sites = [sites] if isinstance(sites, str) else list(sites)
+    allowed = tuple(allowed)
+    unknown = [s for s in sites if s not in allowed]
+    if unknown or not sites:
+        raise ValueError(f"unknown {what} site {unknown[0] if unknown else None!r}; expected some of {', '.join(allowed)}")
+    return clean, corrupted, metric, sites
+
+
 # ---------------------------------------------------------------------------------------- the sweep
 @torch.no_grad()
 def activation_patching(
@@ -147,20 +170,7 @@ def activation_patching(
     0 means the patch changed nothing, 1 means it moved the metric all the way to the source run.
     `df.attrs` holds clean_metric, corrupted_metric, direction and metric (its name).
     """
-    if direction not in DIRECTIONS:
-        raise ValueError(f"unknown direction {direction!r}; expected one of {', '.join(DIRECTIONS)}")
-    clean, corrupted = model.validate_tokens(clean), model.validate_tokens(corrupted)
-    if clean.shape != corrupted.shape:
-        raise ValueError(f"clean tokens have shape {tuple(clean.shape)} but corrupted {tuple(corrupted.shape)}; "
-                         "patching needs aligned inputs of the same length")
-    if isinstance(metric, str):
-        if metric != "loss":
-            raise ValueError(f"metric must be a callable on logits or 'loss', got {metric!r}")
-        metric = next_token_loss(clean)
-    sites = [sites] if isinstance(sites, str) else list(sites)
-    unknown = [s for s in sites if s not in SITES]
-    if unknown or not sites:
-        raise ValueError(f"unknown patching site {unknown[0] if unknown else None!r}; expected some of {', '.join(SITES)}")
+    clean, corrupted, metric, sites = checked_sweep(model, clean, corrupted, metric, sites, direction, SITES, "patching")
 
     source_tokens, run_tokens = (clean, corrupted) if direction == "clean->corrupted" else (corrupted, clean)
     names = [site_hook_name(s, layer, model.cfg.n_layers) for s in sites for layer in range(model.cfg.n_layers)]
