@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from .config_checks import check_experts, check_full_heads, check_linear
+from .config_names import TransformerLensNames
 
 # GPT-2's "gelu_new" and PyTorch's tanh GELU are the same function; "gelu" is the exact erf form.
 GELU_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
@@ -42,7 +43,7 @@ _POSITIVE = ("rotary_base", "rope_factor", "rope_low_freq_factor", "rope_high_fr
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(TransformerLensNames):
     """Shape and numerics of a decoder-only transformer. Derived values live in `__post_init__` only.
 
     `family` is the Hugging Face `model_type` the weights come from; the other fields say which piece
@@ -208,42 +209,6 @@ class ModelConfig:
         if self.full_n_kv_heads == self.n_kv_heads:
             object.__setattr__(self, "full_n_kv_heads", None)
         check_full_heads(self)
-
-    # ---------------------------------------------------------------- TransformerLens's names for the same fields
-    @property
-    def act_fn(self) -> str:
-        """The MLP's activation as TransformerLens names it: "silu" for SwiGLU, else the GELU's own name."""
-        return "silu" if self.mlp.startswith("swiglu") else self.activation
-
-    @property
-    def normalization_type(self) -> str:
-        """"LN" (LayerNorm) or "RMS" (RMSNorm, Gemma's (1 + w) form included), as TransformerLens says."""
-        return "LN" if self.norm == "layernorm" else "RMS"
-
-    @property
-    def n_key_value_heads(self) -> int | None:
-        """The key/value head count under grouped-query attention; None where every head has its own (TransformerLens)."""
-        return None if self.n_kv_heads == self.n_heads else self.n_kv_heads
-
-    @property
-    def eps(self) -> float:
-        return self.norm_eps
-
-    @property
-    def d_vocab_out(self) -> int:
-        return self.d_vocab
-
-    @property
-    def positional_embedding_type(self) -> str:
-        """"standard" (a learned table) or "rotary"."""
-        return "standard" if self.positional == "learned" else "rotary"
-
-    @property
-    def original_architecture(self) -> str:
-        """The transformers class of the family, e.g. "LlamaForCausalLM"."""
-        from .families import family_of
-
-        return family_of(self.family).hf_class
 
     @property
     def gelu_approximate(self) -> str:
