@@ -36,6 +36,19 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def interleaved_times(cases: dict, repeats: int) -> dict[str, list[float]]:
+    """Each case's seconds per call over `repeats` rounds, after one warm-up call each, the cases interleaved round
+    by round so that a slow minute slows all alike; under inference_mode. Shared with bench_moe.py."""
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    with torch.inference_mode():
+        for fn in cases.values():
+            fn()  # warm-up
+        for _ in range(repeats):
+            for name, fn in cases.items():
+                times[name].append(timed(fn))
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
@@ -58,13 +71,7 @@ def main() -> None:
         "transformers_forward": lambda: hf(tokens).logits,
         "lenskit_cache_all_resid": lambda: ours.run_with_cache(tokens, names_filter=names),
     }
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    with torch.inference_mode():
-        for fn in cases.values():
-            fn()  # warm-up
-        for _ in range(args.repeats):
-            for name, fn in cases.items():
-                times[name].append(timed(fn))
+    times = interleaved_times(cases, args.repeats)
 
     # Without the check, loading only maps the file: no weight is read until the first forward. So the
     # fair figure is load + a first short forward (both variants then have read every weight once).

@@ -12,22 +12,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 import transformers
 
 from lenskit import HookedTransformer
 
+from bench_families import interleaved_times  # benchmarks/ is the script's folder, so on sys.path
+
 SHAPE = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1792,
              num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=4096,
              tie_word_embeddings=False)
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -58,13 +53,7 @@ def main() -> None:
         "transformers_forward_eager_experts": lambda: hf_eager(tokens).logits,
         "lenskit_cache_all_resid": lambda: ours.run_with_cache(tokens, names_filter=names),
     }
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    with torch.inference_mode():
-        for fn in cases.values():
-            fn()  # warm-up
-        for _ in range(args.repeats):
-            for name, fn in cases.items():
-                times[name].append(timed(fn))
+    times = interleaved_times(cases, args.repeats)
     med = {k: statistics.median(v) for k, v in times.items()}
 
     print(f"## Mixture of experts: a Mixtral-shaped model (benchmarks/bench_moe.py)\n")
