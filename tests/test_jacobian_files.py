@@ -257,14 +257,14 @@ def test_a_resumed_fit_is_exactly_an_uninterrupted_one(tmp_path, capsys):
 
 
 SCRIPT = """
-import sys, torch, lenskit
+import os, sys, torch, lenskit
 from lenses import JacobianLens
 from lenses.training import init_distributed
 rank, world, _ = init_distributed()
 model = lenskit.HookedTransformer.from_pretrained(sys.argv[1])
 tokens = torch.randint(0, model.cfg.d_vocab, (5, 12), generator=torch.Generator().manual_seed(0))
 JacobianLens.fit(model, tokens, skip_first_positions=2, out=sys.argv[2], progress=False, checkpoint_every=2)
-print("world", world)
+os.write(1, f"world {world}\\n".encode())  # one write per rank: print's pieces from two ranks can interleave
 """
 
 
