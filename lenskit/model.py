@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
-from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
+from typing import TYPE_CHECKING, Sequence, Union
 
 import torch
 from torch import nn
 
-from .observe.cache import ActivationCache
 from .config import ModelConfig
 from .generation import generate
-from .observe.hooks import CacheRecording, HookedRootModule, HookFn, NameOrPredicate, NamesFilter, HookPoint, layer_of
+from .observe.hooks import HookedRootModule, HookPoint
+from .observe.running import RunMethods
 from .pieces.layers import make_block, make_norm
 from .pieces.linear import Linear
 from .pieces.readout import Readout
-from .io.text import TextMethods, is_text
+from .io.text import TextMethods
 from .pieces.weights import WeightViews
 from .placement import Placement
 
@@ -29,7 +28,7 @@ if TYPE_CHECKING:
 TokensLike = Union[torch.Tensor, str, Sequence[str]]
 
 
-class HookedTransformer(TextMethods, WeightViews, HookedRootModule):
+class HookedTransformer(RunMethods, TextMethods, WeightViews, HookedRootModule):
     """A transformer with TransformerLens-style hook points, numerically equal to `transformers`' own
     class for its family. Positions are learned (`pos_embed`, `hook_pos_embed`) or rotary (inside
     attention); the choice is made once, here.
@@ -146,178 +145,7 @@ class HookedTransformer(TextMethods, WeightViews, HookedRootModule):
         """`model.readout.uncapped(h)`: the logits before any final soft-cap, which attribution splits into parts."""
         return self.readout.uncapped(h)
 
-    def run_with_hooks(self, tokens: TokensLike, fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (),
-                       bwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (), *, reset_hooks_end: bool = True,
-                       **kwargs: Any) -> torch.Tensor:
-        """Run with hooks attached for this call only; they are removed even if the call raises.
-
-        Backward hooks removed on return never see a gradient, so `bwd_hooks` need `reset_hooks_end=False`, as in
-        TransformerLens: then all the hooks are attached globally and stay until `reset_hooks()`. Within one thread,
-        `with model.hooks(fwd_hooks, bwd_hooks): model(tokens, return_type="loss").backward()` is the temporary form.
-        """
-        if not reset_hooks_end:
-            for dir, pairs in (("fwd", list(fwd_hooks)), ("bwd", list(bwd_hooks))):
-                self._pairs(pairs, f"{dir}_hooks")  # refuse a bad pair before attaching any
-                for target, fn in pairs:
-                    self.add_hook(target, fn, dir=dir)
-            return self(tokens, **kwargs)
-        bwd_hooks = list(bwd_hooks)
-        if bwd_hooks:
-            warnings.warn("run_with_hooks removes its hooks when it returns, before any backward pass can run, so "
-                          "bwd_hooks will not be called; pass reset_hooks_end=False (and call reset_hooks() after), "
-                          "or call .backward() inside `with model.hooks(fwd_hooks, bwd_hooks):`", stacklevel=2)
-        with self.hooks(fwd_hooks, bwd_hooks):
-            return self(tokens, **kwargs)
-
-    def run_with_cache(
-        self,
-        tokens: TokensLike,
-        names_filter: NamesFilter = None,
-        *,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
-        fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (),
-        return_logits: bool = True,
-        cache_device: str | torch.device | None = None,
-        incl_bwd: bool = False,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor | None, ActivationCache]:
-        """Run once and keep the activations `names_filter` selects (see `hook_names`).
-
-        Cached tensors are stored as produced, without copies, unless `device` or `dtype` asks for one.
-        `cache_device="cpu"` (or `device`, TransformerLens's name for it) offloads: each tensor leaves the
-        accelerator as it is written, through pinned memory without waiting, with one wait at the end, so a
-        long cache needs no accelerator memory. On the CPU it is the plain cache.
-        `fwd_hooks` run before caching, so the cache sees their edits. An edit in place never reaches an
-        entry cached at an earlier point (`resid_post` of block l is the same tensor as `resid_pre` of block
-        l + 1): a hook handed a tensor the cache already holds gets a copy (see `CacheRecording`).
-
-        With `return_logits=False` the run stops after the last block that a cached name or a `fwd_hooks`
-        target lives in, skipping the unembedding, and returns `(None, cache)`:
-
-        >>> _, cache = model.run_with_cache(tokens, ["blocks.2.hook_resid_post"], return_logits=False)  # 3 blocks run
-
-        `incl_bwd=True` does as TransformerLens does: it calls `.backward()` on the output, which must then be a
-        scalar (`return_type="loss"`), and caches the gradient reaching each cached point under `<name>_grad`.
-        Parameter gradients accumulate into `.grad` as in any backward pass.
-        """
-        if incl_bwd and not return_logits:
-            raise ValueError("incl_bwd=True differentiates the model's output, so the run cannot stop early; "
-                             "drop return_logits=False")
-        if cache_device is not None and device is not None and torch.device(cache_device) != torch.device(device):
-            raise ValueError(f"device={device!r} and cache_device={cache_device!r} both say where the cache goes; pass one")
-        recording = CacheRecording(cache_device if cache_device is not None else device, dtype)
-        names = self.hook_names(names_filter)
-        fwd_hooks = list(fwd_hooks)
-        stop = kwargs.get("stop_at_layer")
-        if not return_logits:
-            if stop is not None:
-                raise ValueError("pass return_logits=False or stop_at_layer, not both: return_logits=False "
-                                 "already stops after the last block that the cache or fwd_hooks need")
-            targets = [n for item in fwd_hooks if isinstance(item, (tuple, list)) for n in self._names_of(item[0])]
-            kwargs["stop_at_layer"] = self._blocks_needed([*names, *targets])
-        elif isinstance(stop, int) and isinstance(names_filter, (str, list, tuple)):
-            # Names asked for one by one must all arrive; a predicate takes what the shortened run has.
-            stop = stop if stop >= 0 else self.cfg.n_layers + stop
-            late = [n for n in names if (need := self._blocks_needed([n])) is None or need > stop]
-            if late:
-                raise ValueError(f"stop_at_layer={kwargs['stop_at_layer']} ends the run before {late[:3]} fire; "
-                                 "drop those names, raise stop_at_layer, or use return_logits=False")
-        grads = CacheRecording(cache_device if cache_device is not None else device, dtype)
-        bwd_hooks = [(name, grads.hook) for name in names] if incl_bwd else []
-        try:
-            with self.hooks([*fwd_hooks, *((name, recording.hook) for name in names)], bwd_hooks):
-                with recording.recording():
-                    out = self(tokens, **kwargs)
-                if incl_bwd:
-                    if not (isinstance(out, torch.Tensor) and out.ndim == 0 and out.requires_grad):
-                        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-                        raise ValueError(f"incl_bwd=True calls .backward() on the model's output, which must be a scalar "
-                                         f"with a gradient (return_type='loss', outside torch.no_grad()); got {got}")
-                    out.backward()
-        finally:
-            recording.synchronise()  # offloaded entries hold their values from here on
-            grads.synchronise()
-        recording.check_unchanged()
-        store = {**recording.store, **{f"{name}_grad": g for name, g in grads.store.items()}}
-        return (out if return_logits else None), ActivationCache(store, self.cfg.n_layers, self)
-
-    def _unknown(self, name: str) -> KeyError:
-        """An unknown hook name; one that a block's kind of token mixer lacks (a linear-attention block's
-        `attn.hook_pattern`) names the block's kind."""
-        layer = layer_of(name)
-        if layer is not None and layer < len(self.blocks):
-            attn = self.blocks[layer].attn
-            if name.removeprefix(f"blocks.{layer}.attn.") in getattr(attn, "NO_HOOKS", ()):
-                return KeyError(f"{name}: block {layer} is a {attn.LAYER_TYPE} layer, which has no attention scores, "
-                                f"pattern, rotary or per-head results; use its attn.hook_q/k/v, hook_beta, hook_g, hook_z "
-                                f"or hook_state, or a block whose layer type is 'full' ({self.cfg.layer_types})")
-        return super()._unknown(name)
-
-    def _names_of(self, target: NameOrPredicate) -> list[str]:
-        if isinstance(target, str):
-            return [target]
-        return [n for n in self.hook_dict if target(n)] if callable(target) else []
-
-    def _blocks_needed(self, names: Iterable[str]) -> int | None:
-        """How many blocks must run for every hook in `names` to fire; None when one is past the blocks."""
-        needed = 0
-        for name in names:
-            layer = layer_of(name)
-            if layer is None and name not in ("hook_embed", "hook_pos_embed"):
-                return None  # ln_final and anything else after the blocks: the whole model runs
-            needed = max(needed, 0 if layer is None else layer + 1)
-        return needed
-
     generate = generate  # lenskit/generation.py: greedy, or sampled with a seedable generator
-
-    def add_hook(self, name: NameOrPredicate, fn: HookFn, dir: str = "fwd") -> None:
-        """Attach `fn` to a hook point (or every point a predicate selects) GLOBALLY: every thread and every
-        later call sees it until `reset_hooks()`. `dir="bwd"` attaches a backward hook (`lenskit.observe.backward`).
-        Prefer `model.hooks(...)` / `run_with_hooks`, which are temporary and belong to the calling thread."""
-        if not callable(fn):
-            raise TypeError(f"hook for {name!r} is not callable: {fn!r}")
-        if dir not in ("fwd", "bwd"):
-            raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
-        for hp in self._resolve(name):
-            hp.add_hook(fn, dir=dir)
-
-    # --------------------------------------------------------------- tokens
-    def validate_tokens(self, tokens: TokensLike) -> torch.Tensor:
-        """Text becomes tokens; token tensors are checked for dtype, shape, vocabulary and context length."""
-        if is_text(tokens):
-            tokens = self.to_tokens(tokens)
-        if not isinstance(tokens, torch.Tensor):
-            raise TypeError(f"expected a LongTensor of token ids or text, got {type(tokens).__name__}")
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise TypeError(f"token ids must be an integer tensor, got dtype {tokens.dtype}")
-        if tokens.ndim == 1:
-            tokens = tokens.unsqueeze(0)
-        if tokens.ndim != 2 or tokens.shape[1] == 0:
-            raise ValueError(f"tokens must have shape [batch, pos] with pos >= 1, got {tuple(tokens.shape)}")
-        if tokens.shape[0] == 0:
-            raise ValueError(f"tokens hold no sequence (shape {tuple(tokens.shape)}); pass at least one, [batch >= 1, pos]")
-        if tokens.shape[1] > self.cfg.n_ctx:
-            raise ValueError(
-                f"the prompt has {tokens.shape[1]} tokens but the model's context is n_ctx={self.cfg.n_ctx}; "
-                f"truncate it (e.g. tokens[:, -{self.cfg.n_ctx}:]) or split it into windows"
-            )
-        return self._in_vocabulary(tokens).to(device=self.embed.weight.device)
-
-    def _in_vocabulary(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Integer ids of any shape as a LongTensor, each checked to lie in [0, d_vocab)."""
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise TypeError(f"token ids must be an integer tensor, got dtype {tokens.dtype}")
-        ids = tokens if tokens.dtype == torch.long else tokens.long()  # int8/uint8 would overflow `<`; uint16-64 lack it
-        bad = (ids < 0) | (ids >= self.cfg.d_vocab)
-        if bad.any():
-            at = tuple(int(i) for i in bad.nonzero()[0])
-            value = int(ids[at])
-            if tokens.dtype == torch.uint64 and value < 0:  # an id of 2**63 or more, wrapped by .long()
-                value = f"{value + 2 ** 64} (uint64)"
-            where = f"[batch {at[0]}, pos {at[1]}]" if len(at) == 2 else f"index {list(at)}"
-            raise ValueError(f"token id {value} at {where} is outside the vocabulary [0, {self.cfg.d_vocab})")
-        return ids
 
     # ------------------------------------------------------------- loading
     @classmethod

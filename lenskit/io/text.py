@@ -14,6 +14,8 @@ from .tokenizer import tokenizer_failures
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from ..model import TokensLike
+
 
 def is_text(x: Any) -> bool:
     """A string, or a non-empty list or tuple of strings (a batch of texts)."""
@@ -132,7 +134,43 @@ def adds_bos(tokenizer: "PreTrainedTokenizerBase") -> bool:
 
 class TextMethods:
     """The model's text methods (TransformerLens's names): text to ids, ids to text. Mixed into
-    `HookedTransformer`, which gives them `tokenizer`, `cfg`, `embed` and `_in_vocabulary` (the forward's id check)."""
+    `HookedTransformer`, which gives them `tokenizer`, `cfg` and `embed`. `validate_tokens` is the forward's check of its input."""
+
+    def validate_tokens(self, tokens: "TokensLike") -> torch.Tensor:
+        """Text becomes tokens; token tensors are checked for dtype, shape, vocabulary and context length."""
+        if is_text(tokens):
+            tokens = self.to_tokens(tokens)
+        if not isinstance(tokens, torch.Tensor):
+            raise TypeError(f"expected a LongTensor of token ids or text, got {type(tokens).__name__}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise TypeError(f"token ids must be an integer tensor, got dtype {tokens.dtype}")
+        if tokens.ndim == 1:
+            tokens = tokens.unsqueeze(0)
+        if tokens.ndim != 2 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens must have shape [batch, pos] with pos >= 1, got {tuple(tokens.shape)}")
+        if tokens.shape[0] == 0:
+            raise ValueError(f"tokens hold no sequence (shape {tuple(tokens.shape)}); pass at least one, [batch >= 1, pos]")
+        if tokens.shape[1] > self.cfg.n_ctx:
+            raise ValueError(
+                f"the prompt has {tokens.shape[1]} tokens but the model's context is n_ctx={self.cfg.n_ctx}; "
+                f"truncate it (e.g. tokens[:, -{self.cfg.n_ctx}:]) or split it into windows"
+            )
+        return self._in_vocabulary(tokens).to(device=self.embed.weight.device)
+
+    def _in_vocabulary(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Integer ids of any shape as a LongTensor, each checked to lie in [0, d_vocab)."""
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise TypeError(f"token ids must be an integer tensor, got dtype {tokens.dtype}")
+        ids = tokens if tokens.dtype == torch.long else tokens.long()  # int8/uint8 would overflow `<`; uint16-64 lack it
+        bad = (ids < 0) | (ids >= self.cfg.d_vocab)
+        if bad.any():
+            at = tuple(int(i) for i in bad.nonzero()[0])
+            value = int(ids[at])
+            if tokens.dtype == torch.uint64 and value < 0:  # an id of 2**63 or more, wrapped by .long()
+                value = f"{value + 2 ** 64} (uint64)"
+            where = f"[batch {at[0]}, pos {at[1]}]" if len(at) == 2 else f"index {list(at)}"
+            raise ValueError(f"token id {value} at {where} is outside the vocabulary [0, {self.cfg.d_vocab})")
+        return ids
 
     def _ids_to_read(self, tokens: Any, what: str) -> torch.Tensor:
         """Token ids [pos] or [batch, pos] for turning into text (a lone id counts as [1]), checked like a forward's."""
