@@ -34,7 +34,14 @@ Conventions (the ones of Kaplan et al., 2020, "Scaling Laws for Neural Language 
   output gate: `2 d_attn` rows.
 - Gemma 4's full blocks have their own head width and kv heads (so their own `d_attn`), and their values are their
   keys' projection (no v weights); its value norm has no gain, and each block's `layer_scalar` is a buffer, not a
-  parameter (as in transformers).
+  parameter (as in transformers). E2B and E4B's per-layer inputs: their table (`per_layer_embed`, d_vocab_per_layer x
+  n_layers x d_per_layer) is an embedding, the projection of the token embedding to them and its norm
+  (`per_layer_proj`) is not; each block's gate and projection of its input are its `per_layer` row (2 FLOPs per
+  weight per token each, as the model projection is: the `per_layer` FLOP row), its norm one of its norms. Their
+  kv-sharing blocks have no k/v weights or key norm, and with `double_wide_mlp` an MLP of 2 d_mlp. 26B-A4B's blocks
+  hold the dense MLP, and beside it the router (its projection, a gain over d_model and a scale per expert) and the
+  experts, with three norms of their own; its active parameters and MLP FLOPs count the dense MLP, the router and
+  the k routed experts.
 - Training costs 3x the forward pass (the backward pass is about twice the forward): `6 N` per token,
   so `C = 6 N D` for `D` tokens with `N` the non-embedding parameters.
 
@@ -89,9 +96,10 @@ def _per_expert(cfg: ModelConfig) -> int:
 
 def _active_mlp(cfg: ModelConfig, layer: int) -> int:
     """The MLP weights of block `layer` that one token's forward multiplies: all of a dense MLP; a MoE block's
-    router and its k routed experts."""
+    router and its k routed experts (and the dense MLP beside them, Gemma 4's)."""
     if cfg.is_moe_layer(layer):
-        return cfg.d_model * cfg.n_experts + cfg.n_experts_per_token * _expert_weights(cfg)
+        dense = 3 * cfg.d_model * cfg.d_mlp_of(layer) if cfg.experts_beside_mlp else 0
+        return dense + cfg.d_model * cfg.n_experts + cfg.n_experts_per_token * _expert_weights(cfg)
     return int(block_params(cfg, layer).loc["mlp", "weights"])
 
 
@@ -100,11 +108,12 @@ def _kinds(cfg: ModelConfig) -> dict[int, int]:
     are equal, so sums over the blocks are a few products, whatever n_layers is. In a hybrid model a block's kind
     is also its token mixer (linear or softmax attention)."""
     shaped = cfg.full_d_head is not None or cfg.full_n_kv_heads is not None or cfg.full_k_is_v  # Gemma 4's full blocks
-    if cfg.layer_types is not None and ("linear" in cfg.layer_types or shaped):
-        first: dict[tuple[bool, bool, bool], int] = {}
+    if cfg.layer_types is not None and ("linear" in cfg.layer_types or shaped or cfg.n_kv_shared_layers):
+        first: dict[tuple, int] = {}
         counts: dict[int, int] = {}
-        for i, kind in enumerate(cfg.layer_types):
-            rep = first.setdefault((kind == "linear", cfg.is_moe_layer(i), shaped and kind == "full"), i)
+        for i, kind in enumerate(cfg.layer_types):  # Gemma 4's kv-sharing blocks (and wider MLPs) are a kind of their own
+            key = (kind == "linear", cfg.is_moe_layer(i), shaped and kind == "full", cfg.kv_source(i) is not None)
+            rep = first.setdefault(key, i)
             counts[rep] = counts.get(rep, 0) + 1
         return counts
     if cfg.n_experts is None or not cfg.dense_layers:
@@ -116,6 +125,11 @@ def _kinds(cfg: ModelConfig) -> dict[int, int]:
     return kinds
 
 
+def block_kinds(model_or_cfg: ConfigLike) -> dict[int, int]:
+    """The first block of each kind (blocks of one kind have the same parameters) -> how many blocks are of it."""
+    return _kinds(as_config(model_or_cfg))
+
+
 def block_params(model_or_cfg: ConfigLike, layer: int = 0) -> pd.DataFrame:
     """Block `layer`'s parameters: rows `attn`, `mlp`, `norms`; columns `weights`, `biases`, `params`.
 
@@ -125,10 +139,11 @@ def block_params(model_or_cfg: ConfigLike, layer: int = 0) -> pd.DataFrame:
     expert (see `param_summary`'s `active` for what one token uses).
     """
     cfg = as_config(model_or_cfg)
-    d, a, m, d_head = cfg.d_model, _d_attn(cfg, layer), cfg.d_mlp, cfg.d_head_of(layer)
+    d, a, m, d_head = cfg.d_model, _d_attn(cfg, layer), cfg.d_mlp_of(layer), cfg.d_head_of(layer)
     kv = cfg.n_kv_heads_of(layer) * d_head  # each of k and v: smaller than d_attn under grouped-query attention
     q = 2 * a if cfg.attn_output_gate else a  # gated attention: q's projection also gives the output gate
-    n_kv = 1 if cfg.k_is_v(layer) else 2  # Gemma 4's full blocks: the keys' projection gives the values too
+    shared = cfg.kv_source(layer) is not None  # Gemma 4's kv-sharing blocks: another block's keys and values
+    n_kv = 0 if shared else 1 if cfg.k_is_v(layer) else 2  # Gemma 4's full blocks: the keys' projection gives the values too
     attn_w = d * (q + n_kv * kv) + a * d  # q, k, v, out
     attn_b = (q + n_kv * kv if cfg.qkv_bias else 0) + (d if cfg.out_bias else 0) + (cfg.n_heads if cfg.attn_sinks else 0)
     linear = cfg.layer_type(layer) == "linear"
@@ -136,19 +151,24 @@ def block_params(model_or_cfg: ConfigLike, layer: int = 0) -> pd.DataFrame:
         k_dim, v_dim, n_v = cfg.linear_n_k_heads * cfg.linear_d_k, cfg.linear_n_v_heads * cfg.linear_d_v, cfg.linear_n_v_heads
         attn_w = d * (2 * k_dim + 2 * v_dim + 2 * n_v) + (2 * k_dim + v_dim) * cfg.linear_conv_width + v_dim * d
         attn_b = 2 * n_v
-    if cfg.is_moe_layer(layer):  # router, experts
-        mlp_w = d * cfg.n_experts + cfg.n_experts * _expert_weights(cfg)
+    if cfg.is_moe_layer(layer):  # router, experts (Gemma 4's: beside the dense MLP, its router with a gain and scales)
+        beside = 3 * d * m + d + cfg.n_experts if cfg.experts_beside_mlp else 0
+        mlp_w = beside + d * cfg.n_experts + cfg.n_experts * _expert_weights(cfg)
         mlp_b = (cfg.n_experts if cfg.router_bias else 0) + cfg.n_experts * _expert_biases(cfg)
     elif cfg.mlp == "gelu":
         mlp_w, mlp_b = 2 * d * m, (m + d if cfg.mlp_bias else 0)  # fc_in, fc_out
     else:
         mlp_w, mlp_b = 3 * d * m, (2 * m + d if cfg.mlp_bias else 0)  # gate, fc_in, fc_out
     n_norms = 4 if cfg.norm_placement == "sandwich" else 2  # ln1, ln2 and/or ln1_post, ln2_post
+    n_norms += 3 * cfg.experts_beside_mlp + (cfg.d_per_layer is not None)  # Gemma 4's: the experts', the per-layer write's
     qk = (2 * d_head if cfg.qk_norm_per_head else a + kv) if cfg.qk_norm else 0  # q/k norm gains: per head, or all heads
+    qk = qk // 2 if shared else qk  # no key norm where the keys are another block's (per-head norms: Gemma 4's)
     qk = cfg.linear_d_v if linear else qk  # a linear-attention block's gated output norm instead
     norm_w = n_norms * d + qk
     norm_b = n_norms * d if cfg.norm == "layernorm" else 0
     rows = {"attn": (attn_w, attn_b), "mlp": (mlp_w, mlp_b), "norms": (norm_w, norm_b)}
+    if cfg.d_per_layer is not None:  # Gemma 4 E2B/E4B: the gate and projection of the block's per-layer input
+        rows["per_layer"] = (2 * d * cfg.d_per_layer, 0)
     frame = pd.DataFrame.from_dict(rows, orient="index", columns=["weights", "biases"])
     frame["params"] = frame["weights"] + frame["biases"]
     frame.index.name = "component"
@@ -176,6 +196,12 @@ def _table(cfg: ModelConfig, layers: Iterable[int]) -> pd.DataFrame:
              embedding=True, note="learned position embedding" if cfg.positional == "learned"
              else "none: rotary positions have no parameters"),
     ]
+    if cfg.d_per_layer is not None:  # Gemma 4 E2B/E4B's per-layer inputs: a table (an embedding) and a projection
+        width = cfg.n_layers * cfg.d_per_layer
+        rows += [dict(layer=None, component="per_layer_embed", weights=cfg.d_vocab_per_layer * width, biases=0,
+                      embedding=True, note="per-layer input embedding: d_vocab_per_layer x n_layers x d_per_layer"),
+                 dict(layer=None, component="per_layer_proj", weights=d * width + cfg.d_per_layer, biases=0,
+                      embedding=False, note="the token embedding's projection to the per-layer inputs, and its norm")]
     for layer in layers:
         for component, row in block_params(cfg, layer).iterrows():
             rows.append(dict(layer=layer, component=component, weights=int(row.weights), biases=int(row.biases),
@@ -221,13 +247,17 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
         "embed": (int(by["embed"]), "d_vocab * d_model"),
         "pos_embed": (int(by["pos_embed"]), "n_ctx * d_model" if cfg.positional == "learned" else "rotary: none"),
         "unembed": (int(by["unembed"]), "tied to embed, counted once" if cfg.tie_word_embeddings else "d_model * d_vocab"),
+        **({"per_layer_embed": (int(by["per_layer_embed"]), "per-layer inputs' table (an embedding): d_vocab_per_layer "
+                                "x n_layers x d_per_layer")} if cfg.d_per_layer is not None else {}),
         "non_embedding": (non_embedding, "blocks + final norm (Kaplan et al.'s N)"),
         "blocks": (blocks, "n_layers * per_block" if len(kinds) == 1 else "MoE blocks and dense blocks" if
-                   cfg.dense_layers else "linear- and full-attention blocks (per_block*: block 0's)"),
+                   cfg.dense_layers else "linear- and full-attention blocks (per_block*: block 0's)" if
+                   "linear" in cfg.layer_types else "blocks of several shapes (per_block*: block 0's)"),
         "per_block": (per_block, "12 d^2 + 13 d for GPT-2 shapes" if cfg.is_gpt2 and cfg.d_mlp == 4 * cfg.d_model else ""),
         "per_block_attn": (int(block.loc["attn", "params"]), "q, k, v and out projections" +
                            (f" (k, v: {cfg.n_kv_heads} of {cfg.n_heads} heads)" if cfg.n_kv_heads != cfg.n_heads else "")),
-        "per_block_mlp": (int(block.loc["mlp", "params"]), "router and every expert" if cfg.is_moe_layer(0) else
+        "per_block_mlp": (int(block.loc["mlp", "params"]), ("dense MLP, and router and every expert beside it"
+                           if cfg.experts_beside_mlp else "router and every expert") if cfg.is_moe_layer(0) else
                            "fc_in and fc_out" if cfg.mlp == "gelu" else "gate, fc_in, fc_out (gated MLP)"),
         "per_block_norms": (int(block.loc["norms", "params"]), {"pre": "ln1 and ln2", "post": "ln1_post and ln2_post",
                                                                "sandwich": "ln1, ln2, ln1_post and ln2_post"}[cfg.norm_placement]
@@ -281,6 +311,8 @@ def flops_per_token(model_or_cfg: ConfigLike, n_ctx: int | None = None, causal: 
                                            if cfg.layer_type(layer) != "linear"),
         **({"linear_core": 6 * n_linear * cfg.linear_n_v_heads * cfg.linear_d_k * cfg.linear_d_v} if n_linear else {}),
         "mlp": 2 * sum(_active_mlp(cfg, layer) * n for layer, n in _kinds(cfg).items()),  # routed experts only
+        # Gemma 4 E2B/E4B: the projection to every block's per-layer input, and each block's gate and projection
+        **({"per_layer": 2 * 3 * cfg.d_model * cfg.n_layers * cfg.d_per_layer} if cfg.d_per_layer is not None else {}),
         "unembed": 2 * cfg.d_model * cfg.d_vocab,
     }
     forward["total"] = sum(forward.values())

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from .config_checks import check_experts, check_full_heads, check_linear
+from .config_checks import check_experts, check_full_heads, check_gemma4_extras, check_linear, kv_sources
 from .config_names import TransformerLensNames
 
 # GPT-2's "gelu_new" and PyTorch's tanh GELU are the same function; "gelu" is the exact erf form.
@@ -34,7 +34,7 @@ ACTIVATIONS = GELU_ACTIVATIONS
 _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
                 "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate", "router_bias", "attn_output_gate",
-                "full_k_is_v", "v_norm", "layer_scalar")
+                "full_k_is_v", "v_norm", "layer_scalar", "double_wide_mlp", "experts_beside_mlp")
 _POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rotary_base",
                      "rope_attention_factor")
 _ORGANISATION = re.compile(r"[A-Za-z0-9][\w.-]*")  # a hub organisation: no path separators, no leading "." or "~"
@@ -123,6 +123,12 @@ class ModelConfig(TransformerLensNames):
     v_norm: bool = False  # a weightless RMSNorm over each value head, like the q/k norms but with no gain
     layer_scalar: bool = False  # each block ends by multiplying the stream by a stored scalar (`hook_rescale_out`)
     rope_proportion: float = 1.0  # rope_type="proportional": the share of each head's dim pairs that turn at all
+    # Gemma 4's smaller and sparse sizes (lenskit.pieces.per_layer, kv_sharing, dense_and_experts); off by default.
+    d_per_layer: int | None = None  # per-layer inputs: a d_per_layer-wide input per block from the tokens (E2B, E4B)
+    d_vocab_per_layer: int | None = None  # their vocabulary; None means d_vocab where there are per-layer inputs
+    n_kv_shared_layers: int = 0  # the last blocks reuse the keys and values of the last earlier block of their type
+    double_wide_mlp: bool = False  # those kv-sharing blocks' MLPs are 2 * d_mlp wide
+    experts_beside_mlp: bool = False  # each block's MLP has experts beside it, with norms of their own (26B-A4B)
 
     def __post_init__(self) -> None:
         if self.d_mlp is None:
@@ -209,6 +215,7 @@ class ModelConfig(TransformerLensNames):
         if self.full_n_kv_heads == self.n_kv_heads:
             object.__setattr__(self, "full_n_kv_heads", None)
         check_full_heads(self)
+        check_gemma4_extras(self)
 
     @property
     def gelu_approximate(self) -> str:
@@ -226,8 +233,25 @@ class ModelConfig(TransformerLensNames):
         return self.positional == "rotary" and layer not in self.nope_layers
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether block `layer`'s MLP is a mixture of experts (lenskit.pieces.moe) rather than the dense MLP."""
+        """Whether block `layer`'s MLP is a mixture of experts (lenskit.pieces.moe) rather than the dense MLP, or
+        has experts beside its dense MLP (`experts_beside_mlp`, lenskit.pieces.dense_and_experts)."""
         return self.n_experts is not None and layer not in self.dense_layers
+
+    def kv_source(self, layer: int) -> int | None:
+        """The block whose keys and values block `layer` reads, or None where it computes its own: each of the last
+        `n_kv_shared_layers` blocks reads the last block before them of its own layer type (Gemma 4 E2B, E4B)."""
+        if layer < self.n_layers - self.n_kv_shared_layers:
+            return None
+        return kv_sources(self.n_layers, self.n_kv_shared_layers, self.layer_types)[layer]
+
+    @property
+    def kv_source_layers(self) -> tuple[int | None, ...]:
+        """`kv_source` of every block: `cfg.kv_source_layers[L]` is the block whose keys block L reads, or None."""
+        return tuple(self.kv_source(i) for i in range(self.n_layers))
+
+    def d_mlp_of(self, layer: int) -> int:
+        """Block `layer`'s dense MLP width: 2 * d_mlp for a kv-sharing block under `double_wide_mlp`, else d_mlp."""
+        return 2 * self.d_mlp if self.double_wide_mlp and self.kv_source(layer) is not None else self.d_mlp
 
     def d_head_of(self, layer: int) -> int:
         """Block `layer`'s head width: `full_d_head` for a "full" block where it is set, else d_head."""

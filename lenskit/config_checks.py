@@ -3,6 +3,7 @@ blocks, Qwen 3.5's linear-attention blocks, and the mixtures of experts. Each re
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,6 +31,66 @@ def check_full_heads(cfg: "ModelConfig") -> None:
     if cfg.rope_type != "proportional" and value != 1.0:
         raise ValueError(f"ModelConfig.rope_proportion={value!r} is a proportional-rotary setting; rope_type="
                          f"{cfg.rope_type!r} turns every pair, so leave it 1.0")
+
+@lru_cache(maxsize=32)
+def kv_sources(n_layers: int, n_shared: int, layer_types: tuple[str, ...] | None) -> tuple[int | None, ...]:
+    """Per block, the block whose keys and values it reads, or None: blocks from n_layers - n_shared on read the last
+    block before them of their own layer type (None there too where no earlier block has that type)."""
+    first = n_layers - n_shared
+    last: dict[str | None, int] = {}
+    for i in range(first):
+        last[None if layer_types is None else layer_types[i]] = i
+    return tuple(None if i < first else last.get(None if layer_types is None else layer_types[i])
+                 for i in range(n_layers))
+
+
+def _positive_or_none(cfg: "ModelConfig", field: str) -> None:
+    value = getattr(cfg, field)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"ModelConfig.{field} must be None or a positive int, got {value!r}")
+
+
+def check_gemma4_extras(cfg: "ModelConfig") -> None:
+    """Gemma 4's per-layer inputs, kv sharing and experts beside the MLP: well-typed, each block able to find what it
+    reads, and each piece where Gemma 4's block (`layer_scalar`) puts it. `d_vocab_per_layer` defaults to d_vocab."""
+    for field in ("d_per_layer", "d_vocab_per_layer"):
+        _positive_or_none(cfg, field)
+    if cfg.d_per_layer is None and cfg.d_vocab_per_layer is not None:
+        raise ValueError(f"ModelConfig.d_vocab_per_layer={cfg.d_vocab_per_layer!r} is the per-layer inputs' vocabulary, "
+                         "but d_per_layer is None (there are none); leave it None")
+    if cfg.d_per_layer is not None:
+        if cfg.d_vocab_per_layer is None:
+            object.__setattr__(cfg, "d_vocab_per_layer", cfg.d_vocab)
+        if cfg.d_vocab_per_layer < cfg.d_vocab:
+            raise ValueError(f"ModelConfig.d_vocab_per_layer={cfg.d_vocab_per_layer} is below d_vocab={cfg.d_vocab}: "
+                             "a token past it would have no per-layer input; give at least d_vocab")
+    n = cfg.n_kv_shared_layers
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < cfg.n_layers:
+        raise ValueError(f"ModelConfig.n_kv_shared_layers must be an int in [0, n_layers={cfg.n_layers}) (some earlier "
+                         f"block must compute the keys the others read), got {n!r}")
+    if n:
+        shared = range(cfg.n_layers - n, cfg.n_layers)
+        if any(cfg.layer_type(i) == "linear" for i in range(cfg.n_layers)):
+            raise ValueError("ModelConfig.n_kv_shared_layers needs softmax-attention blocks only; this config has "
+                             "linear-attention blocks")
+        orphan = next((i for i in shared if cfg.kv_source(i) is None), None)
+        if orphan is not None:
+            raise ValueError(f"ModelConfig.n_kv_shared_layers={n}: block {orphan} ({cfg.layer_type(orphan)!r}) reads the "
+                             f"keys of the last earlier block of its type, but blocks 0..{cfg.n_layers - n - 1} have none "
+                             "(transformers refuses it too); share fewer blocks or change layer_types")
+    if cfg.double_wide_mlp and not n:
+        raise ValueError("ModelConfig.double_wide_mlp widens the kv-sharing blocks' MLPs, but n_kv_shared_layers=0; "
+                         "leave it False")
+    gemma4 = cfg.layer_scalar and cfg.norm_placement == "sandwich"
+    for field, on in (("d_per_layer", cfg.d_per_layer is not None), ("experts_beside_mlp", cfg.experts_beside_mlp)):
+        if on and not gemma4:
+            raise ValueError(f"ModelConfig.{field} is a piece of Gemma 4's block; it needs layer_scalar=True and "
+                             "norm_placement='sandwich'")
+    if cfg.experts_beside_mlp and (cfg.n_experts is None or cfg.dense_layers or cfg.router_bias or cfg.mlp != "geglu"
+                                   or cfg.routing != "softmax_topk_renorm"):
+        raise ValueError("ModelConfig.experts_beside_mlp is Gemma 4's: it needs n_experts, mlp='geglu', "
+                         "routing='softmax_topk_renorm', no dense_layers and no router_bias")
+
 
 def check_linear(cfg: "ModelConfig") -> None:
     """The linear-attention fields, where layer_types has a "linear" block: positive ints, v heads a multiple of

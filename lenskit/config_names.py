@@ -1,11 +1,53 @@
 """TransformerLens's names for `ModelConfig`'s fields (`cfg.act_fn`, `cfg.normalization_type`, ...), so that code
-written against its config reads lenskit's: aliases only, derived from the fields, never stored."""
+written against its config reads lenskit's: aliases derived from the fields, never stored.
+
+Three of TransformerLens's config entries say where a model is and how it takes text rather than what it is:
+`cfg.device`, `cfg.dtype` and `cfg.default_prepend_bos`. They are not dataclass fields (two configs that differ only
+in them are equal, and a lens fitted on the CPU fits the model on a GPU); each model keeps its own copy of its config
+and records them there (`note_placement`, `note_prepend_bos`).
+"""
 
 from __future__ import annotations
+
+import torch
+
+
+def note_placement(cfg: object, weight: torch.Tensor) -> None:
+    """Record on the model's own config the device and dtype of `weight` (its embedding): `cfg.device`, `cfg.dtype`."""
+    object.__setattr__(cfg, "_device", str(weight.device))
+    object.__setattr__(cfg, "_dtype", weight.dtype)
+
+
+def note_prepend_bos(cfg: object, default: bool | None) -> None:
+    """Record what text input does about BOS when `prepend_bos` is not given: True, False, or None (follow the
+    checkpoint's tokenizer: lenskit's own default)."""
+    if default is not None and not isinstance(default, bool):
+        raise TypeError(f"default_prepend_bos must be True, False or None, got {default!r}")
+    object.__setattr__(cfg, "_default_prepend_bos", default)
 
 
 class TransformerLensNames:
     """Mixed into `ModelConfig`: each property reads the lenskit field it names."""
+
+    @property
+    def device(self) -> str:
+        """Where the model's embedding is, e.g. "cpu" or "cuda:0" (a model spread over devices: its first)."""
+        return getattr(self, "_device", "cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the model's weights (its embedding's)."""
+        return getattr(self, "_dtype", torch.float32)
+
+    @property
+    def default_prepend_bos(self) -> bool | None:
+        """Whether text input gets BOS first when `prepend_bos` is not given; None (lenskit's default): as the
+        checkpoint's own tokenizer does. `lenskit.transformer_lens` sets True, as TransformerLens does."""
+        return getattr(self, "_default_prepend_bos", None)
+
+    @property
+    def model_name(self) -> str:
+        return self.name
 
     @property
     def act_fn(self) -> str:

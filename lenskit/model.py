@@ -4,6 +4,7 @@ named hook point."""
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from typing import TYPE_CHECKING, Sequence, Union
@@ -12,13 +13,19 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
+from .config_names import note_placement
+from .conveniences import ModelConveniences
 from .generation import generate
+from .kv_cache import KVCache, attending, start_position
 from .observe.hooks import HookedRootModule, HookPoint
 from .observe.running import RunMethods
+from .observe.switches import SwitchMethods
 from .pieces.layers import make_block, make_norm
-from .pieces.linear import Linear
+from .pieces.embeddings import Embed, PosEmbed, Unembed
+from .pieces.per_layer import PerLayerInputs, side_inputs
 from .pieces.readout import Readout
 from .io.text import TextMethods
+from .losses import next_token_loss
 from .pieces.weights import WeightViews
 from .placement import Placement
 
@@ -28,7 +35,7 @@ if TYPE_CHECKING:
 TokensLike = Union[torch.Tensor, str, Sequence[str]]
 
 
-class HookedTransformer(RunMethods, TextMethods, WeightViews, HookedRootModule):
+class HookedTransformer(RunMethods, TextMethods, WeightViews, ModelConveniences, SwitchMethods, HookedRootModule):
     """A transformer with TransformerLens-style hook points, numerically equal to `transformers`' own
     class for its family. Positions are learned (`pos_embed`, `hook_pos_embed`) or rotary (inside
     attention); the choice is made once, here.
@@ -48,24 +55,38 @@ class HookedTransformer(RunMethods, TextMethods, WeightViews, HookedRootModule):
 
     def __init__(self, cfg: ModelConfig, tokenizer: "PreTrainedTokenizerBase | None" = None, dropout: float = 0.0) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg = copy.copy(cfg)  # this model's own: it records where the model is (`cfg.device`, `cfg.dtype`)
         self.tokenizer = tokenizer
-        self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
+        self.embed = Embed(cfg.d_vocab, cfg.d_model)
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         if cfg.positional == "learned":
-            self.pos_embed = nn.Embedding(cfg.n_ctx, cfg.d_model)
+            self.pos_embed = PosEmbed(cfg.n_ctx, cfg.d_model)
             self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
         self._stream_start = self._embed_learned if cfg.positional == "learned" else self._embed_tokens
         self._embed_scale = _embed_scaled if cfg.scale_embed else _embed_as_is
         self.dropout = nn.Dropout(dropout)
+        if cfg.d_per_layer is not None:  # Gemma 4 E2B/E4B: an input per block, from the tokens (lenskit.pieces.per_layer)
+            self.per_layer_inputs = PerLayerInputs(cfg)
+        self._side_inputs = side_inputs(self, cfg)  # chosen once: what the blocks read beside the stream, if anything
         self.blocks = nn.ModuleList(make_block(cfg, dropout, i) for i in range(cfg.n_layers))
         self.ln_final = make_norm(cfg)
-        self.unembed = Linear(cfg.d_model, cfg.d_vocab, bias=False)
+        self.unembed = Unembed(cfg.d_model, cfg.d_vocab, bias=False)
         # Not a submodule: it holds ln_final and unembed themselves, so state dicts and hook names are unchanged.
         self.readout = Readout(self.ln_final, self.unembed, cfg.final_softcap)
         self.tie_weights()
         self.setup_hooks()
         self.init_weights()
+        note_placement(self.cfg, self.embed.weight)
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)  # .to(), .cuda(), .half() ... all come through here
+        note_placement(self.cfg, self.embed.weight)
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        out = super().load_state_dict(state_dict, strict=strict, assign=assign)  # assign=True replaces the tensors
+        note_placement(self.cfg, self.embed.weight)
+        return out
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
@@ -85,7 +106,8 @@ class HookedTransformer(RunMethods, TextMethods, WeightViews, HookedRootModule):
         for name, p in self.named_parameters():
             if name.endswith("bias"):
                 nn.init.zeros_(p)
-            elif ".ln" in name or name.startswith("ln_final") or "_norm." in name:
+            elif ".ln" in name or name.startswith("ln_final") or "_norm." in name or name.endswith(
+                    ("router.scale", "router.per_expert_scale")):  # Gemma 4's router gains too
                 nn.init.ones_(p)  # Gemma's (1 + w) norms are reset to their own identity below
             elif residual_scaling and name.endswith(("attn.out.weight", "mlp.fc_out.weight")):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layers))
@@ -96,13 +118,19 @@ class HookedTransformer(RunMethods, TextMethods, WeightViews, HookedRootModule):
                 nn.init.constant_(module.weight, module.IDENTITY_WEIGHT)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, tokens: TokensLike, return_type: str | None = "logits", *,
-                stop_at_layer: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    def forward(self, tokens: TokensLike, return_type: str | None = "logits", *, stop_at_layer: int | None = None,
+                prepend_bos: bool | None = None, padding_side: str | None = None,
+                loss_per_token: bool = False,
+                past_kv_cache: KVCache | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """Logits [batch, pos, d_vocab] at every position; with `stop_at_layer=l`, the stream after l blocks.
 
         `return_type` as in TransformerLens: "logits", "loss" (mean next-token cross-entropy over every
         position but the last, nats), "both" (logits, loss) or None (run for the hooks, return nothing).
         The loss counts every position, so for right-padded texts pass equal-length token windows instead.
+        `prepend_bos` and `padding_side` apply to text input, as in `to_tokens`. `loss_per_token` makes the
+        loss each prediction's [batch, pos - 1] (`lenskit.losses.next_token_loss`).
+        With `past_kv_cache` (lenskit.kv_cache.KVCache) the tokens continue the cached ones: positions start at its
+        n_pos, the blocks attend to the cached keys too, and the cache grows by the tokens' length.
         """
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
@@ -112,15 +140,17 @@ class HookedTransformer(RunMethods, TextMethods, WeightViews, HookedRootModule):
             raise ValueError(f"stop_at_layer must be an int in [-{n}, {n}] (streams after 0..{n} blocks), got {stop_at_layer!r}")
         if self.weight_files is not None:
             self.weight_files.check()  # a mapped weights file written in place since load: refuse, do not compute
-        tokens = self.validate_tokens(tokens)
-        x = self.dropout(self._stream_start(tokens))  # [batch, pos, d_model]
-        x = self.run_blocks(x, 0, stop_at_layer)
+        tokens = self.validate_tokens(tokens, prepend_bos, padding_side)
+        start = start_position(past_kv_cache, self, tokens, stop_at_layer)  # 0 without a cache
+        x = self.dropout(self._stream_start(tokens, start))  # [batch, pos, d_model]
+        with attending(past_kv_cache, tokens.shape[1]), self._side_inputs(tokens, x):  # and Gemma 4's per-layer inputs
+            x = self.run_blocks(x, 0, stop_at_layer)
         if stop_at_layer is not None:
             return x
         logits = self.readout(x)  # [batch, pos, d_vocab]
         if return_type == "logits" or return_type is None:
             return logits if return_type else None
-        loss = next_token_loss(logits, tokens)
+        loss = next_token_loss(logits, tokens, per_token=loss_per_token)  # loss_per_token: [batch, pos - 1]
         return loss if return_type == "loss" else (logits, loss)
 
     def run_blocks(self, x: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -133,11 +163,11 @@ class HookedTransformer(RunMethods, TextMethods, WeightViews, HookedRootModule):
             x = self.placement.run(layer, self.blocks[layer], x)  # [batch, pos, d_model], on block layer's device
         return x
 
-    def _embed_learned(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def _embed_learned(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         return self.hook_embed(self.embed(tokens)) + self.hook_pos_embed(self.pos_embed(positions).expand(tokens.shape[0], -1, -1))
 
-    def _embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _embed_tokens(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         # rotary families: positions enter inside attention. hook_embed sees the embedding as written, after any scale.
         return self.hook_embed(self._embed_scale(self.embed(tokens)))
 
@@ -208,13 +238,6 @@ class HookedTransformer(RunMethods, TextMethods, WeightViews, HookedRootModule):
         return (f"name={c.name!r}, family={c.family!r}, n_layers={c.n_layers}, d_model={c.d_model}, n_heads={c.n_heads}, "
                 f"n_kv_heads={c.n_kv_heads}, "
                 f"d_mlp={c.d_mlp}, d_vocab={c.d_vocab}, n_ctx={c.n_ctx}")
-
-
-def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy (nats) of predicting tokens[:, 1:] from logits[:, :-1]."""
-    if tokens.shape[1] < 2:
-        raise ValueError("a loss needs at least 2 tokens per sequence (each position predicts the next)")
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
 def _embed_scaled(x: torch.Tensor) -> torch.Tensor:

@@ -92,8 +92,9 @@ class Placement:
 
 
 def _unit_of(name: str) -> str:
-    """"embed", "blocks.{i}" or "readout" for a state-dict entry or module prefix."""
-    if name.split(".")[0] in ("embed", "pos_embed"):
+    """"embed", "blocks.{i}" or "readout" for a state-dict entry or module prefix (Gemma 4's per-layer inputs are
+    computed with the embedding, from the tokens)."""
+    if name.split(".")[0] in ("embed", "pos_embed", "per_layer_inputs"):
         return "embed"
     if name.split(".")[0] in ("ln_final", "unembed"):
         return "readout"
@@ -125,7 +126,7 @@ def placement_from_map(device_map: Mapping[str, Any], n_layers: int) -> Placemen
         raise ValueError(f"device_map must be {' / '.join(map(repr, AUTO))} or a non-empty {{module prefix: device}} dict, "
                          f"got {device_map!r}")
     placed: dict[str, torch.device] = {}  # every unit part: "embed", "pos_embed", "blocks.{i}", "ln_final", "unembed"
-    parts = ["embed", "pos_embed", *(f"blocks.{i}" for i in range(n_layers)), "ln_final", "unembed"]
+    parts = ["embed", "pos_embed", "per_layer_inputs", *(f"blocks.{i}" for i in range(n_layers)), "ln_final", "unembed"]
     for prefix in sorted(device_map, key=lambda p: (p != "", p.count("."), p)):  # the most specific prefix wins
         if not isinstance(prefix, str):
             raise ValueError(f"device_map key {prefix!r} must be a module prefix such as 'blocks.3'")
@@ -143,12 +144,13 @@ def placement_from_map(device_map: Mapping[str, Any], n_layers: int) -> Placemen
             raise ValueError(f"device_map names {prefix!r}, but the model has {n_layers} blocks (blocks.0 to "
                              f"blocks.{n_layers - 1})")
         placed.update({p: device for p in covered})
-    missing = [p for p in parts if p not in placed and p != "pos_embed"]
+    missing = [p for p in parts if p not in placed and p not in ("pos_embed", "per_layer_inputs")]
     if missing:
         raise ValueError(f"device_map leaves {_runs(missing)} unplaced; give every block and the embeddings and "
                          "readout a device (\"\" places everything not named)")
     embed, readout = placed["embed"], placed["ln_final"]
-    for part, unit, device in (("pos_embed", "embed", embed), ("unembed", "ln_final", readout)):
+    for part, unit, device in (("pos_embed", "embed", embed), ("per_layer_inputs", "embed", embed),
+                               ("unembed", "ln_final", readout)):
         if part in placed and placed[part] != device:
             raise ValueError(f"device_map puts {part!r} on {placed[part]} but {unit!r} on {device}; they are one "
                              "unit and compute together: give them one device")

@@ -66,3 +66,18 @@ def family_model_of(family: str) -> FamilyModel:
 
 # On a test that takes conftest's `model` fixture: run it on each family's tiny model instead of the GPT-2.
 every_family = pytest.mark.parametrize("model", list(FAMILY_BUILDERS), indirect=True)
+
+
+def held_beside_the_stream(model: lenskit.HookedTransformer, tokens) -> list:
+    """Hooks that hold what Gemma 4 E2B/E4B's blocks read beside the residual stream at its values on `tokens`: each
+    block's per-layer input (from the tokens themselves) and the keys and values a kv-sharing block reads from an
+    earlier block. Under them the stream alone carries a run from one block to the next, as it does in every other
+    family (for which this is empty): what patching identities such as "the whole stream patched in gives the
+    source run back" need."""
+    cfg = model.cfg
+    names = [n for n in model.hook_dict if n.endswith(".hook_per_layer_in")]
+    names += [f"blocks.{i}.attn.hook_{kv}" for i in range(cfg.n_layers) if cfg.kv_source(i) is not None for kv in "kv"]
+    if not names:
+        return []
+    _, cache = model.run_with_cache(tokens, names_filter=names)
+    return [(name, lambda x, hook, held=cache[name]: held.clone()) for name in names]

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from families import held_beside_the_stream
 from golden import hf_reference
 from lens_fixtures import write_text_folder
 from lenses import LogitLens, TunedLens
@@ -199,8 +200,10 @@ def test_block_and_sublayer_ablations(family_model, tokens, every):
     # fused vs eager attention kernels: rounding relative to the stream's size (Gemma scales its embedding by sqrt(d))
     torch.testing.assert_close(cache["resid_pre", 1], clean["resid_pre", 1], atol=1e-5, rtol=1e-5)
     _, cache = model.run_with_cache(tokens, fwd_hooks=ablation_hooks(model, [Mlp(1)]))
-    late = sum(cache[f"blocks.1.hook_{w}"] for w in late_writes(model.hook_dict, 1))  # Gemma 4's rescale_out stays
-    assert torch.equal(cache["resid_post", 1], cache["resid_mid", 1] + late)
+    post = cache["resid_mid", 1]
+    for w in late_writes(model.hook_dict, 1):  # Gemma 4's per_layer_out and rescale_out stay, added in the block's order
+        post = post + cache[f"blocks.1.hook_{w}"]
+    assert torch.equal(cache["resid_post", 1], post)
     torch.testing.assert_close(cache["resid_mid", 1], clean["resid_mid", 1], atol=1e-5, rtol=1e-5)
 
 
@@ -282,7 +285,9 @@ def test_patched_run_equals_the_source_at_the_site(family_model, tokens, every, 
         assert not torch.equal(cache[name][:, :, 1:], source[name][:, :, 1:])
     else:
         assert torch.equal(cache[name], source[name])
-    if site == "resid_pre":  # the whole stream from block 1 on is the source's: so are the logits
+    if site == "resid_pre":  # the whole stream from block 1 on is the source's: so are the logits, once what Gemma 4
+        # E2B/E4B's blocks read beside the stream is too (their per-layer inputs, from the tokens; shared keys)
+        logits = model.run_with_hooks(corrupted, fwd_hooks=hooks + held_beside_the_stream(model, tokens))
         torch.testing.assert_close(logits, logits_source, atol=1e-5, rtol=0)
 
 

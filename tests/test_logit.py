@@ -5,6 +5,7 @@ import torch
 
 from lenses import POINTS, LogitLens
 from lenskit import Stream
+from lenskit.observe.resid import late_writes
 from lenskit.observe.stream import stream_hook_names, streams
 from families import every_family
 
@@ -41,7 +42,10 @@ def test_last_stream_reproduces_model_logits(model, tokens):
     lens = LogitLens(model)
     logits, cache = model.run_with_cache(tokens)
     n = model.cfg.n_layers
-    torch.testing.assert_close(lens(cache["resid_pre", n - 1] + cache["attn_out", n - 1] + cache["mlp_out", n - 1], n), logits)
+    last = cache["resid_pre", n - 1] + cache["attn_out", n - 1] + cache["mlp_out", n - 1]
+    for w in late_writes(model.hook_dict, n - 1):  # Gemma 4's per-layer input's write and rescaling, in order
+        last = last + cache[f"blocks.{n - 1}.hook_{w}"]
+    torch.testing.assert_close(lens(last, n), logits)
     # (the cached run takes LayerNorm's hooked, unfused path, hence float rounding rather than bit equality)
     torch.testing.assert_close(lens.decode(cache, n), logits, rtol=1e-5, atol=1e-6)
 

@@ -129,10 +129,15 @@ def test_stack_head_results(setup):
     assert cache.stack_head_results(pos_slice=0).shape == (n * h, 2, model.cfg.d_model)
 
 
-def test_stack_head_results_says_how_to_get_hook_result(model):
-    _, cache = model.run_with_cache(torch.zeros(1, 3, dtype=torch.long))
-    with pytest.raises(KeyError, match="hook_result.*names_filter=lambda name: True"):
-        cache.stack_head_results()
+def test_stack_head_results_computes_hook_result_from_z_as_transformerlens_does(model):
+    tokens = torch.randint(0, 101, (1, 5), generator=torch.Generator().manual_seed(4))
+    _, recorded = model.run_with_cache(tokens, names_filter=ALL)
+    _, cache = model.run_with_cache(tokens)
+    assert "blocks.0.attn.hook_result" not in cache
+    close(cache.stack_head_results(), recorded.stack_head_results())
+    _, no_z = model.run_with_cache(tokens, names_filter=lambda name: not name.endswith(("hook_z", "hook_result")))
+    with pytest.raises(KeyError, match="needs 'blocks.0.attn.hook_z'"):
+        no_z.stack_head_results()
 
 
 def test_remove_batch_dim(model):

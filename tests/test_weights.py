@@ -43,17 +43,31 @@ def test_shapes(family_model):
         pytest.skip("a mixture of experts' MLP views are per expert: tests/test_moe.py checks them")
     c = model.cfg
     gated = c.mlp != "gelu"
-    assert model.W_in.shape == (c.n_layers, c.d_model, c.d_mlp)
-    assert model.W_out.shape == (c.n_layers, c.d_mlp, c.d_model)
-    assert model.b_in.shape == (c.n_layers, c.d_mlp) and model.b_out.shape == (c.n_layers, c.d_model)
+    usual = [l for l in range(c.n_layers) if c.d_mlp_of(l) == c.d_mlp]
+    if len(usual) < c.n_layers:  # Gemma 4's kv-sharing blocks' MLPs are twice as wide (double_wide_mlp): no stack
+        with pytest.raises(ValueError, match=r"model.W_in cannot stack .* their shapes differ"):
+            model.W_in
+        for l in range(c.n_layers):
+            assert model.blocks[l].mlp.W_in.shape == model.blocks[l].mlp.W_gate.shape == (c.d_model, c.d_mlp_of(l))
+    mlp = {name: (None if getattr(model.blocks[0].mlp, name) is None else
+                  torch.stack([getattr(model.blocks[l].mlp, name) for l in usual])) if len(usual) < c.n_layers
+           else getattr(model, name) for name in ("W_in", "W_gate", "W_out", "b_in", "b_gate", "b_out")}
+    m = len(usual)
+    assert mlp["W_in"].shape == (m, c.d_model, c.d_mlp)
+    assert mlp["W_out"].shape == (m, c.d_mlp, c.d_model)
+    assert mlp["b_in"].shape == (m, c.d_mlp) and mlp["b_out"].shape == (m, c.d_model)
     if gated:
-        assert model.W_gate.shape == (c.n_layers, c.d_model, c.d_mlp) and model.b_gate.shape == (c.n_layers, c.d_mlp)
+        assert mlp["W_gate"].shape == (m, c.d_model, c.d_mlp) and mlp["b_gate"].shape == (m, c.d_mlp)
     else:
-        assert model.W_gate is None and model.b_gate is None
+        assert mlp["W_gate"] is None and mlp["b_gate"] is None
     headed = [l for l in range(c.n_layers) if c.layer_type(l) != "linear"]  # Qwen 3.5's linear blocks have no heads
     if len(headed) < c.n_layers:
         with pytest.raises(ValueError, match=r"model.W_Q cannot stack .* are linear-attention \(Gated DeltaNet\) layers"):
             model.W_Q
+    for l in (l for l in headed if c.kv_source(l) is not None):  # Gemma 4's kv sharing: the keys are another block's
+        with pytest.raises(ValueError, match=rf"block {l} has no key or value weights: it reads block {c.kv_source(l)}'s"):
+            model.blocks[l].attn.W_K
+    headed = [l for l in headed if c.kv_source(l) is None]
     if c.full_d_head is not None:  # Gemma 4's full blocks have wider heads: no stack, each block has its own views
         with pytest.raises(ValueError, match=r"model.W_Q cannot stack .* their shapes differ"):
             model.W_Q
@@ -71,7 +85,8 @@ def test_shapes(family_model):
         assert isinstance(block.mlp, MLP)
         for name in ("W_in", "W_gate", "W_out", "b_in", "b_gate", "b_out"):
             view = getattr(block.mlp, name)
-            assert (view is None) if name in ("W_gate", "b_gate") and not gated else torch.equal(view, getattr(model, name)[l])
+            if l in usual:
+                assert (view is None) if name in ("W_gate", "b_gate") and not gated else torch.equal(view, mlp[name][usual.index(l)])
         for name in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O"):
             if l in headed:
                 assert torch.equal(getattr(block.attn, name), attn[name][headed.index(l)])
@@ -87,17 +102,18 @@ def test_mlp_views_reproduce_the_mlp(family_model):
     seen, cache = mlp_io(model, TOKENS)
     assert len(seen) == c.n_layers
     for l, (x, out) in enumerate(seen):
-        linear = x @ model.W_in[l] + model.b_in[l]  # [batch, pos, d_mlp]
-        if model.W_gate is None:
+        m = model.blocks[l].mlp  # its views are the stacks' rows (test_shapes); Gemma 4's may be wider
+        linear = x @ m.W_in + m.b_in  # [batch, pos, d_mlp]
+        if m.W_gate is None:
             close(linear, cache[f"blocks.{l}.mlp.hook_pre"])
             post = act(c, linear)
         else:
-            gate = x @ model.W_gate[l] + model.b_gate[l]
+            gate = x @ m.W_gate + m.b_gate
             close(gate, cache[f"blocks.{l}.mlp.hook_pre"])
             close(linear, cache[f"blocks.{l}.mlp.hook_pre_linear"])
             post = act(c, gate) * linear
         close(post, cache[f"blocks.{l}.mlp.hook_post"])
-        close(post @ model.W_out[l] + model.b_out[l], out)
+        close(post @ m.W_out + m.b_out, out)
 
 
 def test_attention_views_reproduce_q_k_v(family_model):
@@ -118,6 +134,9 @@ def test_attention_views_reproduce_q_k_v(family_model):
         group = c.n_heads // c.n_kv_heads_of(l)  # Gemma 4's full blocks have their own kv heads
         a = model.blocks[l].attn  # its views are the stacks' rows (test_shapes)
         close(torch.einsum("bpm,hmd->bphd", x, a.W_Q) + a.b_Q, cache["q", l])
+        if c.kv_source(l) is not None:  # Gemma 4's kv sharing: its k and v are block kv_source's (test_gemma4.py)
+            close(torch.einsum("bphd,hdm->bpm", cache["z", l], a.W_O) + a.b_O, out)
+            continue
         for w, b, short in [(a.W_K, a.b_K, "k"), (a.W_V, a.b_V, "v")]:
             close(torch.einsum("bpm,hmd->bphd", x, w) + b, cache[short, l].repeat_interleave(group, dim=2))
         close(torch.einsum("bphd,hdm->bpm", cache["z", l], a.W_O) + a.b_O, out)
@@ -142,9 +161,10 @@ def test_mlp_views_match_transformers_parameters(family_model):
                 gate, up = mlp.gate_up_proj.weight.chunk(2, dim=0)  # [gate rows | up rows], as Phi3MLP splits it
             else:
                 gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
-            assert torch.equal(model.W_gate[l], gate.T) and torch.equal(model.W_in[l], up.T)
-            assert torch.equal(model.W_out[l], mlp.down_proj.weight.T)
-            assert not model.b_in.any() and not model.b_gate.any() and not model.b_out.any()
+            ours = model.blocks[l].mlp  # a block's own views (Gemma 4's kv-sharing blocks' are wider)
+            assert torch.equal(ours.W_gate, gate.T) and torch.equal(ours.W_in, up.T)
+            assert torch.equal(ours.W_out, mlp.down_proj.weight.T)
+            assert not ours.b_in.any() and not ours.b_gate.any() and not ours.b_out.any()
 
 
 def test_phi3_views_are_views_of_gate_up():

@@ -134,7 +134,12 @@ def run(args: argparse.Namespace) -> int:
               f"linear_attention_blocks={cfg.layer_types.count('linear')}/{cfg.n_layers} (Gated DeltaNet: "
               f"{cfg.linear_n_k_heads} q/k heads of {cfg.linear_d_k}, {cfg.linear_n_v_heads} value heads of {cfg.linear_d_v}, "
               f"conv width {cfg.linear_conv_width})" if cfg.layer_types and "linear" in cfg.layer_types else "",
-              "attn_output_gate" if cfg.attn_output_gate else ""]
+              "attn_output_gate" if cfg.attn_output_gate else "",
+              f"per_layer_inputs={cfg.d_per_layer} (vocabulary {cfg.d_vocab_per_layer})" if cfg.d_per_layer else "",
+              f"kv_shared_blocks={cfg.n_kv_shared_layers} (blocks {cfg.n_layers - cfg.n_kv_shared_layers}.."
+              f"{cfg.n_layers - 1} read the keys of blocks {sorted({s for s in cfg.kv_source_layers if s is not None})})"
+              + (" double_wide_mlp" if cfg.double_wide_mlp else "") if cfg.n_kv_shared_layers else "",
+              "experts_beside_mlp" if cfg.experts_beside_mlp else ""]
     if any(extras):
         print("  " + " ".join(e for e in extras if e))
 
@@ -145,8 +150,11 @@ def run(args: argparse.Namespace) -> int:
     print(shown[["value", "human", "note"]].to_string())
 
     hybrid = cfg.layer_types is not None and "linear" in cfg.layer_types
+    shapes = len(accounting.block_kinds(cfg))  # Gemma 4's full and kv-sharing blocks have shapes of their own
     print(f"\nper block (block 0, a {cfg.layer_type(0)}-attention block; the model mixes linear- and full-attention blocks)"
-          if hybrid else f"\nper block (x{cfg.n_layers})" if not cfg.dense_layers else
+          if hybrid else f"\nper block (x{cfg.n_layers})" if shapes == 1 else
+          f"\nper block (block 0, a {cfg.layer_type(0)}-attention block; the blocks have {shapes} shapes)"
+          if not cfg.dense_layers else
           f"\nper block (block 0, a {'MoE' if cfg.is_moe_layer(0) else 'dense'} block; the model mixes MoE and dense blocks)")
     per_block = pd.concat([block, block.sum().to_frame("total").T])
     per_block["share"] = per_block["params"] / block["params"].sum()

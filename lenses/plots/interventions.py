@@ -102,7 +102,7 @@ def patching_heatmap(df: pd.DataFrame, site: str | None = None, *, value: str = 
         raise ValueError(f"value must be 'normalized' or 'metric', got {value!r}")
     sites = list(dict.fromkeys(df["site"]))
     per_position = df["position"].notna().any()
-    if site is None and (per_position or sites == ["head"]):
+    if site is None and (per_position or (len(sites) == 1 and df["head"].notna().any())):
         if len(sites) > 1:
             raise ValueError(f"these results hold several sites {sites}; choose one with site=...")
         site = sites[0]
@@ -110,12 +110,13 @@ def patching_heatmap(df: pd.DataFrame, site: str | None = None, *, value: str = 
         if site not in sites:
             raise ValueError(f"site {site!r} is not in these results; they hold {sites}")
         df = df[df["site"] == site]
-    if site == "head" and per_position:
+    heads = site is not None and df["head"].notna().any()  # a head site: head (z), q, k, v or pattern
+    if heads and per_position:
         rows = df["layer"].astype(int).astype(str) + "." + df["head"].astype(int).astype(str)
         grid = df.assign(row=rows).pivot(index="row", columns="position", values=value)
         grid = grid.loc[sorted(grid.index, key=lambda r: tuple(map(int, r.split("."))))]
         ylabel, xlabel = "layer.head", "position"
-    elif site == "head":
+    elif heads:
         grid, ylabel, xlabel = df.pivot(index="layer", columns="head", values=value).sort_index(), "layer", "head"
     elif per_position:
         grid, ylabel, xlabel = df.pivot(index="layer", columns="position", values=value).sort_index(), "layer", "position"

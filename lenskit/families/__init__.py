@@ -143,22 +143,24 @@ _OLMO2 = dict(qk_norm=True, qk_norm_per_head=False, norm_placement="post", norm_
               eos_token_id=100257)
 
 
-def _gemma4(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, full_n_kv_heads: int, d_mlp: int,
-            window: int, n_ctx: int) -> ModelConfig:
-    """Gemma 4 (text) without per-layer inputs, kv sharing or experts: heads of 256 on the sliding blocks, of 512 with
-    their own kv heads and keys as values on the full ones (one in six, and the last), proportional rotary over a
-    quarter of the full blocks' pairs (base 1e6), base 1e4 on the sliding ones, a final soft-cap of 30, a 262,144-token
-    vocabulary. Shapes from the published config.json (text_config) as recalled and cross-checked against public
-    copies, not downloaded; the rest are Gemma4TextConfig's defaults."""
+def _gemma4(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, full_n_kv_heads: int | None,
+            d_mlp: int, window: int, n_ctx: int, pattern: int = 6, k_is_v: bool = True, **extra: Any) -> ModelConfig:
+    """Gemma 4 (text): heads of 256 on the sliding blocks, of 512 on the full ones (one in `pattern`, and the last;
+    with `k_is_v`, their own kv heads whose keys are the values), proportional rotary over a quarter of the full
+    blocks' pairs (base 1e6), base 1e4 on the sliding ones, a final soft-cap of 30, a 262,144-token vocabulary;
+    `extra`: per-layer inputs and kv sharing (E2B, E4B) or experts beside the MLP (26B-A4B). Shapes from the published
+    config.json (text_config) as recalled and cross-checked against public copies and against the totals of
+    transformers' own models of them (tests/test_gemma4_presets.py), not downloaded; the rest are Gemma4TextConfig's
+    defaults."""
     return ModelConfig(
         n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=256, d_mlp=d_mlp,
         d_vocab=262144, n_ctx=n_ctx, norm="rmsnorm", norm_eps=1e-6, mlp="geglu", activation="gelu_pytorch_tanh",
         norm_placement="sandwich", scale_embed=True, tie_word_embeddings=True, family="gemma4_text", positional="rotary",
         rotary_base=1_000_000.0, local_rotary_base=10000.0, rope_type="proportional", rope_proportion=0.25,
         fused_qkv=False, qkv_bias=False, out_bias=False, query_pre_attn_scalar=1.0, qk_norm=True, v_norm=True,
-        layer_scalar=True, sliding_window=window, full_d_head=512, full_n_kv_heads=full_n_kv_heads, full_k_is_v=True,
-        layer_types=tuple("full" if (i + 1) % 6 == 0 or i == n_layers - 1 else "sliding" for i in range(n_layers)),
-        final_softcap=30.0, bos_token_id=2, eos_token_id=1, name=name,
+        layer_scalar=True, sliding_window=window, full_d_head=512, full_n_kv_heads=full_n_kv_heads, full_k_is_v=k_is_v,
+        layer_types=tuple("full" if (i + 1) % pattern == 0 or i == n_layers - 1 else "sliding" for i in range(n_layers)),
+        final_softcap=30.0, bos_token_id=2, eos_token_id=1, name=name, **extra,
     )
 
 
@@ -207,10 +209,14 @@ _QWEN3_5_TINY = dict(_SHAPE, num_key_value_heads=2, head_dim=16, max_position_em
 
 # Gemma 4: a sliding block (window shorter than the prompt, base 100) and a full one, whose heads are wider (24, not 16)
 # with one kv head whose keys are also its values, proportional rotary over a quarter of its pairs; plain-gain norms
-# (perturbed by conftest, which also moves each block's layer_scalar off 1), a final soft-cap that bites.
+# (perturbed by conftest, which also moves each block's layer_scalar off 1), a final soft-cap that bites; per-layer
+# inputs of 8 (E2B/E4B's), their vocabulary the tiny tokenizer's 300. With 3 blocks (full, sliding, full) the last
+# reads block 0's keys and values (kv sharing) and its MLP is twice as wide. The experts beside the MLP (26B-A4B) are
+# tests/test_gemma4_moe.py's.
 _GEMMA4_TINY = dict(_SHAPE, num_key_value_heads=2, head_dim=16, global_head_dim=24, num_global_key_value_heads=1,
                     attention_k_eq_v=True, sliding_window=5, initializer_range=0.2, final_logit_softcapping=2.0,
-                    pad_token_id=0, hidden_size_per_layer_input=0, layer_types=["sliding_attention", "full_attention"],
+                    pad_token_id=0, hidden_size_per_layer_input=8, vocab_size_per_layer_input=300,
+                    use_double_wide_mlp=True, layer_types=["sliding_attention", "full_attention"],
                     rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
                                      "full_attention": dict(rope_type="proportional", partial_rotary_factor=0.25,
                                                             rope_theta=10000.0)})
@@ -353,14 +359,29 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
         tiny_3_blocks=dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"]),
     ),
     Family(
-        "gemma4_text", "Gemma4ForCausalLM", "Gemma4TextConfig", "Gemma 4 (text only: 31B; not yet E2B, E4B, 26B-A4B)",
+        "gemma4_text", "Gemma4ForCausalLM", "Gemma4TextConfig", "Gemma 4 (text only: E2B, E4B, 26B-A4B, 31B)",
         readers.read_gemma4_text, writers.write_gemma4_text, GEMMA4,
-        # google/gemma-4-31B's text_config: 60 blocks (50 sliding, window 1024), 32 heads, 16 kv heads (4 on the full
-        # blocks), d_mlp 21504, 262,144 positions
-        presets=_named(_gemma4("gemma-4-31b", 60, 5376, 32, 16, 4, 21504, 1024, 262144)),
+        presets=_named(
+            # google/gemma-4-E2B's text_config: 35 blocks (one in five full, window 512), 8 heads, 1 kv head, d_mlp
+            # 6144 (12,288 in the 20 kv-sharing blocks), per-layer inputs of 256, 131,072 positions
+            _gemma4("gemma-4-e2b", 35, 1536, 8, 1, None, 6144, 512, 131072, pattern=5, k_is_v=False, d_per_layer=256,
+                    n_kv_shared_layers=20, double_wide_mlp=True),
+            # google/gemma-4-E4B's: 42 blocks (one in six full, window 512), 8 heads, 2 kv heads, d_mlp 10240, per-layer
+            # inputs of 256, the last 18 blocks sharing keys, 131,072 positions
+            _gemma4("gemma-4-e4b", 42, 2560, 8, 2, None, 10240, 512, 131072, k_is_v=False, d_per_layer=256,
+                    n_kv_shared_layers=18),
+            # google/gemma-4-26B-A4B's: 30 blocks (window 1024), 16 heads, 8 kv heads (2 on the full blocks), a dense MLP
+            # of 2112 beside 128 experts of 704 (8 per token), 262,144 positions
+            _gemma4("gemma-4-26b-a4b", 30, 2816, 16, 8, 2, 2112, 1024, 262144, experts_beside_mlp=True, n_experts=128,
+                    n_experts_per_token=8, d_expert=704, routing="softmax_topk_renorm"),
+            # google/gemma-4-31B's: 60 blocks (50 sliding, window 1024), 32 heads, 16 kv heads (4 on the full blocks),
+            # d_mlp 21504, 262,144 positions
+            _gemma4("gemma-4-31b", 60, 5376, 32, 16, 4, 21504, 1024, 262144)),
         tiny=_GEMMA4_TINY,
-        # transformers makes the last block full, so three blocks are sliding, sliding, full
-        tiny_3_blocks=dict(num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+        # transformers makes the last block full, which here reads block 0's keys and values (the last earlier full
+        # block); block 1, the one most tests look into, keeps the sliding blocks' heads
+        tiny_3_blocks=dict(num_hidden_layers=3, layer_types=["full_attention", "sliding_attention", "full_attention"],
+                           num_kv_shared_layers=1),
     ),
 )}
 

@@ -229,6 +229,9 @@ class Layout:
     buffers: str = r"$^"  # regex, on unprefixed names, of stored buffers to skip
     aliases: dict[str, str] = field(default_factory=dict)  # other spellings -> the file's, e.g. in-memory names
     fused: FusedExperts | None = None  # the fused 3-D spelling of a MoE block's experts, where transformers has one
+    # (unprefixed name, config) -> whether a stored tensor is one that no parameter of this config reads and that
+    # transformers drops on load too (Gemma 4's kv-sharing blocks' k/v projections and norms); None: there are none
+    unread: Callable[[str, object], bool] | None = None
 
     def __post_init__(self) -> None:
         for ours, theirs in self.block.items():
@@ -345,6 +348,10 @@ class Layout:
         """Whether an unprefixed checkpoint name is a stored buffer without learned state."""
         return re.match(self.buffers, name) is not None
 
+    def is_unread(self, name: str, cfg) -> bool:
+        """Whether an unprefixed checkpoint name is a tensor `cfg`'s model does not read (see `unread`)."""
+        return self.unread is not None and self.unread(name, cfg)
+
 
 GPT2 = Layout(
     prefix="transformer.", blocks="h",
@@ -374,7 +381,35 @@ GEMMA = Layout(
     block={**_LLAMA_BLOCK, "ln1_post.weight": "post_attention_layernorm.weight",
            "ln2.weight": "pre_feedforward_layernorm.weight", "ln2_post.weight": "post_feedforward_layernorm.weight"},
 )
-GEMMA4 = Layout(prefix="model.", blocks="layers", top=GEMMA.top, block={**GEMMA.block, "layer_scalar": "layer_scalar"})
+# Gemma 4: the layer scalar; E2B/E4B's per-layer inputs (model level and per block) and kv-sharing blocks, whose only
+# projection is q (attention.QueryOnly); 26B-A4B's router, fused experts and their norms (pieces.dense_and_experts).
+_GEMMA4_BLOCK = {
+    **GEMMA.block, "layer_scalar": "layer_scalar",
+    "attn.qkv.weight": "self_attn.q_proj.weight", "attn.qkv.bias": "self_attn.q_proj.bias",
+    "per_layer.gate.weight": "per_layer_input_gate.weight", "per_layer.out.weight": "per_layer_projection.weight",
+    "per_layer.ln_post.weight": "post_per_layer_input_norm.weight",
+    "mlp.ln_dense_post.weight": "post_feedforward_layernorm_1.weight", "mlp.router.scale": "router.scale",
+    "mlp.router.proj.weight": "router.proj.weight", "mlp.router.per_expert_scale": "router.per_expert_scale",
+    "mlp.ln_experts.weight": "pre_feedforward_layernorm_2.weight", "mlp.experts.gate_up": "experts.gate_up_proj",
+    "mlp.experts.down": "experts.down_proj", "mlp.ln_experts_post.weight": "post_feedforward_layernorm_2.weight",
+}
+_GEMMA4_SHARED_KV = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
+
+
+def _gemma4_unread(name: str, cfg) -> bool:
+    """A kv-sharing block's k/v projection or norm: hub checkpoints store them, no forward reads them (transformers'
+    `_keys_to_ignore_on_load_unexpected`)."""
+    m = _GEMMA4_SHARED_KV.match(name)
+    return m is not None and int(m.group(1)) < cfg.n_layers and cfg.kv_source(int(m.group(1))) is not None
+
+
+GEMMA4 = Layout(
+    prefix="model.", blocks="layers",
+    top={**GEMMA.top, "per_layer_inputs.embed.weight": "embed_tokens_per_layer.weight",
+         "per_layer_inputs.proj.weight": "per_layer_model_projection.weight",
+         "per_layer_inputs.proj_norm.weight": "per_layer_projection_norm.weight"},
+    block=_GEMMA4_BLOCK, unread=_gemma4_unread,
+)
 OLMO2 = Layout(  # post-norms only: transformers' post_attention_layernorm follows attention, as our ln1_post does
     prefix="model.", blocks="layers", top=LLAMA.top,
     block={**_LLAMA_BLOCK, "ln1_post.weight": "post_attention_layernorm.weight",

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 from ..config import GELU_ACTIVATIONS, ROPE_TYPES
 from ..io.mxfp4 import check_family_quantization
 from .fields import HF_LAYER_TYPES, REFUSED, ConfigReader
+from .readers_gemma4 import gemma4_extras
 from .rope import gemma3_rope, gemma4_rope, olmo3_rope, rope
 
 
@@ -211,33 +212,15 @@ def read_gemma3_text(r: ConfigReader) -> dict[str, Any]:
             "final_softcap": _cap(r, "final_logit_softcapping", None)}
 
 
-# Gemma 4 pieces lenskit does not implement yet, each refused by name unless off; the sizes each one excludes are
-# in README's families table. transformers' default turns the per-layer inputs on (256), so an absent field refuses.
-_GEMMA4_REFUSED = {
-    "hidden_size_per_layer_input": "per-layer input embeddings (E2B, E4B)",
-    "num_kv_shared_layers": "blocks reading an earlier block's keys and values (E2B, E4B)",
-    "enable_moe_block": "experts beside the dense MLP (26B-A4B)",
-}
-
-
 def read_gemma4_text(r: ConfigReader) -> dict[str, Any]:
     """Gemma 4's text model: Gemma's sandwich block with plain-gain RMSNorms, q/k norms and a gainless value norm,
     attention scores unscaled (the norms set their size), full blocks with their own head width and kv heads (and
-    values that are their keys, `attention_k_eq_v`), proportional rotary on the full blocks, a stored scalar per block."""
-    given = {"hidden_size_per_layer_input": r.int("hidden_size_per_layer_input", 256, positive=False),
-             "num_kv_shared_layers": r.int("num_kv_shared_layers", 0, positive=False),
-             "enable_moe_block": r.bool("enable_moe_block", False)}
-    for key, value in given.items():
-        if value:
-            source = "" if key in r.d else " (transformers' default for an absent field)"
-            raise ValueError(f"config field {key}={value!r}{source}: lenskit does not implement {_GEMMA4_REFUSED[key]} "
-                             f"for model_type={r.family!r} yet; only {key}={type(value)(0)!r} loads")
+    values that are their keys, `attention_k_eq_v`), proportional rotary on the full blocks, a stored scalar per block;
+    per-layer inputs, kv sharing and experts beside the MLP where the config has them (`gemma4_extras`)."""
     r.require("use_bidirectional_attention", (None, "vision"), None)  # "vision" concerns image tokens only
     r.require("attn_logit_softcapping", (None,), None)  # not a Gemma 4 field; refused rather than ignored
     for key in ("rope_scaling", "rope_theta", "rope_local_base_freq", "partial_rotary_factor"):
         r.require(key, (None,), None)  # transformers 5 reads Gemma 4's rotary settings from rope_parameters only
-    r.bool("use_double_wide_mlp", False)  # widens only the kv-sharing blocks, which are refused above
-    r.int("vocab_size_per_layer_input", 262144)  # typed only: the per-layer inputs are off
     r.float("query_pre_attn_scalar", None, positive=True, null=None)  # typed only: transformers 5 does not read it
     act = r.require("hidden_activation", tuple(GELU_ACTIVATIONS), "gelu_pytorch_tanh")
     n_layers = r.n_layers("num_hidden_layers")
@@ -260,6 +243,7 @@ def read_gemma4_text(r: ConfigReader) -> dict[str, Any]:
         "sliding_window": windows["sliding_window"] if "sliding" in types else None,
         "full_d_head": full_d_head, "full_n_kv_heads": full_n_kv, "full_k_is_v": k_is_v and "full" in types,
         "final_softcap": _cap(r, "final_logit_softcapping", None), **gemma4_rope(r, d_head),
+        **gemma4_extras(r, n_layers, types),
     }
 
 

@@ -198,7 +198,12 @@ def write_gemma4_text(cfg: "ModelConfig") -> dict[str, Any]:
         "rms_norm_eps": cfg.norm_eps, **_common(cfg), "attention_bias": cfg.qkv_bias,
         "sliding_window": cfg.sliding_window if cfg.sliding_window is not None else 512,
         "layer_types": [_LAYER_TYPES[cfg.layer_type(i)] for i in range(cfg.n_layers)],
-        "final_logit_softcapping": cfg.final_softcap, "attention_dropout": 0.0, "hidden_size_per_layer_input": 0,
-        "num_kv_shared_layers": 0, "enable_moe_block": False,
+        "final_logit_softcapping": cfg.final_softcap, "attention_dropout": 0.0,
+        "hidden_size_per_layer_input": cfg.d_per_layer or 0,
+        "vocab_size_per_layer_input": cfg.d_vocab if cfg.d_per_layer is None else cfg.d_vocab_per_layer,
+        "num_kv_shared_layers": cfg.n_kv_shared_layers, "use_double_wide_mlp": cfg.double_wide_mlp,
+        "enable_moe_block": cfg.experts_beside_mlp,
+        **({"num_experts": cfg.n_experts, "top_k_experts": cfg.n_experts_per_token, "moe_intermediate_size": cfg.d_expert}
+           if cfg.experts_beside_mlp else {}),
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": local}, "full_attention": glob},
     }

@@ -4,7 +4,8 @@ Patching site a of the run with the source's activation moves the metric by abou
 
     (a_source - a_run) . d metric / d a   (the gradient taken on the unpatched run)
 
-summed over the batch and the activation's features (d_model, or d_head for one head of `hook_z`). Every site,
+summed over the batch and the activation's features (d_model; d_head for one head's q, k, v or z; the source
+positions for one head's pattern at one destination). Every site,
 layer, position and head comes from the same two passes, where `activation_patching` runs the model once per patch.
 The estimate is exact for a metric linear in the activation; where the model bends between the two activations
 (attention patterns, norms, the metric itself) it can be far off, so check the sites that matter with
@@ -22,10 +23,8 @@ import pandas as pd
 import torch
 
 from ..model import HookedTransformer, TokensLike
-from ..observe.stream import POINTS
-from .patching import Metric, checked_sweep, site_hook_name
+from .patching import HEAD_SITES, SITES, Metric, checked_sweep, site_hook_name
 
-SITES = (*POINTS, "head")  # per block: [batch, pos, d_model]; per head, through attn.hook_z: [batch, pos, head, d_head]
 STREAM_START = ("hook_embed", "hook_pos_embed")  # where the residual stream begins: the gradient is taken w.r.t. these
 
 
@@ -84,7 +83,7 @@ def attribution_patching(
                                                     "attribution patching")
 
     n_layers = model.cfg.n_layers
-    layers = {s: [l for l in range(n_layers) if not (s == "head" and model.cfg.layer_type(l) == "linear")] for s in sites}
+    layers = {s: [l for l in range(n_layers) if not (s in HEAD_SITES and model.cfg.layer_type(l) == "linear")] for s in sites}
     names = sorted({site_hook_name(s, l, n_layers) for s in sites for l in layers[s]})
     source_tokens, run_tokens = (clean, corrupted) if direction == "clean->corrupted" else (corrupted, clean)
     with torch.no_grad():
@@ -99,13 +98,14 @@ def attribution_patching(
         for layer in layers[site]:
             name = site_hook_name(site, layer, n_layers)
             delta = source[name].to(acts[name].device, torch.float64) - acts[name].double()
-            attr = (delta * grads[name].double()).sum(dim=(0, -1))  # [pos] or, for heads, [pos, head]
+            attr = (delta * grads[name].double()).sum(dim=(0, -1))  # [pos]; q, k, v, z [pos, head]; pattern [head, pos]
+            attr = attr.T if site == "pattern" else attr  # pattern: by destination position, as activation_patching
             attr = attr if per_position else attr.sum(0, keepdim=True)
-            attr = attr if site == "head" else attr[:, None]  # [pos or 1, head or 1]
+            attr = attr if site in HEAD_SITES else attr[:, None]  # [pos or 1, head or 1]
             for h in range(attr.shape[1]):
                 for p in range(attr.shape[0]):
                     rows.append({"site": site, "layer": layer, "position": p if per_position else None,
-                                 "head": h if site == "head" else None, "attribution": float(attr[p, h])})
+                                 "head": h if site in HEAD_SITES else None, "attribution": float(attr[p, h])})
     df = pd.DataFrame(rows, columns=["site", "layer", "position", "head", "attribution"])
     df["position"] = df["position"].astype("Int64")
     df["head"] = df["head"].astype("Int64")

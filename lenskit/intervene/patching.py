@@ -9,8 +9,12 @@ run the clean prompt and copy in the corrupted activation, to see what breaks it
 >>> df.pivot(index="layer", columns="position", values="normalized")   # or lenses.plots.patching_heatmap(df)
 
 Sites: the points of each block's stream (`lenskit.observe.stream.POINTS`: "resid_pre", "attn_out", "resid_mid",
-"mlp_out", "resid_post") and each attention head ("head", through its `hook_z`). `patching_hooks` also
-takes any `Stream`, e.g. `patching_hooks(model, cache, Stream(3, "resid_mid"))`.
+"mlp_out", "resid_post"), and per attention head its output ("head", through `hook_z`), its query, key and value
+("q", "k", "v") and its pattern ("pattern", by destination position; `patching_hooks(..., sources=)` also picks
+source positions). Under grouped-query attention "k" and "v" have one entry per key/value head: head j of a k or
+v patch is kv head j, which query heads j * group .. (j + 1) * group - 1 read (group = n_heads / n_kv_heads).
+Linear-attention blocks (Qwen 3.5) have no head sites. `patching_hooks` also takes any `Stream`, e.g.
+`patching_hooks(model, cache, Stream(3, "resid_mid"))`.
 
 `attribution_patching` (from `.attribution`) estimates the same table from one forward and one backward pass.
 """
@@ -26,12 +30,20 @@ from tqdm import tqdm  # tqdm.auto warns "IProgress not found" in kernels withou
 
 from ..observe.cache import ActivationCache, hook_name
 from ..observe.hooks import HookFn
-from .masks import check_positions, replace_where
+from .masks import check_positions, replace_along
 from ..model import HookedTransformer, TokensLike
 from ..observe.stream import POINTS, Stream, check_layer
 
 Metric = Callable[[torch.Tensor], Union[torch.Tensor, float]]  # logits [batch, pos, d_vocab] -> scalar
-SITES = (*POINTS, "head")  # the stream points of a block, and its heads (through attn.hook_z)
+HEAD_SITES = {"head": "z", "q": "q", "k": "k", "v": "v", "pattern": "pattern"}  # site -> its attn hook's short name
+SITES = (*POINTS, *HEAD_SITES)  # the stream points of a block, and its heads' sites
+KV_SITES = ("k", "v")  # one entry per key/value head
+# Which axis of a site's activation each selection of a patch indexes.
+LAYOUTS = {
+    "stream": {"positions": 1},  # [batch, pos, d_model]
+    "vector": {"positions": 1, "heads": 2},  # hook_q, hook_z [batch, pos, head, d_head]; hook_k, hook_v kv_head
+    "pattern": {"heads": 1, "positions": 2, "sources": 3},  # [batch, head, query_pos, key_pos]
+}
 DIRECTIONS = ("clean->corrupted", "corrupted->clean")
 
 
@@ -77,7 +89,53 @@ def site_hook_name(site: str | Stream, layer: int | None, n_layers: int) -> str:
     if site not in SITES:
         raise ValueError(f"unknown patching site {site!r}; expected one of {', '.join(SITES)}")
     layer = check_layer(layer, n_layers)
-    return hook_name("z", layer) if site == "head" else Stream(layer, site).hook_name(n_layers)
+    return hook_name(HEAD_SITES[site], layer) if site in HEAD_SITES else Stream(layer, site).hook_name(n_layers)
+
+
+def layout_of(site: str | Stream) -> str:
+    """The key of `LAYOUTS` that says how `site`'s activation is laid out."""
+    return "pattern" if site == "pattern" else "vector" if site in HEAD_SITES else "stream"
+
+
+def splice(x: torch.Tensor, value: torch.Tensor, layout: str, *, positions: Sequence[int] | None = None,
+           heads: Sequence[int] | None = None, sources: Sequence[int] | None = None) -> torch.Tensor:
+    """x with the entries at `positions`, `heads` and `sources` (each: all when None) taken from `value`.
+
+    layout: a key of `LAYOUTS`, which says the axis each selection indexes; positions are destination (query)
+    positions in an attention pattern, sources its key positions.
+    """
+    picks = {"positions": positions, "heads": heads, "sources": sources}
+    axes = LAYOUTS[layout]
+    stray = [k for k, v in picks.items() if v is not None and k not in axes]
+    if stray:
+        raise ValueError(f"a {layout} activation has no {stray[0]} to select; it takes {', '.join(axes)}")
+    return replace_along(x, value, {axis: picks[k] for k, axis in axes.items()})
+
+
+def n_heads_of(model: HookedTransformer, site: str, layer: int) -> int:
+    """The heads `site` has in block `layer`: key/value heads for "k" and "v", query heads for the others."""
+    return model.cfg.n_kv_heads_of(layer) if site in KV_SITES else model.cfg.n_heads
+
+
+def check_heads(model: HookedTransformer, site: str, layer: int, heads: Sequence[int] | None = None) -> None:
+    """ValueError if block `layer` has no heads (a linear-attention block); IndexError for a head out of range."""
+    if model.cfg.layer_type(layer) == "linear":
+        kind = getattr(model.blocks[layer].attn, "LAYER_TYPE", "linear-attention")
+        full = [l for l in range(model.cfg.n_layers) if model.cfg.layer_type(l) != "linear"]
+        raise ValueError(f"site {site!r}: block {layer} is a {kind} layer, which has no attention heads; patch its "
+                         f"'attn_out', or the heads of a full-attention block ({full})")
+    n = n_heads_of(model, site, layer)
+    bad = [h for h in heads or () if not 0 <= h < n]
+    if bad:
+        what = "key/value heads" if site in KV_SITES and n != model.cfg.n_heads else "heads"
+        raise IndexError(f"head {bad[0]} is out of range; block {layer} has {n} {what} for site {site!r} (0..{n - 1})")
+
+
+def check_aligned(name: str, x: torch.Tensor, value: torch.Tensor) -> None:
+    """ValueError unless the run's activation `x` at hook `name` has the shape of the recorded `value`."""
+    if x.shape != value.shape:
+        raise ValueError(f"patching {name}: the run has shape {tuple(x.shape)} but the source was recorded "
+                         f"with {tuple(value.shape)}; clean and corrupted inputs must have the same shape")
 
 
 def patching_hooks(
@@ -88,37 +146,49 @@ def patching_hooks(
     *,
     positions: int | Sequence[int] | None = None,
     heads: int | Sequence[int] | None = None,
+    sources: int | Sequence[int] | None = None,
 ) -> list[tuple[str, HookFn]]:
     """Hooks that overwrite `site` of block `layer` (or the stream `site`) with the activation recorded in `source`.
 
-    positions: only these positions (default all; an empty list patches nothing).
-    heads: for site "head", only these heads (default all).
+    positions: only these positions (default all; an empty list patches nothing); for "pattern", destination
+    (query) positions.
+    heads: for a head site, only these heads (default all); kv heads for "k" and "v".
+    sources: for "pattern", only these source (key) positions (default all).
     The input the hooks run on must have the same shape as the one `source` was recorded on.
     """
     name = site_hook_name(site, layer, model.cfg.n_layers)
+    if heads is not None and site not in HEAD_SITES:
+        raise ValueError(f"heads= applies to the head sites ({', '.join(HEAD_SITES)}) only, not {site!r}")
+    if sources is not None and site != "pattern":
+        raise ValueError(f"sources= (key positions) applies to the 'pattern' site only, not {site!r}")
+    heads, positions, sources = ([s] if isinstance(s, int) else s for s in (heads, positions, sources))
+    if site in HEAD_SITES:
+        layer = check_layer(layer, model.cfg.n_layers)
+        check_heads(model, site, layer, heads)
     if name not in source:
         raise KeyError(f"{name!r} is not in the source cache; record it (run_with_cache without a names_filter)")
-    if heads is not None and site != "head":
-        raise ValueError(f"heads= applies to the 'head' site only, not {site!r}")
-    heads = [heads] if isinstance(heads, int) else heads
-    if site == "head" and model.cfg.layer_type(layer) == "linear":
-        raise ValueError(f"site 'head': block {layer} is a linear-attention (Gated DeltaNet) layer, which has no attention "
-                         "heads; patch its 'attn_out', or the heads of a full-attention block")
-    if heads is not None:
-        bad = [h for h in heads if not 0 <= h < model.cfg.n_heads]
-        if bad:
-            raise IndexError(f"head {bad[0]} is out of range; block {layer} has {model.cfg.n_heads} heads (0..{model.cfg.n_heads - 1})")
-    positions = [positions] if isinstance(positions, int) else positions
-    value = source[name]
+    value, layout = source[name], layout_of(site)
+    pos_axis = LAYOUTS[layout]["positions"]
 
     def patch(x: torch.Tensor, hook) -> torch.Tensor:
-        if x.shape != value.shape:
-            raise ValueError(f"patching {name}: the run has shape {tuple(x.shape)} but the source was recorded "
-                             f"with {tuple(value.shape)}; clean and corrupted inputs must have the same shape")
-        check_positions(positions, x.shape[1], "patch")
-        return replace_where(x, value, positions, axis=2, units=heads)  # heads: axis 2 of z [batch, pos, head, d_head]
+        check_aligned(name, x, value)
+        check_positions(positions, x.shape[pos_axis], "patch")
+        check_positions(sources, x.shape[-1], "patch source")
+        return splice(x, value, layout, positions=positions, heads=heads, sources=sources)
 
     return [(name, patch)]
+
+
+def run_patches(model: HookedTransformer, tokens: torch.Tensor, metric: Metric,
+                patches: Iterable[list[tuple[str, HookFn]]], *, total: int | None = None,
+                progress: bool | None = True) -> list[torch.Tensor | float]:
+    """The metric of one run of `tokens` per entry of `patches` (each a list of hooks), in order, without gradients.
+
+    progress: a bar (tqdm); None shows it only on a terminal.
+    """
+    bar = tqdm(patches, total=total, desc="patching", disable=None if progress is None else not progress, leave=False)
+    with torch.no_grad():
+        return [metric(model.run_with_hooks(tokens, fwd_hooks=hooks)) for hooks in bar]
 
 
 def checked_sweep(model: HookedTransformer, clean: TokensLike, corrupted: TokensLike, metric: Metric | str,
@@ -164,36 +234,36 @@ def activation_patching(
     direction: "clean->corrupted" runs the corrupted input with clean activations patched in;
     "corrupted->clean" runs the clean input with corrupted activations patched in.
 
-    Returns one row per patch: site, layer, position (<NA> when all positions were patched at once),
-    head (<NA> except for site "head"), metric, and normalized = (metric - base) / (source - base),
+    Returns one row per patch: site, layer, position (<NA> when all positions were patched at once; for
+    "pattern", the destination position), head (<NA> except for the head sites; a kv head for "k" and "v"),
+    metric, and normalized = (metric - base) / (source - base),
     where base is the metric of the unpatched run and source that of the run the activations come from:
     0 means the patch changed nothing, 1 means it moved the metric all the way to the source run.
     `df.attrs` holds clean_metric, corrupted_metric, direction and metric (its name).
     """
     clean, corrupted, metric, sites = checked_sweep(model, clean, corrupted, metric, sites, direction, SITES, "patching")
 
+    jobs = []  # (site, layer, position or None, head or None)
+    for site in sites:
+        for layer in range(model.cfg.n_layers):
+            if site in HEAD_SITES and model.cfg.layer_type(layer) == "linear":
+                continue  # no attention heads there (patching_hooks refuses them)
+            for head in (range(n_heads_of(model, site, layer)) if site in HEAD_SITES else [None]):
+                for position in (range(clean.shape[1]) if per_position else [None]):
+                    jobs.append((site, layer, position, head))
+
     source_tokens, run_tokens = (clean, corrupted) if direction == "clean->corrupted" else (corrupted, clean)
-    names = [site_hook_name(s, layer, model.cfg.n_layers) for s in sites for layer in range(model.cfg.n_layers)]
+    names = list(dict.fromkeys(site_hook_name(site, layer, model.cfg.n_layers) for site, layer, _, _ in jobs))
     source_logits, source_cache = model.run_with_cache(source_tokens, names_filter=names)
     base_logits = model(run_tokens)
     source_m, base_m = float(metric(source_logits)), float(metric(base_logits))
     clean_m, corrupted_m = (source_m, base_m) if direction == "clean->corrupted" else (base_m, source_m)
 
-    n_pos, n_heads = clean.shape[1], model.cfg.n_heads
-    jobs = []  # (site, layer, position or None, head or None)
-    for site in sites:
-        for layer in range(model.cfg.n_layers):
-            if site == "head" and model.cfg.layer_type(layer) == "linear":
-                continue  # no attention heads there (patching_hooks refuses them)
-            for head in (range(n_heads) if site == "head" else [None]):
-                for position in (range(n_pos) if per_position else [None]):
-                    jobs.append((site, layer, position, head))
-
-    rows = []
-    for site, layer, position, head in tqdm(jobs, desc="patching", disable=not progress, leave=False):
-        hooks = patching_hooks(model, source_cache, site, layer, positions=position, heads=head)
-        m = float(metric(model.run_with_hooks(run_tokens, fwd_hooks=hooks)))
-        rows.append({"site": site, "layer": layer, "position": position, "head": head, "metric": m})
+    patches = (patching_hooks(model, source_cache, site, layer, positions=position, heads=head)
+               for site, layer, position, head in jobs)
+    metrics = run_patches(model, run_tokens, metric, patches, total=len(jobs), progress=progress)
+    rows = [{"site": site, "layer": layer, "position": position, "head": head, "metric": float(m)}
+            for (site, layer, position, head), m in zip(jobs, metrics)]
     df = pd.DataFrame(rows, columns=["site", "layer", "position", "head", "metric"])
     df["position"] = df["position"].astype("Int64")
     df["head"] = df["head"].astype("Int64")

@@ -54,6 +54,10 @@ def expected_shapes(cls: type["HookedTransformer"], cfg: ModelConfig) -> dict[st
     """Every parameter shape of `cls(cfg)`, from one-block models on the meta device: blocks of one kind (a
     mixture of experts or a dense MLP) have equal shapes, so a config claiming thousands of layers is checked
     against the files before anything large is built."""
+    if cfg.d_per_layer is not None or cfg.n_kv_shared_layers:  # Gemma 4's: shapes that one block cannot show, e.g.
+        with torch.device("meta"):  # a sharing block needs its source; n_layers was checked against the files
+            return model_shapes(cls(cfg))
+
     def kind(i: int) -> tuple[bool, str]:  # what a block's shapes depend on: its MLP and its token mixer (linear attention)
         return cfg.is_moe_layer(i), cfg.layer_type(i)
 
@@ -82,7 +86,7 @@ def convert_hf_state_dict(raw: Mapping[str, torch.Tensor], cfg: ModelConfig,
         name = layout.aliases.get(name, name)
         if name in stripped:
             raise CheckpointError(f"checkpoint holds {name!r} twice, under {key!r} and another spelling (prefix or alias)")
-        if layout.is_buffer(name):
+        if layout.is_buffer(name) or layout.is_unread(name, cfg):  # e.g. Gemma 4's unused shared k/v projections
             continue
         check_dtype(key, tensor)  # before the key checks: a quantised file's extra scales are not the real cause
         stripped[name] = tensor

@@ -126,6 +126,14 @@ def token_texts(tokenizer: "PreTrainedTokenizerBase | None", ids: Any) -> list[s
     return [memo[i] for i in ids]
 
 
+def check_padding_side(padding_side: str | None) -> None:
+    """Only right padding: lenskit's forward takes no attention mask, and causal attention leaves a right-padded row's
+    real positions exact, while left pads would be attended to and would shift every position."""
+    if padding_side not in (None, "right"):
+        raise ValueError(f"padding_side={padding_side!r}: lenskit pads on the right only (its forward takes no attention "
+                         "mask, and right padding keeps each text's positions exact); drop padding_side or pass 'right'")
+
+
 def adds_bos(tokenizer: "PreTrainedTokenizerBase") -> bool:
     """Whether the tokenizer's own encoding, special tokens on, starts a text with its BOS token."""
     bos = tokenizer.bos_token_id
@@ -136,10 +144,11 @@ class TextMethods:
     """The model's text methods (TransformerLens's names): text to ids, ids to text. Mixed into
     `HookedTransformer`, which gives them `tokenizer`, `cfg` and `embed`. `validate_tokens` is the forward's check of its input."""
 
-    def validate_tokens(self, tokens: "TokensLike") -> torch.Tensor:
-        """Text becomes tokens; token tensors are checked for dtype, shape, vocabulary and context length."""
+    def validate_tokens(self, tokens: "TokensLike", prepend_bos: bool | None = None,
+                        padding_side: str | None = None) -> torch.Tensor:
+        """Text becomes tokens (`to_tokens`); token tensors are checked for dtype, shape, vocabulary and context length."""
         if is_text(tokens):
-            tokens = self.to_tokens(tokens)
+            tokens = self.to_tokens(tokens, prepend_bos, padding_side)
         if not isinstance(tokens, torch.Tensor):
             raise TypeError(f"expected a LongTensor of token ids or text, got {type(tokens).__name__}")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
@@ -189,12 +198,16 @@ class TextMethods:
             raise ValueError("this model has no tokenizer; pass token ids, or load from a folder with tokenizer files")
         return self.tokenizer
 
-    def to_tokens(self, text: str | Sequence[str], prepend_bos: bool | None = None) -> torch.Tensor:
+    def to_tokens(self, text: str | Sequence[str], prepend_bos: bool | None = None, padding_side: str | None = None,
+                  move_to_device: bool = True, truncate: bool = False) -> torch.Tensor:
         """Token ids [batch, pos]. Several texts are right-padded with the EOS id; causal attention keeps
         the real positions exact, and positions past a text's end are padding.
 
-        `prepend_bos=None` does what the checkpoint's own tokenizer does: Llama 3 and Mistral tokenizers
-        put BOS first, GPT-2, Pythia and Qwen ones do not. True or False overrides that, as in TransformerLens.
+        `prepend_bos=None` does what `cfg.default_prepend_bos` says; lenskit's default there is None, which does
+        what the checkpoint's own tokenizer does: Llama 3 and Mistral tokenizers put BOS first, GPT-2, Pythia and
+        Qwen ones do not. True or False overrides that, as in TransformerLens (whose default is True).
+        `truncate` keeps the first n_ctx tokens (TransformerLens's default); without it a forward refuses a longer
+        prompt. `padding_side` may only be "right" (see README, "Coming from TransformerLens").
 
         >>> model.to_tokens("Hello world")   # GPT-2's tokenizer: tensor([[15496, 995]])
         """
@@ -202,12 +215,20 @@ class TextMethods:
         texts = [text] if isinstance(text, str) else list(text)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError(f"to_tokens needs a string or a non-empty list of strings; got no texts or non-strings: {text!r:.80}")
+        check_padding_side(padding_side)
         tokens, _ = encode_texts(tok, texts, bos=self.bos_id(prepend_bos))
-        return tokens.to(self.embed.weight.device)
+        if truncate:
+            tokens = tokens[:, : self.cfg.n_ctx]
+        return tokens.to(self.embed.weight.device) if move_to_device else tokens
 
     def bos_id(self, prepend_bos: bool | None = None) -> int | None:
-        """The id `to_tokens` puts first, or None: `prepend_bos=None` follows the checkpoint's tokenizer."""
+        """The id `to_tokens` puts first, or None: `prepend_bos=None` follows `cfg.default_prepend_bos`, and where
+        that is None too, the checkpoint's tokenizer."""
         tok = self._need_tokenizer()
+        if prepend_bos is None:
+            prepend_bos = self.cfg.default_prepend_bos
+        if not isinstance(prepend_bos, (bool, type(None))):
+            raise TypeError(f"prepend_bos must be True, False or None, got {prepend_bos!r}")
         if not (adds_bos(tok) if prepend_bos is None else prepend_bos):
             return None
         bos = tok.bos_token_id if tok.bos_token_id is not None else self.cfg.bos_token_id
@@ -219,13 +240,15 @@ class TextMethods:
         """The id of text that is exactly one token (no BOS), or a ValueError naming its pieces."""
         return single_token_id(self._need_tokenizer(), text)
 
-    def to_str_tokens(self, tokens: torch.Tensor | str | Sequence[str]) -> list[str] | list[list[str]]:
-        """Each token as its text: a list for one sequence, a list of lists for a batch."""
+    def to_str_tokens(self, tokens: torch.Tensor | str | Sequence[str], prepend_bos: bool | None = None,
+                      padding_side: str | None = None) -> list[str] | list[list[str]]:
+        """Each token as its text: a list for one sequence, a list of lists for a batch. Text is tokenized as
+        `to_tokens(text, prepend_bos)` does; token ids are read as they are."""
         tok = self._need_tokenizer()
         if isinstance(tokens, str):
-            tokens = self.to_tokens(tokens)
+            tokens = self.to_tokens(tokens, prepend_bos, padding_side)
         elif is_text(tokens):
-            return [self.to_str_tokens(t) for t in tokens]
+            return [self.to_str_tokens(t, prepend_bos, padding_side) for t in tokens]
         ids = self._ids_to_read(tokens, "to_str_tokens")
         if ids.ndim == 2 and ids.shape[0] == 1:
             ids = ids[0]

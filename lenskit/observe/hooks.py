@@ -4,14 +4,13 @@ Names come from the module tree (`blocks.3.hook_resid_post`), so nobody types a 
 Hooks are temporary: `HookedRootModule.hooks()` removes everything it added in a `finally`.
 
 Hooks added through `hooks()`, `run_with_hooks` or `run_with_cache` belong to the calling thread (its
-`contextvars` context): two threads running one model never see each other's hooks. `HookPoint.add_hook`
-attaches a global hook instead, seen by every thread until it is removed or `reset_hooks()` runs.
+`contextvars` context): two threads running one model never see each other's hooks. `add_hook` attaches a global
+hook instead, seen by every thread until it is removed or `reset_hooks()` runs; a permanent one (`add_perma_hook`)
+stays through `reset_hooks()` too, unless that is called with `including_permanent=True`, as in TransformerLens.
 
 Backward hooks (`bwd_hooks=`, `dir="bwd"`) see the gradient reaching a hook point; see `lenskit.observe.backward`.
-
-`CacheRecording` is what `run_with_cache` attaches: it keeps activations without copies, and while it records,
-a hook that is handed a tensor it already holds gets a copy, so an in-place edit never rewrites an earlier entry.
-With a host `device`, activations on an accelerator are copied off it as they are written (offload).
+`CacheRecording` (lenskit.observe.recording) is what `run_with_cache` attaches; TransformerLens's administration
+methods for any subclass are in lenskit.observe.hook_admin.
 """
 
 from __future__ import annotations
@@ -20,13 +19,14 @@ import difflib
 import re
 from contextlib import contextmanager
 from contextvars import ContextVar
-from itertools import islice
 from typing import Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 from torch import nn
 
 from .backward import BACKWARD_HOOKS, Attachment, attach_backward
+from .hook_admin import HookAdmin
+from .recording import RECORDING, CacheRecording  # noqa: F401  (CacheRecording: imported from here too)
 
 HookFn = Callable[[torch.Tensor, "HookPoint"], Union[torch.Tensor, None]]
 NameOrPredicate = Union[str, Callable[[str], bool]]
@@ -36,12 +36,36 @@ NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 # The hooks of the current thread/context: hook point -> its functions, in attachment order.
 # Copied on write, so a context's dict is never changed under another reader; None when there are none.
 _CONTEXT_HOOKS: ContextVar["dict[HookPoint, tuple[HookFn, ...]] | None"] = ContextVar("lenskit_hooks", default=None)
-# The calling context's running CacheRecording, as (its hook, itself), or None.
-_RECORDING: ContextVar["tuple[HookFn, CacheRecording] | None"] = ContextVar("lenskit_recording", default=None)
 
 
 def _fn_name(fn: HookFn) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+class LensHandle:
+    """One global hook attached to one hook point (TransformerLens's `LensHandle`): `remove()` (or calling it)
+    detaches exactly this attachment. `is_permanent` hooks survive `reset_hooks()` unless it is asked to remove
+    them; `context_level` is the `level` it was attached with."""
+
+    __slots__ = ("point", "user_hook", "dir", "is_permanent", "context_level", "attachment")
+
+    def __init__(self, point: "HookPoint", fn: HookFn, dir: str, is_permanent: bool, level: int | None) -> None:
+        self.point, self.user_hook, self.dir = point, fn, dir
+        self.is_permanent, self.context_level = is_permanent, level
+        self.attachment = Attachment(fn) if dir == "bwd" else None
+
+    @property
+    def hook(self) -> "LensHandle":
+        """Itself, so TransformerLens's `handle.hook.remove()` works."""
+        return self
+
+    def matches(self, including_permanent: bool, level: int | None) -> bool:
+        return (including_permanent or not self.is_permanent) and (level is None or self.context_level == level)
+
+    def remove(self) -> None:
+        self.point._detach(self)
+
+    __call__ = remove
 
 
 class HookPoint(nn.Module):
@@ -49,55 +73,76 @@ class HookPoint(nn.Module):
 
     A hook is `fn(tensor, hook) -> None | tensor`; returning a tensor replaces the activation (same shape
     and dtype). Global hooks (`add_hook`) run first, then the calling context's (`HookedRootModule.hooks`).
+    `ctx` is a dict a hook may keep state in (TransformerLens's), emptied by `reset_hooks(clear_contexts=True)`.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.name: str = ""
-        self._fns: list[HookFn] = []
-        self._bwd: list[Attachment] = []  # global backward hooks
+        self.ctx: dict = {}
+        self.fwd_hooks: list[LensHandle] = []  # global forward hooks, in running order
+        self.bwd_hooks: list[LensHandle] = []
+        self._fns: tuple[HookFn, ...] = ()  # the forward hooks' functions, read on every forward
+        self._bwd: list[Attachment] = []  # the backward hooks' attachments
 
-    def add_hook(self, fn: HookFn, dir: str = "fwd") -> Callable[[], None]:
-        """Attach `fn` globally (every thread sees it) to the forward (`dir="fwd"`) or backward (`"bwd"`) pass;
-        returns a function that removes exactly this attachment.
+    def add_hook(self, fn: HookFn, dir: str = "fwd", is_permanent: bool = False, level: int | None = None,
+                 prepend: bool = False) -> LensHandle:
+        """Attach `fn` globally (every thread sees it) to the forward (`dir="fwd"`) or backward (`"bwd"`) pass,
+        after the hooks already there (before them with `prepend`); returns its handle (`handle()` removes it).
 
         Prefer `model.hooks(...)`, whose hooks belong to the calling thread and are removed on exit."""
-        if dir == "bwd":
-            attachment = Attachment(fn)
-            self._bwd.append(attachment)
-
-            def remove_bwd() -> None:
-                attachment.live = False
-                if attachment in self._bwd:
-                    self._bwd.remove(attachment)
-
-            return remove_bwd
-        if dir != "fwd":
+        if dir not in ("fwd", "bwd"):
             raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
-        self._fns.append(fn)
+        if not callable(fn):
+            raise TypeError(f"hook for {self.name!r} is not callable: {fn!r}")
+        handle = LensHandle(self, fn, dir, is_permanent, level)
+        handles = self.fwd_hooks if dir == "fwd" else self.bwd_hooks
+        handles.insert(0, handle) if prepend else handles.append(handle)
+        self._sync()
+        return handle
 
-        def remove() -> None:
-            for i, f in enumerate(self._fns):
-                if f is fn:
-                    del self._fns[i]
-                    return
+    def add_perma_hook(self, fn: HookFn, dir: str = "fwd") -> LensHandle:
+        """`add_hook(fn, dir, is_permanent=True)`: kept by `reset_hooks()` unless `including_permanent=True`."""
+        return self.add_hook(fn, dir=dir, is_permanent=True)
 
-        return remove
+    def remove_hooks(self, dir: str = "fwd", including_permanent: bool = False, level: int | None = None) -> None:
+        """Remove the global hooks of `dir` ("fwd", "bwd" or "both") that are not permanent (all of them with
+        `including_permanent`), only those attached with `level` where it is given, as TransformerLens does."""
+        dirs = _directions(dir)
+        for handle in [*self.fwd_hooks, *self.bwd_hooks]:
+            if handle.dir in dirs and handle.matches(including_permanent, level):
+                self._detach(handle)
 
-    def remove_hooks(self) -> None:
-        """Remove the global hooks, forward and backward."""
-        self._fns.clear()
-        for attachment in self._bwd:
-            attachment.live = False  # also for gradients of a forward that already ran
-        self._bwd.clear()
+    def _detach(self, handle: LensHandle) -> None:
+        handles = self.fwd_hooks if handle.dir == "fwd" else self.bwd_hooks
+        if handle in handles:
+            handles.remove(handle)
+        if handle.attachment is not None:
+            handle.attachment.live = False  # also for gradients of a forward that already ran
+        self._sync()
 
-    def has_hooks(self) -> bool:
-        """Whether a global hook or one of the calling context's hooks, forward or backward, is attached here
-        (pieces compute a point only on request, or take a fused path that skips it, when none is)."""
-        if self._fns or self._bwd:
+    def _sync(self) -> None:
+        self._fns = tuple(h.user_hook for h in self.fwd_hooks)
+        self._bwd = [h.attachment for h in self.bwd_hooks]
+
+    def clear_context(self) -> None:
+        self.ctx = {}
+
+    def has_hooks(self, dir: str = "both", including_permanent: bool = True, level: int | None = None) -> bool:
+        """Whether a hook of `dir` ("fwd", "bwd", "both") is attached here: a global one, or one of the calling
+        context's (pieces compute a point only on request, or take a fused path that skips it, when none is).
+        With `including_permanent=False` permanent hooks do not count; with `level`, only global hooks attached
+        with that level do."""
+        if dir == "both" and including_permanent and level is None:  # the forward's question: kept cheap
+            if self._fns or self._bwd:
+                return True
+            local, bwd = _CONTEXT_HOOKS.get(), BACKWARD_HOOKS.get()
+            return (local is not None and self in local) or (bwd is not None and self in bwd)
+        dirs = _directions(dir)
+        if any(h.dir in dirs and h.matches(including_permanent, level) for h in [*self.fwd_hooks, *self.bwd_hooks]):
             return True
-        local, bwd = _CONTEXT_HOOKS.get(), BACKWARD_HOOKS.get()
-        return (local is not None and self in local) or (bwd is not None and self in bwd)
+        contexts = [var.get() for d, var in (("fwd", _CONTEXT_HOOKS), ("bwd", BACKWARD_HOOKS)) if d in dirs]
+        return level is None and any(local is not None and self in local for local in contexts)
 
     def hook_fns(self) -> list[HookFn]:
         """The hooks that run here for the calling context: global ones, then the context's."""
@@ -114,7 +159,7 @@ class HookPoint(nn.Module):
         return x
 
     def _run(self, x: torch.Tensor, fns: tuple[HookFn, ...]) -> torch.Tensor:
-        writer, recording = _RECORDING.get() or (None, None)
+        writer, recording = RECORDING.get() or (None, None)
         for fn in fns:
             if fn is not writer and recording is not None and recording.holds(x):
                 x = x.clone()  # the cache holds x as an earlier point's value: an edit in place here must not reach it
@@ -148,18 +193,32 @@ class HookPoint(nn.Module):
         return f"name={self.name!r}, hooks={len(self.hook_fns())}"
 
 
-class HookedRootModule(nn.Module):
-    """A module whose `HookPoint`s are named by their place in the tree. Call `setup_hooks()` last in `__init__`."""
+class HookedRootModule(HookAdmin, nn.Module):
+    """A module whose `HookPoint`s are named by their place in the tree. Call `setup()` (or its other name,
+    `setup_hooks()`) last in `__init__`, and again after adding hook points. TransformerLens's administration
+    (`add_hook`, `run_with_hooks`, `run_with_cache` ... for any subclass) is in `lenskit.observe.hook_admin`."""
 
     # Hook points computed only when something is attached to them (they cost extra work).
     ON_REQUEST: tuple[str, ...] = ()
+    context_level = 0  # how many `hooks()` blocks are open (TransformerLens's `level` of hooks they attach globally)
+
+    def __init__(self, *args: object) -> None:
+        super().__init__()  # arguments ignored, as TransformerLens's own takes and ignores them (subclasses pass cfg)
 
     def setup_hooks(self) -> None:
+        """Name every hook point by its path and build `hook_dict` (name -> HookPoint) and `mod_dict` (name ->
+        every submodule)."""
         self.hook_dict: dict[str, HookPoint] = {}
+        self.mod_dict: dict[str, nn.Module] = {}
         for name, module in self.named_modules():
+            if not name:
+                continue
+            self.mod_dict[name] = module
             if isinstance(module, HookPoint):
                 module.name = name
                 self.hook_dict[name] = module
+
+    setup = setup_hooks  # TransformerLens's name
 
     # ----------------------------------------------------------- name lookup
     def _unknown(self, name: str) -> KeyError:
@@ -200,7 +259,8 @@ class HookedRootModule(nn.Module):
     # ------------------------------------------------------------- attaching
     @contextmanager
     def hooks(self, fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (),
-              bwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = ()) -> Iterator["HookedRootModule"]:
+              bwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (), reset_hooks_end: bool = True,
+              clear_contexts: bool = False) -> Iterator["HookedRootModule"]:
         """Attach hooks for the body of a `with` block; they are removed on exit, also when it raises.
 
         >>> with model.hooks([("blocks.0.hook_attn_out", lambda x, hook: x * 0)]):
@@ -213,28 +273,38 @@ class HookedRootModule(nn.Module):
         ...     model(tokens, return_type="loss").backward()
 
         The hooks belong to the calling thread (its context): another thread running the same model
-        meanwhile does not see them.
+        meanwhile does not see them. With `reset_hooks_end=False` they are attached globally instead
+        (`add_hook`, with this block's level) and stay after it, as in TransformerLens. `clear_contexts` empties
+        every hook point's `ctx` on exit.
         """
         added = self._pairs(fwd_hooks, "fwd_hooks")
-        added_bwd = {hp: tuple(map(Attachment, fns)) for hp, fns in self._pairs(bwd_hooks, "bwd_hooks").items()}
-        if not added and not added_bwd:
-            yield self
-            return
-        tokens = []
-        for var, new in ((_CONTEXT_HOOKS, added), (BACKWARD_HOOKS, added_bwd)):
-            if new:
-                merged = dict(var.get() or {})
-                for hp, fns in new.items():
-                    merged[hp] = (*merged.get(hp, ()), *fns)
-                tokens.append((var, var.set(merged)))
+        added_bwd = self._pairs(bwd_hooks, "bwd_hooks")
+        self.context_level += 1
+        tokens, attachments = [], {}
         try:
+            if not reset_hooks_end:
+                for dir, new in (("fwd", added), ("bwd", added_bwd)):
+                    for hp, fns in new.items():
+                        for fn in fns:
+                            hp.add_hook(fn, dir=dir, level=self.context_level)
+                added, added_bwd = {}, {}
+            attachments = {hp: tuple(map(Attachment, fns)) for hp, fns in added_bwd.items()}
+            for var, new in ((_CONTEXT_HOOKS, added), (BACKWARD_HOOKS, attachments)):
+                if new:
+                    merged = dict(var.get() or {})
+                    for hp, fns in new.items():
+                        merged[hp] = (*merged.get(hp, ()), *fns)
+                    tokens.append((var, var.set(merged)))
             yield self
         finally:
-            for attachments in added_bwd.values():
-                for a in attachments:
+            for fns in attachments.values():
+                for a in fns:
                     a.live = False  # a later backward through this forward's graph calls nothing
             for var, token in reversed(tokens):
                 var.reset(token)
+            self.context_level -= 1
+            if clear_contexts:
+                self.clear_contexts()
 
     def _pairs(self, items: Iterable[tuple[NameOrPredicate, HookFn]], what: str) -> dict[HookPoint, list[HookFn]]:
         """(name or predicate, fn) pairs as hook point -> fns, refusing unknown names and non-callables."""
@@ -249,97 +319,46 @@ class HookedRootModule(nn.Module):
                 added.setdefault(hp, []).append(fn)
         return added
 
-    def reset_hooks(self) -> None:
-        """Remove every global hook, forward and backward, from every hook point, and this context's hooks on this model."""
+    def remove_all_hook_fns(self, direction: str = "both", including_permanent: bool = False,
+                            level: int | None = None) -> None:
+        """Remove the hooks of `direction` ("fwd", "bwd", "both"): the global ones that are not permanent (all with
+        `including_permanent`; with `level`, only those attached with it), and, unless `level` is given, the calling
+        context's hooks on this model (those of open `hooks()` blocks, `run_with_hooks` and `run_with_cache`)."""
+        dirs = _directions(direction)
         for hp in self.hook_dict.values():
-            hp.remove_hooks()
+            hp.remove_hooks(direction, including_permanent=including_permanent, level=level)
+        if level is not None:
+            return
         mine = set(self.hook_dict.values())
-        for attachments in (v for hp, v in (BACKWARD_HOOKS.get() or {}).items() if hp in mine):
-            for a in attachments:
-                a.live = False
-        for var in (_CONTEXT_HOOKS, BACKWARD_HOOKS):
+        if "bwd" in dirs:
+            for attachments in (v for hp, v in (BACKWARD_HOOKS.get() or {}).items() if hp in mine):
+                for a in attachments:
+                    a.live = False
+        for d, var in (("fwd", _CONTEXT_HOOKS), ("bwd", BACKWARD_HOOKS)):
             local = var.get()
-            if local:
+            if d in dirs and local:
                 var.set({hp: fns for hp, fns in local.items() if hp not in mine} or None)
 
+    def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False,
+                    level: int | None = None) -> None:
+        """TransformerLens's reset: empty every hook point's `ctx` (with `clear_contexts`), then
+        `remove_all_hook_fns(direction, including_permanent, level)`. Permanent hooks (`add_perma_hook`) stay
+        unless `including_permanent=True`."""
+        if clear_contexts:
+            self.clear_contexts()
+        self.remove_all_hook_fns(direction, including_permanent, level)
 
-class CacheRecording:
-    """The hook `run_with_cache` attaches to every point it caches, and the activations it kept (`store`).
+    def clear_contexts(self) -> None:
+        """Empty every hook point's `ctx`."""
+        for hp in self.hook_dict.values():
+            hp.clear_context()
 
-    Activations are kept as the forward wrote them, detached and without a copy (moved or cast only where
-    `device` / `dtype` ask), so one tensor can stand for two points: `resid_post` of block l is `resid_pre` of
-    block l + 1, in rotary families `hook_embed` is block 0's `resid_pre`, and after a post-sublayer norm its
-    `hook_normalized` is the `hook_attn_out` / `hook_mlp_out` write. While `recording()`, any other hook that
-    is handed a tensor sharing memory with an entry gets a copy instead, so its in-place edits (`x[:, 3] = 0`,
-    `x.zero_()`) reach that point and the ones after it, never an entry already kept.
 
-    Until such a hook runs, recording costs no more than storing: the entries are looked at only when one is
-    about to run (`holds`). The model's own code never edits a tensor in place after it passed a hook point,
-    so an entry can change only while a hook runs; `check_unchanged()` then refuses an entry edited some other
-    way than through the copy (a hook editing a tensor it kept from an earlier point), found by the entry's
-    version counter (`t._version`, bumped by every in-place write).
-    """
-
-    def __init__(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> None:
-        self.store: dict[str, torch.Tensor] = {}
-        self._looked_at = 0  # how many entries `holds` has seen
-        self._memory: set[int] = set()  # their data pointers
-        self._versions: list[tuple[str, torch.Tensor, int]] = []  # (name, entry, version when first seen)
-        self._in_flight: set[torch.device] = set()  # accelerators with copies to the host still queued
-        store, in_flight = self.store, self._in_flight
-        to_host = device is not None and torch.device(device).type == "cpu"
-        if device is None and dtype is None:
-            def record(x: torch.Tensor, hook: "HookPoint") -> None:
-                store[hook.name] = x.detach()
-        else:
-            def record(x: torch.Tensor, hook: "HookPoint") -> None:  # integer entries (expert indices) keep their dtype
-                x = x.detach().to(dtype=dtype if x.is_floating_point() else None)
-                if to_host and x.is_cuda:
-                    # Offload: a queued copy into pinned host memory, after any cast on the accelerator (only the
-                    # kept bytes cross). The forward goes on without waiting; `synchronise` waits once at the end.
-                    # A later in-place edit on the device is queued after the copy, so it never reaches the entry.
-                    kept = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-                    store[hook.name] = kept.copy_(x, non_blocking=True)
-                    in_flight.add(x.device)
-                else:
-                    store[hook.name] = x.to(device=device)
-        self.hook: HookFn = record
-
-    def synchronise(self) -> None:
-        """Wait for the copies to the host that the hook queued, once per accelerator, so that every entry holds
-        its values; a no-op when nothing was offloaded."""
-        while self._in_flight:
-            torch.cuda.current_stream(self._in_flight.pop()).synchronize()
-
-    def holds(self, x: torch.Tensor) -> bool:
-        """Whether `x` shares memory with an entry. Entries kept since the last call are looked at first: their
-        memory, and the version of each that spans its whole memory (a part of a buffer, such as hook_q of a
-        fused projection, shares its counter with the rest, whose edits would read as its own)."""
-        if len(self.store) > self._looked_at:
-            for name, kept in islice(self.store.items(), self._looked_at, None):
-                self._memory.add(kept.data_ptr())
-                spans = kept.storage_offset() == 0 and kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
-                if spans and not kept.is_inference():  # inference tensors have no version counter
-                    self._versions.append((name, kept, kept._version))
-            self._looked_at = len(self.store)
-        return x.data_ptr() in self._memory
-
-    @contextmanager
-    def recording(self) -> Iterator["CacheRecording"]:
-        """Hand other hooks copies of the tensors kept here, for the body of a `with` block."""
-        token = _RECORDING.set((self.hook, self))
-        try:
-            yield self
-        finally:
-            _RECORDING.reset(token)
-
-    def check_unchanged(self) -> None:
-        """Refuse if an entry was edited in place after it was kept, so the cache never holds a later value."""
-        for name, kept, version in self._versions:
-            if kept._version != version:
-                raise ValueError(f"{name} was edited in place after it was cached, by a hook that kept a reference to "
-                                 "it, so the cache would not hold what the forward wrote there; edit a copy in the hook "
-                                 "instead (x = x.clone(); x[...] = ...; return x)")
+def _directions(direction: str) -> tuple[str, ...]:
+    """"fwd", "bwd" or "both" as the directions it names; anything else refused."""
+    if direction not in ("fwd", "bwd", "both"):
+        raise ValueError(f"direction must be 'fwd', 'bwd' or 'both', got {direction!r}")
+    return ("fwd", "bwd") if direction == "both" else (direction,)
 
 
 def layer_of(name: str) -> int | None:

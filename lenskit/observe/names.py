@@ -27,6 +27,7 @@ BLOCK_SHORT: dict[str, str] = {
     "router_logits": "mlp.hook_router_logits", "expert_indices": "mlp.hook_expert_indices",
     "expert_weights": "mlp.hook_expert_weights", "expert_out": "mlp.hook_expert_out",
     "rescale_out": "hook_rescale_out",  # Gemma 4: (layer_scalar - 1) * stream, the block's last write
+    "per_layer_in": "hook_per_layer_in", "per_layer_out": "hook_per_layer_out",  # Gemma 4 E2B/E4B's per-layer input
     "scale1": "ln1.hook_scale", "normalized1": "ln1.hook_normalized",
     "scale2": "ln2.hook_scale", "normalized2": "ln2.hook_normalized",
 }

@@ -4,8 +4,9 @@ A pre-norm model only ever adds to its stream, so the stream before a point is e
 
     embed (+ pos_embed) + sum over earlier writes of (attn_out, mlp_out, and any late writes)
 
-where a block's late writes are those after its MLP's, where it has them (`LATE_WRITES`: Gemma 4's rescaling of
-the stream by its `layer_scalar`, `hook_rescale_out`), and each attention write is its heads' writes (`attn.hook_result`) plus the output bias. `resid_parts`
+where a block's late writes are those after its MLP's, where it has them (`LATE_WRITES`: Gemma 4 E2B/E4B's write from
+the block's per-layer input, `hook_per_layer_out`, then Gemma 4's rescaling of the stream by its `layer_scalar`,
+`hook_rescale_out`), and each attention write is its heads' writes (`attn.hook_result`) plus the output bias. `resid_parts`
 lists those parts from a cache; `ActivationCache.decompose_resid` and `lenses.anatomy` both read it.
 
 A norm is not linear, but with its scale held at the value the whole stream gave it (the cached
@@ -16,7 +17,7 @@ each put through it, sum to the norm's output less its bias.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Container, Sequence, Union
+from typing import TYPE_CHECKING, Container
 
 import torch
 from torch import nn
@@ -27,39 +28,19 @@ from .stream import Stream
 if TYPE_CHECKING:
     from .cache import ActivationCache
 
-# What TransformerLens accepts as a position slice: None, an int (drops the axis), a (start, stop[, step])
-# tuple, a slice, or a list / tensor of positions.
-PosSlice = Union[None, int, tuple, slice, Sequence[int], torch.Tensor]
-
-
-def apply_slice(x: torch.Tensor, pos_slice: PosSlice, dim: int) -> torch.Tensor:
-    """`x` with `pos_slice` applied along `dim`; an int selects one index and drops the axis."""
-    if pos_slice is None:
-        return x
-    if isinstance(pos_slice, tuple):
-        pos_slice = slice(*pos_slice)
-    elif isinstance(pos_slice, (list, range)):
-        pos_slice = torch.as_tensor(list(pos_slice), dtype=torch.long)
-    if isinstance(pos_slice, bool) or not isinstance(pos_slice, (int, slice, torch.Tensor)):
-        raise TypeError(f"pos_slice must be None, an int, a tuple, a slice or a list of positions, got {pos_slice!r:.60}")
-    index: list = [slice(None)] * x.ndim
-    index[dim] = pos_slice
-    return x[tuple(index)]
-
-
 @dataclass(frozen=True)
 class Part:
     """One term of a stream decomposition: its tensor [..., pos, d_model] and what wrote it."""
 
     tensor: torch.Tensor
-    label: str  # "embed", "pos_embed", "3_attn_out", "3_mlp_out", "L3H1", "3_attn_bias", "3_rescale_out"
-    kind: str  # "embed", "pos_embed", "attn", "mlp", "head", "attn_bias", or a late write's name ("rescale_out")
+    label: str  # "embed", "pos_embed", "3_attn_out", "3_mlp_out", "L3H1", "3_attn_bias", "3_per_layer_out", ...
+    kind: str  # "embed", "pos_embed", "attn", "mlp", "head", "attn_bias", or a late write's name ("per_layer_out", ...)
     layer: int | None
     head: int | None
 
 
 # A block's writes after the MLP's, by short name, in the order they are added; a block has those its hooks name.
-LATE_WRITES = ("rescale_out",)
+LATE_WRITES = ("per_layer_out", "rescale_out")  # Gemma 4 E2B/E4B's per-layer input's write, then its layer_scalar
 
 
 def late_writes(hook_names: "Container[str]", layer: int) -> tuple[str, ...]:
@@ -128,9 +109,10 @@ def has_position_term(cache: "ActivationCache", embed: torch.Tensor) -> bool:
                    "model.run_with_cache(tokens) without a names_filter")
 
 
-def post_normed(cache: "ActivationCache", layer: int) -> bool:
-    """Whether block `layer` normalises its attention write after the heads are summed (Gemma, OLMo 2)."""
-    name = f"blocks.{layer}.ln1_post.hook_normalized"
+def post_normed(cache: "ActivationCache", layer: int, norm: str = "ln1_post") -> bool:
+    """Whether block `layer` normalises its attention write after the heads are summed (Gemma, OLMo 2); with
+    norm="ln2_post", its MLP's write after the neurons' are summed."""
+    name = f"blocks.{layer}.{norm}.hook_normalized"
     return name in cache or (cache.model is not None and name in cache.model.hook_dict)
 
 

@@ -1,6 +1,6 @@
 """Running a hooked model: with hooks for one call (`run_with_hooks`), with a cache of activations
-(`run_with_cache`), or with hooks attached globally (`add_hook`). Mixed into `lenskit.HookedTransformer`, which
-gives them `cfg`, `blocks`, `hook_dict` and its forward."""
+(`run_with_cache`). Mixed into `lenskit.HookedTransformer`, which gives them `cfg`, `blocks`, `hook_dict` and its
+forward; `add_hook` and the rest of TransformerLens's hook administration are in lenskit.observe.hook_admin."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class RunMethods:
 
     def run_with_hooks(self, tokens: TokensLike, fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (),
                        bwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (), *, reset_hooks_end: bool = True,
-                       **kwargs: Any) -> torch.Tensor:
+                       clear_contexts: bool = False, **kwargs: Any) -> torch.Tensor:
         """Run with hooks attached for this call only; they are removed even if the call raises.
 
         Backward hooks removed on return never see a gradient, so `bwd_hooks` need `reset_hooks_end=False`, as in
@@ -39,7 +39,7 @@ class RunMethods:
             warnings.warn("run_with_hooks removes its hooks when it returns, before any backward pass can run, so "
                           "bwd_hooks will not be called; pass reset_hooks_end=False (and call reset_hooks() after), "
                           "or call .backward() inside `with model.hooks(fwd_hooks, bwd_hooks):`", stacklevel=2)
-        with self.hooks(fwd_hooks, bwd_hooks):
+        with self.hooks(fwd_hooks, bwd_hooks, clear_contexts=clear_contexts):
             return self(tokens, **kwargs)
 
     def run_with_cache(
@@ -53,8 +53,10 @@ class RunMethods:
         return_logits: bool = True,
         cache_device: str | torch.device | None = None,
         incl_bwd: bool = False,
+        remove_batch_dim: bool = False,
+        return_cache_object: bool = True,
         **kwargs: Any,
-    ) -> tuple[torch.Tensor | None, ActivationCache]:
+    ) -> tuple[torch.Tensor | None, ActivationCache | dict[str, torch.Tensor]]:
         """Run once and keep the activations `names_filter` selects (see `hook_names`).
 
         Cached tensors are stored as produced, without copies, unless `device` or `dtype` asks for one.
@@ -73,6 +75,10 @@ class RunMethods:
         `incl_bwd=True` does as TransformerLens does: it calls `.backward()` on the output, which must then be a
         scalar (`return_type="loss"`), and caches the gradient reaching each cached point under `<name>_grad`.
         Parameter gradients accumulate into `.grad` as in any backward pass.
+
+        `remove_batch_dim=True` drops the batch axis of a one-sequence run's cache (`cache.remove_batch_dim()`); the
+        logits keep theirs, as in TransformerLens. `return_cache_object=False` returns the plain dict of tensors
+        (`cache.cache_dict`) instead of the cache.
         """
         if incl_bwd and not return_logits:
             raise ValueError("incl_bwd=True differentiates the model's output, so the run cannot stop early; "
@@ -113,7 +119,9 @@ class RunMethods:
             grads.synchronise()
         recording.check_unchanged()
         store = {**recording.store, **{f"{name}_grad": g for name, g in grads.store.items()}}
-        return (out if return_logits else None), ActivationCache(store, self.cfg.n_layers, self)
+        cache = ActivationCache(store, self.cfg.n_layers, self)
+        cache = cache.remove_batch_dim() if remove_batch_dim else cache
+        return (out if return_logits else None), (cache if return_cache_object else cache.cache_dict)
 
     def _unknown(self, name: str) -> KeyError:
         """An unknown hook name; one that a block's kind of token mixer lacks (a linear-attention block's
@@ -141,14 +149,3 @@ class RunMethods:
                 return None  # ln_final and anything else after the blocks: the whole model runs
             needed = max(needed, 0 if layer is None else layer + 1)
         return needed
-
-    def add_hook(self, name: NameOrPredicate, fn: HookFn, dir: str = "fwd") -> None:
-        """Attach `fn` to a hook point (or every point a predicate selects) GLOBALLY: every thread and every
-        later call sees it until `reset_hooks()`. `dir="bwd"` attaches a backward hook (`lenskit.observe.backward`).
-        Prefer `model.hooks(...)` / `run_with_hooks`, which are temporary and belong to the calling thread."""
-        if not callable(fn):
-            raise TypeError(f"hook for {name!r} is not callable: {fn!r}")
-        if dir not in ("fwd", "bwd"):
-            raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
-        for hp in self._resolve(name):
-            hp.add_hook(fn, dir=dir)

@@ -13,6 +13,7 @@ hook_pattern are [batch, head, query_pos, key_pos]; hook_sink [batch, head, quer
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,10 @@ from ..config import ModelConfig
 from ..observe.hooks import HookPoint
 from .linear import Linear
 from .norms import UnitRMSNorm, make_norm
+from ..kv_cache import entry_of
+from .forward_state import keep_kv
 from .rotary import Rotary
+from .weights import HeadCircuits
 
 
 class FusedQKV(Linear):
@@ -105,8 +109,27 @@ class KeyValueQK(SplitQKV):
         return (self.q.weight, self.q.bias), k, k
 
 
+class QueryOnly(Linear):
+    """A kv-sharing block's projection (Gemma 4 E2B, E4B): its queries only, [batch, pos, head, d_head]; its keys
+    and values are an earlier block's (lenskit.pieces.kv_sharing). `parts()` has no k or v."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+        self.d_head = cfg.d_head_of(layer)
+        super().__init__(cfg.d_model, cfg.n_heads * self.d_head, bias=cfg.qkv_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).view(*x.shape[:2], -1, self.d_head)  # [batch, pos, head, d_head]
+
+    def parts(self) -> tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...]:
+        """(weight [out, d_model], bias [out] or None) of q, then (None, None) for the k and v it does not have."""
+        return (self.weight, self.bias), (None, None), (None, None)
+
+
 def make_qkv(cfg: ModelConfig, layer: int = 0) -> nn.Module:
-    """Block `layer`'s projection to q, k and v: fused, gated, keys as values, or three."""
+    """Block `layer`'s projection to q, k and v: fused, gated, keys as values, or three; q only where the block
+    reads an earlier block's keys and values (`cfg.kv_source`)."""
+    if cfg.kv_source(layer) is not None:
+        return QueryOnly(cfg, layer)
     if cfg.fused_qkv:
         return FusedQKV(cfg, layer)
     if cfg.attn_output_gate:
@@ -117,11 +140,13 @@ def make_qkv(cfg: ModelConfig, layer: int = 0) -> nn.Module:
 class CausalMask:
     """Each query sees itself and every earlier key."""
 
-    def allowed(self, n_pos: int, device: torch.device) -> torch.Tensor:
-        return torch.ones(n_pos, n_pos, dtype=torch.bool, device=device).tril()  # [query_pos, key_pos]
+    def allowed(self, n_pos: int, device: torch.device, start: int = 0) -> torch.Tensor:
+        """[query_pos, start + query_pos]: queries at positions start.. (after `start` cached keys), keys from 0."""
+        return torch.ones(n_pos, start + n_pos, dtype=torch.bool, device=device).tril(start)
 
-    def sdpa_kwargs(self, n_pos: int, device: torch.device) -> dict:
-        return {"is_causal": True}
+    def sdpa_kwargs(self, n_pos: int, device: torch.device, start: int = 0) -> dict:
+        # the kernel's is_causal aligns the first query with the first key, right only without cached keys
+        return {"is_causal": True} if start == 0 else {"attn_mask": self.allowed(n_pos, device, start)}
 
 
 class SlidingWindowMask(CausalMask):
@@ -130,18 +155,18 @@ class SlidingWindowMask(CausalMask):
     def __init__(self, window: int) -> None:
         self.window = window
 
-    def allowed(self, n_pos: int, device: torch.device) -> torch.Tensor:
-        return super().allowed(n_pos, device).triu(-(self.window - 1))
+    def allowed(self, n_pos: int, device: torch.device, start: int = 0) -> torch.Tensor:
+        return super().allowed(n_pos, device, start).triu(start - (self.window - 1))
 
-    def sdpa_kwargs(self, n_pos: int, device: torch.device) -> dict:
-        return {"attn_mask": self.allowed(n_pos, device)}
+    def sdpa_kwargs(self, n_pos: int, device: torch.device, start: int = 0) -> dict:
+        return {"attn_mask": self.allowed(n_pos, device, start)}
 
 
 def make_mask(cfg: ModelConfig, layer: int = 0) -> CausalMask:
     return SlidingWindowMask(cfg.sliding_window) if cfg.layer_type(layer) == "sliding" else CausalMask()
 
 
-class Attention(nn.Module):
+class Attention(HeadCircuits, nn.Module):
     """Multi-head causal self-attention: project, (q/k norm), (rotate), attend, write back.
 
     PyTorch's fused scaled-dot-product kernel runs unless a hook needs the internals, the scores are
@@ -201,18 +226,33 @@ class Attention(nn.Module):
                          else self._apply_flat_qk_norm)
         self._norm_v = self.v_norm if cfg.v_norm else _ungated
         self._cap = _unchanged_scores if self.softcap is None else self._softcap_scores
-        self._rotate_qk = self._apply_rotary if cfg.rotates(layer) else _unchanged
+        self._rotate_qk = self._apply_rotary if cfg.rotates(layer) else _unrotated
         self._softmax = self._softmax_with_sink if cfg.attn_sinks else _softmax
         self._fused = self._fused_with_sink if cfg.attn_sinks else self._fused_plain
         self._gate_z = self._output_gate if cfg.attn_output_gate else _ungated
+        keeps = cfg.n_kv_shared_layers and layer in cfg.kv_source_layers  # a block whose keys later blocks read
+        self._keep_kv = partial(keep_kv, layer) if keeps else _keep_nothing
         self._internals = tuple(internals)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, pos, _ = x.shape
-        q, k, v, *gate = self.qkv(x)  # [batch, pos, head, d_head], 2 x [batch, pos, kv_head, d_head]; gate as q, if any
+        return self.from_projections(*self.qkv(x))
+
+    def from_projections(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *gate: torch.Tensor) -> torch.Tensor:
+        """The block's write [batch, pos, d_model] from the projections q [batch, pos, head, d_head], k, v [batch, pos,
+        kv_head, d_head] (and the gate's logits, as q): where per-head inputs (lenskit.observe.switches) enter too."""
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        q, k = self._rotate_qk(*self._norm_qk(q, k))
+        past = entry_of(self)  # lenskit.kv_cache: None unless this forward was given past_kv_cache
+        q, k = self._rotate_qk(*self._norm_qk(q, k), 0 if past is None else past.n_pos)
         v = self._norm_v(v)
+        if past is not None:
+            k, v = past.extend(k, v)  # [batch, n_pos + pos, kv_head, d_head]: the cached keys, then these
+        self._keep_kv(k, v)  # where later blocks reuse this block's keys and values (Gemma 4: kv_sharing.py)
+        return self.attend(q, k, v, *gate)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *gate: torch.Tensor) -> torch.Tensor:
+        """The block's write [batch, pos, d_model] from q [batch, pos, head, d_head] and k, v [batch, key_pos, kv_head,
+        d_head], as the scores read them (after norms and rotation; cached keys first): scores, pattern, mix, gate, out."""
+        batch, pos = q.shape[:2]
         if self.softcap is not None or any(h.has_hooks() for h in self._internals) or not _fused_agrees(q, k):
             z = self._eager(q, k, v)
         else:
@@ -287,13 +327,13 @@ class Attention(nn.Module):
     def _softcap_scores(self, scores: torch.Tensor) -> torch.Tensor:
         return torch.tanh(scores / self.softcap) * self.softcap
 
-    def _apply_rotary(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.hook_rot_q(self.rotary(q)), self.hook_rot_k(self.rotary(k))
+    def _apply_rotary(self, q: torch.Tensor, k: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.hook_rot_q(self.rotary(q, start)), self.hook_rot_k(self.rotary(k, start))
 
     def _fused_plain(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=self.group > 1, scale=self.scale,
-            **self.mask.sdpa_kwargs(q.shape[1], q.device),
+            **self.mask.sdpa_kwargs(q.shape[1], q.device, k.shape[1] - q.shape[1]),
         ).transpose(1, 2)  # [batch, pos, head, d_head]
 
     def _fused_with_sink(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -307,7 +347,7 @@ class Attention(nn.Module):
         sink_key = F.pad(k.new_ones(batch, 1, self.n_kv_heads, 1), (self.d_head, 0))  # [batch, 1, kv_head, d_head + 1]
         k = torch.cat([F.pad(k, (0, 1)), sink_key], dim=1)  # [batch, pos + 1, kv_head, d_head + 1]
         v = F.pad(v, (0, 0, 0, 0, 0, 1))  # [batch, pos + 1, kv_head, d_head], the sink's value is zero
-        allowed = F.pad(self.mask.allowed(pos, q.device), (0, 1), value=True)  # [query_pos, key_pos + 1]
+        allowed = F.pad(self.mask.allowed(pos, q.device, k.shape[1] - 1 - pos), (0, 1), value=True)  # [query_pos, key_pos + 1]
         return F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed, enable_gqa=self.group > 1,
             scale=self.scale,
@@ -324,7 +364,7 @@ class Attention(nn.Module):
         k = k.repeat_interleave(self.group, dim=2)  # [batch, pos, head, d_head]: query head h reads kv head h // group
         v = v.repeat_interleave(self.group, dim=2)
         scores = self._cap(torch.einsum("bqhd,bkhd->bhqk", q, k) * self.scale)  # [batch, head, query_pos, key_pos]
-        allowed = self.mask.allowed(pos, q.device)
+        allowed = self.mask.allowed(pos, q.device, k.shape[1] - pos)  # keys past the queries' count are cached ones
         # Masked scores become -inf, and a NaN stays NaN, as transformers' additive mask leaves it
         scores = self.hook_attn_scores(torch.where(allowed, scores, scores - float("inf")))
         pattern = self.hook_pattern(self._softmax(scores))
@@ -348,8 +388,16 @@ def _unchanged(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return q, k
 
 
+def _unrotated(q: torch.Tensor, k: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return q, k
+
+
 def _ungated(z: torch.Tensor) -> torch.Tensor:
     return z
+
+
+def _keep_nothing(k: torch.Tensor, v: torch.Tensor) -> None:
+    return None
 
 
 def _unchanged_scores(scores: torch.Tensor) -> torch.Tensor:

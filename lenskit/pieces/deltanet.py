@@ -22,6 +22,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
+from ..kv_cache import entry_of
 from .linear import Linear
 
 CHUNK = 64  # positions per chunk: transformers' and the fla kernels' size
@@ -40,11 +41,11 @@ def _prepared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Ten
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
-                               g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                               g: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain recurrence, one position at a time (shapes as in `chunked_gated_delta_rule`)."""
     q, k, v, beta, g = _prepared(q, k, v, beta, g)
     batch, heads, pos, d_k = k.shape
-    state = v.new_zeros(batch, heads, d_k, v.shape[-1])  # [batch, v_head, d_k, d_v]
+    state = v.new_zeros(batch, heads, d_k, v.shape[-1]) if state is None else state.float()  # [batch, v_head, d_k, d_v]
     out = torch.empty_like(v)
     for t in range(pos):
         state = state * g[:, :, t, None, None].exp()
@@ -55,10 +56,10 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
-                             chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                             chunk: int = CHUNK, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule a chunk at a time: q, k [batch, pos, k_head, d_k], v [batch, pos, v_head, d_v],
     beta, g [batch, pos, v_head] -> outputs [batch, pos, v_head, d_v] (float32) and the state after the last
-    position [batch, v_head, d_k, d_v].
+    position [batch, v_head, d_k, d_v]. `state` is the one before the first position (None: zeros, a fresh start).
 
     Within a chunk starting from state S, with c_i the cumulative log decay up to position i, the corrections
     w_i = beta_i (v_i - exp(g_i) S_{i-1}^T k_i) solve the unit lower-triangular system (I + L) W = V_beta - K_beta
@@ -85,7 +86,7 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q_read = q * c.exp()[..., None]  # queries reading the chunk's starting state
     k_write = k * (c[..., -1:] - c).exp()[..., None]  # keys as they reach the chunk's end
     carry = c[..., -1].exp()[..., None, None]  # [batch, v_head, chunk_index, 1, 1]
-    state = v.new_zeros(batch, heads, d_k, v.shape[-1])  # [batch, v_head, d_k, d_v]
+    state = v.new_zeros(batch, heads, d_k, v.shape[-1]) if state is None else state.float()  # [batch, v_head, d_k, d_v]
     out = torch.empty_like(v)
     for i in range(n):
         w = u[:, :, i] - k_read[:, :, i] @ state  # [batch, v_head, chunk, d_v]
@@ -94,9 +95,12 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.view(batch, heads, total, -1)[:, :, :pos].transpose(1, 2), state
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU of a causal depthwise convolution along positions: x [batch, pos, channel], weight [channel, 1, width];
-    position t sees positions t - width + 1 .. t, with zeros before the prompt (a fresh state)."""
+    position t sees positions t - width + 1 .. t, with zeros before the prompt (a fresh state), or after `past`
+    [batch, width - 1, channel], the inputs just before x (a carried state)."""
+    if past is not None:
+        return causal_conv(torch.cat([past.to(x.dtype), x], dim=1), weight)[:, past.shape[1]:]
     width = weight.shape[-1]
     y = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, padding=width - 1, groups=x.shape[-1])  # [batch, channel, pos + width - 1]
     return F.silu(y[..., : x.shape[1]]).transpose(1, 2).to(x.dtype)  # [batch, pos, channel]
@@ -157,13 +161,20 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, pos, _ = x.shape
-        q, k, v = causal_conv(self.in_qkv(x), self.conv_weight).split(self.sizes, dim=-1)
+        past = entry_of(self)  # lenskit.kv_cache: None unless this forward was given past_kv_cache
+        mixed = self.in_qkv(x)  # [batch, pos, channel]
+        q, k, v = causal_conv(mixed, self.conv_weight, None if past is None else past.conv).split(self.sizes, dim=-1)
         q = self.hook_q(q.view(batch, pos, self.n_k_heads, self.d_k))
         k = self.hook_k(k.view(batch, pos, self.n_k_heads, self.d_k))
         v = self.hook_v(v.view(batch, pos, self.n_v_heads, self.d_v))
         beta = self.hook_beta(self.in_b(x).sigmoid())  # [batch, pos, v_head]
         g = self.hook_g(-self.A_log.float().exp() * F.softplus(self.in_a(x).float() + self.dt_bias))  # [batch, pos, v_head]
-        out, state = self.rule(q, k, v, beta, g)  # [batch, pos, v_head, d_v], [batch, v_head, d_k, d_v]
+        if past is None or past.state is None:
+            out, state = self.rule(q, k, v, beta, g)  # [batch, pos, v_head, d_v], [batch, v_head, d_k, d_v]
+        else:  # on from the carried state, by the recurrence: a chunk would pad a one-position step to 64
+            out, state = recurrent_gated_delta_rule(q, k, v, beta, g, past.state)
+        if past is not None:
+            past.update(mixed, self.conv_weight.shape[-1], state)
         if self.hook_state.has_hooks():
             self.hook_state(state)
         gate = self.in_z(x).view(batch, pos, self.n_v_heads, self.d_v)

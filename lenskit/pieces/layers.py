@@ -18,10 +18,13 @@ from torch import nn
 from ..config import ModelConfig
 from .attention import Attention
 from .deltanet import GatedDeltaNet
+from .forward_state import per_layer_input
+from .kv_sharing import SharedKVAttention
 from ..observe.hooks import HookPoint
 from .linear import Linear
 from .moe import MoE
 from .norms import LayerNorm, RMSNorm, make_norm
+from .per_layer import PerLayerWrite
 
 __all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "MoE", "ParallelBlock", "PostNormBlock", "RMSNorm", "RescaledSandwichBlock", "SandwichBlock",
            "SwiGLU", "TransformerBlock", "make_block", "make_mlp", "make_norm"]
@@ -80,13 +83,15 @@ def _or_zeros(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 class GeluMLP(MLP):
-    """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> GELU (the config's form) -> d_model."""
+    """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> GELU (the config's form) -> d_model. Each MLP piece takes
+    its width, `d_mlp` (None: the config's), where a block's differs (`cfg.d_mlp_of`)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
         super().__init__()
+        d_mlp = cfg.d_mlp if d_mlp is None else d_mlp
         self.approximate = cfg.gelu_approximate
-        self.fc_in = Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
-        self.fc_out = Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        self.fc_in = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
+        self.fc_out = Linear(d_mlp, cfg.d_model, bias=cfg.mlp_bias)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
 
@@ -100,12 +105,13 @@ class SwiGLU(MLP):
     """Gated MLP: fc_out(act(gate(x)) * fc_in(x)), biases only where the config has them (Llama's `mlp_bias`).
     act is SiLU, or for mlp="geglu" (Gemma) the config's GELU."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
         super().__init__()
+        d_mlp = cfg.d_mlp if d_mlp is None else d_mlp
         self.act = F.silu if cfg.mlp.startswith("swiglu") else partial(F.gelu, approximate=cfg.gelu_approximate)
-        self.gate = Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
-        self.fc_in = Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
-        self.fc_out = Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        self.gate = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
+        self.fc_in = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
+        self.fc_out = Linear(d_mlp, cfg.d_model, bias=cfg.mlp_bias)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp], the gate's pre-activation
         self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
@@ -123,10 +129,10 @@ class FusedSwiGLU(SwiGLU):
     """SwiGLU whose gate and up projections are one matrix `gate_up`, [gate rows | up rows] (Phi-3),
     kept as the checkpoint stores it. Same hooks and weight views as SwiGLU (`W_gate`, `W_in` are its halves)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
+        super().__init__(cfg, d_mlp)
         del self.gate, self.fc_in
-        self.gate_up = Linear(cfg.d_model, 2 * cfg.d_mlp, bias=cfg.mlp_bias)
+        self.gate_up = Linear(cfg.d_model, 2 * self.fc_out.in_features, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, linear = self.gate_up(x).chunk(2, dim=-1)
@@ -149,13 +155,21 @@ MLP_CLASSES = {"gelu": GeluMLP, "swiglu": SwiGLU, "geglu": SwiGLU, "swiglu_fused
 
 
 def make_mlp(cfg: ModelConfig, layer: int = 0) -> MLP | MoE:
-    """Block `layer`'s MLP: a mixture of experts where the config makes that block sparse, else the dense MLP."""
-    return MoE(cfg) if cfg.is_moe_layer(layer) else MLP_CLASSES[cfg.mlp](cfg)
+    """Block `layer`'s MLP: a mixture of experts where the config makes that block sparse, the dense MLP with experts
+    beside it (Gemma 4 26B-A4B), else the dense MLP, `cfg.d_mlp_of(layer)` wide."""
+    if cfg.experts_beside_mlp:
+        from .dense_and_experts import DenseAndExperts  # it builds on SwiGLU, so it imports this module
+
+        return DenseAndExperts(cfg, cfg.d_mlp_of(layer))
+    return MoE(cfg) if cfg.is_moe_layer(layer) else MLP_CLASSES[cfg.mlp](cfg, cfg.d_mlp_of(layer))
 
 
 def make_attention(cfg: ModelConfig, layer: int = 0) -> Attention | GatedDeltaNet:
-    """Block `layer`'s token mixer: softmax attention, or linear attention where the config makes that block linear."""
-    return GatedDeltaNet(cfg) if cfg.layer_type(layer) == "linear" else Attention(cfg, layer)
+    """Block `layer`'s token mixer: softmax attention (with an earlier block's keys and values where it shares them,
+    `cfg.kv_source`), or linear attention where the config makes that block linear."""
+    if cfg.layer_type(layer) == "linear":
+        return GatedDeltaNet(cfg)
+    return SharedKVAttention(cfg, layer) if cfg.kv_source(layer) is not None else Attention(cfg, layer)
 
 
 class TransformerBlock(nn.Module):
@@ -182,9 +196,14 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.hook_resid_pre(x)
-        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.attn(self.ln1(x)))))
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.read_attn(x))))
         x = self.hook_resid_post(x + self.hook_mlp_out(self.dropout(self.mlp(self.ln2(x)))))
         return x
+
+    def read_attn(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention's write [batch, pos, d_model] from the stream: attn(ln1(x)). TransformerLens's per-head input
+        switches (lenskit.observe.switches) replace this reading, once, on the block itself."""
+        return self.attn(self.ln1(x))
 
 
 class ParallelBlock(TransformerBlock):
@@ -194,7 +213,7 @@ class ParallelBlock(TransformerBlock):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.hook_resid_pre(x)
-        attn_out = self.hook_attn_out(self.dropout(self.attn(self.ln1(x))))
+        attn_out = self.hook_attn_out(self.dropout(self.read_attn(x)))
         mlp_out = self.hook_mlp_out(self.dropout(self.mlp(self.ln2(x))))
         return self.hook_resid_post(self.hook_resid_mid(x + attn_out) + mlp_out)
 
@@ -208,7 +227,7 @@ class SandwichBlock(TransformerBlock):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.hook_resid_pre(x)
-        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.ln1_post(self.attn(self.ln1(x))))))
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.ln1_post(self.read_attn(x)))))
         x = self.hook_resid_post(x + self.hook_mlp_out(self.dropout(self.ln2_post(self.mlp(self.ln2(x))))))
         return x
 
@@ -216,18 +235,45 @@ class SandwichBlock(TransformerBlock):
 class RescaledSandwichBlock(SandwichBlock):
     """Gemma 4's block: Gemma's sandwich, then the whole stream times the block's stored `layer_scalar`. The
     rescaling is written as one more write to the stream, hook_rescale_out = (layer_scalar - 1) * stream, so
-    resid_post = resid_mid + mlp_out + rescale_out and the stream stays a sum of parts."""
+    resid_post = resid_mid + mlp_out + rescale_out and the stream stays a sum of parts.
+
+    E2B and E4B add the block's per-layer input before the rescaling (lenskit.pieces.per_layer): a write of its own,
+    hook_per_layer_out, read from hook_per_layer_in, so resid_post = resid_mid + mlp_out + per_layer_out + rescale_out.
+    In 26B-A4B the MLP has experts beside it (lenskit.pieces.dense_and_experts), which read the stream itself."""
 
     def __init__(self, cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> None:
         super().__init__(cfg, dropout, layer)
         self.register_buffer("layer_scalar", torch.ones(1))  # [1], the checkpoint's; a buffer there as here
+        if cfg.d_per_layer is not None:
+            self.per_layer = PerLayerWrite(cfg)
+            self.hook_per_layer_in = HookPoint()  # [batch, pos, d_per_layer]
+            self.hook_per_layer_out = HookPoint()  # [batch, pos, d_model]
+            self._per_layer_input = partial(per_layer_input, layer)
         self.hook_rescale_out = HookPoint()  # [batch, pos, d_model]
+        # Chosen once: what the MLP reads (with experts: the stream too), and whether a per-layer write follows it.
+        self._mlp = self._mlp_with_experts if cfg.experts_beside_mlp else self._mlp_alone
+        self._late = self._add_per_layer if cfg.d_per_layer is not None else _same_stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.hook_resid_pre(x)
-        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.ln1_post(self.attn(self.ln1(x))))))
-        x = x + self.hook_mlp_out(self.dropout(self.ln2_post(self.mlp(self.ln2(x)))))
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.ln1_post(self.read_attn(x)))))
+        x = self._late(x + self.hook_mlp_out(self.dropout(self.ln2_post(self._mlp(x)))))
         return self.hook_resid_post(x + self.hook_rescale_out(x * (self.layer_scalar - 1)))
+
+    def _mlp_alone(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln2(x))
+
+    def _mlp_with_experts(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln2(x), x)
+
+    def _add_per_layer(self, x: torch.Tensor) -> torch.Tensor:
+        """x + the per-layer write, x the stream after the MLP's write [batch, pos, d_model]."""
+        per_layer_in = self.hook_per_layer_in(self._per_layer_input(x))  # [batch, pos, d_per_layer]
+        return x + self.hook_per_layer_out(self.dropout(self.per_layer(x, per_layer_in)))
+
+
+def _same_stream(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 class PostNormBlock(TransformerBlock):
@@ -239,9 +285,12 @@ class PostNormBlock(TransformerBlock):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.hook_resid_pre(x)
-        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.ln1_post(self.attn(x)))))
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.ln1_post(self.read_attn(x)))))
         x = self.hook_resid_post(x + self.hook_mlp_out(self.dropout(self.ln2_post(self.mlp(x)))))
         return x
+
+    def read_attn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x)  # no norm before the sublayer
 
 
 BLOCK_CLASSES = {"pre": TransformerBlock, "sandwich": SandwichBlock, "post": PostNormBlock}

@@ -58,6 +58,22 @@ ROUTES: dict[str, Route] = {"softmax_topk": softmax_topk, "softmax_topk_renorm":
                             "topk_softmax": topk_softmax}
 
 
+def expert_groups(chosen: torch.Tensor, n_experts: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(expert, the flat slot indices [n] routed to it) for each expert that has tokens, in expert order: `chosen`
+    [..., k] flattened, so slot s is token s // k's (s % k)-th choice."""
+    flat = chosen.reshape(-1)  # [token * k]
+    counts = torch.bincount(flat, minlength=n_experts)
+    if counts.numel() > n_experts or (flat.numel() and int(flat.min()) < 0):
+        raise ValueError(f"expert indices must lie in [0, {n_experts}), got {int(flat.min())}..{int(flat.max())}; "
+                         "a hook on hook_expert_indices returned an index outside the experts")
+    order = flat.argsort(stable=True)  # slots sorted by their expert
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            yield e, order[start:start + n]
+        start += n
+
+
 # ------------------------------------------------------------------------------------------- experts
 class SwiGLUExpert(nn.Module):
     """One expert: a SwiGLU MLP of width d_expert, fc_out(silu(gate(x)) * fc_in(x)), each projection its own
@@ -154,18 +170,7 @@ class MoE(nn.Module):
         return out.view(*chosen.shape, flat.shape[-1])
 
     def _groups(self, chosen: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-        """(expert, the flat slot indices [n] routed to it) for each expert that has tokens, in expert order."""
-        flat = chosen.reshape(-1)  # [token * k]
-        counts = torch.bincount(flat, minlength=len(self.experts))
-        if counts.numel() > len(self.experts) or (flat.numel() and int(flat.min()) < 0):
-            raise ValueError(f"expert indices must lie in [0, {len(self.experts)}), got {int(flat.min())}..{int(flat.max())}; "
-                             "a hook on hook_expert_indices returned an index outside the experts")
-        order = flat.argsort(stable=True)  # slots sorted by their expert
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                yield e, order[start:start + n]
-            start += n
+        return expert_groups(chosen, len(self.experts))
 
     # ------------------------------------------------------------------ weight views
     def _stack(self, proj: str, part: str = "weight") -> torch.Tensor:

@@ -112,9 +112,10 @@ class Rotary(nn.Module):
             tables = self._tables = ((angles.cos() * scale).to(like.dtype), (angles.sin() * scale).to(like.dtype))
         return tables[0][:n_pos], tables[1][:n_pos]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [batch, pos, head, d_head] -> the same shape, rotated."""
-        cos, sin = self.tables(x.shape[1], x)
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """x: [batch, pos, head, d_head] at positions start..start+pos-1 -> the same shape, rotated."""
+        cos, sin = self.tables(start + x.shape[1], x)
+        cos, sin = cos[start:], sin[start:]  # [pos, rotary_dim]
         return self._rotate(x, cos[:, None, :], sin[:, None, :])  # [pos, 1, rotary_dim], broadcast over heads
 
     @staticmethod

@@ -18,12 +18,20 @@ for learned positions. In a mixture of experts the MLP views are per expert (`le
 `W_in` / `W_gate` [layer, expert, d_model, d_expert], `W_out` [layer, expert, d_expert, d_model]; a model
 that mixes MoE and dense blocks refuses to stack them (read them per block). Nothing is folded: these are the raw weights
 (see README, "Coming from TransformerLens").
+
+`OV` and `QK` are each head's circuits as `FactoredMatrix` [layer, head, d_model, d_model] (`W_V @ W_O`,
+`W_Q @ W_K^T`); `tl_parameters()` names every view as TransformerLens's `HookedTransformer` names its parameters
+(`blocks.0.attn.W_Q`, `blocks.0.ln1.w`, `unembed.W_U` ...).
 """
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 from torch import nn
+
+from ..factored import FactoredMatrix
 
 
 def _stacked(part: str, name: str, doc: str) -> property:
@@ -45,6 +53,21 @@ def _stacked(part: str, name: str, doc: str) -> property:
         return torch.stack(views)
 
     return property(get, doc=doc)
+
+
+class HeadCircuits:
+    """Mixin for an attention piece with TransformerLens's views `W_Q`, `W_K`, `W_V` [head, d_model, d_head] and
+    `W_O` [head, d_head, d_model]: each head's circuits, `model.blocks[l].attn.OV` and `.QK`."""
+
+    @property
+    def OV(self) -> FactoredMatrix:
+        """Each head's OV circuit W_V[h] @ W_O[h], [head, d_model, d_model], factored; kv heads repeated under GQA."""
+        return FactoredMatrix(self.W_V, self.W_O)
+
+    @property
+    def QK(self) -> FactoredMatrix:
+        """Each head's QK circuit W_Q[h] @ W_K[h]^T, [head, d_model, d_model], factored; kv heads repeated under GQA."""
+        return FactoredMatrix(self.W_Q, self.W_K.transpose(-2, -1))
 
 
 class WeightViews:
@@ -93,3 +116,51 @@ class WeightViews:
     b_in = _stacked("mlp", "b_in", "[layer, d_mlp]")
     b_gate = _stacked("mlp", "b_gate", "[layer, d_mlp]: the gate's bias; None for a GELU MLP")
     b_out = _stacked("mlp", "b_out", "[layer, d_model]")
+
+    # ------------------------------------------------------------ circuits
+    @property
+    def OV(self) -> FactoredMatrix:
+        """Each head's OV circuit W_V @ W_O [layer, head, d_model, d_model], factored; kv heads repeated under GQA."""
+        return FactoredMatrix(self.W_V, self.W_O)
+
+    @property
+    def QK(self) -> FactoredMatrix:
+        """Each head's QK circuit W_Q @ W_K^T [layer, head, d_model, d_model], factored; kv heads repeated under GQA."""
+        return FactoredMatrix(self.W_Q, self.W_K.transpose(-2, -1))
+
+    # ------------------------------------------------- TransformerLens's names
+    def tl_parameters(self) -> dict[str, torch.Tensor]:
+        """The weight views under the names TransformerLens's `HookedTransformer` gives its parameters, e.g.
+        `blocks.0.attn.W_Q` [head, d_model, d_head], `blocks.0.ln1.w` [d_model], `unembed.W_U` [d_model, d_vocab].
+
+        Norm gains are `w` (for Gemma's (1 + w) norms, the whole multiplier) and LayerNorm biases `b`; a block's
+        pieces without a view (a linear-attention block's heads) are left out, as are absent gates."""
+        out = {"embed.W_E": self.W_E}
+        if hasattr(self, "pos_embed"):
+            out["pos_embed.W_pos"] = self.W_pos
+        for l, block in enumerate(self.blocks):
+            for part, names in (("attn", ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")),
+                                ("mlp", ("W_in", "W_gate", "W_out", "b_in", "b_gate", "b_out"))):
+                piece = getattr(block, part)
+                for name in names:
+                    view = getattr(piece, name, None) if hasattr(type(piece), name) else None
+                    if view is not None:
+                        out[f"blocks.{l}.{part}.{name}"] = view
+            for norm in ("ln1", "ln2"):
+                if hasattr(block, norm):
+                    out.update(_norm_views(f"blocks.{l}.{norm}", getattr(block, norm)))
+        out.update(_norm_views("ln_final", self.ln_final))
+        out["unembed.W_U"], out["unembed.b_U"] = self.W_U, self.b_U
+        return out
+
+    def tl_named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`tl_parameters()` as (name, tensor) pairs, in the same order."""
+        return iter(self.tl_parameters().items())
+
+
+def _norm_views(prefix: str, norm: nn.Module) -> dict[str, torch.Tensor]:
+    """A norm's gain as `prefix.w` and any bias as `prefix.b`; nothing for a norm without a gain."""
+    views = {f"{prefix}.w": norm.gain} if hasattr(norm, "gain") else {}
+    if getattr(norm, "bias", None) is not None:
+        views[f"{prefix}.b"] = norm.bias
+    return views

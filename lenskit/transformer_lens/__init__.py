@@ -1,2 +1,24 @@
-"""`import lenskit.transformer_lens as transformer_lens`: TransformerLens 3's module paths and defaults over lenskit's
-computation (the lead is writing this namespace; its submodules are thin)."""
+"""TransformerLens 3's module paths and defaults over lenskit's computation: code written for TransformerLens 3 runs
+with one import changed,
+
+>>> import lenskit.transformer_lens as transformer_lens
+>>> from lenskit.transformer_lens import HookedTransformer, ActivationCache, FactoredMatrix, utils, patching
+>>> model = HookedTransformer.from_pretrained("stdlib-gpt2")   # BOS first, weights processed, as TransformerLens
+
+Nothing here computes anything of its own: each name is lenskit's (`lenskit.HookedTransformer`,
+`lenskit.ActivationCache`, `lenskit.patching` ...) with TransformerLens's defaults, names and argument orders.
+See the README, "Coming from TransformerLens", for what differs and what is not provided.
+"""
+
+from lenskit.observe.cache import ActivationCache
+
+from . import evals, hook_points, past_key_value_caching, patching, utils
+from .FactoredMatrix import FactoredMatrix
+from .hook_points import HookedRootModule, HookPoint
+from .HookedTransformer import HookedTransformer
+from .HookedTransformerConfig import HookedTransformerConfig
+from .past_key_value_caching import HookedTransformerKeyValueCache
+
+__all__ = ["ActivationCache", "FactoredMatrix", "HookPoint", "HookedRootModule", "HookedTransformer",
+           "HookedTransformerConfig", "HookedTransformerKeyValueCache", "evals", "hook_points",
+           "past_key_value_caching", "patching", "utils"]

@@ -1,0 +1,102 @@
+"""Gemma 4's per-layer inputs (E2B, E4B): each block gets a small input of its own, made from the tokens before the
+first block, and writes a gated projection of it to the stream after its MLP.
+
+Before the blocks (`PerLayerInputs`, the model's `per_layer_inputs`), for every block at once:
+
+    token  = embed_per_layer(tokens) * sqrt(d_per_layer)                  [batch, pos, layer, d_per_layer]
+    proj   = norm(proj(embed) * d_model ** -0.5)                         [batch, pos, layer, d_per_layer]
+    inputs = (proj + token) * 2 ** -0.5                                  [batch, pos, layer, d_per_layer]
+
+where `embed` is the scaled token embedding (`hook_embed`), the block's first input. Inside block L, after its MLP's
+write (`PerLayerWrite`, the block's `per_layer`), with x the stream there (resid_mid + mlp_out):
+
+    per_layer_out = ln_post(out(act(gate(x)) * inputs[:, :, L]))        [batch, pos, d_model]
+
+one more write to the stream, added before the block's `layer_scalar` rescaling. Hooks: `per_layer_inputs.hook_token`
+and `.hook_proj` [batch, pos, layer, d_per_layer], the block's `hook_per_layer_in` [batch, pos, d_per_layer] (its
+slice of `inputs`: edit it to change what one block reads) and `hook_per_layer_out` [batch, pos, d_model] (the write,
+a term of `decompose_resid`), and inside `per_layer`, `hook_pre` (the gate's pre-activation) and `hook_post`
+(act(gate) * input), both [batch, pos, d_per_layer]. Names follow transformers' `Gemma4TextModel`:
+`embed_tokens_per_layer`, `per_layer_model_projection`, `per_layer_projection_norm`, and in each layer
+`per_layer_input_gate`, `per_layer_projection`, `post_per_layer_input_norm` (lenskit.families.layouts.GEMMA4).
+
+The inputs reach the blocks through the forward's state (lenskit.pieces.forward_state), not as an argument, so a
+block's forward is still `block(x)`.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..observe.hooks import HookPoint
+from .forward_state import forward_state
+from .linear import Linear
+from .norms import make_norm
+
+
+class PerLayerInputs(nn.Module):
+    """Every block's per-layer input, from the tokens and the scaled token embedding (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_layers, self.d_per_layer, self.d_model = cfg.n_layers, cfg.d_per_layer, cfg.d_model
+        width = cfg.n_layers * cfg.d_per_layer  # every block's input side by side, as the checkpoint packs them
+        self.embed = nn.Embedding(cfg.d_vocab_per_layer, width)
+        self.proj = Linear(cfg.d_model, width, bias=False)
+        self.proj_norm = make_norm(cfg, cfg.d_per_layer)
+        self.hook_token = HookPoint()  # [batch, pos, layer, d_per_layer]
+        self.hook_proj = HookPoint()  # [batch, pos, layer, d_per_layer]
+
+    def forward(self, tokens: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+        """tokens [batch, pos], embed [batch, pos, d_model] -> inputs [batch, pos, layer, d_per_layer]."""
+        shape = (*tokens.shape, self.n_layers, self.d_per_layer)
+        table = self.embed.weight
+        scale = torch.tensor(self.d_per_layer ** 0.5).to(device=table.device, dtype=table.dtype)  # rounded as Gemma's
+        token = self.hook_token((self.embed(tokens.to(table.device)) * scale).view(shape))
+        embed = embed.to(table.device)
+        proj = self.hook_proj(self.proj_norm((self.proj(embed) * self.d_model ** -0.5).view(shape)))
+        return (proj + token) * 2 ** -0.5
+
+    def state(self, tokens: torch.Tensor, embed: torch.Tensor) -> AbstractContextManager:
+        """The forward's state (lenskit.pieces.forward_state) holding these inputs, for the blocks run inside it."""
+        return forward_state(self(tokens, embed))
+
+
+class PerLayerWrite(nn.Module):
+    """A block's write from its per-layer input: ln_post(out(act(gate(x)) * input)), x the stream after the MLP."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.act = partial(F.gelu, approximate=cfg.gelu_approximate)
+        self.gate = Linear(cfg.d_model, cfg.d_per_layer, bias=False)
+        self.out = Linear(cfg.d_per_layer, cfg.d_model, bias=False)
+        self.ln_post = make_norm(cfg)
+        self.hook_pre = HookPoint()  # [batch, pos, d_per_layer]
+        self.hook_post = HookPoint()  # [batch, pos, d_per_layer]
+
+    def forward(self, x: torch.Tensor, per_layer_in: torch.Tensor) -> torch.Tensor:
+        """x [batch, pos, d_model], per_layer_in [batch, pos, d_per_layer] -> the write [batch, pos, d_model]."""
+        post = self.hook_post(self.act(self.hook_pre(self.gate(x))) * per_layer_in)
+        return self.ln_post(self.out(post))
+
+
+def side_inputs(model: nn.Module, cfg: ModelConfig):
+    """What the model's forward runs its blocks inside, chosen once from `cfg`: the per-layer inputs' state, a bare
+    state for kv sharing alone, or nothing. Called as `side_inputs(tokens, embed)` -> a context manager."""
+    if cfg.d_per_layer is not None:
+        return model.per_layer_inputs.state
+    return _bare_state if cfg.n_kv_shared_layers else _no_state
+
+
+def _bare_state(tokens: torch.Tensor, embed: torch.Tensor) -> AbstractContextManager:
+    return forward_state()
+
+
+def _no_state(tokens: torch.Tensor, embed: torch.Tensor) -> AbstractContextManager:
+    return nullcontext()

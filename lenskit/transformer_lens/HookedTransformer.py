@@ -1,0 +1,132 @@
+"""`transformer_lens.HookedTransformer` as TransformerLens 3 defines its defaults, over lenskit's model.
+
+The computation is `lenskit.HookedTransformer`'s. This class only sets what TransformerLens code expects by default:
+- text input gets BOS first (`cfg.default_prepend_bos = True`), where lenskit follows the checkpoint's tokenizer;
+- `from_pretrained` processes the weights as TransformerLens does (fold_ln, center_writing_weights, center_unembed,
+  fold_value_biases; lenskit.processing), where lenskit loads them raw; `from_pretrained_no_processing` loads them raw;
+- `to_tokens` truncates to n_ctx, and `generate` samples, as TransformerLens's do.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+import lenskit
+from lenskit.config import ModelConfig
+from lenskit.config_names import note_prepend_bos
+
+from .HookedTransformerConfig import HookedTransformerConfig, to_model_config
+
+PROCESSING = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases", "refactor_factored_attn_matrices")
+
+
+class HookedTransformer(lenskit.HookedTransformer):
+    """lenskit's hooked transformer with TransformerLens 3's defaults (see the module's docstring).
+
+    >>> import lenskit.transformer_lens as transformer_lens
+    >>> model = transformer_lens.HookedTransformer.from_pretrained("stdlib-gpt2")
+    >>> model.to_str_tokens("def f")[0]   # BOS first, as TransformerLens does
+    '<|endoftext|>'
+    """
+
+    def __init__(self, cfg: ModelConfig | HookedTransformerConfig | dict, tokenizer: Any = None,
+                 move_to_device: bool = True, default_padding_side: str = "right") -> None:
+        from lenskit.io.text import check_padding_side
+
+        check_padding_side(default_padding_side)
+        tl_cfg = cfg if isinstance(cfg, HookedTransformerConfig) else None
+        if isinstance(cfg, dict):
+            tl_cfg = HookedTransformerConfig(**cfg)
+        if tl_cfg is not None:
+            cfg, tokenizer = to_model_config(tl_cfg, tokenizer)
+            if tl_cfg.seed is not None:
+                torch.manual_seed(tl_cfg.seed)  # TransformerLens seeds the init with it
+        super().__init__(cfg, tokenizer=tokenizer)
+        note_prepend_bos(self.cfg, True if tl_cfg is None else tl_cfg.default_prepend_bos)
+        if tl_cfg is not None:
+            for switch in ("use_attn_result", "use_split_qkv_input", "use_hook_mlp_in", "use_attn_in"):
+                if getattr(tl_cfg, switch):
+                    getattr(self, f"set_{switch}")(True)
+            if not self.embed.weight.is_meta:
+                self.to(dtype=tl_cfg.dtype)
+                if move_to_device and tl_cfg.device is not None:
+                    self.to(tl_cfg.device)
+
+    @classmethod
+    def from_pretrained(cls, model_name: str | os.PathLike, fold_ln: bool = True, center_writing_weights: bool = True,
+                        center_unembed: bool = True, refactor_factored_attn_matrices: bool = False,
+                        checkpoint_index: int | None = None, checkpoint_value: int | None = None,
+                        hf_model: torch.nn.Module | None = None, device: str | torch.device | None = None,
+                        n_devices: int = 1, tokenizer: Any = None, move_to_device: bool = True,
+                        fold_value_biases: bool = True, default_prepend_bos: bool | None = None,
+                        default_padding_side: str = "right", dtype: torch.dtype | str = "float32",
+                        first_n_layers: int | None = None, **kwargs: Any) -> "HookedTransformer":
+        """A local folder, an embedded model's short name or a hub name in the local cache (no download), processed
+        as TransformerLens processes it. An option TransformerLens would skip for the family (centring under RMSNorm)
+        is skipped, as there; one that cannot be exact for it is refused by name (lenskit.processing).
+
+        `hf_model` converts a `transformers` model already in memory instead. `n_devices` spreads the blocks evenly
+        over the first GPUs, as TransformerLens does (lenskit's `device_map` does more)."""
+        from lenskit.io.text import check_padding_side
+
+        check_padding_side(default_padding_side)
+        for name, value in (("checkpoint_index", checkpoint_index), ("checkpoint_value", checkpoint_value),
+                            ("first_n_layers", first_n_layers)):
+            if value is not None:
+                raise ValueError(f"{name}={value!r}: lenskit loads one checkpoint whole (training checkpoints are "
+                                 "separate folders; stop_at_layer= runs the first layers); drop it")
+        options = dict(fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
+                       fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices)
+        # TransformerLens's True means "where it applies to this family": lenskit's None says exactly that.
+        processing = {k: (None if v is True and k != "refactor_factored_attn_matrices" else v) for k, v in options.items()}
+        if hf_model is not None:
+            from lenskit.io.loading import parse_dtype
+
+            model = cls.from_hf(hf_model, tokenizer=tokenizer)
+            model = model.to(device=device or "cpu", dtype=parse_dtype(dtype))
+            model = model.process_weights(**processing, inplace=True)
+        else:
+            if n_devices != 1:
+                kwargs.setdefault("device_map", _even_device_map(model_name, n_devices))
+            model = super().from_pretrained(model_name, dtype=dtype, device=device, **kwargs, **processing)
+            if tokenizer is not None:
+                model.tokenizer = tokenizer
+        note_prepend_bos(model.cfg, True if default_prepend_bos is None else default_prepend_bos)
+        return model
+
+    @classmethod
+    def from_pretrained_no_processing(cls, model_name: str | os.PathLike, fold_ln: bool = False,
+                                      center_writing_weights: bool = False, center_unembed: bool = False,
+                                      refactor_factored_attn_matrices: bool = False, fold_value_biases: bool = False,
+                                      dtype: torch.dtype | str = "float32", default_prepend_bos: bool | None = None,
+                                      default_padding_side: str = "right", **kwargs: Any) -> "HookedTransformer":
+        """The raw weights: `from_pretrained` with every processing option off unless given."""
+        return cls.from_pretrained(model_name, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
+                                   center_unembed=center_unembed, fold_value_biases=fold_value_biases,
+                                   refactor_factored_attn_matrices=refactor_factored_attn_matrices, dtype=dtype,
+                                   default_prepend_bos=default_prepend_bos, default_padding_side=default_padding_side,
+                                   **kwargs)
+
+    def to_tokens(self, input: str | list[str], prepend_bos: bool | None = None, padding_side: str | None = None,
+                  move_to_device: bool = True, truncate: bool = True) -> torch.Tensor:
+        """`lenskit.HookedTransformer.to_tokens`, truncating to n_ctx by default as TransformerLens does."""
+        return super().to_tokens(input, prepend_bos, padding_side, move_to_device, truncate)
+
+
+def _even_device_map(model_name: str | os.PathLike, n_devices: int) -> dict[str, str]:
+    """TransformerLens's split: blocks in order, n_layers / n_devices to each GPU; embeddings on the first GPU, the
+    readout on the last (on the first where it is tied to the embedding)."""
+    from lenskit.io.hub import resolve_model_folder
+
+    if not isinstance(n_devices, int) or n_devices < 1:
+        raise ValueError(f"n_devices must be an int >= 1, got {n_devices!r}")
+    if n_devices > torch.cuda.device_count():
+        raise ValueError(f"n_devices={n_devices} but torch sees {torch.cuda.device_count()} GPUs")
+    cfg = ModelConfig.from_json(resolve_model_folder(model_name) / "config.json")
+    per = -(-cfg.n_layers // n_devices)  # ceil
+    readout = "cuda:0" if cfg.tie_word_embeddings else f"cuda:{n_devices - 1}"
+    return {"embed": "cuda:0", "pos_embed": "cuda:0", "ln_final": readout, "unembed": readout,
+            **{f"blocks.{i}": f"cuda:{i // per}" for i in range(cfg.n_layers)}}

@@ -1,0 +1,6 @@
+"""`transformer_lens.hook_points`: `HookPoint` and `HookedRootModule` at TransformerLens 3's module path (lenskit.observe.hooks;
+the administration `add_hook`, `run_with_hooks`, `run_with_cache` ... is lenskit.observe.hook_admin)."""
+
+from ..observe.hooks import HookedRootModule, HookPoint, LensHandle, NamesFilter
+
+__all__ = ["HookPoint", "HookedRootModule", "LensHandle", "NamesFilter"]

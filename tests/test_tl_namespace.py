@@ -1,0 +1,183 @@
+"""`lenskit.transformer_lens`: TransformerLens 3's defaults over lenskit's model, held beside TransformerLens 4.3's
+bridge in compatibility mode on the same checkpoint (a tiny GPT-2 with GPT-2's real tokenizer): BOS first on text,
+processed weights from `from_pretrained`, raw ones from `from_pretrained_no_processing`, TransformerLens's config
+names, and `lenskit.HookedTransformer`'s own defaults left as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lenskit
+import lenskit.transformer_lens as transformer_lens
+from tl_fixtures import EOS, boot_bridge, tiny_gpt2_folder
+
+RAW = dict(fold_ln=False, center_writing_weights=False, center_unembed=False, fold_value_biases=False)
+TEXTS = ["Hello world, this is", "The cat sat on the mat and"]
+
+
+@pytest.fixture(scope="module")
+def folder():
+    return tiny_gpt2_folder()
+
+
+@pytest.fixture(scope="module")
+def bridge(folder):
+    return boot_bridge(folder)
+
+
+@pytest.fixture(scope="module")
+def raw_bridge(folder):
+    return boot_bridge(folder, **RAW)
+
+
+@pytest.fixture(scope="module")
+def ours(folder):
+    return transformer_lens.HookedTransformer.from_pretrained(str(folder))
+
+
+@pytest.fixture(scope="module")
+def ours_raw(folder):
+    return transformer_lens.HookedTransformer.from_pretrained_no_processing(str(folder))
+
+
+def test_bos_is_prepended_as_in_transformer_lens(ours, bridge):
+    for text in (TEXTS[0], TEXTS):
+        assert torch.equal(ours.to_tokens(text), bridge.to_tokens(text))
+    assert ours.to_tokens(TEXTS[0])[0, 0].item() == EOS
+    assert ours.to_str_tokens(TEXTS[0]) == bridge.to_str_tokens(TEXTS[0])
+    assert ours.to_str_tokens(TEXTS[0], prepend_bos=False) == bridge.to_str_tokens(TEXTS[0], prepend_bos=False)
+    assert torch.equal(ours.to_tokens(TEXTS[0], prepend_bos=False), bridge.to_tokens(TEXTS[0], prepend_bos=False))
+    assert ours.cfg.default_prepend_bos is True and bridge.cfg.default_prepend_bos is True
+
+
+def test_lenskit_keeps_its_own_default(folder):
+    plain = lenskit.HookedTransformer.from_pretrained(folder)
+    assert plain.cfg.default_prepend_bos is None  # GPT-2's tokenizer adds no BOS, so neither does lenskit
+    assert plain.to_tokens("Hello world").tolist() == [[15496, 995]]
+    assert plain.to_str_tokens("Hello world", prepend_bos=True) == ["<|endoftext|>", "Hello", " world"]
+    assert plain.processing == ()
+
+
+def test_text_forward_takes_prepend_bos(ours, bridge):
+    for prepend in (None, True, False):
+        mine = ours(TEXTS[0], prepend_bos=prepend)
+        theirs = bridge(TEXTS[0], prepend_bos=prepend)
+        assert mine.shape == theirs.shape
+        assert (mine - theirs).abs().max().item() < 1e-4
+    with_bos = ours(TEXTS[0])
+    without = ours(TEXTS[0], prepend_bos=False)
+    assert with_bos.shape[1] == without.shape[1] + 1  # the default put BOS first
+    logits, cache = ours.run_with_cache(TEXTS[0], prepend_bos=False)
+    assert cache["resid_post", 0].shape[1] == without.shape[1]
+    loss = ours(TEXTS[0], return_type="loss")
+    assert abs(loss.item() - bridge(TEXTS[0], return_type="loss").item()) < 1e-4
+
+
+def test_from_pretrained_processes_as_transformer_lens(ours, ours_raw, bridge, raw_bridge):
+    assert set(ours.processing) >= {"fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases"}
+    assert ours_raw.processing == ()
+    tokens = bridge.to_tokens(TEXTS)
+    assert (ours(tokens) - bridge(tokens)).abs().max().item() < 1e-4
+    assert (ours_raw(tokens) - raw_bridge(tokens)).abs().max().item() < 1e-4
+    for name in ("W_U", "W_E", "W_pos", "W_Q", "W_O", "b_O", "W_in", "b_out"):
+        assert (getattr(ours, name) - getattr(bridge, name)).abs().max().item() < 1e-5, name
+        assert (getattr(ours_raw, name) - getattr(raw_bridge, name)).abs().max().item() < 1e-5, name
+    assert not torch.allclose(ours.W_U, ours_raw.W_U)  # processing happened, so the pairs could differ
+
+
+def test_config_names_match_transformer_lens(ours, bridge):
+    for name in ("n_layers", "d_model", "n_heads", "d_head", "d_mlp", "d_vocab", "n_ctx", "act_fn",
+                 "normalization_type", "positional_embedding_type", "default_prepend_bos", "d_vocab_out"):
+        assert getattr(ours.cfg, name) == getattr(bridge.cfg, name), name
+    assert ours.cfg.device == str(bridge.cfg.device) == "cpu"
+    assert ours.cfg.dtype == torch.float32
+    assert abs(ours.cfg.eps - bridge.cfg.eps) < 1e-12
+
+
+def test_cfg_device_and_dtype_follow_the_model(folder):
+    model = lenskit.HookedTransformer.from_pretrained(folder)
+    twin = lenskit.HookedTransformer.from_pretrained(folder)
+    model.to(torch.bfloat16)
+    assert model.cfg.dtype == torch.bfloat16 and twin.cfg.dtype == torch.float32  # each model owns its config
+    assert model.cfg == twin.cfg  # where a model is does not change what it is
+    meta = lenskit.HookedTransformer(model.cfg.replace(n_layers=1)).to("meta")
+    assert meta.cfg.device == "meta"
+
+
+def test_hooked_transformer_config_builds_a_random_model():
+    cfg = transformer_lens.HookedTransformerConfig(n_layers=2, d_model=32, n_ctx=16, d_head=8, d_vocab=50,
+                                                   act_fn="gelu_new", seed=3)
+    model = transformer_lens.HookedTransformer(cfg)
+    again = transformer_lens.HookedTransformer(cfg)
+    assert model.cfg.n_heads == 4 and model.cfg.d_mlp == 128 and not model.cfg.tie_word_embeddings
+    assert torch.equal(model.W_E, again.W_E)  # the seed seeds the init
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    logits, cache = model.run_with_cache(tokens)
+    assert logits.shape == (1, 4, 50) and cache["resid_post", 1].shape == (1, 4, 32)
+    llama = transformer_lens.HookedTransformer(dict(n_layers=1, d_model=32, n_ctx=16, d_head=8, d_vocab=50,
+                                                    act_fn="silu", gated_mlp=True, normalization_type="RMS",
+                                                    positional_embedding_type="rotary", n_key_value_heads=2))
+    assert llama.cfg.mlp == "swiglu" and llama.cfg.n_kv_heads == 2 and llama.W_gate is not None
+
+
+@pytest.mark.parametrize("bad, words", [
+    (dict(attn_only=True), "always have an MLP"),
+    (dict(normalization_type="LNPre"), "fold_ln"),
+    (dict(act_fn="solu_ln"), "act_fn='solu_ln'"),
+    (dict(positional_embedding_type="shortformer"), "'standard' and 'rotary'"),
+    (dict(not_a_setting=1), "not_a_setting"),
+])
+def test_config_refuses_what_lenskit_does_not_build(bad, words):
+    with pytest.raises(ValueError, match=words):
+        transformer_lens.HookedTransformer(dict(n_layers=1, d_model=32, n_ctx=16, d_head=8, d_vocab=50, **bad))
+
+
+def test_loading_refusals(folder):
+    with pytest.raises(ValueError, match="checkpoint_index"):
+        transformer_lens.HookedTransformer.from_pretrained(str(folder), checkpoint_index=3)
+    with pytest.raises(ValueError, match="pads on the right only"):
+        transformer_lens.HookedTransformer.from_pretrained(str(folder), default_padding_side="left")
+    with pytest.raises(ValueError, match="pads on the right only"):
+        lenskit.HookedTransformer.from_pretrained(folder).to_tokens(TEXTS, padding_side="left")
+
+
+def test_to_tokens_truncates_as_transformer_lens(ours, bridge):
+    long = " word" * 300  # past n_ctx = 128
+    assert torch.equal(ours.to_tokens(long), bridge.to_tokens(long))
+    assert ours.to_tokens(long).shape[1] == ours.cfg.n_ctx
+    plain = lenskit.HookedTransformer.from_pretrained(tiny_gpt2_folder())
+    with pytest.raises(ValueError, match="n_ctx"):
+        plain(long)  # lenskit's own default refuses rather than cut
+
+
+def test_hf_model_argument(folder):
+    import transformers
+
+    hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+    model = transformer_lens.HookedTransformer.from_pretrained("gpt2", hf_model=hf,
+                                                               tokenizer=lenskit.io.tokenizer.load_tokenizer(folder))
+    reference = transformer_lens.HookedTransformer.from_pretrained(str(folder))
+    tokens = reference.to_tokens(TEXTS[0])
+    assert isinstance(model, transformer_lens.HookedTransformer)
+    assert (model(tokens) - reference(tokens)).abs().max().item() < 1e-5
+
+
+def test_per_module_embedding_weights(ours, bridge):
+    assert ours.embed.W_E is ours.W_E and torch.equal(ours.pos_embed.W_pos, ours.W_pos)
+    assert torch.equal(ours.unembed.W_U, ours.W_U) and torch.equal(ours.unembed.b_U, ours.b_U)
+    assert (ours.unembed.W_U - bridge.W_U).abs().max().item() < 1e-5
+    assert (ours.unembed.b_U - bridge.b_U).abs().max().item() < 1e-5
+    assert ours.unembed.b_U.any()  # fold_ln moved the final LayerNorm's bias into it, as TransformerLens does
+
+
+def test_the_namespace_has_transformer_lens_module_paths():
+    import importlib
+
+    for path in ("utils", "patching", "hook_points", "evals", "past_key_value_caching", "FactoredMatrix",
+                 "HookedTransformer", "HookedTransformerConfig"):
+        importlib.import_module(f"lenskit.transformer_lens.{path}")
+    from lenskit.transformer_lens import FactoredMatrix, HookedRootModule, HookPoint
+
+    assert HookPoint is lenskit.HookPoint and FactoredMatrix(torch.eye(3), torch.eye(3)).AB.shape == (3, 3)
+    assert issubclass(transformer_lens.HookedTransformer, HookedRootModule)
