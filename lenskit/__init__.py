@@ -17,6 +17,7 @@ from .io.loading import EMBEDDED_MODELS as _EMBEDDED
 from .io.loading import CheckpointError, embedded_model_folder
 from .model import HookedTransformer
 from .observe.names import get_act_name
+from .observe.slices import Slice
 from .observe.stream import Stream
 
 DEFAULT_MODEL: str = str(Path(__file__).parent / "default_model")
@@ -27,5 +28,5 @@ EMBEDDED_MODELS: dict[str, str] = {name: str(embedded_model_folder(name)) for na
 its Llama-architecture sibling trained on the same tokens. The short names work wherever a model is taken."""
 
 __all__ = ["ActivationCache", "CheckpointError", "DEFAULT_MODEL", "EMBEDDED_MODELS", "HookPoint", "HookedTransformer", "ModelConfig", "PRESETS",
-           "Stream", "accounting", "data", "get_act_name", "interventions", "patching"]
+           "Slice", "Stream", "accounting", "data", "get_act_name", "interventions", "patching"]
 __version__ = "0.1.0"

@@ -44,6 +44,18 @@ def kv_sources(n_layers: int, n_shared: int, layer_types: tuple[str, ...] | None
                  for i in range(n_layers))
 
 
+def shrunk_kv_sharing(cfg: "ModelConfig", n_layers: int, layer_types: tuple[str, ...] | None) -> dict:
+    """`ModelConfig.replace`'s rule for Gemma 4's kv sharing over `n_layers` blocks of `layer_types`: the same share
+    of the blocks (rounded down), fewer where a sharing block's type would have no earlier block to read."""
+    types = None if layer_types is None else tuple(layer_types)
+    if not isinstance(n_layers, int) or n_layers <= 0 or (types is not None and len(types) != n_layers):
+        return {}  # __post_init__ refuses the depth or the types
+    shared = cfg.n_kv_shared_layers * n_layers // cfg.n_layers
+    while shared and None in kv_sources(n_layers, shared, types)[n_layers - shared:]:
+        shared -= 1
+    return {"n_kv_shared_layers": shared, "double_wide_mlp": cfg.double_wide_mlp and shared > 0}
+
+
 def _positive_or_none(cfg: "ModelConfig", field: str) -> None:
     value = getattr(cfg, field)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):

@@ -1,10 +1,10 @@
 """TransformerLens's names for `ModelConfig`'s fields (`cfg.act_fn`, `cfg.normalization_type`, ...), so that code
 written against its config reads lenskit's: aliases derived from the fields, never stored.
 
-Three of TransformerLens's config entries say where a model is and how it takes text rather than what it is:
-`cfg.device`, `cfg.dtype` and `cfg.default_prepend_bos`. They are not dataclass fields (two configs that differ only
+Some of TransformerLens's config entries say where a model is, how it takes text and which optional hook points are
+on rather than what it is: `cfg.device`, `cfg.dtype`, `cfg.default_prepend_bos` and the `cfg.use_*` switches. They are not dataclass fields (two configs that differ only
 in them are equal, and a lens fitted on the CPU fits the model on a GPU); each model keeps its own copy of its config
-and records them there (`note_placement`, `note_prepend_bos`).
+and records them there (`note_placement`, `note_prepend_bos`, `note_switch`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,16 @@ def note_placement(cfg: object, weight: torch.Tensor) -> None:
     """Record on the model's own config the device and dtype of `weight` (its embedding): `cfg.device`, `cfg.dtype`."""
     object.__setattr__(cfg, "_device", str(weight.device))
     object.__setattr__(cfg, "_dtype", weight.dtype)
+
+
+SWITCHES = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")
+
+
+def note_switch(cfg: object, switch: str, on: bool) -> None:
+    """Record one of TransformerLens's hook-point switches (`model.set_use_attn_result(True)` ...) as `cfg.<switch>`."""
+    if switch not in SWITCHES:
+        raise ValueError(f"unknown switch {switch!r}; expected one of {SWITCHES}")
+    object.__setattr__(cfg, f"_{switch}", bool(on))
 
 
 def note_prepend_bos(cfg: object, default: bool | None) -> None:
@@ -44,6 +54,15 @@ class TransformerLensNames:
         """Whether text input gets BOS first when `prepend_bos` is not given; None (lenskit's default): as the
         checkpoint's own tokenizer does. `lenskit.transformer_lens` sets True, as TransformerLens does."""
         return getattr(self, "_default_prepend_bos", None)
+
+    use_attn_result = property(lambda self: getattr(self, "_use_attn_result", False),
+                               doc="Whether `model.set_use_attn_result(True)` is on (each head's `hook_result` cached).")
+    use_split_qkv_input = property(lambda self: getattr(self, "_use_split_qkv_input", False),
+                                   doc="Whether `model.set_use_split_qkv_input(True)` is on.")
+    use_attn_in = property(lambda self: getattr(self, "_use_attn_in", False),
+                           doc="Whether `model.set_use_attn_in(True)` is on.")
+    use_hook_mlp_in = property(lambda self: getattr(self, "_use_hook_mlp_in", False),
+                               doc="Whether `model.set_use_hook_mlp_in(True)` is on.")
 
     @property
     def model_name(self) -> str:

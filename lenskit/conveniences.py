@@ -9,11 +9,14 @@ head labels, and the token-and-position input basis.
 
 from __future__ import annotations
 
+import numbers
+
 from typing import TYPE_CHECKING
 
 import torch
 
 from .losses import next_token_loss
+from .observe.names import head_label
 
 if TYPE_CHECKING:
     from torch import nn
@@ -90,7 +93,7 @@ class ModelConveniences:
 
     def all_head_labels(self) -> list[str]:
         """"L{layer}H{head}" for every attention head, layer by layer: n_layers * n_heads labels."""
-        return [f"L{l}H{h}" for l in range(self.cfg.n_layers) for h in range(self.cfg.n_heads)]
+        return [head_label(l, h) for l in range(self.cfg.n_layers) for h in range(self.cfg.n_heads)]
 
     def to_single_str_token(self, int_token: int) -> str:
         """The text of the token with id `int_token`."""
@@ -113,8 +116,8 @@ class ModelConveniences:
             return self.to_single_token(token)
         if isinstance(token, torch.Tensor) and token.numel() == 1:
             return int(self._in_vocabulary(token.reshape(1))[0])
-        if isinstance(token, int) and not isinstance(token, bool):
-            return int(self._in_vocabulary(torch.tensor([token]))[0])
+        if isinstance(token, numbers.Integral) and not isinstance(token, bool):  # numpy ints too
+            return int(self._in_vocabulary(torch.tensor([int(token)]))[0])
         raise TypeError(f"expected one token (text of one token, an int id or a one-element tensor), got "
                         f"{type(token).__name__} {token!r:.40}")
 

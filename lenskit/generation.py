@@ -166,8 +166,8 @@ class _Rows:
             1, self.seqs, real.to(self.seqs.device, torch.float32))
 
 
-def _cached_steps(model: "HookedTransformer", rows: _Rows, choose, bar) -> None:
-    """Run rows on from a KV cache while the shared position is inside n_ctx."""
+def _cached_steps(model: "HookedTransformer", rows: _Rows, choose, bar) -> int:
+    """Run rows on from a KV cache while the shared position is inside n_ctx; the number of steps taken."""
     cache = KVCache(model.cfg, rows.seqs.shape[0])
     p = int(rows.length.min())
     logits = model(rows.seqs[:, :p], past_kv_cache=cache)[:, -1]  # [batch, d_vocab], predicting position p
@@ -179,7 +179,7 @@ def _cached_steps(model: "HookedTransformer", rows: _Rows, choose, bar) -> None:
             step += 1
             bar.update(rows)
         if not rows.waiting().any() or p == model.cfg.n_ctx:
-            return
+            return step
         logits = model(rows.seqs[:, p:p + 1], past_kv_cache=cache)[:, -1]  # a waiting row's token, or a prompt's
         p += 1
 
@@ -262,9 +262,8 @@ def generate(model: "HookedTransformer", tokens: "TokensLike", max_new_tokens: i
 
     bar = _Progress(max_new_tokens, verbose)
     try:
-        if max_new_tokens > 0 and use_past_kv_cache:
-            _cached_steps(model, rows, choose, bar)
-        _window_steps(model, rows, choose, bar)
+        step = _cached_steps(model, rows, choose, bar) if max_new_tokens > 0 and use_past_kv_cache else 0
+        _window_steps(model, rows, choose, bar, step)
     finally:
         bar.close()
     return _output(model, rows, tokens, fill, pad, padding_side, return_type)

@@ -272,3 +272,16 @@ def test_incl_bwd_matches_transformer_lens(tmp_path):
     for name in names:
         assert theirs[name + "_grad"].abs().max() > 0
         torch.testing.assert_close(ours[name + "_grad"], theirs[name + "_grad"], atol=1e-7, rtol=1e-4)
+
+
+def test_a_backward_hook_may_return_a_one_tuple_as_torch_module_hooks_do(model, tokens):
+    seen = []
+
+    def double(grad, hook):
+        seen.append(grad.clone())
+        return (grad * 2,)
+
+    with model.hooks(bwd_hooks=[("hook_embed", double)]):
+        assert len(model.hook_dict["hook_embed"].bwd_hooks) == 1  # the context's hook, seen where it runs
+        model(tokens, return_type="loss").backward()
+    assert len(model.hook_dict["hook_embed"].bwd_hooks) == 0 and len(seen) == 1

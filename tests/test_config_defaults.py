@@ -32,9 +32,10 @@ REQUIRED = {"model_type", "n_layer", "n_embd", "n_head", "n_positions", "vocab_s
             "num_attention_heads", "intermediate_size", "max_position_embeddings"}
 
 
-# Fields whose transformers default turns on a piece lenskit refuses by name (Gemma 4's per-layer inputs, 256): their
-# absence is refused, and the no-argument config is compared with them turned off on both sides.
-DEFAULT_REFUSED = {"gemma4_text": {"hidden_size_per_layer_input": 0}}
+# Fields whose transformers default turns on a piece lenskit refuses by name: their absence is refused, and the
+# no-argument config is compared with them turned off on both sides. None now (Gemma 4's per-layer inputs, on by
+# default at 256, are implemented).
+DEFAULT_REFUSED: dict[str, dict] = {}
 
 
 def hf_config_class(family: str) -> type:

@@ -2,7 +2,9 @@
 
 Full blocks with wider heads and their own kv heads whose keys are also the values (`attention_k_eq_v`), a gainless
 value norm, proportional rotary on the full blocks, each block's stored `layer_scalar` (our `hook_rescale_out`,
-a write of its own in the stream's decomposition), and every Gemma 4 field lenskit refuses, by name.
+a write of its own in the stream's decomposition), and every Gemma 4 field lenskit refuses, by name. E2B/E4B's
+per-layer inputs and kv sharing: tests/test_gemma4_small.py; 26B-A4B's experts: tests/test_gemma4_moe.py; the
+published sizes: tests/test_gemma4_presets.py.
 """
 
 from __future__ import annotations
@@ -87,13 +89,14 @@ def test_layer_scalar_is_a_write_of_its_own(tokens):
     scalars = [b.layer_scalar.item() for b in model.blocks]
     assert scalars == [layer.layer_scalar.item() for layer in hf.model.layers] and all(abs(s - 1) > 0.01 for s in scalars)
     _, cache = model.run_with_cache(tokens)
-    for i, s in enumerate(scalars):
-        before = cache["resid_mid", i] + cache["mlp_out", i]
+    for i, s in enumerate(scalars):  # the tiny model has per-layer inputs (E2B's): their write comes before the rescaling
+        before = cache["resid_mid", i] + cache["mlp_out", i] + cache["per_layer_out", i]
         torch.testing.assert_close(cache["rescale_out", i], (s - 1) * before, atol=1e-6, rtol=0)
     stack, labels = cache.decompose_resid(return_labels=True)
-    assert labels == ["embed", "0_attn_out", "0_mlp_out", "0_rescale_out", "1_attn_out", "1_mlp_out", "1_rescale_out"]
+    assert labels == ["embed", "0_attn_out", "0_mlp_out", "0_per_layer_out", "0_rescale_out", "1_attn_out", "1_mlp_out",
+                      "1_per_layer_out", "1_rescale_out"]
     torch.testing.assert_close(stack.sum(0), cache["resid_post", 1], atol=1e-5, rtol=0)
-    assert cache.decompose_resid(mode="mlp", incl_embeds=False).shape[0] == 2  # the rescaling is neither sublayer's
+    assert cache.decompose_resid(mode="mlp", incl_embeds=False).shape[0] == 2  # the late writes are neither sublayer's
 
 
 def test_counts_and_flops_are_the_real_models():
@@ -114,12 +117,15 @@ def test_counts_and_flops_are_the_real_models():
 
 
 # ------------------------------------------------------------------ what lenskit refuses, by name
+# Every size's pieces are implemented; what is refused is what transformers' own model cannot run either, or fields
+# that would change the computation in a way lenskit does not implement (bidirectional attention over text).
 REFUSED = [
-    ({"hidden_size_per_layer_input": 256}, ("hidden_size_per_layer_input=256", "per-layer input")),
-    ({"hidden_size_per_layer_input": None}, ("hidden_size_per_layer_input", "transformers' default")),  # absent: 256
-    ({"num_kv_shared_layers": 1}, ("num_kv_shared_layers=1",)),
-    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8},
-     ("enable_moe_block=True",)),
+    ({"num_kv_shared_layers": 2}, ("num_kv_shared_layers=2", "no block would compute the keys")),  # every block
+    ({"num_kv_shared_layers": 1}, ("num_kv_shared_layers=1", "block 1 (full)", "no block before 1 has that type")),
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}, ("enable_moe_block=True", "moe_intermediate_size")),
+    ({"enable_moe_block": True, "num_experts": 2, "top_k_experts": 3, "moe_intermediate_size": 8},
+     ("top_k_experts=3", "num_experts=2")),
+    ({"vocab_size_per_layer_input": 50}, ("vocab_size_per_layer_input=50", "below vocab_size=101")),
     ({"use_bidirectional_attention": "all"}, ("use_bidirectional_attention='all'",)),
     ({"attn_logit_softcapping": 50.0}, ("attn_logit_softcapping=50.0",)),
     ({"rope_theta": 1e4}, ("rope_theta=10000.0",)),

@@ -187,3 +187,16 @@ def test_misuse_is_refused_in_one_line():
                 call()
             assert "\n" not in str(err.value)
     assert cache.n_pos == 4  # nothing refused touched it
+
+
+def test_a_kv_sharing_block_stores_nothing_and_reads_its_sources_cache():
+    model = family_model_of("gemma4_text").model
+    shared = [layer for layer, source in enumerate(model.cfg.kv_source_layers) if source is not None]
+    assert shared  # the tiny Gemma 4 shares keys (n_kv_shared_layers), so the steps above covered it
+    toks = tokens(pos=9)
+    with torch.no_grad():
+        want = model(toks)
+    got, cache = stepped(model, toks, [5])
+    assert (got - want).abs().max().item() <= TOL * scale(want)
+    for layer in range(model.cfg.n_layers):
+        assert cache[layer].n_pos == (0 if layer in shared else 9)

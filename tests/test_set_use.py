@@ -166,3 +166,17 @@ def test_mlp_in_is_a_copy_of_what_the_mlp_reads(family):
     zeros = torch.zeros(2, 7, model.cfg.d_model)
     by_hand = block.mlp(block.ln2(zeros)) if block.PRE_NORMS else block.ln2_post(block.mlp(zeros))
     torch.testing.assert_close(cache["blocks.0.hook_mlp_out"], by_hand)
+
+
+def test_gradients_reach_the_stream_through_the_per_head_inputs():
+    """resid_pre's gradient = resid_mid's (the residual path) + the sum over heads of the three per-head inputs'."""
+    model = build_family_model("llama").model
+    model.set_use_split_qkv_input(True)
+    names = ["blocks.1.hook_resid_pre", "blocks.1.hook_resid_mid", *(f"blocks.1.{p}" for p in
+                                                                     ("hook_q_input", "hook_k_input", "hook_v_input"))]
+    _, cache = model.run_with_cache(TOKENS, names_filter=names, incl_bwd=True, return_type="loss")
+    model.zero_grad(set_to_none=True)
+    through_heads = sum(cache[f"blocks.1.{p}_grad"].sum(2) for p in ("hook_q_input", "hook_k_input", "hook_v_input"))
+    assert cache["blocks.1.hook_k_input_grad"].shape[2] == model.cfg.n_kv_heads
+    assert through_heads.abs().max() > 1e-6
+    torch.testing.assert_close(cache["blocks.1.hook_resid_pre_grad"], cache["blocks.1.hook_resid_mid_grad"] + through_heads)

@@ -181,3 +181,20 @@ def test_the_namespace_has_transformer_lens_module_paths():
 
     assert HookPoint is lenskit.HookPoint and FactoredMatrix(torch.eye(3), torch.eye(3)).AB.shape == (3, 3)
     assert issubclass(transformer_lens.HookedTransformer, HookedRootModule)
+
+
+def test_switches_show_on_the_config_and_run_with_cache_takes_transformer_lens_flags(folder):
+    model = transformer_lens.HookedTransformer.from_pretrained(str(folder))
+    assert not model.cfg.use_attn_result and not model.cfg.use_hook_mlp_in
+    model.set_use_attn_result(True)
+    model.set_use_hook_mlp_in(True)
+    assert model.cfg.use_attn_result and model.cfg.use_hook_mlp_in and not model.cfg.use_split_qkv_input
+    _, cache = model.run_with_cache("Hello world", clear_contexts=True)
+    assert "blocks.0.attn.hook_result" in cache and "blocks.1.hook_mlp_in" in cache
+    model.set_use_attn_result(False)
+    assert not model.cfg.use_attn_result
+    with pytest.raises(ValueError, match="reset_hooks_end=True"):
+        model.run_with_cache("Hello world", reset_hooks_end=False)
+    built = transformer_lens.HookedTransformer(dict(n_layers=1, d_model=32, n_ctx=16, d_head=8, d_vocab=50,
+                                                    use_attn_result=True))
+    assert built.cfg.use_attn_result

@@ -148,8 +148,9 @@ def test_remove_batch_dim(model):
     assert all(torch.equal(cache[k], v[0]) for k, v in batched.items())
     assert cache.accumulated_resid().shape == (model.cfg.n_layers + 1, 6, model.cfg.d_model)
     close(cache.accumulated_resid(apply_ln=True)[-1], model.ln_final(batched["blocks.2.hook_resid_post"][0]))
-    with pytest.raises(ValueError, match="already removed"):
-        cache.remove_batch_dim()
+    with pytest.warns(UserWarning, match="already removed"):
+        assert cache.remove_batch_dim() is cache  # a second call drops nothing more
+    assert all(torch.equal(cache[k], v[0]) for k, v in batched.items())
     _, two = model.run_with_cache(torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="batch size 2"):
         two.remove_batch_dim()

@@ -67,6 +67,8 @@ def _run(chain: list[tuple["HookPoint", tuple[Attachment, ...]]], grad: torch.Te
 
 
 def _checked(hp: "HookPoint", fn: HookFn, out: object, grad: torch.Tensor) -> torch.Tensor:
+    if isinstance(out, tuple) and len(out) == 1:
+        out = out[0]  # torch's module backward hooks return a tuple of gradients, and TransformerLens's hooks are those
     if not isinstance(out, torch.Tensor) or out.shape != grad.shape:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"backward hook {getattr(fn, '__qualname__', fn)!s:.60} on {hp.name} returned {got}; expected "

@@ -136,9 +136,11 @@ class ActivationCache(ResidStacks, ComponentStacks, Mapping):
 
     def remove_batch_dim(self, batch_size: int | None = None) -> "ActivationCache":
         """Drop the batch axis of a one-sequence cache, in place (as TransformerLens does), and return it.
-        `batch_size`, where given, is checked to be 1."""
+        `batch_size`, where given, is checked to be 1. On a cache whose axis is already gone it warns and does
+        nothing, as TransformerLens does, so calling it twice cannot drop a second axis."""
         if not self.has_batch_dim:
-            raise ValueError("this cache's batch axis is already removed")
+            warnings.warn("this cache's batch axis is already removed; remove_batch_dim did nothing", stacklevel=2)
+            return self
         sizes = {v.shape[0] for v in self._store.values() if v.ndim > 0}
         if sizes - {1} or batch_size not in (None, 1):
             raise ValueError(f"remove_batch_dim needs a cache of one sequence, this one has batch size "

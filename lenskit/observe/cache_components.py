@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .names import hook_name
+from .names import head_label, hook_name
 from .resid import headless, need, pinned_norm, post_normed
 from .slices import PosSlice, Slice, apply_slice
 from .stream import Stream, check_layer
@@ -81,7 +81,7 @@ class ComponentStacks:
             self._reaching_heads(l, "stack_head_results")
             result = self._head_result(l, "stack_head_results")  # [..., pos, head, d_model]
             heads += list(result.movedim(-2, 0))
-            labels += [f"L{l}H{h}" for h in range(result.shape[-2])]
+            labels += [head_label(l, h) for h in range(result.shape[-2])]
         stack = self._stack(heads, pos_slice, -2)
         if incl_remainder:
             total = apply_slice(need(self, Stream(layer).hook_name(self.n_layers), "stack_head_results"), pos_slice, -2)

@@ -227,11 +227,7 @@ class ResidStacks:
         if self.model is None:
             raise ValueError("get_full_resid_decomposition needs the model's biases, and this cache was built without a "
                              "model; get the cache from model.run_with_cache, or pass ActivationCache(cache_dict, model)")
-        blocks = self.model.blocks
-        total = sum(blocks[l].attn.b_O for l in range(layer + mlp_input))
-        if mlp_biases:
-            total = total + sum(blocks[l].mlp.b_out for l in range(layer))
-        return torch.as_tensor(total).detach().expand(self.model.cfg.d_model)
+        return self.model.accumulated_bias(layer, mlp_input, mlp_biases).detach()  # [d_model]
 
 
 def residual_directions(model: "nn.Module | None", tokens: "str | int | torch.Tensor") -> torch.Tensor:
@@ -240,15 +236,4 @@ def residual_directions(model: "nn.Module | None", tokens: "str | int | torch.Te
     if model is None:
         raise ValueError("logit_attrs needs the model's unembedding, and this cache was built without a model; "
                          "get the cache from model.run_with_cache, or pass ActivationCache(cache_dict, model)")
-    W_U = model.W_U.detach()  # [d_model, d_vocab]
-    if isinstance(tokens, str):
-        return W_U[:, model.to_single_token(tokens)]
-    one = as_int(tokens)
-    if one is None and isinstance(tokens, torch.Tensor) and tokens.numel() == 1:
-        one = int(tokens.item())
-    if one is not None:
-        return W_U[:, one]
-    if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point():
-        raise TypeError(f"tokens are text of one token, an id, or an integer tensor of ids, got {type(tokens).__name__} "
-                        f"{tokens!r:.60}")
-    return W_U[:, tokens.to(W_U.device)].movedim(0, -1)  # [*tokens.shape, d_model]
+    return model.tokens_to_residual_directions(tokens).detach()  # [d_model] or [*tokens.shape, d_model]

@@ -47,12 +47,14 @@ class LensHandle:
     detaches exactly this attachment. `is_permanent` hooks survive `reset_hooks()` unless it is asked to remove
     them; `context_level` is the `level` it was attached with."""
 
-    __slots__ = ("point", "user_hook", "dir", "is_permanent", "context_level", "attachment")
+    __slots__ = ("point", "user_hook", "dir", "is_permanent", "context_level", "attachment", "scoped")
 
-    def __init__(self, point: "HookPoint", fn: HookFn, dir: str, is_permanent: bool, level: int | None) -> None:
+    def __init__(self, point: "HookPoint", fn: HookFn, dir: str, is_permanent: bool, level: int | None,
+                 scoped: bool = False) -> None:
         self.point, self.user_hook, self.dir = point, fn, dir
         self.is_permanent, self.context_level = is_permanent, level
-        self.attachment = Attachment(fn) if dir == "bwd" else None
+        self.attachment = Attachment(fn) if dir == "bwd" and not scoped else None
+        self.scoped = scoped  # a view of a hook from the calling context's `hooks()` block, not a global attachment
 
     @property
     def hook(self) -> "LensHandle":
@@ -80,10 +82,25 @@ class HookPoint(nn.Module):
         super().__init__()
         self.name: str = ""
         self.ctx: dict = {}
-        self.fwd_hooks: list[LensHandle] = []  # global forward hooks, in running order
-        self.bwd_hooks: list[LensHandle] = []
+        self._fwd_handles: list[LensHandle] = []  # global forward hooks, in running order
+        self._bwd_handles: list[LensHandle] = []
         self._fns: tuple[HookFn, ...] = ()  # the forward hooks' functions, read on every forward
         self._bwd: list[Attachment] = []  # the backward hooks' attachments
+
+    @property
+    def fwd_hooks(self) -> list[LensHandle]:
+        """The forward hooks that run here for the calling context, in running order: the global ones, then those of
+        the calling context's `hooks()` blocks (whose handles `hooks()` removes on exit)."""
+        local = _CONTEXT_HOOKS.get()
+        mine = local.get(self, ()) if local is not None else ()
+        return [*self._fwd_handles, *(LensHandle(self, fn, "fwd", False, None, scoped=True) for fn in mine)]
+
+    @property
+    def bwd_hooks(self) -> list[LensHandle]:
+        """The backward hooks for the calling context: the global ones, then those of its `hooks()` blocks."""
+        local = BACKWARD_HOOKS.get()
+        mine = [a for a in (local.get(self, ()) if local is not None else ()) if a.live]
+        return [*self._bwd_handles, *(LensHandle(self, a.fn, "bwd", False, None, scoped=True) for a in mine)]
 
     def add_hook(self, fn: HookFn, dir: str = "fwd", is_permanent: bool = False, level: int | None = None,
                  prepend: bool = False) -> LensHandle:
@@ -96,7 +113,7 @@ class HookPoint(nn.Module):
         if not callable(fn):
             raise TypeError(f"hook for {self.name!r} is not callable: {fn!r}")
         handle = LensHandle(self, fn, dir, is_permanent, level)
-        handles = self.fwd_hooks if dir == "fwd" else self.bwd_hooks
+        handles = self._fwd_handles if dir == "fwd" else self._bwd_handles
         handles.insert(0, handle) if prepend else handles.append(handle)
         self._sync()
         return handle
@@ -109,12 +126,15 @@ class HookPoint(nn.Module):
         """Remove the global hooks of `dir` ("fwd", "bwd" or "both") that are not permanent (all of them with
         `including_permanent`), only those attached with `level` where it is given, as TransformerLens does."""
         dirs = _directions(dir)
-        for handle in [*self.fwd_hooks, *self.bwd_hooks]:
+        for handle in [*self._fwd_handles, *self._bwd_handles]:
             if handle.dir in dirs and handle.matches(including_permanent, level):
                 self._detach(handle)
 
     def _detach(self, handle: LensHandle) -> None:
-        handles = self.fwd_hooks if handle.dir == "fwd" else self.bwd_hooks
+        if handle.scoped:
+            raise ValueError(f"this hook on {self.name} belongs to a `with model.hooks(...)` block (or run_with_hooks), "
+                             "which removes it on exit; it cannot be removed on its own")
+        handles = self._fwd_handles if handle.dir == "fwd" else self._bwd_handles
         if handle in handles:
             handles.remove(handle)
         if handle.attachment is not None:
@@ -122,8 +142,8 @@ class HookPoint(nn.Module):
         self._sync()
 
     def _sync(self) -> None:
-        self._fns = tuple(h.user_hook for h in self.fwd_hooks)
-        self._bwd = [h.attachment for h in self.bwd_hooks]
+        self._fns = tuple(h.user_hook for h in self._fwd_handles)
+        self._bwd = [h.attachment for h in self._bwd_handles]
 
     def clear_context(self) -> None:
         self.ctx = {}
@@ -139,7 +159,7 @@ class HookPoint(nn.Module):
             local, bwd = _CONTEXT_HOOKS.get(), BACKWARD_HOOKS.get()
             return (local is not None and self in local) or (bwd is not None and self in bwd)
         dirs = _directions(dir)
-        if any(h.dir in dirs and h.matches(including_permanent, level) for h in [*self.fwd_hooks, *self.bwd_hooks]):
+        if any(h.dir in dirs and h.matches(including_permanent, level) for h in [*self._fwd_handles, *self._bwd_handles]):
             return True
         contexts = [var.get() for d, var in (("fwd", _CONTEXT_HOOKS), ("bwd", BACKWARD_HOOKS)) if d in dirs]
         return level is None and any(local is not None and self in local for local in contexts)

@@ -100,3 +100,8 @@ def get_act_name(name: str, layer: int | None = None, layer_type: str | None = N
         raise ValueError(f"{name!r} is {block_hook_name(layer, BLOCK_SHORT[name])!r}, so layer_type must be None"
                          f"{f' or {part!r}' if part else ''}, got {layer_type!r}")
     return block_hook_name(layer, BLOCK_SHORT[name])
+
+
+def head_label(layer: int, head: int) -> str:
+    """The label of one attention head in stacks and tables, "L{layer}H{head}", as TransformerLens writes it."""
+    return f"L{layer}H{head}"

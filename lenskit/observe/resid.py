@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Container
 import torch
 from torch import nn
 
-from .names import hook_name
+from .names import head_label, hook_name
 from .stream import Stream
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def resid_parts(cache: "ActivationCache", s: Stream, per_head: bool = False) -> 
                              "heads do not add up to attn_out; decompose with per_head=False")
         if per_head and not headless(cache, i):  # a linear-attention block has no heads: its write stays whole
             result = need(cache, hook_name("result", i), "a per-head decomposition")  # [..., pos, head, d_model]
-            parts += [Part(result[..., h, :], f"L{i}H{h}", "head", i, h) for h in range(result.shape[-2])]
+            parts += [Part(result[..., h, :], head_label(i, h), "head", i, h) for h in range(result.shape[-2])]
             parts.append(Part(attn_out - result.sum(-2), f"{i}_attn_bias", "attn_bias", i, None))
         else:
             parts.append(Part(attn_out, f"{i}_attn_out", "attn", i, None))

@@ -55,6 +55,8 @@ class RunMethods:
         incl_bwd: bool = False,
         remove_batch_dim: bool = False,
         return_cache_object: bool = True,
+        reset_hooks_end: bool = True,
+        clear_contexts: bool = False,
         **kwargs: Any,
     ) -> tuple[torch.Tensor | None, ActivationCache | dict[str, torch.Tensor]]:
         """Run once and keep the activations `names_filter` selects (see `hook_names`).
@@ -78,8 +80,12 @@ class RunMethods:
 
         `remove_batch_dim=True` drops the batch axis of a one-sequence run's cache (`cache.remove_batch_dim()`); the
         logits keep theirs, as in TransformerLens. `return_cache_object=False` returns the plain dict of tensors
-        (`cache.cache_dict`) instead of the cache.
+        (`cache.cache_dict`) instead of the cache. `clear_contexts=True` empties every hook point's `ctx` at the end.
+        `reset_hooks_end` (TransformerLens's) may only be True: the caching hooks are always removed on return.
         """
+        if reset_hooks_end is not True:
+            raise ValueError("run_with_cache always removes its hooks on return (reset_hooks_end=True); for gradients "
+                             "at the cached points pass incl_bwd=True, or attach hooks with model.add_hook")
         if incl_bwd and not return_logits:
             raise ValueError("incl_bwd=True differentiates the model's output, so the run cannot stop early; "
                              "drop return_logits=False")
@@ -117,6 +123,8 @@ class RunMethods:
         finally:
             recording.synchronise()  # offloaded entries hold their values from here on
             grads.synchronise()
+            if clear_contexts:
+                self.clear_contexts()
         recording.check_unchanged()
         store = {**recording.store, **{f"{name}_grad": g for name, g in grads.store.items()}}
         cache = ActivationCache(store, self.cfg.n_layers, self)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..config_names import note_switch
 from .hooks import HookPoint
 
 if TYPE_CHECKING:
@@ -43,7 +44,10 @@ class SwitchMethods:
         """Cache each head's write `blocks.L.attn.hook_result` [batch, pos, head, d_model] by default (True) or only
         when asked by name (False, the default). Either way the model computes the same function."""
         on_request = tuple(type(self).ON_REQUEST)
+        if not isinstance(use_attn_result, bool):
+            raise TypeError(f"set_use_attn_result takes True or False, got {use_attn_result!r}")
         self.ON_REQUEST = tuple(n for n in on_request if n != "attn.hook_result") if use_attn_result else on_request
+        note_switch(self.cfg, "use_attn_result", use_attn_result)
 
     def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
         """Give each head its own copy of the block's input for its query, key and value: `blocks.L.hook_q_input`
@@ -79,6 +83,7 @@ class SwitchMethods:
         for block in self.blocks:
             (_switch_mlp_in if kind == "mlp_in" else _switch_attention)(block, kind if on else None)
         self.setup_hooks()
+        note_switch(self.cfg, f"use_{SWITCH_NAMES[kind]}", on)
 
 
 SWITCH_NAMES = {"split_qkv": "split_qkv_input", "attn_in": "attn_in", "mlp_in": "hook_mlp_in"}

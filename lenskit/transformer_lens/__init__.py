@@ -10,7 +10,7 @@ Nothing here computes anything of its own: each name is lenskit's (`lenskit.Hook
 See the README, "Coming from TransformerLens", for what differs and what is not provided.
 """
 
-from lenskit.observe.cache import ActivationCache
+from .ActivationCache import ActivationCache
 
 from . import evals, hook_points, past_key_value_caching, patching, utils
 from .FactoredMatrix import FactoredMatrix
