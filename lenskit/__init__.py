@@ -15,6 +15,7 @@ from .config import PRESETS, ModelConfig
 from .observe.hooks import HookPoint
 from .io.loading import EMBEDDED_MODELS as _EMBEDDED
 from .io.loading import CheckpointError, embedded_model_folder
+from .kv_cache import KVCache
 from .model import HookedTransformer
 from .observe.names import get_act_name
 from .observe.slices import Slice
@@ -27,6 +28,6 @@ EMBEDDED_MODELS: dict[str, str] = {name: str(embedded_model_folder(name)) for na
 """Short name -> folder of each model that ships with lenskit: `stdlib-gpt2` (the default) and `stdlib-llama`,
 its Llama-architecture sibling trained on the same tokens. The short names work wherever a model is taken."""
 
-__all__ = ["ActivationCache", "CheckpointError", "DEFAULT_MODEL", "EMBEDDED_MODELS", "HookPoint", "HookedTransformer", "ModelConfig", "PRESETS",
+__all__ = ["ActivationCache", "CheckpointError", "DEFAULT_MODEL", "EMBEDDED_MODELS", "HookPoint", "HookedTransformer", "KVCache", "ModelConfig", "PRESETS",
            "Slice", "Stream", "accounting", "data", "get_act_name", "interventions", "patching"]
 __version__ = "0.1.0"

@@ -70,7 +70,10 @@ def refusal(cfg, option: str) -> tuple[str, bool] | None:
                 f"c*tanh(z/c) (c={cfg.final_softcap}) is not shift-invariant; pass center_unembed=False", False)
     if option == "fold_value_biases":
         for flag, why in (("attn_sinks", "attention sinks make each pattern sum to less than 1"),
-                          ("attn_output_gate", "each head's output gate scales its value bias per position")):
+                          ("attn_output_gate", "each head's output gate scales its value bias per position"),
+                          ("v_norm", "the value norm (Gemma 4's) normalises each value, its bias included")):
+            if flag == "v_norm" and not cfg.qkv_bias:
+                continue  # no value bias to fold: nothing changes
             if getattr(cfg, flag):
                 return (f"fold_value_biases is not exact for {cfg.family}: {why}; pass fold_value_biases=False", False)
         if linear:
@@ -156,8 +159,8 @@ def _readers(part: nn.Module) -> list[nn.Linear]:
     names = ("qkv", "q", "k", "v", "gate", "fc_in", "gate_up")
     found = [getattr(part, n) for n in names if isinstance(getattr(part, n, None), nn.Linear)]
     qkv = getattr(part, "qkv", None)
-    if qkv is not None and not isinstance(qkv, nn.Linear):
-        found += [getattr(qkv, n) for n in ("q", "k", "v")]
+    if qkv is not None and not isinstance(qkv, nn.Linear):  # Gemma 4's full blocks have no v: their keys are the values
+        found += [getattr(qkv, n) for n in ("q", "k", "v") if isinstance(getattr(qkv, n, None), nn.Linear)]
     return found
 
 

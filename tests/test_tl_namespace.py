@@ -198,3 +198,24 @@ def test_switches_show_on_the_config_and_run_with_cache_takes_transformer_lens_f
     built = transformer_lens.HookedTransformer(dict(n_layers=1, d_model=32, n_ctx=16, d_head=8, d_vocab=50,
                                                     use_attn_result=True))
     assert built.cfg.use_attn_result
+
+
+def test_generate_has_transformer_lens_defaults(ours, bridge):
+    prompt = "Hello world, this is"
+    mine = ours.generate(prompt, max_new_tokens=6, do_sample=False, verbose=False)
+    theirs = bridge.generate(prompt, max_new_tokens=6, do_sample=False, verbose=False)
+    assert isinstance(mine, str) and mine == theirs  # text in, text out, BOS left out of the text
+    for cache in (True, False):
+        assert ours.generate(prompt, 6, do_sample=False, use_past_kv_cache=cache, verbose=False) == theirs
+    tokens = ours.to_tokens(prompt)
+    out = ours.generate(tokens, max_new_tokens=4, do_sample=False, verbose=False)
+    assert torch.equal(out, bridge.generate(tokens, max_new_tokens=4, do_sample=False, verbose=False))
+    torch.manual_seed(0)
+    first = ours.generate(prompt, max_new_tokens=5, verbose=False)  # sampled by default, from torch's generator
+    torch.manual_seed(0)
+    assert ours.generate(prompt, max_new_tokens=5, verbose=False) == first
+    import inspect
+
+    assert list(inspect.signature(ours.generate).parameters)[:14] == [
+        "input", "max_new_tokens", "stop_at_eos", "eos_token_id", "do_sample", "top_k", "top_p", "temperature",
+        "freq_penalty", "use_past_kv_cache", "prepend_bos", "padding_side", "return_type", "verbose"]

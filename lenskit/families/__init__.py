@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 from . import readers, readers_hybrid, readers_moe, writers
 from ..config import ModelConfig
-from .layouts import GEMMA, GEMMA4, GPT2, GPT_NEOX, GPT_OSS, LLAMA, MIXTRAL, MOE, OLMO2, PHI3, QWEN3_5, Layout
+from .layouts import GEMMA, GPT2, GPT_NEOX, GPT_OSS, LLAMA, MIXTRAL, MOE, OLMO2, PHI3, QWEN3_5, Layout
+from .layouts_gemma4 import GEMMA4
 
 
 @dataclass(frozen=True)
@@ -148,10 +149,8 @@ def _gemma4(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: in
     """Gemma 4 (text): heads of 256 on the sliding blocks, of 512 on the full ones (one in `pattern`, and the last;
     with `k_is_v`, their own kv heads whose keys are the values), proportional rotary over a quarter of the full
     blocks' pairs (base 1e6), base 1e4 on the sliding ones, a final soft-cap of 30, a 262,144-token vocabulary;
-    `extra`: per-layer inputs and kv sharing (E2B, E4B) or experts beside the MLP (26B-A4B). Shapes from the published
-    config.json (text_config) as recalled and cross-checked against public copies and against the totals of
-    transformers' own models of them (tests/test_gemma4_presets.py), not downloaded; the rest are Gemma4TextConfig's
-    defaults."""
+    `extra`: per-layer inputs and kv sharing (E2B, E4B) or experts (26B-A4B). Shapes from the published config.json
+    as recalled, not downloaded, checked against transformers' own models' totals (tests/test_gemma4_presets.py)."""
     return ModelConfig(
         n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=256, d_mlp=d_mlp,
         d_vocab=262144, n_ctx=n_ctx, norm="rmsnorm", norm_eps=1e-6, mlp="geglu", activation="gelu_pytorch_tanh",
@@ -209,10 +208,9 @@ _QWEN3_5_TINY = dict(_SHAPE, num_key_value_heads=2, head_dim=16, max_position_em
 
 # Gemma 4: a sliding block (window shorter than the prompt, base 100) and a full one, whose heads are wider (24, not 16)
 # with one kv head whose keys are also its values, proportional rotary over a quarter of its pairs; plain-gain norms
-# (perturbed by conftest, which also moves each block's layer_scalar off 1), a final soft-cap that bites; per-layer
-# inputs of 8 (E2B/E4B's), their vocabulary the tiny tokenizer's 300. With 3 blocks (full, sliding, full) the last
-# reads block 0's keys and values (kv sharing) and its MLP is twice as wide. The experts beside the MLP (26B-A4B) are
-# tests/test_gemma4_moe.py's.
+# (perturbed by conftest, which also moves each block's layer_scalar off 1), a final soft-cap that bites; E2B's
+# per-layer inputs (of 8, vocabulary 300, the tiny tokenizer's), and with 3 blocks its kv sharing: the last block reads
+# block 0's keys, its MLP twice as wide. 26B-A4B's experts: tests/test_gemma4_moe.py.
 _GEMMA4_TINY = dict(_SHAPE, num_key_value_heads=2, head_dim=16, global_head_dim=24, num_global_key_value_heads=1,
                     attention_k_eq_v=True, sliding_window=5, initializer_range=0.2, final_logit_softcapping=2.0,
                     pad_token_id=0, hidden_size_per_layer_input=8, vocab_size_per_layer_input=300,
@@ -361,21 +359,16 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family(
         "gemma4_text", "Gemma4ForCausalLM", "Gemma4TextConfig", "Gemma 4 (text only: E2B, E4B, 26B-A4B, 31B)",
         readers.read_gemma4_text, writers.write_gemma4_text, GEMMA4,
+        # google/gemma-4-*'s text_config: E2B's 20 last blocks (E4B's 18) read earlier blocks' keys, and E2B's have
+        # MLPs twice as wide; 26B-A4B has 128 experts of 704 (8 per token) beside each dense MLP; E2B's full blocks are
+        # one in five, the others' one in six
         presets=_named(
-            # google/gemma-4-E2B's text_config: 35 blocks (one in five full, window 512), 8 heads, 1 kv head, d_mlp
-            # 6144 (12,288 in the 20 kv-sharing blocks), per-layer inputs of 256, 131,072 positions
             _gemma4("gemma-4-e2b", 35, 1536, 8, 1, None, 6144, 512, 131072, pattern=5, k_is_v=False, d_per_layer=256,
                     n_kv_shared_layers=20, double_wide_mlp=True),
-            # google/gemma-4-E4B's: 42 blocks (one in six full, window 512), 8 heads, 2 kv heads, d_mlp 10240, per-layer
-            # inputs of 256, the last 18 blocks sharing keys, 131,072 positions
             _gemma4("gemma-4-e4b", 42, 2560, 8, 2, None, 10240, 512, 131072, k_is_v=False, d_per_layer=256,
                     n_kv_shared_layers=18),
-            # google/gemma-4-26B-A4B's: 30 blocks (window 1024), 16 heads, 8 kv heads (2 on the full blocks), a dense MLP
-            # of 2112 beside 128 experts of 704 (8 per token), 262,144 positions
             _gemma4("gemma-4-26b-a4b", 30, 2816, 16, 8, 2, 2112, 1024, 262144, experts_beside_mlp=True, n_experts=128,
                     n_experts_per_token=8, d_expert=704, routing="softmax_topk_renorm"),
-            # google/gemma-4-31B's: 60 blocks (50 sliding, window 1024), 32 heads, 16 kv heads (4 on the full blocks),
-            # d_mlp 21504, 262,144 positions
             _gemma4("gemma-4-31b", 60, 5376, 32, 16, 4, 21504, 1024, 262144)),
         tiny=_GEMMA4_TINY,
         # transformers makes the last block full, which here reads block 0's keys and values (the last earlier full

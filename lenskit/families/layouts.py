@@ -381,35 +381,6 @@ GEMMA = Layout(
     block={**_LLAMA_BLOCK, "ln1_post.weight": "post_attention_layernorm.weight",
            "ln2.weight": "pre_feedforward_layernorm.weight", "ln2_post.weight": "post_feedforward_layernorm.weight"},
 )
-# Gemma 4: the layer scalar; E2B/E4B's per-layer inputs (model level and per block) and kv-sharing blocks, whose only
-# projection is q (attention.QueryOnly); 26B-A4B's router, fused experts and their norms (pieces.dense_and_experts).
-_GEMMA4_BLOCK = {
-    **GEMMA.block, "layer_scalar": "layer_scalar",
-    "attn.qkv.weight": "self_attn.q_proj.weight", "attn.qkv.bias": "self_attn.q_proj.bias",
-    "per_layer.gate.weight": "per_layer_input_gate.weight", "per_layer.out.weight": "per_layer_projection.weight",
-    "per_layer.ln_post.weight": "post_per_layer_input_norm.weight",
-    "mlp.ln_dense_post.weight": "post_feedforward_layernorm_1.weight", "mlp.router.scale": "router.scale",
-    "mlp.router.proj.weight": "router.proj.weight", "mlp.router.per_expert_scale": "router.per_expert_scale",
-    "mlp.ln_experts.weight": "pre_feedforward_layernorm_2.weight", "mlp.experts.gate_up": "experts.gate_up_proj",
-    "mlp.experts.down": "experts.down_proj", "mlp.ln_experts_post.weight": "post_feedforward_layernorm_2.weight",
-}
-_GEMMA4_SHARED_KV = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
-
-
-def _gemma4_unread(name: str, cfg) -> bool:
-    """A kv-sharing block's k/v projection or norm: hub checkpoints store them, no forward reads them (transformers'
-    `_keys_to_ignore_on_load_unexpected`)."""
-    m = _GEMMA4_SHARED_KV.match(name)
-    return m is not None and int(m.group(1)) < cfg.n_layers and cfg.kv_source(int(m.group(1))) is not None
-
-
-GEMMA4 = Layout(
-    prefix="model.", blocks="layers",
-    top={**GEMMA.top, "per_layer_inputs.embed.weight": "embed_tokens_per_layer.weight",
-         "per_layer_inputs.proj.weight": "per_layer_model_projection.weight",
-         "per_layer_inputs.proj_norm.weight": "per_layer_projection_norm.weight"},
-    block=_GEMMA4_BLOCK, unread=_gemma4_unread,
-)
 OLMO2 = Layout(  # post-norms only: transformers' post_attention_layernorm follows attention, as our ln1_post does
     prefix="model.", blocks="layers", top=LLAMA.top,
     block={**_LLAMA_BLOCK, "ln1_post.weight": "post_attention_layernorm.weight",

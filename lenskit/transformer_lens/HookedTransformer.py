@@ -4,7 +4,8 @@ The computation is `lenskit.HookedTransformer`'s. This class only sets what Tran
 - text input gets BOS first (`cfg.default_prepend_bos = True`), where lenskit follows the checkpoint's tokenizer;
 - `from_pretrained` processes the weights as TransformerLens does (fold_ln, center_writing_weights, center_unembed,
   fold_value_biases; lenskit.processing), where lenskit loads them raw; `from_pretrained_no_processing` loads them raw;
-- `to_tokens` truncates to n_ctx, and `generate` samples, as TransformerLens's do.
+- `to_tokens` truncates to n_ctx, and `generate` samples, shows a progress bar and gives text for text, as
+  TransformerLens's do.
 """
 
 from __future__ import annotations
@@ -114,6 +115,22 @@ class HookedTransformer(lenskit.HookedTransformer):
                   move_to_device: bool = True, truncate: bool = True) -> torch.Tensor:
         """`lenskit.HookedTransformer.to_tokens`, truncating to n_ctx by default as TransformerLens does."""
         return super().to_tokens(input, prepend_bos, padding_side, move_to_device, truncate)
+
+
+    def generate(self, input: Any = "", max_new_tokens: int = 10, stop_at_eos: bool = True,
+                 eos_token_id: int | list[int] | None = None, do_sample: bool = True, top_k: int | None = None,
+                 top_p: float | None = None, temperature: float = 1.0, freq_penalty: float = 0.0,
+                 use_past_kv_cache: bool = True, prepend_bos: bool | None = None, padding_side: str | None = None,
+                 return_type: str = "input", verbose: bool = True, generator: torch.Generator | None = None) -> Any:
+        """`lenskit.HookedTransformer.generate` in TransformerLens 3's argument order and defaults: sampled, 10 new
+        tokens, text in gives text out (`return_type="input"`), a progress bar. `generator` seeds the sampling
+        (TransformerLens samples from torch's global generator, which `torch.manual_seed` seeds; so does lenskit
+        without one)."""
+        return super().generate(input, max_new_tokens, stop_at_eos=stop_at_eos, eos_token_id=eos_token_id,
+                                do_sample=do_sample, top_k=top_k, top_p=top_p, temperature=temperature,
+                                freq_penalty=freq_penalty, use_past_kv_cache=use_past_kv_cache,
+                                prepend_bos=prepend_bos, padding_side=padding_side, return_type=return_type,
+                                verbose=verbose, generator=generator)
 
 
 def _even_device_map(model_name: str | os.PathLike, n_devices: int) -> dict[str, str]:
