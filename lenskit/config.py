@@ -287,7 +287,7 @@ class ModelConfig(TransformerLensNames):
         - layer_types: its repeating pattern continues over the new n_layers (Gemma 3's five local, one global).
         - nope_layers: its repeating pattern continues too (SmolLM3's every fourth block without rotary);
         - n_kv_shared_layers (Gemma 4): keeps its share of the blocks where every sharing block still has a source
-          (fewer where not), and double_wide_mlp goes when none is left;
+          (fewer where not), and double_wide_mlp goes when none is left; d_vocab_per_layer follows d_vocab if equal;
 
         >>> small = ModelConfig.from_name("pythia-70m").replace(n_layers=2, d_model=64, n_heads=4)
         >>> small.d_head, small.rotary_dim, small.d_mlp
@@ -336,6 +336,8 @@ class ModelConfig(TransformerLensNames):
             flags = [i in self.nope_layers for i in range(self.n_layers)]
             period = next(p for p in range(1, len(flags) + 1) if all(f == flags[i % p] for i, f in enumerate(flags)))
             fields["nope_layers"] = tuple(i for i in range(changes["n_layers"]) if flags[i % period])
+        if given("d_vocab") and "d_vocab_per_layer" not in changes and self.d_vocab_per_layer == self.d_vocab:
+            fields["d_vocab_per_layer"] = None  # __post_init__: d_vocab again (Gemma 4's per-layer inputs)
         if given("n_layers") and "n_kv_shared_layers" not in changes and self.n_kv_shared_layers:  # Gemma 4's share
             fields.update(shrunk_kv_sharing(self, changes["n_layers"], changes.get("layer_types", fields["layer_types"])))
         fields.update(changes)

@@ -274,14 +274,18 @@ def test_incl_bwd_matches_transformer_lens(tmp_path):
         torch.testing.assert_close(ours[name + "_grad"], theirs[name + "_grad"], atol=1e-7, rtol=1e-4)
 
 
-def test_a_backward_hook_may_return_a_one_tuple_as_torch_module_hooks_do(model, tokens):
-    seen = []
+def test_a_backward_hook_may_return_a_one_tuple_as_torch_module_hooks_do(gpt2, tokens):
+    seen, point = [], "blocks.0.hook_resid_pre"
 
     def double(grad, hook):
         seen.append(grad.clone())
         return (grad * 2,)
 
-    with model.hooks(bwd_hooks=[("hook_embed", double)]):
-        assert len(model.hook_dict["hook_embed"].bwd_hooks) == 1  # the context's hook, seen where it runs
-        model(tokens, return_type="loss").backward()
-    assert len(model.hook_dict["hook_embed"].bwd_hooks) == 0 and len(seen) == 1
+    with gpt2.hooks(bwd_hooks=[(point, double)]):
+        assert len(gpt2.hook_dict[point].bwd_hooks) == 1  # the context's hook, seen where it runs
+        gpt2(tokens, return_type="loss").backward()
+    doubled = gpt2.pos_embed.weight.grad.clone()
+    gpt2.zero_grad(set_to_none=True)
+    gpt2(tokens, return_type="loss").backward()
+    assert len(gpt2.hook_dict[point].bwd_hooks) == 0 and len(seen) == 1
+    torch.testing.assert_close(doubled, 2 * gpt2.pos_embed.weight.grad)  # the tuple's gradient went on

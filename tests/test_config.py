@@ -186,13 +186,14 @@ def test_every_preset_shrinks_and_runs(name):
     # and Gemma 4's kv sharing its share of the blocks, where each sharing block has an earlier one of its type
     assert small.n_kv_shared_layers == preset.n_kv_shared_layers * 2 // preset.n_layers
     assert small.double_wide_mlp == (preset.double_wide_mlp and small.n_kv_shared_layers > 0)
+    assert small.d_vocab_per_layer == (None if preset.d_per_layer is None else 50)  # per-layer inputs' table shrinks too
     if preset.layer_types is not None:
         assert small.layer_types == preset.layer_types[:2]
     assert small.nope_layers == tuple(i for i in preset.nope_layers if i < 2)  # blocks without rotary (SmolLM3)
     same = {f.name for f in dataclasses.fields(ModelConfig)} - {
         "n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_head", "n_kv_heads", "d_mlp", "rotary_dim",
         "query_pre_attn_scalar", "layer_types", "nope_layers", "full_d_head", "full_n_kv_heads", "n_kv_shared_layers",
-        "double_wide_mlp"}
+        "double_wide_mlp", "d_vocab_per_layer"}
     assert all(getattr(small, f) == getattr(preset, f) for f in same)
     model = HookedTransformer(small).eval()
     with torch.no_grad():

@@ -152,6 +152,28 @@ def test_a_field_lenskit_does_not_implement_is_refused_by_name(changes, words):
     assert "\n" not in message and all(w in message for w in words), message
 
 
+@pytest.mark.parametrize("changes", [c for c, _ in REFUSED[:4]], ids=["all-shared", "no-source", "no-expert-width",
+                                                                      "k-past-experts"])
+def test_the_refused_sharing_and_experts_fail_in_transformers_too(changes):
+    """What lenskit refuses of kv sharing and the experts, transformers' own model cannot build or run either."""
+    d = tiny_config(**changes)
+    with pytest.raises((ValueError, TypeError, RuntimeError, KeyError)):
+        model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig.from_dict(d)).eval()
+        model(torch.randint(0, 101, (1, 5)))
+
+
+def test_value_biases_do_not_fold_through_the_value_norm():
+    """fold_value_biases moves b_V past the pattern, but Gemma 4's value norm sits between them: refused, by name."""
+    model = HookedTransformer.from_hf(make_hf_family("gemma4_text", attention_bias=True))
+    assert model.cfg.qkv_bias and model.cfg.v_norm
+    with pytest.raises(ValueError, match="fold_value_biases is not exact for gemma4_text: the value norm"):
+        model.process_weights(fold_ln=False, center_unembed=False, fold_value_biases=True)
+    folded = model.process_weights(fold_ln=True, center_writing_weights=False, center_unembed=False,
+                                   fold_value_biases=False)
+    tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert max_diff(folded(tokens), model(tokens)) <= 1e-4  # fold_ln does apply, biases and kv heads as they are
+
+
 def test_the_refused_cases_differ_from_the_tiny_model_only_in_the_refused_field():
     assert ModelConfig.from_hf_config(tiny_config()).family == "gemma4_text"
     # the transformers 5 spelling (per_layer_config) and the hub's (global_head_dim, num_global_key_value_heads) agree

@@ -64,6 +64,20 @@ def test_golden(extra, tied, tokens):
     assert_golden(model, hf, tokens, fwd_hooks=[(EVERY_HOOK, lambda x, hook: None)])  # the experts' slot outputs too
 
 
+def test_a_padded_batch_equals_each_prompt_alone_and_transformers(pair):
+    hf, model = pair
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 101, (n,), generator=gen) for n in (17, 9, 4)]
+    batch = torch.zeros(3, 17, dtype=torch.long)  # right-padded with the pad id
+    for row, p in enumerate(prompts):
+        batch[row, : len(p)] = p
+    with torch.no_grad():
+        together = model(batch)
+        for row, p in enumerate(prompts):  # routing is per token: padding cannot move another token's experts
+            assert max_diff(together[row, : len(p)], hf(p[None]).logits[0]) <= 1e-4, row
+            assert max_diff(together[row, : len(p)], model(p[None])[0]) <= 1e-4, row  # rounding, not a leak
+
+
 @pytest.mark.parametrize("shards", [None, "3KB"], ids=["single-file", "sharded"])
 def test_golden_through_transformers_files_and_ours(shards, tmp_path, tokens):
     hf = moe(seed=3)
