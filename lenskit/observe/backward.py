@@ -77,3 +77,14 @@ def _checked(hp: "HookPoint", fn: HookFn, out: object, grad: torch.Tensor) -> to
         raise TypeError(f"backward hook on {hp.name} returned a {out.dtype} tensor on {out.device}, but the gradient is "
                         f"{grad.dtype} on {grad.device}; return it with .to(grad)")
     return out
+
+
+def backward_from(out: object, hint: str = "") -> None:
+    """`.backward()` on a forward's output for `incl_bwd=True`, refusing, in one line, one that is not a scalar with a
+    gradient (`hint` says how to get one)."""
+    if not (isinstance(out, torch.Tensor) and out.ndim == 0 and out.requires_grad):
+        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"incl_bwd=True calls .backward() on the forward's output, which must be a scalar with a "
+                         f"gradient{hint}; got {got}")
+    out.backward()
+

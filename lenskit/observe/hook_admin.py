@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
+from .backward import backward_from
+
 if TYPE_CHECKING:
     from .hooks import HookFn, HookPoint, NameOrPredicate, NamesFilter
 
@@ -78,11 +80,7 @@ class HookAdmin:
         with self.hooks(fwd, bwd, reset_hooks_end=reset_hooks_end, clear_contexts=clear_contexts):
             out = self(*model_args, **model_kwargs)
             if incl_bwd:
-                if not (isinstance(out, torch.Tensor) and out.ndim == 0 and out.requires_grad):
-                    got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-                    raise ValueError(f"incl_bwd=True calls .backward() on the forward's output, which must be a scalar "
-                                     f"with a gradient; got {got}")
-                out.backward()
+                backward_from(out)
         return out, cache
 
     def get_caching_hooks(self, names_filter: "NamesFilter" = None, incl_bwd: bool = False,

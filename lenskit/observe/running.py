@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from .backward import backward_from
 from .cache import ActivationCache
 from .hooks import CacheRecording, HookFn, NameOrPredicate, NamesFilter, layer_of
 
@@ -115,11 +116,7 @@ class RunMethods:
                 with recording.recording():
                     out = self(tokens, **kwargs)
                 if incl_bwd:
-                    if not (isinstance(out, torch.Tensor) and out.ndim == 0 and out.requires_grad):
-                        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-                        raise ValueError(f"incl_bwd=True calls .backward() on the model's output, which must be a scalar "
-                                         f"with a gradient (return_type='loss', outside torch.no_grad()); got {got}")
-                    out.backward()
+                    backward_from(out, " (return_type='loss', outside torch.no_grad())")
         finally:
             recording.synchronise()  # offloaded entries hold their values from here on
             grads.synchronise()

@@ -55,19 +55,23 @@ def _stacked(part: str, name: str, doc: str) -> property:
     return property(get, doc=doc)
 
 
+def ov_circuit(views) -> FactoredMatrix:
+    """W_V @ W_O of whatever holds TransformerLens's views (a block's attention, or the model stacked over layers),
+    [..., head, d_model, d_model], kept factored; kv heads repeated under GQA."""
+    return FactoredMatrix(views.W_V, views.W_O)
+
+
+def qk_circuit(views) -> FactoredMatrix:
+    """W_Q @ W_K^T [..., head, d_model, d_model], kept factored: the bilinear form of each head's attention scores."""
+    return FactoredMatrix(views.W_Q, views.W_K.transpose(-2, -1))
+
+
 class HeadCircuits:
     """Mixin for an attention piece with TransformerLens's views `W_Q`, `W_K`, `W_V` [head, d_model, d_head] and
     `W_O` [head, d_head, d_model]: each head's circuits, `model.blocks[l].attn.OV` and `.QK`."""
 
-    @property
-    def OV(self) -> FactoredMatrix:
-        """Each head's OV circuit W_V[h] @ W_O[h], [head, d_model, d_model], factored; kv heads repeated under GQA."""
-        return FactoredMatrix(self.W_V, self.W_O)
-
-    @property
-    def QK(self) -> FactoredMatrix:
-        """Each head's QK circuit W_Q[h] @ W_K[h]^T, [head, d_model, d_model], factored; kv heads repeated under GQA."""
-        return FactoredMatrix(self.W_Q, self.W_K.transpose(-2, -1))
+    OV = property(lambda self: ov_circuit(self), doc="[head, d_model, d_model]: each head's OV circuit, factored")
+    QK = property(lambda self: qk_circuit(self), doc="[head, d_model, d_model]: each head's QK circuit, factored")
 
 
 class WeightViews:
@@ -118,15 +122,8 @@ class WeightViews:
     b_out = _stacked("mlp", "b_out", "[layer, d_model]")
 
     # ------------------------------------------------------------ circuits
-    @property
-    def OV(self) -> FactoredMatrix:
-        """Each head's OV circuit W_V @ W_O [layer, head, d_model, d_model], factored; kv heads repeated under GQA."""
-        return FactoredMatrix(self.W_V, self.W_O)
-
-    @property
-    def QK(self) -> FactoredMatrix:
-        """Each head's QK circuit W_Q @ W_K^T [layer, head, d_model, d_model], factored; kv heads repeated under GQA."""
-        return FactoredMatrix(self.W_Q, self.W_K.transpose(-2, -1))
+    OV = property(lambda self: ov_circuit(self), doc="[layer, head, d_model, d_model]: each head's OV circuit, factored")
+    QK = property(lambda self: qk_circuit(self), doc="[layer, head, d_model, d_model]: each head's QK circuit, factored")
 
     # ------------------------------------------------- TransformerLens's names
     def tl_parameters(self) -> dict[str, torch.Tensor]:
