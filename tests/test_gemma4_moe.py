@@ -110,7 +110,7 @@ def test_the_router_chooses_as_transformers_and_reads_the_stream_before_the_mlp(
         assert max_diff(cache["router_logits", i], seen[i, "logits"].view(3, 17, 4)) <= 1e-5
         assert torch.equal(cache["expert_indices", i], chosen.view(3, 17, 2))
         assert max_diff(cache["expert_weights", i], weights.view(3, 17, 2)) <= 1e-6
-        dense, experts = cache[f"blocks.{i}.mlp.hook_dense_out"], cache[f"blocks.{i}.mlp.hook_experts_out"]
+        dense, experts = cache[f"blocks.{i}.mlp.hook_dense_out"], cache[f"blocks.{i}.mlp.hook_moe_out"]
         torch.testing.assert_close(model.blocks[i].ln2_post(dense + experts), cache["mlp_out", i], atol=1e-5, rtol=0)
 
 

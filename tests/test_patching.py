@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lenskit.intervene.patching import activation_patching, logit_diff, next_token_loss, patching_hooks
-from families import every_family
+from families import every_family, held_beside_the_stream
 
 ATOL = 1e-5
 
@@ -20,11 +20,6 @@ def pair():
     return clean, corrupted
 
 
-# Gemma 4's per-layer inputs read the tokens beside the stream (a table, and a projection of the embedding), so there
-# the first stream alone does not carry the whole input.
-PER_LAYER_INPUTS = ("per_layer_inputs.hook_token", "per_layer_inputs.hook_proj")
-
-
 @every_family
 def test_patching_every_position_of_the_first_stream_recovers_clean_logits(model, pair):
     clean, corrupted = pair
@@ -34,7 +29,7 @@ def test_patching_every_position_of_the_first_stream_recovers_clean_logits(model
     if getattr(model.cfg, "d_per_layer", None) is None:
         assert torch.equal(model.run_with_hooks(corrupted, fwd_hooks=hooks), clean_logits)
     else:
-        beside = [(n, lambda x, hook, n=n: cache[n]) for n in PER_LAYER_INPUTS]
+        beside = held_beside_the_stream(model, clean)  # Gemma 4 E2B/E4B's blocks read the tokens beside the stream
         assert not torch.allclose(model.run_with_hooks(corrupted, fwd_hooks=hooks), clean_logits, atol=1e-3)
         torch.testing.assert_close(model.run_with_hooks(corrupted, fwd_hooks=hooks + beside), clean_logits,
                                    atol=1e-5, rtol=0)

@@ -14,7 +14,7 @@ mixture's hooks as in `lenskit.pieces.moe`: `hook_router_logits` [batch, pos, ex
 `hook_expert_weights` [batch, pos, k] (the weights after `per_expert_scale`, what multiplies each expert's output;
 a hook may replace either, so expert ablation, `lenskit.intervene.experts`, works as for the other mixtures), and
 `hook_expert_out` [batch, pos, k, d_model] (each slot's unweighted output, before `ln_experts_post`; on request);
-and the two paths' writes before their sum, `hook_dense_out` and `hook_experts_out` [batch, pos, d_model].
+and the two paths' writes before their sum, `hook_dense_out` and `hook_moe_out` [batch, pos, d_model].
 
 The experts are kept as transformers stores them, fused (`GatedExperts`: `gate_up` [expert, 2 * d_expert, d_model],
 each expert's gate rows then its up rows, and `down` [expert, d_model, d_expert]), and run grouped by expert.
@@ -119,7 +119,7 @@ class DenseAndExperts(SwiGLU):
         self.hook_expert_indices = HookPoint()  # [batch, pos, k], long
         self.hook_expert_weights = HookPoint()  # [batch, pos, k], the model's dtype
         self.hook_expert_out = HookPoint()  # [batch, pos, k, d_model], unweighted; computed only when hooked
-        self.hook_experts_out = HookPoint()  # [batch, pos, d_model]
+        self.hook_moe_out = HookPoint()  # [batch, pos, d_model]
 
     def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # -> [batch, pos, d_model]
         dense = self.hook_dense_out(self.ln_dense_post(super().forward(h)))
@@ -133,4 +133,4 @@ class DenseAndExperts(SwiGLU):
             moe = (weights.unsqueeze(-1) * out).sum(dim=-2)
         else:
             moe = self.experts.mixed(inputs, weights, chosen)
-        return dense + self.hook_experts_out(self.ln_experts_post(moe))
+        return dense + self.hook_moe_out(self.ln_experts_post(moe))
