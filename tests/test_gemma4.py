@@ -20,7 +20,8 @@ from golden import assert_golden, max_diff
 from torch.utils.flop_counter import FlopCounterMode
 
 from lenskit import HookedTransformer, ModelConfig, accounting
-from lenskit.pieces.attention import KeyValueQK, SlidingWindowMask
+from lenskit.pieces.attention import SlidingWindowMask
+from lenskit.pieces.qkv import KeyValueQK
 from lenskit.pieces.rotary import inverse_frequencies
 
 

@@ -1,5 +1,5 @@
 """Gemma 4's checkpoint layout (`GEMMA4`): Gemma's names, plus each block's layer scalar; E2B/E4B's per-layer inputs
-(model level and per block) and kv-sharing blocks, whose only projection is q (attention.QueryOnly), and whose k/v
+(model level and per block) and kv-sharing blocks, whose only projection is q (qkv.QueryOnly), and whose k/v
 projections and norms, which hub checkpoints still hold, no forward reads (`unread`); 26B-A4B's router, fused
 experts (as transformers stores them, `experts.gate_up_proj` and `experts.down_proj`) and their norms."""
 

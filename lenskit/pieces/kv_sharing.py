@@ -27,7 +27,7 @@ class SharedKVAttention(Attention):
     """Attention with queries of its own and block `kv_source`'s keys and values (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
-        super().__init__(cfg, layer)  # its qkv is q only (attention.QueryOnly): make_qkv reads cfg.kv_source
+        super().__init__(cfg, layer)  # its qkv is q only (qkv.QueryOnly): make_qkv reads cfg.kv_source
         self.layer, self.kv_source = layer, cfg.kv_source(layer)
         unused = [getattr(self, name) for name in ("k_norm", "v_norm", "hook_rot_k") if hasattr(self, name)]
         for name in ("k_norm", "v_norm", "hook_rot_k"):
