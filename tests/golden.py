@@ -27,13 +27,20 @@ def hf_module_outputs(hf, tokens, module: str, keep=lambda m: True) -> dict[int,
         target = block.get_submodule(module) if _has(block, module) else None
         if target is not None and keep(target):
             handles.append(target.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, out)))
+    run_then_remove(hf, tokens, handles)
+    return seen
+
+
+
+def run_then_remove(hf, tokens, handles) -> None:
+    """Run the transformers model `hf` on `tokens` without gradients, then remove the torch hooks `handles`, also
+    when the run raises."""
     try:
         with torch.no_grad():
             hf(tokens)
     finally:
         for h in handles:
             h.remove()
-    return seen
 
 
 def _has(block, module: str) -> bool:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 from conftest import make_hf_family
-from golden import assert_golden, max_diff
+from golden import assert_golden, max_diff, run_then_remove
 from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -97,12 +97,7 @@ def test_the_router_chooses_as_transformers_and_reads_the_stream_before_the_mlp(
     for i, layer in enumerate(hf.model.layers):
         handles.append(layer.router.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__(i, (args[0], *out))))
         handles.append(layer.router.proj.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__((i, "logits"), out)))
-    try:
-        with torch.no_grad():
-            hf(tokens)
-    finally:
-        for h in handles:
-            h.remove()
+    run_then_remove(hf, tokens, handles)
     _, cache = model.run_with_cache(tokens, names_filter=EVERY_HOOK)
     for i in range(3):
         read, _, weights, chosen = seen[i]  # the router's input, its probabilities, weights and experts [token, ...]

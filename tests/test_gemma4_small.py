@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 from conftest import make_hf_family
-from golden import assert_golden, hf_blocks, max_diff
+from golden import assert_golden, hf_blocks, max_diff, run_then_remove
 from safetensors.torch import load_file, save_file
 
 from lenskit import HookedTransformer
@@ -150,12 +150,7 @@ def hf_per_layer(hf, tokens) -> tuple[dict[int, torch.Tensor], dict[int, torch.T
             with_kwargs=True))
         handles.append(block.post_per_layer_input_norm.register_forward_hook(
             lambda m, args, out, i=i: writes.__setitem__(i, out)))
-    try:
-        with torch.no_grad():
-            hf(tokens)
-    finally:
-        for h in handles:
-            h.remove()
+    run_then_remove(hf, tokens, handles)
     return inputs, writes
 
 
