@@ -4,8 +4,8 @@ A record holds everything lenskit knows about a family: its config reader and wr
 layout, transformers' class names, its published shapes (presets) and the tiny random config the tests
 build. Everything else derives from `FAMILIES`: the loader's dispatch, the list of supported types in
 the refusal message, `lenskit.PRESETS`, `lenskit info`'s help, tests/families.py's parametrisation and
-the README check. Adding a dense family is a record here, a reader in `readers.py` and a writer in
-`writers.py` (plus a layout in `layouts.py` when its names are new).
+the README check. Adding a dense family is a record here (its published shapes built by `presets.py`), a
+reader in `readers.py` and a writer in `writers.py` (plus a layout in `layouts.py` when its names are new).
 
 >>> family_of("llama").hf_class
 'LlamaForCausalLM'
@@ -21,6 +21,7 @@ from . import readers, readers_hybrid, readers_moe, writers
 from ..config import ModelConfig
 from .layouts import GEMMA, GPT2, GPT_NEOX, GPT_OSS, LLAMA, MIXTRAL, MOE, OLMO2, PHI3, QWEN3_5, Layout
 from .layouts_gemma4 import GEMMA4
+from .presets import GEMMA2_FIELDS, GEMMA3_FIELDS, LLAMA3_FIELDS, OLMO2_FIELDS, OLMOE_FIELDS, QWEN3_MOE_FIELDS, gemma_preset, gemma4_preset, gpt2_preset, gpt_oss_preset, llama_preset, named_presets, olmo3_preset, pythia_preset, qwen3_5_preset
 
 
 @dataclass(frozen=True)
@@ -59,118 +60,6 @@ class Family:
                              "saving in the Hugging Face layout needs the family's own architecture")
         return written
 
-
-def _named(*configs: ModelConfig) -> dict[str, ModelConfig]:
-    return {c.name: c for c in configs}
-
-
-# ------------------------------------------------------------------ presets: published shapes
-def _gpt2(name: str, n_layers: int, d_model: int, n_heads: int) -> ModelConfig:
-    return ModelConfig(
-        n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_vocab=50257, n_ctx=1024,
-        bos_token_id=50256, eos_token_id=50256, name=name,
-    )
-
-
-def _pythia(name: str, n_layers: int, d_model: int, n_heads: int, d_vocab: int = 50304) -> ModelConfig:
-    return ModelConfig(
-        n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_vocab=d_vocab, n_ctx=2048, activation="gelu",
-        tie_word_embeddings=False, family="gpt_neox", positional="rotary", rotary_dim=d_model // n_heads // 4,
-        parallel_block=True, bos_token_id=0, eos_token_id=0, name=name,
-    )
-
-
-def _llama(name: str, family: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int, d_vocab: int,
-           n_ctx: int, tied: bool, base: float, d_head: int | None = None, **extra: Any) -> ModelConfig:
-    fields = dict(norm="rmsnorm", mlp="swiglu", norm_eps=1e-5 if family in ("llama", "mistral", "phi3") else 1e-6,
-                  fused_qkv=False, qk_norm=family == "qwen3")
-    return ModelConfig(
-        n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head, d_mlp=d_mlp,
-        d_vocab=d_vocab, n_ctx=n_ctx, tie_word_embeddings=tied, family=family, positional="rotary", rotary_base=base,
-        qkv_bias=family == "qwen2", out_bias=False, name=name, **{**fields, **extra},
-    )
-
-
-def _gemma(name: str, family: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int, d_vocab: int,
-           n_ctx: int, window: int, pattern: int, **extra: Any) -> ModelConfig:
-    """Gemma 2 (every other block local, soft-caps) or Gemma 3 text (one global block in `pattern`, q/k norms)."""
-    return ModelConfig(
-        n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=256, d_mlp=d_mlp,
-        d_vocab=d_vocab, n_ctx=n_ctx, norm="rmsnorm_offset", norm_eps=1e-6, mlp="geglu", activation="gelu_pytorch_tanh",
-        norm_placement="sandwich", scale_embed=True, tie_word_embeddings=True, family=family, positional="rotary",
-        fused_qkv=False, qkv_bias=False, out_bias=False, query_pre_attn_scalar=256.0, sliding_window=window,
-        layer_types=tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers)),
-        bos_token_id=2, eos_token_id=1, name=name, **extra,
-    )
-
-
-def _gpt_oss(name: str, n_layers: int, n_experts: int) -> ModelConfig:
-    """gpt-oss: 64 heads of 64 over d_model 2880, 8 kv heads, every other block sliding (window 128), YaRN
-    (x32 over a 4096-token pre-training length), biased attention and router, attention sinks, top-4 experts."""
-    return ModelConfig(
-        n_layers=n_layers, d_model=2880, n_heads=64, n_kv_heads=8, d_head=64, d_mlp=2880, d_vocab=201088,
-        n_ctx=131072, norm="rmsnorm", norm_eps=1e-5, mlp="swiglu_clamped", tie_word_embeddings=False, family="gpt_oss",
-        positional="rotary", rotary_base=150000.0, rope_type="yarn", rope_factor=32.0, rope_original_n_ctx=4096,
-        rope_beta_fast=32.0, rope_beta_slow=1.0, rope_truncate=False, fused_qkv=False, qkv_bias=True, out_bias=True,
-        attn_sinks=True, sliding_window=128, layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(n_layers)),
-        n_experts=n_experts, n_experts_per_token=4, routing="topk_softmax", router_bias=True, eos_token_id=200002,
-        name=name,
-    )
-
-
-def _qwen3_5(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int, n_v_heads: int,
-             tied: bool) -> ModelConfig:
-    """Qwen 3.5 (dense), the text part of Qwen/Qwen3.5-*'s config.json (`text_config`; shapes from the published
-    configs as recalled, cross-checked against Qwen3_5TextConfig's defaults, which are the 9B's): three Gated DeltaNet
-    blocks (16 q/k heads of 128, value heads of 128) then one gated full-attention block (heads of 256, a quarter
-    of each rotating, base 1e7), (1 + w) RMSNorms, a 248,320-token vocabulary, 262,144 positions."""
-    return ModelConfig(
-        n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=256, d_mlp=d_mlp,
-        d_vocab=248320, n_ctx=262144, norm="rmsnorm_offset", norm_eps=1e-6, mlp="swiglu", tie_word_embeddings=tied,
-        family="qwen3_5_text", positional="rotary", rotary_base=10_000_000.0, rotary_dim=64, fused_qkv=False,
-        qkv_bias=False, out_bias=False, qk_norm=True, attn_output_gate=True,
-        layer_types=tuple("full" if (i + 1) % 4 == 0 else "linear" for i in range(n_layers)), linear_n_k_heads=16,
-        linear_n_v_heads=n_v_heads, linear_d_k=128, linear_d_v=128, linear_conv_width=4, eos_token_id=248044, name=name,
-    )
-
-
-_GEMMA2 = dict(attn_softcap=50.0, final_softcap=30.0)
-_GEMMA3 = dict(qk_norm=True, rotary_base=1_000_000.0, local_rotary_base=10000.0)
-_LLAMA3 = dict(rope_type="llama3", rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_n_ctx=8192)
-_QWEN3_MOE = dict(qk_norm=True, routing="softmax_topk_renorm", n_experts=128, n_experts_per_token=8)
-_OLMOE = dict(qk_norm=True, qk_norm_per_head=False, norm_eps=1e-5, n_experts=64, n_experts_per_token=8,
-              routing="softmax_topk", bos_token_id=None, eos_token_id=50279)
-_OLMO2 = dict(qk_norm=True, qk_norm_per_head=False, norm_placement="post", norm_eps=1e-6, bos_token_id=None,
-              eos_token_id=100257)
-
-
-def _gemma4(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, full_n_kv_heads: int | None,
-            d_mlp: int, window: int, n_ctx: int, pattern: int = 6, k_is_v: bool = True, **extra: Any) -> ModelConfig:
-    """Gemma 4 (text): heads of 256 on the sliding blocks, of 512 on the full ones (one in `pattern`, and the last;
-    with `k_is_v`, their own kv heads whose keys are the values), proportional rotary over a quarter of the full
-    blocks' pairs (base 1e6), base 1e4 on the sliding ones, a final soft-cap of 30, a 262,144-token vocabulary;
-    `extra`: per-layer inputs and kv sharing (E2B, E4B) or experts (26B-A4B). Shapes from the published config.json
-    as recalled, not downloaded, checked against transformers' own models' totals (tests/test_gemma4_presets.py)."""
-    return ModelConfig(
-        n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=256, d_mlp=d_mlp,
-        d_vocab=262144, n_ctx=n_ctx, norm="rmsnorm", norm_eps=1e-6, mlp="geglu", activation="gelu_pytorch_tanh",
-        norm_placement="sandwich", scale_embed=True, tie_word_embeddings=True, family="gemma4_text", positional="rotary",
-        rotary_base=1_000_000.0, local_rotary_base=10000.0, rope_type="proportional", rope_proportion=0.25,
-        fused_qkv=False, qkv_bias=False, out_bias=False, query_pre_attn_scalar=1.0, qk_norm=True, v_norm=True,
-        layer_scalar=True, sliding_window=window, full_d_head=512, full_n_kv_heads=full_n_kv_heads, full_k_is_v=k_is_v,
-        layer_types=tuple("full" if (i + 1) % pattern == 0 or i == n_layers - 1 else "sliding" for i in range(n_layers)),
-        final_softcap=30.0, bos_token_id=2, eos_token_id=1, name=name, **extra,
-    )
-
-
-def _olmo3(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int) -> ModelConfig:
-    """OLMo 3: OLMo 2's block, three sliding-window blocks (window 4096) to one full, YaRN (x8 over 8192 tokens) on the
-    full blocks only. Shapes from the published config.json files (allenai/Olmo-3-1025-7B, allenai/Olmo-3-1125-32B),
-    written from memory, not downloaded; the window, pattern and base agree with Olmo3Config's defaults."""
-    return _llama(name, "olmo3", n_layers, d_model, n_heads, n_kv_heads, d_mlp, 100278, 65536, False, 500000.0,
-                  **_OLMO2, rope_type="yarn", rope_factor=8.0, rope_original_n_ctx=8192,
-                  rope_attention_factor=1.2079441541679836, local_rotary_base=500000.0, sliding_window=4096,
-                  layer_types=tuple("full" if (i + 1) % 4 == 0 else "sliding" for i in range(n_layers)))
 
 # ------------------------------------------------------------------ tiny test configs
 # Each exercises what makes the family itself: partial rotary and the parallel block (gpt_neox), GQA and
@@ -222,8 +111,8 @@ _GEMMA4_TINY = dict(_SHAPE, num_key_value_heads=2, head_dim=16, global_head_dim=
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family(
         "gpt2", "GPT2LMHeadModel", "GPT2Config", "GPT-2, the embedded `stdlib-gpt2`", readers.read_gpt2, writers.write_gpt2, GPT2,
-        presets=_named(_gpt2("gpt2", 12, 768, 12), _gpt2("gpt2-medium", 24, 1024, 16), _gpt2("gpt2-large", 36, 1280, 20),
-                       _gpt2("gpt2-xl", 48, 1600, 25)),
+        presets=named_presets(gpt2_preset("gpt2", 12, 768, 12), gpt2_preset("gpt2-medium", 24, 1024, 16), gpt2_preset("gpt2-large", 36, 1280, 20),
+                       gpt2_preset("gpt2-xl", 48, 1600, 25)),
         tiny=dict(n_layer=3, n_embd=32, n_head=4, vocab_size=101, n_positions=64, bos_token_id=0, eos_token_id=0,
                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
         tiny_3_blocks={},
@@ -231,57 +120,57 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family(
         "gpt_neox", "GPTNeoXForCausalLM", "GPTNeoXConfig", "Pythia", readers.read_gpt_neox, writers.write_gpt_neox,
         GPT_NEOX,
-        presets=_named(_pythia("pythia-70m", 6, 512, 8), _pythia("pythia-160m", 12, 768, 12),
-                       _pythia("pythia-410m", 24, 1024, 16), _pythia("pythia-1b", 16, 2048, 8),
-                       _pythia("pythia-1.4b", 24, 2048, 16), _pythia("pythia-2.8b", 32, 2560, 32),
-                       _pythia("pythia-6.9b", 32, 4096, 32, d_vocab=50432), _pythia("pythia-12b", 36, 5120, 40, d_vocab=50688)),
+        presets=named_presets(pythia_preset("pythia-70m", 6, 512, 8), pythia_preset("pythia-160m", 12, 768, 12),
+                       pythia_preset("pythia-410m", 24, 1024, 16), pythia_preset("pythia-1b", 16, 2048, 8),
+                       pythia_preset("pythia-1.4b", 24, 2048, 16), pythia_preset("pythia-2.8b", 32, 2560, 32),
+                       pythia_preset("pythia-6.9b", 32, 4096, 32, d_vocab=50432), pythia_preset("pythia-12b", 36, 5120, 40, d_vocab=50688)),
         tiny=dict(_SHAPE, rotary_pct=0.5, rotary_emb_base=1000.0, use_parallel_residual=True, hidden_act="gelu",
                   hidden_dropout=0.0, attention_dropout=0.0, layer_norm_eps=1e-5),
     ),
     Family(
         "llama", "LlamaForCausalLM", "LlamaConfig", "Llama 2, 3, 3.1, 3.2, TinyLlama, SmolLM, the embedded `stdlib-llama`", readers.read_llama,
         writers.write_llama, LLAMA,
-        presets=_named(
-            _llama("llama-3.2-1b", "llama", 16, 2048, 32, 8, 8192, 128256, 131072, True, 500000.0, rope_factor=32.0, **_LLAMA3),
-            _llama("llama-3.2-3b", "llama", 28, 3072, 24, 8, 8192, 128256, 131072, True, 500000.0, rope_factor=32.0, **_LLAMA3),
-            _llama("llama-3.1-8b", "llama", 32, 4096, 32, 8, 14336, 128256, 131072, False, 500000.0, rope_factor=8.0,
-                   **_LLAMA3)),
+        presets=named_presets(
+            llama_preset("llama-3.2-1b", "llama", 16, 2048, 32, 8, 8192, 128256, 131072, True, 500000.0, rope_factor=32.0, **LLAMA3_FIELDS),
+            llama_preset("llama-3.2-3b", "llama", 28, 3072, 24, 8, 8192, 128256, 131072, True, 500000.0, rope_factor=32.0, **LLAMA3_FIELDS),
+            llama_preset("llama-3.1-8b", "llama", 32, 4096, 32, 8, 14336, 128256, 131072, False, 500000.0, rope_factor=8.0,
+                   **LLAMA3_FIELDS)),
         tiny=dict(_SHAPE, num_key_value_heads=2, rms_norm_eps=1e-6,
                   rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                                        high_freq_factor=4.0, original_max_position_embeddings=16)),
     ),
     Family(
         "mistral", "MistralForCausalLM", "MistralConfig", "Mistral 7B", readers.read_mistral, writers.write_mistral, LLAMA,
-        presets=_named(_llama("mistral-7b", "mistral", 32, 4096, 32, 8, 14336, 32000, 32768, False, 10000.0,
+        presets=named_presets(llama_preset("mistral-7b", "mistral", 32, 4096, 32, 8, 14336, 32000, 32768, False, 10000.0,
                               sliding_window=4096)),
         tiny=dict(_SHAPE, num_key_value_heads=2, sliding_window=5, head_dim=8),
     ),
     Family(
         "qwen2", "Qwen2ForCausalLM", "Qwen2Config", "Qwen 2, 2.5", readers.read_qwen2, writers.write_qwen2, LLAMA,
-        presets=_named(_llama("qwen2.5-0.5b", "qwen2", 24, 896, 14, 2, 4864, 151936, 32768, True, 1000000.0),
-                       _llama("qwen2.5-1.5b", "qwen2", 28, 1536, 12, 2, 8960, 151936, 32768, True, 1000000.0),
-                       _llama("qwen2.5-7b", "qwen2", 28, 3584, 28, 4, 18944, 152064, 131072, False, 1000000.0)),
+        presets=named_presets(llama_preset("qwen2.5-0.5b", "qwen2", 24, 896, 14, 2, 4864, 151936, 32768, True, 1000000.0),
+                       llama_preset("qwen2.5-1.5b", "qwen2", 28, 1536, 12, 2, 8960, 151936, 32768, True, 1000000.0),
+                       llama_preset("qwen2.5-7b", "qwen2", 28, 3584, 28, 4, 18944, 152064, 131072, False, 1000000.0)),
         tiny=dict(_SHAPE, num_key_value_heads=2),
     ),
     Family(
         "qwen3", "Qwen3ForCausalLM", "Qwen3Config", "Qwen 3", readers.read_qwen3, writers.write_qwen3, LLAMA,
-        presets=_named(_llama("qwen3-0.6b", "qwen3", 28, 1024, 16, 8, 3072, 151936, 40960, True, 1000000.0, d_head=128),
-                       _llama("qwen3-1.7b", "qwen3", 28, 2048, 16, 8, 6144, 151936, 40960, True, 1000000.0, d_head=128),
-                       _llama("qwen3-4b", "qwen3", 36, 2560, 32, 8, 9728, 151936, 40960, True, 1000000.0, d_head=128),
-                       _llama("qwen3-8b", "qwen3", 36, 4096, 32, 8, 12288, 151936, 40960, False, 1000000.0, d_head=128)),
+        presets=named_presets(llama_preset("qwen3-0.6b", "qwen3", 28, 1024, 16, 8, 3072, 151936, 40960, True, 1000000.0, d_head=128),
+                       llama_preset("qwen3-1.7b", "qwen3", 28, 2048, 16, 8, 6144, 151936, 40960, True, 1000000.0, d_head=128),
+                       llama_preset("qwen3-4b", "qwen3", 36, 2560, 32, 8, 9728, 151936, 40960, True, 1000000.0, d_head=128),
+                       llama_preset("qwen3-8b", "qwen3", 36, 4096, 32, 8, 12288, 151936, 40960, False, 1000000.0, d_head=128)),
         tiny=dict(_SHAPE, num_key_value_heads=2, head_dim=16),
     ),
     Family(
         "gemma2", "Gemma2ForCausalLM", "Gemma2Config", "Gemma 2", readers.read_gemma2, writers.write_gemma2, GEMMA,
-        presets=_named(_gemma("gemma-2-2b", "gemma2", 26, 2304, 8, 4, 9216, 256000, 8192, 4096, 2, **_GEMMA2),
-                       _gemma("gemma-2-9b", "gemma2", 42, 3584, 16, 8, 14336, 256000, 8192, 4096, 2, **_GEMMA2)),
+        presets=named_presets(gemma_preset("gemma-2-2b", "gemma2", 26, 2304, 8, 4, 9216, 256000, 8192, 4096, 2, **GEMMA2_FIELDS),
+                       gemma_preset("gemma-2-9b", "gemma2", 42, 3584, 16, 8, 14336, 256000, 8192, 4096, 2, **GEMMA2_FIELDS)),
         tiny=dict(_GEMMA_TINY, attn_logit_softcapping=1.0),
     ),
     Family(
         "gemma3_text", "Gemma3ForCausalLM", "Gemma3TextConfig", "Gemma 3 (text only: 1B, or the text part of 4B+)",
         readers.read_gemma3_text, writers.write_gemma3_text, GEMMA,
-        presets=_named(_gemma("gemma-3-1b", "gemma3_text", 26, 1152, 4, 1, 6912, 262144, 32768, 512, 6, **_GEMMA3),
-                       _gemma("gemma-3-4b", "gemma3_text", 34, 2560, 8, 4, 10240, 262208, 131072, 1024, 6, **_GEMMA3,
+        presets=named_presets(gemma_preset("gemma-3-1b", "gemma3_text", 26, 1152, 4, 1, 6912, 262144, 32768, 512, 6, **GEMMA3_FIELDS),
+                       gemma_preset("gemma-3-4b", "gemma3_text", 34, 2560, 8, 4, 10240, 262208, 131072, 1024, 6, **GEMMA3_FIELDS,
                               rope_type="linear", rope_factor=8.0)),  # the text part of Gemma3ForConditionalGeneration
         tiny=dict(_GEMMA_TINY, layer_types=["sliding_attention", "full_attention"],
                   rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
@@ -290,20 +179,20 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     ),
     Family(
         "olmo2", "Olmo2ForCausalLM", "Olmo2Config", "OLMo 2", readers.read_olmo2, writers.write_olmo2, OLMO2,
-        presets=_named(_llama("olmo-2-1b", "olmo2", 16, 2048, 16, 16, 8192, 100352, 4096, False, 500000.0, **_OLMO2),
-                       _llama("olmo-2-7b", "olmo2", 32, 4096, 32, 32, 11008, 100352, 4096, False, 500000.0, **_OLMO2)),
+        presets=named_presets(llama_preset("olmo-2-1b", "olmo2", 16, 2048, 16, 16, 8192, 100352, 4096, False, 500000.0, **OLMO2_FIELDS),
+                       llama_preset("olmo-2-7b", "olmo2", 32, 4096, 32, 32, 11008, 100352, 4096, False, 500000.0, **OLMO2_FIELDS)),
         tiny=dict(_SHAPE, num_key_value_heads=2, pad_token_id=0),
     ),
     Family(
         "phi3", "Phi3ForCausalLM", "Phi3Config", "Phi-3 (4k context)", readers.read_phi3, writers.write_phi3, PHI3,
-        presets=_named(_llama("phi-3-mini", "phi3", 32, 3072, 32, 32, 8192, 32064, 4096, False, 10000.0, fused_qkv=True,
+        presets=named_presets(llama_preset("phi-3-mini", "phi3", 32, 3072, 32, 32, 8192, 32064, 4096, False, 10000.0, fused_qkv=True,
                               mlp="swiglu_fused", sliding_window=2047, bos_token_id=1, eos_token_id=32000)),
         tiny=dict(_SHAPE, num_key_value_heads=2, sliding_window=6, pad_token_id=0,
                   rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
     ),
     Family(
         "mixtral", "MixtralForCausalLM", "MixtralConfig", "Mixtral", readers_moe.read_mixtral, writers.write_mixtral, MIXTRAL,
-        presets=_named(_llama("mixtral-8x7b", "mixtral", 32, 4096, 32, 8, 14336, 32000, 32768, False, 1_000_000.0,
+        presets=named_presets(llama_preset("mixtral-8x7b", "mixtral", 32, 4096, 32, 8, 14336, 32000, 32768, False, 1_000_000.0,
                               norm_eps=1e-5, bos_token_id=1, eos_token_id=2, n_experts=8, n_experts_per_token=2,
                               routing="softmax_topk_renorm")),
         tiny=dict(_MOE_TINY, num_local_experts=4, sliding_window=5, head_dim=8, initializer_range=0.1),
@@ -311,25 +200,25 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family(
         "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", "Qwen 3 MoE", readers_moe.read_qwen3_moe,
         writers.write_qwen3_moe, MOE,
-        presets=_named(_llama("qwen3-30b-a3b", "qwen3_moe", 48, 2048, 32, 4, 6144, 151936, 40960, False, 1_000_000.0,
-                              d_head=128, d_expert=768, **_QWEN3_MOE),
-                       _llama("qwen3-235b-a22b", "qwen3_moe", 94, 4096, 64, 4, 12288, 151936, 40960, False, 1_000_000.0,
-                              d_head=128, d_expert=1536, **_QWEN3_MOE)),
+        presets=named_presets(llama_preset("qwen3-30b-a3b", "qwen3_moe", 48, 2048, 32, 4, 6144, 151936, 40960, False, 1_000_000.0,
+                              d_head=128, d_expert=768, **QWEN3_MOE_FIELDS),
+                       llama_preset("qwen3-235b-a22b", "qwen3_moe", 94, 4096, 64, 4, 12288, 151936, 40960, False, 1_000_000.0,
+                              d_head=128, d_expert=1536, **QWEN3_MOE_FIELDS)),
         tiny=dict(_MOE_TINY, num_experts=4, head_dim=16, moe_intermediate_size=24, mlp_only_layers=[1]),
     ),
     Family(
         "olmoe", "OlmoeForCausalLM", "OlmoeConfig", "OLMoE", readers_moe.read_olmoe, writers.write_olmoe, MOE,
-        presets=_named(_llama("olmoe-1b-7b", "olmoe", 16, 2048, 16, 16, 1024, 50304, 4096, False, 10000.0, **_OLMOE)),
+        presets=named_presets(llama_preset("olmoe-1b-7b", "olmoe", 16, 2048, 16, 16, 1024, 50304, 4096, False, 10000.0, **OLMOE_FIELDS)),
         tiny=dict(_MOE_TINY, num_experts=4, norm_topk_prob=True, pad_token_id=0),
     ),
     Family(
         "gpt_oss", "GptOssForCausalLM", "GptOssConfig", "gpt-oss", readers_moe.read_gpt_oss, writers.write_gpt_oss, GPT_OSS,
-        presets=_named(_gpt_oss("gpt-oss-20b", 24, 32), _gpt_oss("gpt-oss-120b", 36, 128)),
+        presets=named_presets(gpt_oss_preset("gpt-oss-20b", 24, 32), gpt_oss_preset("gpt-oss-120b", 36, 128)),
         tiny=_GPT_OSS_TINY,
     ),
     Family(
         "olmo3", "Olmo3ForCausalLM", "Olmo3Config", "OLMo 3", readers.read_olmo3, writers.write_olmo3, OLMO2,
-        presets=_named(_olmo3("olmo-3-7b", 32, 4096, 32, 32, 11008), _olmo3("olmo-3-32b", 64, 5120, 40, 8, 27648)),
+        presets=named_presets(olmo3_preset("olmo-3-7b", 32, 4096, 32, 32, 11008), olmo3_preset("olmo-3-32b", 64, 5120, 40, 8, 27648)),
         # a sliding block (window shorter than the prompt, its own base) and a full one with YaRN (x4 over 16 tokens)
         tiny=dict(_SHAPE, num_key_value_heads=2, pad_token_id=0, sliding_window=5,
                   layer_types=["sliding_attention", "full_attention"],
@@ -341,18 +230,18 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family(
         "smollm3", "SmolLM3ForCausalLM", "SmolLM3Config", "SmolLM3", readers.read_smollm3, writers.write_smollm3, LLAMA,
         # HuggingFaceTB/SmolLM3-3B's config.json (from memory, not downloaded): every fourth block without rotary
-        presets=_named(_llama("smollm3-3b", "smollm3", 36, 2048, 16, 4, 11008, 128256, 65536, True, 5_000_000.0,
+        presets=named_presets(llama_preset("smollm3-3b", "smollm3", 36, 2048, 16, 4, 11008, 128256, 65536, True, 5_000_000.0,
                               nope_layers=tuple(range(3, 36, 4)), bos_token_id=None, eos_token_id=128012)),
         tiny=dict(_SHAPE, num_key_value_heads=2, no_rope_layer_interval=2, pad_token_id=0),  # block 1 (of 2 or 3): no rotary
     ),
     Family(
         "qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", "Qwen 3.5 (text only)", readers_hybrid.read_qwen3_5_text,
         writers.write_qwen3_5_text, QWEN3_5,
-        presets=_named(_qwen3_5("qwen3.5-0.8b", 24, 1024, 8, 2, 3584, 16, True),
-                       _qwen3_5("qwen3.5-2b", 24, 2048, 8, 2, 6144, 16, True),
-                       _qwen3_5("qwen3.5-4b", 32, 2560, 16, 4, 9216, 32, True),
-                       _qwen3_5("qwen3.5-9b", 32, 4096, 16, 4, 12288, 32, False),
-                       _qwen3_5("qwen3.5-27b", 64, 5120, 24, 4, 17408, 48, False)),
+        presets=named_presets(qwen3_5_preset("qwen3.5-0.8b", 24, 1024, 8, 2, 3584, 16, True),
+                       qwen3_5_preset("qwen3.5-2b", 24, 2048, 8, 2, 6144, 16, True),
+                       qwen3_5_preset("qwen3.5-4b", 32, 2560, 16, 4, 9216, 32, True),
+                       qwen3_5_preset("qwen3.5-9b", 32, 4096, 16, 4, 12288, 32, False),
+                       qwen3_5_preset("qwen3.5-27b", 64, 5120, 24, 4, 17408, 48, False)),
         tiny=_QWEN3_5_TINY,
         tiny_3_blocks=dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"]),
     ),
@@ -362,14 +251,14 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
         # google/gemma-4-*'s text_config: E2B's 20 last blocks (E4B's 18) read earlier blocks' keys, and E2B's have
         # MLPs twice as wide; 26B-A4B has 128 experts of 704 (8 per token) beside each dense MLP; E2B's full blocks are
         # one in five, the others' one in six
-        presets=_named(
-            _gemma4("gemma-4-e2b", 35, 1536, 8, 1, None, 6144, 512, 131072, pattern=5, k_is_v=False, d_per_layer=256,
+        presets=named_presets(
+            gemma4_preset("gemma-4-e2b", 35, 1536, 8, 1, None, 6144, 512, 131072, pattern=5, k_is_v=False, d_per_layer=256,
                     n_kv_shared_layers=20, double_wide_mlp=True),
-            _gemma4("gemma-4-e4b", 42, 2560, 8, 2, None, 10240, 512, 131072, k_is_v=False, d_per_layer=256,
+            gemma4_preset("gemma-4-e4b", 42, 2560, 8, 2, None, 10240, 512, 131072, k_is_v=False, d_per_layer=256,
                     n_kv_shared_layers=18),
-            _gemma4("gemma-4-26b-a4b", 30, 2816, 16, 8, 2, 2112, 1024, 262144, experts_beside_mlp=True, n_experts=128,
+            gemma4_preset("gemma-4-26b-a4b", 30, 2816, 16, 8, 2, 2112, 1024, 262144, experts_beside_mlp=True, n_experts=128,
                     n_experts_per_token=8, d_expert=704, routing="softmax_topk_renorm"),
-            _gemma4("gemma-4-31b", 60, 5376, 32, 16, 4, 21504, 1024, 262144)),
+            gemma4_preset("gemma-4-31b", 60, 5376, 32, 16, 4, 21504, 1024, 262144)),
         tiny=_GEMMA4_TINY,
         # transformers makes the last block full, which here reads block 0's keys and values (the last earlier full
         # block); block 1, the one most tests look into, keeps the sliding blocks' heads
