@@ -10,7 +10,7 @@ import torch
 from conftest import make_hf_gpt2
 from golden import assert_golden
 from lenskit import HookedTransformer
-from test_loading import layout_bare_tied
+from gpt2_layouts import layout_bare_tied
 
 
 @pytest.fixture(scope="module")

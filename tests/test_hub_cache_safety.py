@@ -19,7 +19,7 @@ from lenskit import HookedTransformer
 from lenskit.io.hubcache import HubCacheError
 from lenskit.io.loading import resolve_hub_file, resolve_model_folder
 from test_hub import HASH, fake_hub_cache, offline  # noqa: F401 - offline is a fixture
-from test_loading import layout_bare_tied
+from gpt2_layouts import layout_bare_tied
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="symlinks and FIFOs are POSIX")
 
