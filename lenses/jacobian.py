@@ -81,19 +81,21 @@ class JacobianLens(BasisLens):
     def fit(cls, model: HookedTransformer, tokens: torch.Tensor | Sequence[torch.Tensor], *,
             skip_first_positions: int = SKIP_FIRST_POSITIONS, streams: Sequence[int | str | Stream] | None = None,
             exclude_last: bool = True, dim_batch: int = DIM_BATCH, progress: bool = True, out: str | os.PathLike | None = None,
-            provenance: dict | None = None, checkpoint_every: int = CHECKPOINT_EVERY) -> "JacobianLens":
+            provenance: dict | None = None, checkpoint_every: int = CHECKPOINT_EVERY,
+            checkpoint_minutes: float = 5.0) -> "JacobianLens":
         """Fit J_s on `tokens`: [n, pos] ids, or a list of 1-D id tensors (one prompt each, any lengths).
 
         `streams`: which to fit (None: every stream 0..n_layers-1; stream n_layers is the identity). Valid positions
         are [skip_first_positions, T - 1), or [skip_first_positions, T) with exclude_last=False; shorter prompts are
         skipped with a warning. `dim_batch`: output dimensions per backward pass (speed only). `out`: a folder to
-        checkpoint in (every `checkpoint_every` prompts), resume from, and save the lens to. `provenance`: plain values
+        checkpoint in (every `checkpoint_every` prompts, at most `checkpoint_minutes` apart, and on a stop signal), resume from, and save the lens to. `provenance`: plain values
         saying where the tokens came from, saved as the lens's "data". See `lenses.jacobian_fit`.
         """
         from .jacobian_fit import fit
 
         return fit(model, tokens, skip_first_positions=skip_first_positions, streams=streams, exclude_last=exclude_last,
-                   dim_batch=dim_batch, progress=progress, out=out, provenance=provenance, checkpoint_every=checkpoint_every)
+                   dim_batch=dim_batch, progress=progress, out=out, provenance=provenance, checkpoint_every=checkpoint_every,
+                   checkpoint_minutes=checkpoint_minutes)
 
     # ----------------------------------------------------------------- reading
     @property

@@ -8,7 +8,8 @@ Averaged over t in V, the gradients at every fitted stream are row i of that pro
 The forward stops at `end`: position T - 1 is neither source nor target, and moves nothing before it.
 Prompts count equally: J_s = (sum over prompts) / (number of prompts), the sums kept in float64.
 
-Resuming: with `out`, the fit holds the folder's lock and, every `checkpoint_every` prompts (and on Ctrl-C),
+Resuming: with `out`, the fit holds the folder's lock and, every `checkpoint_every` prompts, at most every
+`checkpoint_minutes` (in one process) and on Ctrl-C, SIGTERM, SIGHUP or SIGUSR1,
 writes the sums, the counts, the next prompt index and the fit's identity (settings, a digest of the tokens, the
 model's fingerprint) to `out/jacobian_checkpoint.safetensors`, atomically. A rerun resumes from it, adding the
 remaining prompts in the same order, so it ends with exactly the J of a run that never stopped; a checkpoint of
@@ -44,6 +45,7 @@ from .io import CONFIG_FILE, read_config, write_atomic
 from .jacobian import CHECKPOINT_EVERY, DIM_BATCH, FORMAT, SKIP_FIRST_POSITIONS, JacobianLens
 from .training import check_same_run, distributed
 from .training.lock import locks_out_folder
+from .stopping import SAVE_MINUTES, SaveClock, StopGuard
 from .tuned import model_fingerprint
 
 CHECKPOINT_FILE = "jacobian_checkpoint.safetensors"
@@ -107,7 +109,8 @@ def prompt_jacobians(model: HookedTransformer, prompt: torch.Tensor, est: Estima
 def fit(model: HookedTransformer, tokens: torch.Tensor | Sequence[torch.Tensor], *,
         skip_first_positions: int = SKIP_FIRST_POSITIONS, streams: Sequence[int | str | Stream] | None = None,
         exclude_last: bool = True, dim_batch: int = DIM_BATCH, progress: bool = True, out: str | os.PathLike | None = None,
-        provenance: dict | None = None, checkpoint_every: int = CHECKPOINT_EVERY) -> JacobianLens:
+        provenance: dict | None = None, checkpoint_every: int = CHECKPOINT_EVERY,
+        checkpoint_minutes: float = SAVE_MINUTES) -> JacobianLens:
     """`JacobianLens.fit` (see there for the settings). The model is left as it was: parameters' requires_grad and
     train/eval mode are restored, and no hook stays attached, also when the fit raises."""
     rank, world = distributed()
@@ -153,24 +156,35 @@ def fit(model: HookedTransformer, tokens: torch.Tensor | Sequence[torch.Tensor],
     bar = tqdm(total=len(prompts), initial=start, desc="jacobian lens", unit="prompt", dynamic_ncols=True,
                disable=not progress or rank != 0)
     done = start
+    guard = StopGuard().install()  # Ctrl-C, SIGTERM, SIGHUP, SIGUSR1: stop between prompts (lenses.stopping)
+    clock = SaveClock(checkpoint_minutes)
     try:
         model.eval()
         for p in frozen:  # gradients flow to the streams only, never into the weights
             p.requires_grad_(False)
         for i in range(start, len(prompts)):
+            if guard.requested.is_set():
+                raise KeyboardInterrupt
             if i % world == rank and usable[i]:
-                for J, add in zip(sums, prompt_jacobians(model, prompts[i], est, dim_batch)):
+                guard.interruptible = True  # a prompt's passes may be dropped; the sums below change whole or not at all
+                adds = prompt_jacobians(model, prompts[i], est, dim_batch)
+                guard.interruptible = False
+                for J, add in zip(sums, adds):
                     J += add
                 counts += torch.tensor([1, len(prompts[i])], device=device)
             done = i + 1
             bar.update(1)
-            if ckpt is not None and done % checkpoint_every == 0 and done < len(prompts):
+            # By time only in one process: every rank must reach a checkpoint at the same i.
+            if ckpt is not None and (done % checkpoint_every == 0 or world == 1 and clock.due()) and done < len(prompts):
                 checkpoint(done)  # every rank reaches this at the same i
+                clock.saved()
     except KeyboardInterrupt:
+        guard.interruptible = False
         if ckpt is not None and world == 1:  # keep the whole prompts done; the same call resumes
             checkpoint(done)
         raise
     finally:
+        guard.restore()
         bar.close()
         for p in frozen:
             p.requires_grad_(True)

@@ -49,15 +49,19 @@ def _command(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command. Ctrl-C at any moment, start-up and model load included, is one line and exit 130."""
+    """Run one command. Ctrl-C at any moment, start-up and model load included, is one line and exit 130; SIGTERM,
+    SIGHUP and SIGUSR1 likewise, with 128 + their number (lenses.stopping)."""
+    from ..stopping import exit_code, stopped_by, stops_interrupt
+
     argv = sys.argv[1:] if argv is None else list(argv)
     command = _command(argv)
     try:
-        args = build_parser(command).parse_args(argv)
-        return int(args.run(args) or 0)
+        with stops_interrupt():
+            args = build_parser(command).parse_args(argv)
+            return int(args.run(args) or 0)
     except KeyboardInterrupt:
-        print(f"lenskit {command}: interrupted" if command else "lenskit: interrupted", file=sys.stderr)
-        return 130
+        print(f"lenskit {command}: {stopped_by()}interrupted" if command else "lenskit: interrupted", file=sys.stderr)
+        return exit_code()
     except BrokenPipeError:
         # The reader went away (`lenskit lens ... | head`); that is not an error of ours.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -67,11 +67,13 @@ def run(args: argparse.Namespace) -> int:
         manifest = export_activations(model, windows, hooks, args.out, provenance=stream.provenance,
                                       dtype=getattr(torch, args.dtype) if args.dtype else None,
                                       windows_per_shard=args.windows_per_shard, batch=args.batch, progress=not args.quiet)
-    except KeyboardInterrupt:  # between or inside shards: the shards written are whole and listed
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP, SIGUSR1: the shards written are whole and listed
+        from ..stopping import exit_code, stopped_by
+
         if rank == 0:
-            print(f"lenskit cache: interrupted; the shards written are kept in {args.out}: run the same command to resume",
-                  file=sys.stderr)
-        return 130
+            print(f"lenskit cache: {stopped_by()}interrupted; the shards written are kept in {args.out}: run the same "
+                  "command to resume", file=sys.stderr)
+        return exit_code()
     if rank == 0:
         print(f"wrote {args.out}: {manifest['n_shards']} shards, {manifest['n_windows'] * manifest['ctx']:,} tokens "
               f"of {len(hooks)} hooks in {manifest['dtype']}")

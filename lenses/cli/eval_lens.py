@@ -7,7 +7,8 @@
 The logit lens is always evaluated, as the baseline, first unless named. Every lens reads the same windows;
 the intervals are 95% bootstrap intervals over windows. With --card, the per-layer table also goes into the
 lens folder: under "eval" in its config.json and as the Evaluation section of its README.md model card (one
-lenskit tuned-lens folder on this disk only).
+lenskit tuned-lens folder on this disk only). Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 stop it in one line (exit 128 +
+the signal's number) with the card as it was, or as written whole; the evaluation has no resume: rerun it.
 
 Under torchrun the ranks score disjoint windows (NCCL on GPUs, gloo on CPU) and rank 0 prints and writes the
 tables, which are one process's up to float rounding:
@@ -148,11 +149,13 @@ def evaluate(args: argparse.Namespace, specs: list[str], card_folder: Path | Non
         print(f"wrote {args.out}")
     if card_folder is not None:
         from ..card import record_eval
+        from ..stopping import deferred_stops
 
         label = next(n for n in labels if n != "logit")
         records = table.rename(columns=lambda c: c.replace(f"_{label}", "_tuned") if c.startswith(("kl_", "ce_")) else c)
-        card = record_eval(card_folder, records.to_dict("records"), n_tokens, stream.provenance.get("sha256"))
-        print(f"wrote the table into {card}")
+        with deferred_stops():  # config.json and README.md together: a stop signal waits for both
+            card = record_eval(card_folder, records.to_dict("records"), n_tokens, stream.provenance.get("sha256"))
+            print(f"wrote the table into {card}")
     return 0
 
 

@@ -7,9 +7,10 @@ Under torchrun the same command trains with DistributedDataParallel (NCCL on GPU
 Batch size: with neither --steps nor --tokens-per-step, 250 steps of min(2**18, data tokens / 250)
 tokens, but never fewer than 2**13 tokens a step: small data gets fewer steps, not tiny batches.
 
-Resuming and extending: rerun the same command to resume an interrupted run (Ctrl-C saves a checkpoint
-first). Rerun it with a different --steps (not below the steps done) to extend or shorten a run, finished
-or not: the learning-rate schedule is re-derived for the new total, so the result is not the same as a
+Resuming and extending: rerun the same command to resume an interrupted run (Ctrl-C, SIGTERM, SIGHUP and
+SIGUSR1 save a checkpoint first; others come every --ckpt-every steps and at most --ckpt-minutes apart).
+Rerun it with a different --steps (not below the steps done) to extend or shorten a run, finished or not:
+the learning-rate schedule is re-derived for the new total, so the result is not the same as a
 fresh run of that many steps. Any other setting that differs is refused, naming the field.
 """
 
@@ -52,6 +53,8 @@ def add_parser(subparsers, name: str) -> None:
                    help=f"tokens per forward pass (memory, not maths; default {DEFAULT.micro_batch_tokens})")
     p.add_argument("--ckpt-every", type=int, default=DEFAULT.ckpt_every,
                    help=f"steps between checkpoints (default {DEFAULT.ckpt_every})")
+    p.add_argument("--ckpt-minutes", type=float, default=DEFAULT.ckpt_minutes,
+                   help=f"and at most this many minutes between checkpoints (default {DEFAULT.ckpt_minutes:g})")
     p.add_argument("--text-field", default="text", help="the JSONL field that holds the text")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
@@ -75,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from lenskit.io.data import load_token_stream
 
     from ..training.lock import check_writable
+    from ..stopping import exit_code, stopped_by
     from ..training.interrupt import Interrupted
     from ..training import init_distributed, train
     from ..tuned import TunedLens
@@ -82,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     # The recipe checks its fields on construction: bad flags fail before the model or the data load.
     recipe = Recipe(steps=args.steps, tokens_per_step=args.tokens_per_step, seed=args.seed, ctx=args.ctx,
                     optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, ckpt_every=args.ckpt_every,
+                    ckpt_minutes=args.ckpt_minutes,
                     micro_batch_tokens=args.micro_batch_tokens)
     check_writable(args.out)  # before any work, not at the first checkpoint
     rank, world, device = init_distributed()
@@ -99,14 +104,15 @@ def run(args: argparse.Namespace) -> int:
     except FloatingPointError as e:  # a diverged run: say so plainly, the checkpoint is kept
         print(f"lenskit train-lens: error: {e}", file=sys.stderr)
         return 3
-    except Interrupted as e:  # Ctrl-C: the steps done are checkpointed
+    except Interrupted as e:  # Ctrl-C, SIGTERM, SIGHUP, SIGUSR1: the steps done are checkpointed
         if rank == 0:
             print(f"lenskit train-lens: {e}", file=sys.stderr)
-        return 130
+        return exit_code()
     except KeyboardInterrupt:  # outside the steps (saving the finished lens): the last checkpoint stands
         if rank == 0:
-            print("lenskit train-lens: interrupted; run the same command to resume from the last checkpoint", file=sys.stderr)
-        return 130
+            print(f"lenskit train-lens: {stopped_by()}interrupted; run the same command to resume from the last "
+                  "checkpoint", file=sys.stderr)
+        return exit_code()
     if before is not None and lens.info.get("steps_done") == before:
         return 0  # the finished lens was already there; train() said so
     if rank == 0:

@@ -38,6 +38,7 @@ from lenskit import Stream
 from lenskit.io.data import TokenStream, window_order
 from lenskit.io.files import check_regular_file
 
+from ..stopping import SaveClock
 from .interrupt import Interrupted, interrupts_between_steps
 from ..io import CONFIG_FILE, read_config, write_atomic
 from .recipe import Recipe
@@ -249,7 +250,7 @@ def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: 
     """Train `lens` in place on `stream` and return it; with `out`, checkpoint there, resume from there,
     and save the finished lens there (config.json + lens.safetensors + README.md). With `out` holding a run
     of the same settings but another `steps`, continue it to the new total (see the module docstring).
-    Ctrl-C raises `Interrupted` after checkpointing the steps done.
+    Ctrl-C (or SIGTERM, SIGHUP, SIGUSR1) raises `Interrupted` after checkpointing the steps done.
 
     Under torch.distributed (e.g. torchrun) every rank calls this with the same data; each takes its share
     of every step's windows, DistributedDataParallel averages the gradients, and rank 0 writes the files.
@@ -285,6 +286,7 @@ def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: 
     try:
         for p in frozen:  # the model is only read: no gradients for its weights (the unembedding would get some)
             p.requires_grad_(False)
+        clock = SaveClock(recipe.ckpt_minutes)
         with interrupts_between_steps(opt) as guard:
             while step < recipe.steps:
                 if guard.requested.is_set():  # Ctrl-C: keep the whole steps done, then stop
@@ -305,9 +307,11 @@ def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: 
                 step += 1
                 bar.update(1)
                 bar.set_postfix_str("KL/layer " + " ".join(f"{x:.3g}" for x in history[-1]))
-                if ckpt is not None and (step % recipe.ckpt_every == 0 or step == recipe.steps):
+                # By time too, in one process (ranks' clocks would disagree on when, and they save together).
+                if ckpt is not None and (step % recipe.ckpt_every == 0 or step == recipe.steps or world == 1 and clock.due()):
                     if rank == 0:
                         save_checkpoint(ckpt, lens, opt, {"step": step, "history": history, "identity": identity})
+                        clock.saved()
                     if world > 1:
                         dist.barrier()
     finally:

@@ -35,6 +35,7 @@ class Recipe:
     seed: int = 0
     micro_batch_tokens: int = 2048  # tokens per forward; bounds memory (d_vocab floats per token per layer)
     ckpt_every: int = 10
+    ckpt_minutes: float = 5.0  # and at most this long between checkpoints (one process; time decides when, never what)
 
     def __post_init__(self) -> None:
         """Check every field at construction: one line naming the field (and its flag) and what it must be."""
@@ -50,14 +51,15 @@ class Recipe:
         if self.optimizer not in ("sgd", "adam"):
             raise ValueError(f"{_field('optimizer')} must be 'sgd' or 'adam', got {self.optimizer!r}")
         for name, low, high, closed_low in (("lr", 0.0, math.inf, False), ("momentum", 0.0, 1.0, True),
-                                            ("weight_decay", 0.0, math.inf, True), ("clip_grad_norm", 0.0, math.inf, False)):
+                                            ("weight_decay", 0.0, math.inf, True), ("clip_grad_norm", 0.0, math.inf, False),
+                                            ("ckpt_minutes", 0.0, math.inf, False)):
             value = getattr(self, name)
             if name == "lr" and value is None:
                 continue
             ok = _is_real(value) and math.isfinite(value) and (value >= low if closed_low else value > low) and value < high
             if not ok:
                 want = {"lr": "a finite number > 0", "momentum": "a number in [0, 1)", "weight_decay": "a finite number >= 0",
-                        "clip_grad_norm": "a finite number > 0"}[name]
+                        "clip_grad_norm": "a finite number > 0", "ckpt_minutes": "a finite number > 0"}[name]
                 raise ValueError(f"{_field(name)} must be {want}, got {value!r}")
 
     def resolve(self, n_tokens: int, n_ctx: int, world_size: int = 1) -> "Recipe":
@@ -120,7 +122,7 @@ class Recipe:
 
     def identity(self) -> dict:
         """The fields that decide the result (a resumed run must match them)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "ckpt_every"}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("ckpt_every", "ckpt_minutes")}
 
 
 def _is_int(value: object) -> bool:
@@ -137,4 +139,5 @@ def _field(name: str) -> str:
     return f"Recipe.{name} (--{flag})" if name in _FLAGS else f"Recipe.{name}"
 
 
-_FLAGS = {"steps", "tokens_per_step", "seed", "ctx", "optimizer", "lr", "weight_decay", "micro_batch_tokens", "ckpt_every"}
+_FLAGS = {"steps", "tokens_per_step", "seed", "ctx", "optimizer", "lr", "weight_decay", "micro_batch_tokens", "ckpt_every",
+          "ckpt_minutes"}
