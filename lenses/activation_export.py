@@ -4,9 +4,11 @@ The format and its reader are `lenskit.io.activations`. Shard k holds windows [k
 the model `batch` windows at a time, so its bytes depend on k alone: not on the process count, nor on a kill.
 
 Resuming: every shard is written to a temporary name and renamed into place, and the manifest is rewritten
-(atomically) after each one, so a run killed at any moment leaves whole shards and a manifest listing them. A
-rerun of the same export skips the shards listed (whose files are there, of the recorded size) and writes the
-rest; a folder holding another export (another model, other hooks, dtype, windows) is refused by name.
+(atomically) after each one, with the shard's checksum, so a run killed at any moment (Ctrl-C, SIGTERM, SIGHUP,
+SIGUSR1 or SIGKILL) leaves whole shards and a manifest listing them. A rerun of the same export skips the shards
+listed that pass verification (`shard_problem`: name, regular file in the folder, size, checksum, windows), writes
+again those that fail (saying so in one line) and writes the rest; a folder holding another export (another
+model, other hooks, dtype, windows, or format 1) is refused by name.
 
 Distributed (torchrun, see `lenses.training.init_distributed`): rank r writes shards r, r + world, ... named
 with its rank, and records them in `manifest-rank{r}.json`; rank 0 keeps `manifest.json`, and at the end lists
@@ -29,8 +31,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 
 from lenskit import HookedTransformer
-from lenskit.io.activations import (FORMAT, FORMAT_VERSION, MANIFEST_FILE, TOKENS, WINDOWS, dtype_name, read_manifest,
-                                    resolve_hooks, shard_name)
+from lenskit.io.activations import (FORMAT, FORMAT_VERSION, MANIFEST_FILE, TOKENS, WINDOWS, dtype_name, file_checksum,
+                                    read_manifest, resolve_hooks, shard_name, shard_problem)
 
 from .io import write_atomic
 from .training import distributed
@@ -67,9 +69,11 @@ def export_activations(model: HookedTransformer, windows: torch.Tensor, hooks: s
     windows = windows.to("cpu", torch.long).contiguous()
     ctx = windows.shape[1]
     model.validate_tokens(windows[:1])  # a window past n_ctx or an id past the vocabulary, refused before any work
-    shapes, stored = _probe(model, windows[:1], names, dtype)
+    shapes, dtypes = _probe(model, windows[:1], names, dtype)
+    floats = {d for d in dtypes.values() if d.is_floating_point}
+    stored = floats.pop() if floats else torch.int64
     if windows_per_shard is None:
-        per_window = ctx * (8 + sum(_numel(s) for s in shapes.values()) * stored.itemsize)
+        per_window = ctx * (8 + sum(_numel(s) * dtypes[n].itemsize for n, s in shapes.items()))
         windows_per_shard = max(1, SHARD_BYTES // per_window)
     if windows_per_shard < 1:
         raise ValueError(f"windows_per_shard must be >= 1, got {windows_per_shard}")
@@ -77,7 +81,8 @@ def export_activations(model: HookedTransformer, windows: torch.Tensor, hooks: s
     header = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "model_fingerprint": model_fingerprint(model),
         "model_name": model.cfg.name, "family": model.cfg.family, "n_layers": model.cfg.n_layers,
-        "d_model": model.cfg.d_model, "hooks": names, "shapes": shapes, "dtype": dtype_name(stored), "ctx": ctx,
+        "d_model": model.cfg.d_model, "hooks": names, "shapes": shapes, "dtype": dtype_name(stored),
+        "dtypes": {n: dtype_name(d) for n, d in dtypes.items()}, "ctx": ctx,
         "n_windows": len(windows), "windows_per_shard": windows_per_shard, "n_shards": n_shards,
         "tokens_sha256": hashlib.sha256(windows.numpy().tobytes()).hexdigest(), "data": provenance or {},
     }
@@ -110,7 +115,7 @@ def export_activations(model: HookedTransformer, windows: torch.Tensor, hooks: s
                 if stale != path:  # the same shard from a killed run of another process count, never listed
                     stale.unlink(missing_ok=True)
             written[k] = {"file": path.name, "index": k, "rank": rank, "first_window": first, "n_windows": len(chunk),
-                          "bytes": path.stat().st_size}
+                          "bytes": path.stat().st_size, "checksum": file_checksum(path)}
             if rank == 0:
                 _write_manifest(out, {**header, "shards": sorted([*done.values(), *written.values()], key=_index),
                                       "complete": False})
@@ -123,7 +128,7 @@ def export_activations(model: HookedTransformer, windows: torch.Tensor, hooks: s
         dist.barrier()  # every rank's shards are written and recorded
     manifest = {**header, "shards": [], "complete": False}
     if rank == 0:
-        every = {**done, **_recorded(out, read_manifest_too=False), **written}
+        every = {**done, **_recorded(out, header, read_manifest_too=False), **written}
         manifest = {**header, "shards": sorted(every.values(), key=_index), "complete": len(every) == n_shards}
         _write_manifest(out, manifest)
         for part in out.glob("manifest-rank*.json"):
@@ -147,22 +152,27 @@ def _numel(shape: list[int]) -> int:
 
 
 def _probe(model: HookedTransformer, window: torch.Tensor, names: list[str],
-           dtype: torch.dtype | None) -> tuple[dict[str, list[int]], torch.dtype]:
-    """Each hook's per-token shape and the stored dtype, from one window; a hook that does not give one vector
-    per (window, position) is refused by name."""
-    _, cache = model.run_with_cache(window.to(model.embed.weight.device), names, return_logits=False, dtype=dtype,
-                                    cache_device="cpu")
+           dtype: torch.dtype | None) -> tuple[dict[str, list[int]], dict[str, torch.dtype]]:
+    """Each hook's per-token shape and stored dtype, from one window and the same cut by a token (so that a
+    hook's second axis is seen to follow the position, whatever the head count); a hook that does not give one
+    vector per (window, position) is refused by name. Integer hooks (expert indices) keep their dtype; the
+    float ones are stored in `dtype`, or in their own when they share one."""
+    device = model.embed.weight.device
+    runs = [model.run_with_cache(w.to(device), names, return_logits=False, dtype=dtype, cache_device="cpu")[1]
+            for w in ([window, window[:, :-1]] if window.shape[1] > 1 else [window])]
     shapes = {}
     for name in names:
-        t = cache[name]
-        if t.ndim < 2 or tuple(t.shape[:2]) != tuple(window.shape):
-            raise ValueError(f"{name} gives shape {tuple(t.shape)}, not [batch, pos, ...] = {list(window.shape)} + ...; "
-                             "export hooks with one vector per token")
-        shapes[name] = list(t.shape[2:])
-    stored = {cache[n].dtype for n in names}
-    if len(stored) != 1:
-        raise ValueError(f"the hooks give dtypes {sorted(map(str, stored))}; pass one dtype to store them in")
-    return shapes, stored.pop()
+        for w, cache in zip((window, window[:, :-1]), runs):
+            t = cache[name]
+            if t.ndim < 2 or tuple(t.shape[:2]) != tuple(w.shape):
+                raise ValueError(f"{name} gives shape {tuple(t.shape)} for windows of {tuple(w.shape)}, not [batch, "
+                                 "pos, ...]; export hooks with one vector per token")
+        shapes[name] = list(runs[0][name].shape[2:])
+    dtypes = {n: runs[0][n].dtype for n in names}
+    floats = {d for d in dtypes.values() if d.is_floating_point}
+    if len(floats) > 1:
+        raise ValueError(f"the hooks give dtypes {sorted(map(str, floats))}; pass one dtype to store them in")
+    return shapes, dtypes
 
 
 def _shard(model: HookedTransformer, chunk: torch.Tensor, names: list[str], batch: int, dtype: torch.dtype | None,
@@ -187,19 +197,30 @@ def _write_manifest(out: Path, manifest: dict) -> None:
     _write_json(out / MANIFEST_FILE, manifest)
 
 
-def _recorded(out: Path, read_manifest_too: bool = True) -> dict[int, dict]:
-    """Shards listed in the manifest and in the ranks' own records, by index, whose files are there whole."""
+def _recorded(out: Path, header: dict, read_manifest_too: bool = True) -> dict[int, dict]:
+    """Shards listed in the manifest and in the ranks' own records, by index, that pass verification (see
+    `shard_problem`); those that fail are written again, and one line says which and why."""
     from lenskit.io.files import read_json_object
 
     records: list[dict] = list(read_manifest(out)["shards"]) if read_manifest_too else []
     for path in sorted(out.glob("manifest-rank*.json")):
         part = read_json_object(path, what="a rank's record of the shards it wrote")
         records += [s for s in part.get("shards", []) if isinstance(s, dict)]
-    found = {}
+    found, failed = {}, {}
     for s in records:
-        path = out / str(s.get("file"))
-        if isinstance(s.get("index"), int) and path.is_file() and path.stat().st_size == s.get("bytes"):
+        if s.get("index") in found:
+            continue  # the same shard recorded twice (by its rank, then in the manifest)
+        problem = shard_problem(out, header, s) if isinstance(s.get("checksum"), str) else "it has no checksum"
+        if problem is None:
             found[s["index"]] = s
+        else:
+            failed.setdefault(str(s.get("file")), problem)
+    failed = {f: p for f, p in failed.items() if not any(s["file"] == f for s in found.values())}
+    if failed and distributed()[0] == 0:
+        first, why = next(iter(failed.items()))
+        more = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
+        print(f"{out}: {len(failed)} recorded shard(s) fail verification ({first}: {why}{more}); writing them again",
+              flush=True)
     return found
 
 
@@ -222,7 +243,7 @@ def _resume(out: Path, header: dict) -> dict[int, dict]:
     if diffs:
         raise ValueError(f"{out} holds another export: {'; '.join(diffs)} differ; pass another --out, or delete "
                          f"{out} to export into it again")
-    return _recorded(out)
+    return _recorded(out, header)
 
 
 def _short(value: object) -> str:

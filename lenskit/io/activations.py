@@ -7,9 +7,15 @@ k * windows_per_shard onwards (the last shard may hold fewer), whichever process
 - one tensor per exported hook, by its full name: [window, pos, *shape], e.g. [window, pos, d_model].
 
 The manifest names the model (fingerprint, name, family), the hooks, the per-token `shapes`, the stored
-`dtype`, the window length `ctx`, the plan (`n_windows`, `windows_per_shard`, `n_shards`), the data's
+`dtype` (of the float hooks) and each hook's own in `dtypes` (integer hooks, such as a MoE's expert indices,
+stay int64), the window length `ctx`, the plan (`n_windows`, `windows_per_shard`, `n_shards`), the data's
 provenance, and `shards`: one record per finished shard (`file`, `index`, `rank`, `first_window`,
-`n_windows`, `bytes`). `complete` is true once every shard is written. See docs/activation_export.md.
+`n_windows`, `bytes`, `checksum`). `complete` is true once every shard is written. See docs/activation_export.md.
+
+The reader serves no row of a shard before the shard passes `shard_problem` (once per shard per reader): its
+file is `shard_name(index, rank)`, a regular file in the folder (no link), of the recorded size and checksum,
+whose `windows` tensor holds the windows the plan gives its index. Format 1 (no checksums) still reads, with
+a warning, checked by everything but the checksum.
 
 >>> rows = ActivationDataset("acts/", "resid_post.6")   # row i: window i // ctx, position i % ctx
 >>> activation, token = rows[0]                          # [d_model], int64 []
@@ -19,15 +25,18 @@ provenance, and `shards`: one record per finished shard (`file`, `index`, `rank`
 from __future__ import annotations
 
 import bisect
+import hashlib
 import os
 import re
+import stat
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch.utils.data import Dataset, Subset
 
-from ..observe.names import BLOCK_SHORT, get_act_name, hook_name
+from ..observe.names import BLOCK_SHORT, HOOK_AXES, get_act_name, hook_layout, hook_name
 from ..observe.stream import POINTS, Stream
 from .files import check_regular_file, read_json_object
 
@@ -35,12 +44,11 @@ if TYPE_CHECKING:
     from ..model import HookedTransformer
 
 FORMAT = "lenskit-activations"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: shard checksums, per-hook dtypes (1 is read, with a warning)
 MANIFEST_FILE = "manifest.json"
 TOKENS, WINDOWS = "tokens", "windows"  # the shard tensors beside the hooks'
-# Hooks whose tensors are not one vector per token ([batch, head, query_pos, key_pos], [batch, head, query_pos]).
-NOT_PER_TOKEN = ("attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_sink")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+          "int64": torch.int64, "int32": torch.int32}  # integers: a MoE's expert indices
 _SHORT_LAYER = re.compile(r"^(?P<short>[a-z_0-9]+)[.:](?P<layer>-?\d+)$")
 
 
@@ -79,9 +87,10 @@ def resolve_hook(n_layers: int, hook_dict: dict, spec: str) -> str:
         close = difflib.get_close_matches(name, list(hook_dict), n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(map(repr, close))}?" if close else "; see model.hook_dict for all names"
         raise KeyError(f"unknown hook name {spec!r}{hint}")
-    if name.endswith(NOT_PER_TOKEN):
-        raise ValueError(f"{name} is not one vector per token (it is per query and key position), so it cannot be "
-                         "exported as rows; export per-token hooks such as resid_post.L, attn_out.L or z.L")
+    layout = hook_layout(name)
+    if layout != "per-token":
+        raise ValueError(f"{name} is not one vector per token (it is {layout}: {' '.join(HOOK_AXES[layout])}), so it "
+                         "cannot be exported as rows; export per-token hooks such as resid_post.L, attn_out.L or z.L")
     return name
 
 
@@ -102,7 +111,7 @@ def _count(v: object) -> bool:
 
 MANIFEST_FIELDS = {
     "format": (lambda v: v == FORMAT, f"{FORMAT!r}"),
-    "format_version": (lambda v: v == FORMAT_VERSION, f"{FORMAT_VERSION}"),
+    "format_version": (lambda v: v in (1, FORMAT_VERSION), f"1 or {FORMAT_VERSION}"),
     "model_fingerprint": (lambda v: isinstance(v, str), "the model's fingerprint, a string"),
     "hooks": (lambda v: isinstance(v, list) and v and all(isinstance(x, str) for x in v), "a list of hook names"),
     "shapes": (lambda v: isinstance(v, dict) and all(isinstance(s, list) and all(_count(d) for d in s) for s in v.values()),
@@ -133,10 +142,70 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
     missing = set(manifest["hooks"]) - set(manifest["shapes"])
     if missing:
         raise ValueError(f"{path}: 'shapes' has no entry for {sorted(missing)}; the export is corrupt: export again")
-    for s in manifest["shards"]:
-        if Path(s["file"]).name != s["file"]:
-            raise ValueError(f"{path}: shard file {s['file']!r} is not a plain file name; the export is corrupt")
+    if manifest["format_version"] >= 2:
+        dtypes, sums = manifest.get("dtypes"), [s.get("checksum") for s in manifest["shards"]]
+        if not isinstance(dtypes, dict) or set(dtypes) != set(manifest["hooks"]) or not set(dtypes.values()) <= set(DTYPES):
+            raise ValueError(f"{path}: field 'dtypes' must give each hook's dtype (one of {', '.join(DTYPES)}), found "
+                             f"{dtypes!r:.60}; the export is corrupt: export again")
+        if not all(isinstance(c, str) and c.startswith(CHECKSUM + ":") for c in sums):
+            raise ValueError(f"{path}: a shard record has no {CHECKSUM} checksum; the export is corrupt: export again")
     return manifest
+
+
+def hook_dtype(manifest: dict, hook: str) -> torch.dtype:
+    """The stored dtype of `hook` in an export (format 1 stored every hook in `dtype`)."""
+    return DTYPES[manifest.get("dtypes", {}).get(hook, manifest["dtype"])]
+
+
+# ------------------------------------------------------------------ verifying a shard
+CHECKSUM = "blake2b"  # of the whole file; hashlib's, fast and in the standard library
+
+
+def file_checksum(path: str | os.PathLike) -> str:
+    """"blake2b:<hex>" of the file's bytes, read in 16 MiB pieces."""
+    digest = hashlib.blake2b()
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 24):
+            digest.update(piece)
+    return f"{CHECKSUM}:{digest.hexdigest()}"
+
+
+def shard_problem(folder: str | os.PathLike, manifest: dict, record: dict, checksum: bool = True) -> str | None:
+    """Why shard `record` of the export planned by `manifest` in `folder` cannot be served, or None when it can:
+    its index and windows must be the plan's, its file `shard_name(index, rank)` a regular file in `folder` (not
+    a link), of the recorded size and checksum (where the record has one), holding the `windows` it should."""
+    k, W = record.get("index"), manifest["windows_per_shard"]
+    if not _count(k) or k >= manifest["n_shards"]:
+        return f"its index {k!r} is not one of the plan's {manifest['n_shards']} shards"
+    first = k * W
+    n = min(W, manifest["n_windows"] - first)
+    if (record.get("first_window"), record.get("n_windows")) != (first, n):
+        return (f"it says windows {record.get('first_window')!r} + {record.get('n_windows')!r}, where shard {k} holds "
+                f"windows {first} + {n}")
+    rank = record.get("rank")
+    if not _count(rank) or record.get("file") != shard_name(k, rank):
+        return f"its file {record.get('file')!r} is not {shard_name(k, rank if _count(rank) else 0)!r}"
+    path = Path(folder) / record["file"]
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "its file is missing"
+    if not stat.S_ISREG(st.st_mode):
+        return "its file is not a regular file (a link, folder or device)"
+    if st.st_size != record.get("bytes"):
+        return f"its file has {st.st_size} bytes, the record {record.get('bytes')!r}"
+    if checksum and "checksum" in record and file_checksum(path) != record["checksum"]:
+        return "its checksum differs from the record's (the file changed)"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            stored = f.get_tensor(WINDOWS)
+    except Exception as e:  # noqa: BLE001 - safetensors' own error types for a cut or foreign file
+        return f"it is not a readable shard ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'})"
+    if not torch.equal(stored, torch.arange(first, first + n, dtype=stored.dtype)) or stored.dtype != torch.long:
+        return f"its windows tensor is not windows {first}..{first + n - 1}"
+    return None
 
 
 # ------------------------------------------------------------------ the reader
@@ -166,9 +235,17 @@ class ActivationDataset(Dataset):
         except (KeyError, ValueError):
             raise KeyError(f"{folder} holds no hook {hook!r}; it holds {', '.join(hooks)}") from None
         self.shape = tuple(m["shapes"][self.hook])
-        self.dtype = DTYPES[m["dtype"]]
+        self.dtype = hook_dtype(m, self.hook)
         self.ctx = m["ctx"]
         shards = sorted(m["shards"], key=lambda s: s["index"])
+        twice = [a["index"] for a, b in zip(shards, shards[1:]) if a["index"] == b["index"]]
+        if twice:
+            raise ValueError(f"{folder}: two shard records name shard {twice[0]}, so its rows would be read twice; the "
+                             "export is corrupt: rerun the same `lenskit cache` command to rewrite its records")
+        if m["format_version"] < 2:
+            warnings.warn(f"{folder} was exported in activation format {m['format_version']}, whose records have no "
+                          "checksums: its shards are checked by name, size and windows only; export again into a new "
+                          "folder to have them checksummed", UserWarning, stacklevel=2)
         self.complete = bool(m.get("complete")) and len(shards) == m["n_shards"]
         if not self.complete and not allow_incomplete:
             raise ValueError(f"the export in {folder} is unfinished ({len(shards)} of {m['n_shards']} shards); rerun the "
@@ -192,6 +269,10 @@ class ActivationDataset(Dataset):
 
             record = self.shards[k]
             path = self.folder / record["file"]
+            problem = shard_problem(self.folder, self.manifest, record)
+            if problem is not None:
+                raise ValueError(f"{path}: shard {record['index']} fails verification: {problem}; its rows are not "
+                                 "served: rerun the same `lenskit cache` command to write it again")
             check_regular_file(path, "an activation shard (safetensors)")
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 acts, tokens = f.get_tensor(self.hook), f.get_tensor(TOKENS)

@@ -31,6 +31,13 @@ BLOCK_SHORT: dict[str, str] = {
     "scale1": "ln1.hook_scale", "normalized1": "ln1.hook_normalized",
     "scale2": "ln2.hook_scale", "normalized2": "ln2.hook_normalized",
 }
+# The layout of each hook's tensor, declared by its path inside a block: the hooks named here are per head
+# ([batch, head, query_pos, ...]) or per recurrent state (a linear-attention block's final state); every other
+# hook is per token, [batch, pos, ...] (what can be exported as rows, or patched by position).
+LAYOUTS = {"attn.hook_attn_scores": "per-head", "attn.hook_pattern": "per-head", "attn.hook_sink": "per-head",
+           "attn.hook_state": "per-state"}
+HOOK_AXES = {"per-token": ("batch", "pos", "..."), "per-head": ("batch", "head", "query_pos", "..."),
+             "per-state": ("batch", "v_head", "d_k", "d_v")}
 # Hooks outside the blocks, by short name.
 TOP_SHORT = {"embed": "hook_embed", "pos_embed": "hook_pos_embed"}
 # TransformerLens's spellings of the same short names.
@@ -100,6 +107,12 @@ def get_act_name(name: str, layer: int | None = None, layer_type: str | None = N
         raise ValueError(f"{name!r} is {block_hook_name(layer, BLOCK_SHORT[name])!r}, so layer_type must be None"
                          f"{f' or {part!r}' if part else ''}, got {layer_type!r}")
     return block_hook_name(layer, BLOCK_SHORT[name])
+
+
+def hook_layout(name: str) -> str:
+    """"per-token", "per-head" or "per-state": how the tensor at hook `name` is laid out (see LAYOUTS)."""
+    path = name.split(".", 2)[2] if name.startswith("blocks.") and name.count(".") >= 2 else name
+    return LAYOUTS.get(path, "per-token")
 
 
 def head_label(layer: int, head: int) -> str:
