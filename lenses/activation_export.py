@@ -87,6 +87,8 @@ def export_activations(model: HookedTransformer, windows: torch.Tensor, hooks: s
         "tokens_sha256": hashlib.sha256(windows.numpy().tobytes()).hexdigest(), "data": provenance or {},
     }
     done = _resume(out, header)  # every rank reads the folder before anyone writes to it
+    if done and rank == 0:
+        print(f"resuming the export in {out}: {len(done)} of {n_shards} shards done and verified", flush=True)
     if world > 1:
         dist.barrier()
     if rank == 0:
@@ -214,10 +216,10 @@ def _recorded(out: Path, header: dict, read_manifest_too: bool = True) -> dict[i
         if problem is None:
             found[s["index"]] = s
         else:
-            failed.setdefault(str(s.get("file")), problem)
-    failed = {f: p for f, p in failed.items() if not any(s["file"] == f for s in found.values())}
+            failed.setdefault(s.get("index"), (str(s.get("file")), problem))
+    failed = {k: v for k, v in failed.items() if k not in found}  # a shard another record vouches for is done
     if failed and distributed()[0] == 0:
-        first, why = next(iter(failed.items()))
+        first, why = next(iter(failed.values()))
         more = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
         print(f"{out}: {len(failed)} recorded shard(s) fail verification ({first}: {why}{more}); writing them again",
               flush=True)
