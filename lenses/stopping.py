@@ -33,11 +33,13 @@ def exit_code() -> int:
 
 def _install(handler) -> dict | None:
     """Point every stop signal at `handler` and return the handlers it replaced (None off the main thread,
-    where Python cannot set handlers). A KeyboardInterrupt raised with no signal since counts as Ctrl-C."""
+    where Python cannot set handlers). A signal ignored on entry stays ignored: `nohup` ignores SIGHUP, and a
+    shell ignores SIGINT for a job it starts in the background, so that those runs go on. A KeyboardInterrupt
+    raised with no signal since counts as Ctrl-C."""
     _last[0] = signal.SIGINT
     if threading.current_thread() is not threading.main_thread():
         return None
-    return {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    return {s: signal.signal(s, handler) for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
 
 
 def _restore(previous: dict | None) -> None:

@@ -23,7 +23,7 @@ import lenses.training as training_module
 import lenskit
 from lens_fixtures import write_text_folder, write_tiny_model
 from lenses import TunedLens
-from lenses.stopping import SaveClock
+from lenses.stopping import STOP_SIGNALS, SaveClock, StopGuard, stops_interrupt
 from lenses.training import CHECKPOINT_FILE, Recipe, train
 from lenses.training.lock import LOCK_FILE
 from lenskit.io.data import load_token_stream
@@ -204,3 +204,24 @@ def test_time_decides_when_to_save_never_the_numbers(tiny, tmp_path, monkeypatch
     assert saved == [6]  # the last step only
     assert all(torch.equal(v, rarely.state_dict()[k]) for k, v in often.state_dict().items())
     assert often.info["recipe"] == rarely.info["recipe"]  # not part of the run's identity: a rerun may change it
+
+
+def test_handlers_are_restored_and_a_signal_ignored_on_entry_stays_ignored():
+    """`nohup` ignores SIGHUP (and a shell SIGINT for a background job): those runs must go on."""
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with stops_interrupt():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not before[signal.SIGTERM]
+            guard = StopGuard().install()
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGUSR1)  # not interruptible: noted, not raised
+            assert guard.requested.is_set()
+            guard.restore()
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)  # the handler runs at the next bytecode boundary
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert {s: signal.getsignal(s) for s in STOP_SIGNALS} == before

@@ -4,9 +4,10 @@
     torchrun --nproc-per-node 4 -m lenses.cli cache --model M --data corpus/ --hooks resid_post.6 --out acts/
 
 Hooks are full names (blocks.6.hook_resid_post) or short ones (resid_post.6, mlp_out.-1, z.3). The data is cut
-into windows of --ctx tokens; shard k holds windows k * W onwards. Rerun the same command after a kill or
-Ctrl-C to resume: the shards written are kept and skipped. Read the rows back with
-`lenskit.io.activations.ActivationDataset(OUT, hook)`; the format is in docs/activation_export.md.
+into windows of --ctx tokens; shard k holds windows k * W onwards. Rerun the same command after a kill, Ctrl-C,
+SIGTERM, SIGHUP or SIGUSR1 to resume: the shards written are kept and skipped once verified (checksum, name,
+windows), and those that fail are written again. Integer hooks (expert indices) are stored as int64. Read
+the rows back with `lenskit.io.activations.ActivationDataset(OUT, hook)`; the format is in docs/activation_export.md.
 """
 
 from __future__ import annotations
