@@ -156,8 +156,8 @@ def fit(model: HookedTransformer, tokens: torch.Tensor | Sequence[torch.Tensor],
     bar = tqdm(total=len(prompts), initial=start, desc="jacobian lens", unit="prompt", dynamic_ncols=True,
                disable=not progress or rank != 0)
     done = start
-    guard = StopGuard().install()  # Ctrl-C, SIGTERM, SIGHUP, SIGUSR1: stop between prompts (lenses.stopping)
     clock = SaveClock(checkpoint_minutes)
+    guard = StopGuard().install()  # Ctrl-C, SIGTERM, SIGHUP, SIGUSR1: stop between prompts (lenses.stopping)
     try:
         model.eval()
         for p in frozen:  # gradients flow to the streams only, never into the weights
