@@ -225,3 +225,20 @@ def test_handlers_are_restored_and_a_signal_ignored_on_entry_stays_ignored():
     finally:
         signal.signal(signal.SIGHUP, previous)
     assert {s: signal.getsignal(s) for s in STOP_SIGNALS} == before
+
+
+def test_bad_minutes_are_one_line_and_leave_no_handler_behind(tiny, tmp_path, capsys):
+    from lenses import JacobianLens
+    from lenses.cli import main
+
+    model_dir, data, _ = tiny
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    model = lenskit.HookedTransformer.from_pretrained(model_dir)
+    with pytest.raises(ValueError, match=r"checkpoint_minutes \(the minutes between checkpoints\) must be a finite"):
+        JacobianLens.fit(model, torch.zeros(2, 20, dtype=torch.long), out=tmp_path / "j", checkpoint_minutes=0,
+                         progress=False)
+    assert main(["train-lens", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "t"),
+                 "--ckpt-minutes", "-1"]) == 2
+    assert "Recipe.ckpt_minutes (--ckpt-minutes) must be a finite number > 0, got -1.0" in capsys.readouterr().err
+    assert {s: signal.getsignal(s) for s in STOP_SIGNALS} == before
+    assert not (tmp_path / "t").exists() and not (tmp_path / "j" / LOCK_FILE).exists()
