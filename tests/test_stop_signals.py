@@ -156,11 +156,12 @@ def test_the_jacobian_fit_checkpoints_on_sighup_and_resumes_to_the_same_lens(tin
 def test_eval_lens_card_stops_on_sigterm_with_the_card_as_it_was(tiny, tmp_path):
     model, data, root = tiny
     lens = tmp_path / "lens"
-    subprocess.run(lenskit_cmd("train-lens", "--model", model, "--data", data, "--steps", 2, "--tokens-per-step", 2 * CTX,
-                               "--ctx", CTX, "--quiet", "--out", lens), env=ENV, check=True, capture_output=True)
+    loaded = lenskit.HookedTransformer.from_pretrained(model)
+    train(TunedLens(loaded), load_token_stream([data], loaded.tokenizer), Recipe(steps=2, ctx=CTX, tokens_per_step=2 * CTX),
+          out=lens, progress=False)
     shutil.copytree(lens, tmp_path / "straight")
     before = {p.name: p.read_bytes() for p in lens.iterdir()}
-    args = ["--model", model, "--data", data, "--ctx", CTX, "--card", "--quiet"]
+    args = ["--model", model, "--data", data, "--ctx", CTX, "--tokens", 1024, "--card", "--quiet"]
     code, _, err = stop_when(lenskit_cmd("eval-lens", "--lens", lens, *args), (lens / LOCK_FILE).exists, signal.SIGTERM)
     assert code == 128 + signal.SIGTERM, err
     assert one_line(err) == "lenskit eval-lens: SIGTERM: interrupted"
