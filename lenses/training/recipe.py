@@ -35,6 +35,7 @@ class Recipe:
     seed: int = 0
     micro_batch_tokens: int = 2048  # tokens per forward; bounds memory (d_vocab floats per token per layer)
     ckpt_every: int = 10
+    autocast: bool = False  # bf16 mixed precision on a GPU (torch.autocast): the frozen forward and the translators
 
     def __post_init__(self) -> None:
         """Check every field at construction: one line naming the field (and its flag) and what it must be."""
@@ -45,6 +46,8 @@ class Recipe:
                 continue
             if not _is_int(value) or value < least:
                 raise ValueError(f"{_field(name)} must be an integer >= {least}, got {value!r}")
+        if not isinstance(self.autocast, bool):
+            raise ValueError(f"{_field('autocast')} must be True or False, got {self.autocast!r}")
         if not _is_int(self.seed):
             raise ValueError(f"{_field('seed')} must be an integer, got {self.seed!r}")
         if self.optimizer not in ("sgd", "adam"):
@@ -137,4 +140,5 @@ def _field(name: str) -> str:
     return f"Recipe.{name} (--{flag})" if name in _FLAGS else f"Recipe.{name}"
 
 
-_FLAGS = {"steps", "tokens_per_step", "seed", "ctx", "optimizer", "lr", "weight_decay", "micro_batch_tokens", "ckpt_every"}
+_FLAGS = {"steps", "tokens_per_step", "seed", "ctx", "optimizer", "lr", "weight_decay", "micro_batch_tokens", "ckpt_every",
+          "autocast"}
