@@ -55,7 +55,7 @@ def write_llama(folder: Path, shape: dict, device: str = "cpu", dtype: torch.dty
     wanted = {"shape": shape, "dtype": str(dtype).removeprefix("torch."), "seed": seed}
     if marker.is_file() and json.loads(marker.read_text()) == wanted and (folder / "tokenizer.json").is_file():
         return folder
-    cfg = transformers.LlamaConfig(**shape, bos_token_id=50256, eos_token_id=50256)
+    cfg = transformers.LlamaConfig(**shape, bos_token_id=None, eos_token_id=None)  # no stop token: every new token runs
     torch.manual_seed(seed)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(cfg).to(dtype)
