@@ -122,7 +122,10 @@ def case_cache(b: Bench, m: dict, size: dict) -> None:
     say("\n### cache of every resid_post: lenskit / TransformerLens's bridge\n")
     say("| tokens | lenskit s | bridge s | ratio (target <= 0.2 at >= 4k) | lenskit peak GiB | bridge peak GiB |")
     say("|---|---|---|---|---|---|")
-    names = [f"blocks.{i}.hook_resid_post" for i in range(m["cfg"].n_layers)]
+    from lenskit import Stream
+
+    n_layers = m["cfg"].n_layers
+    names = [Stream(i, "resid_post").hook_name(n_layers) for i in range(n_layers)]  # the same names in the bridge
     for n in size["lengths"]:
         ids = random_ids(n, m["cfg"].d_vocab, b.device)
         fns = {"lenskit": lambda: m["ours"].run_with_cache(ids, names_filter=names)}
@@ -140,7 +143,9 @@ def case_trajectory(b: Bench, m: dict, size: dict) -> None:
 
     model, n = m["ours"], size["trajectory"]
     ids = random_ids(n, m["cfg"].d_vocab, b.device)
-    streams = [f"blocks.{i}.hook_resid_pre" for i in range(model.cfg.n_layers)] + [f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"]
+    from lenskit import Stream
+
+    streams = [Stream(i).hook_name(model.cfg.n_layers) for i in range(model.cfg.n_layers + 1)]  # embeddings to the last
     _, cache = model.run_with_cache(ids, names_filter=streams, return_logits=False)
 
     def bare() -> None:  # every stream read out and log-softmaxed, nothing kept: the floor
