@@ -289,7 +289,7 @@ def test_the_default_device_is_cuda_and_said_once(folder, tmp_path, loads, capsy
     assert "lenskit lens: device cuda (torch sees" in capsys.readouterr().err
 
 
-def test_train_lens_autocast_on_cuda_records_it_and_learns(folder, tmp_path, capsys):
+def test_train_lens_autocast_on_cuda_is_recorded_and_computes_the_same_objective(folder, tmp_path, capsys):
     import json
 
     from lenses.cli import main

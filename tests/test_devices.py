@@ -246,3 +246,21 @@ def test_autocast_is_in_the_card_and_the_run_identity(files, tmp_path, capsys):
     check_same_run(older, saved, tmp_path / "lens" / "config.json")
     with pytest.raises(ValueError, match=r"autocast \(saved false, now true\)"):
         check_same_run(older, with_autocast, tmp_path / "lens" / "config.json")
+
+
+def test_the_autocast_step_computes_the_same_objective(files, monkeypatch):
+    """The mixed-precision path, run here under CPU autocast (the GPU refusal lifted): step 0 reads the untrained
+    lens, so its KL is the logit lens's, the same in bf16 autocast as in fp32 up to bf16 rounding."""
+    import lenses.training
+    from lenses import TunedLens
+    from lenses.training import Recipe, train
+    from lenskit.io.data import load_token_stream
+
+    monkeypatch.setattr(lenses.training, "check_autocast", lambda recipe, device: None)
+    model = lenskit.HookedTransformer.from_pretrained(files / "model")
+    stream = load_token_stream([files / "text"], model.tokenizer)
+    runs = {flag: train(TunedLens(model), stream, Recipe(steps=2, ctx=16, tokens_per_step=64, autocast=flag), progress=False)
+            for flag in (False, True)}
+    full, mixed = (runs[flag].info["loss_history"][0] for flag in (False, True))
+    assert mixed == pytest.approx(full, rel=0.05) and mixed != full
+    assert all(p.dtype == torch.float32 for p in runs[True].parameters())  # the translators stay float32
