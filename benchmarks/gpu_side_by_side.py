@@ -152,7 +152,8 @@ def case_trajectory(b: Bench, m: dict, size: dict) -> None:
         for name in streams:
             torch.log_softmax(model.readout(cache[name]).float(), dim=-1)
 
-    r = b.run({"trajectory": lambda: Trajectory.from_prompt(LogitLens(model), ids), "bare readout": bare})
+    r = Bench(b.device, min(b.repeats, 2)).run({"trajectory": lambda: Trajectory.from_prompt(LogitLens(model), ids),
+                                                "bare readout": bare})
     say(f"\n### trajectory of a {n}-token prompt, {len(streams)} streams: lenskit `Trajectory.from_prompt` / the bare readout "
         "with log-softmax of every stream (cache taken beforehand)\n")
     say("| trajectory s | bare readout s | ratio (target <= 2) | trajectory peak GiB |")
@@ -172,7 +173,7 @@ def case_eval(b: Bench, m: dict, size: dict) -> None:
     stream = TokenStream(ids.clone(), n_bytes=n)
     steps = 2
     tuned = TunedLens(model)
-    r = b.run({"eval-lens": lambda: evaluate(model, {"logit": LogitLens(model), "tuned": tuned}, stream, tokens=n, ctx=ctx,
+    r = Bench(b.device, min(b.repeats, 2)).run({"eval-lens": lambda: evaluate(model, {"logit": LogitLens(model), "tuned": tuned}, stream, tokens=n, ctx=ctx,
                                              progress=False),
                "train-lens": lambda: train(TunedLens(model), stream, Recipe(steps=steps, ctx=ctx, tokens_per_step=n // steps),
                                            progress=False)})
@@ -199,7 +200,7 @@ def case_jacobian(b: Bench, m: dict, size: dict) -> None:
                                                        dim_batch=size["dim_batch"], max_seq_len=size["jac_tokens"],
                                                        show_progress=False),
     }
-    r = b.run(fns)
+    r = Bench(b.device, min(b.repeats, 2)).run(fns)  # seconds a fit: two rounds tell them apart
     ours, theirs = r["lenskit"]["out"], r["transformer_lens"]["out"].jacobians
     diff = max(((ours.matrix(s).float().cpu() - theirs[s - 1].float().cpu()).abs().max()
                 / theirs[s - 1].float().abs().max().cpu()).item() for s in streams)
@@ -261,7 +262,7 @@ def case_generate(b: Bench, m: dict, size: dict) -> None:
     with torch.no_grad():
         l_ours = ours(prefix)[0, -1].float()
         l_hf = hf(prefix).logits[0, -1].float()
-        del m["bridge"]  # room for the fp32 copy
+        m.pop("bridge", None)  # room for the fp32 copy
         if b.cuda:
             torch.cuda.empty_cache()
         fp32 = lenskit.HookedTransformer.from_pretrained(m["folder"], dtype="fp32", device=b.device)
