@@ -40,6 +40,7 @@ from lenskit.io.files import check_regular_file
 
 from .interrupt import Interrupted, interrupts_between_steps
 from ..io import CONFIG_FILE, read_config, write_atomic
+from .precision import check_autocast, mixed_precision
 from .recipe import Recipe
 from .lock import locks_out_folder
 from .state import check_checkpoint_meta, check_finished_state
@@ -245,21 +246,6 @@ def train_step(objective: nn.Module, lens: TunedLens, opt: torch.optim.Optimizer
     opt.step()
     opt.zero_grad(set_to_none=True)
     return [round(float(x), 6) for x in step_loss / recipe.tokens_per_step]
-
-
-def check_autocast(recipe: Recipe, device: torch.device) -> None:
-    """Refuse `recipe.autocast` off a GPU, in one line: on the CPU, bf16 matmuls are emulated on most processors
-    (lenskit.pieces.linear), so mixed precision would be slower, not faster; load the model in bf16 instead."""
-    if recipe.autocast and device.type != "cuda":
-        raise ValueError(f"--autocast (Recipe.autocast) is bf16 mixed precision on a GPU, and this run is on {device}; "
-                         "drop it, or pass --device cuda (on the CPU, --dtype bf16 loads the model in bf16 instead)")
-
-
-def mixed_precision(recipe: Recipe, device: torch.device):
-    """torch.autocast to bf16 on `device` when the recipe asks for it (a GPU: `check_autocast`), else nothing."""
-    if not recipe.autocast:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 @locks_out_folder  # one run per --out: a second one refuses (lenses/training/lock.py)
