@@ -48,9 +48,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
 
 
 def resolve_config(model: str | None) -> tuple[ModelConfig, str, Path | None]:
-    """The config of `model`, where it came from and its folder (None for a preset), reading config.json rather than the weights: an embedded
-    model, a folder, a preset (by its short name, optionally with an organisation prefix), then a hub name in
-    the local Hugging Face cache. A path that does not exist is refused, never read as the preset it ends in."""
+    """The config of `model`, where it came from and its folder (None for a preset), reading config.json rather
+    than the weights: an embedded model, a folder, a preset (by its short name, optionally with an organisation
+    prefix), then a hub name in the local Hugging Face cache. A path that does not exist is refused, never read as the preset it ends in."""
     if model in lenskit.EMBEDDED_MODELS:  # a short name means the embedded model, before any folder of that name
         path = resolve_model_folder(model)
     else:

@@ -54,8 +54,9 @@ def add_parser(subparsers, name: str) -> None:
                    help=f"steps between checkpoints (default {DEFAULT.ckpt_every})")
     p.add_argument("--text-field", default="text", help="the JSONL field that holds the text")
     p.add_argument("--autocast", action="store_true",
-                   help="bf16 mixed precision (torch.autocast) for the model's forward and the translators, on a GPU "
-                        "only (refused on the CPU); recorded in the recipe, so a run is resumed with the same setting")
+                   help="bf16 mixed precision (torch.autocast): the model's forward, the translators and the readout's "
+                        "matmuls, on a GPU only (refused on the CPU); recorded in the recipe, so a run is resumed with "
+                        "the same setting")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     from .devices import add_device_options
     add_device_options(p)

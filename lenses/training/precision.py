@@ -1,5 +1,6 @@
 """Mixed precision for tuned-lens training (`Recipe.autocast`): bf16 torch.autocast around the frozen model's
-forward and the translators, on a GPU only."""
+forward and the step (the translators, and the readout's matmuls: `lenskit.pieces.linear.linear_into` follows
+autocast), on a GPU only. The log-softmax, the KL and its gradient stay float32, in the step's float32 buffers."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ class Recipe:
     seed: int = 0
     micro_batch_tokens: int = 2048  # tokens per forward; bounds memory (d_vocab floats per token per layer)
     ckpt_every: int = 10
-    autocast: bool = False  # bf16 mixed precision on a GPU (torch.autocast): the frozen forward and the translators
+    autocast: bool = False  # bf16 mixed precision on a GPU (torch.autocast): the frozen forward, translators, readout matmuls
 
     def __post_init__(self) -> None:
         """Check every field at construction: one line naming the field (and its flag) and what it must be."""
