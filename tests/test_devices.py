@@ -264,3 +264,18 @@ def test_the_autocast_step_computes_the_same_objective(files, monkeypatch):
     full, mixed = (runs[flag].info["loss_history"][0] for flag in (False, True))
     assert mixed == pytest.approx(full, rel=0.05) and mixed != full
     assert all(p.dtype == torch.float32 for p in runs[True].parameters())  # the translators stay float32
+
+
+def test_cache_stores_in_the_models_dtype_unless_store_dtype_says(files, tmp_path, capsys):
+    from lenskit.io.activations import ActivationDataset
+
+    argv = commands(files, tmp_path)["cache"]
+    out = argv.index("--out") + 1
+    for extra, folder, want in ((["--dtype", "bf16"], "bf16", torch.bfloat16),
+                                (["--dtype", "bf16", "--store-dtype", "fp32"], "fp32", torch.float32)):
+        run = [*argv[:out], str(tmp_path / folder), *argv[out + 1:], *extra]
+        assert main(run) == 0, capsys.readouterr().err
+        assert json.loads((tmp_path / folder / "manifest.json").read_text())["dtype"] == str(want).removeprefix("torch.")
+        assert ActivationDataset(tmp_path / folder, "resid_post.0")[0][0].dtype == want
+    assert main([*argv, "--store-dtype", "fp61"]) == 2
+    assert "--store-dtype fp61 is not a dtype lenskit takes; did you mean 'fp16'?" in capsys.readouterr().err
