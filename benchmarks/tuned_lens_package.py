@@ -72,6 +72,13 @@ class PackageTrainer:
         self.out = tempfile.TemporaryDirectory(prefix="tuned-lens-bench-")
 
     def step(self, windows: torch.Tensor) -> float:
+        device = next(self.hf_model.parameters()).device
+
+        def finished() -> float:  # on a GPU the step's work is queued: wait for it before reading the clock
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter()
+
         ing = self.ingredients
         n, ctx = windows.shape
         batch = max(1, self.micro_batch_tokens // ctx)
@@ -87,7 +94,7 @@ class PackageTrainer:
 
         def create_optim(params):
             opt = ing.Optimizer.create_optim(train.opt, params)
-            opt.register_step_post_hook(lambda *args: done.append(time.perf_counter()))
+            opt.register_step_post_hook(lambda *args: done.append(finished()))
             return opt
 
         train.opt.create_optim = create_optim

@@ -186,8 +186,9 @@ class HookedTransformer(RunMethods, TextMethods, WeightViews, ModelConveniences,
     ) -> "HookedTransformer":
         """Load a local folder in its family's Hugging Face layout, or a hub name via the local HF cache.
 
-        `dtype` is a torch dtype or "float32" / "bfloat16" / "float16" (None: float32, the reference
-        numerics); `device` defaults to the CPU. The family comes from config.json's `model_type`.
+        `dtype` is a torch dtype, "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16", or "auto" (the
+        checkpoint's own dtype on a GPU, float32 on the CPU); None is float32, the reference numerics
+        (lenskit.devices). `device` defaults to the CPU. The family comes from config.json's `model_type`.
         A checkpoint already in `dtype` stays memory-mapped (no copy). Every weight is checked for NaN/inf,
         which reads every byte once; `check_finite=False` skips that for a checkpoint you trust.
 

@@ -162,6 +162,12 @@ def llama_folder(tmp_path_factory):
     return path
 
 
+def record(seen: dict, key: str, value) -> None:
+    """A hook body that notes something and returns None: a hook's return value replaces the activation, and
+    anything but a tensor or None is refused."""
+    seen.setdefault(key, value)
+
+
 def _matches_cpu(model: HookedTransformer, cpu: HookedTransformer) -> None:
     tokens = tokens_for(cpu.cfg.d_vocab)
     with torch.no_grad():
@@ -181,7 +187,7 @@ def test_a_device_map_across_two_gpus_matches_the_cpu(llama_folder):
     seen = {}
     tokens = tokens_for(model.cfg.d_vocab)
     with torch.no_grad(), model.hooks([(lambda n: n.endswith("hook_resid_post"),
-                                        lambda x, hook: seen.setdefault(hook.name, x.device))]):
+                                        lambda x, hook: record(seen, hook.name, x.device))]):
         model(tokens)
     assert seen["blocks.0.hook_resid_post"] == torch.device("cuda:0") and seen["blocks.1.hook_resid_post"] == torch.device("cuda:1")
     _matches_cpu(model, HookedTransformer.from_pretrained(llama_folder))
@@ -194,7 +200,7 @@ def test_offloaded_blocks_compute_on_the_gpu_and_match_the_cpu(llama_folder):
     assert model.placement.offloaded == {1, 2} and model.placement.main == torch.device("cuda:0")
     assert model.blocks[1].attn.out.weight.device.type == "cpu" and model.weight_files is not None  # still mapped
     seen = {}
-    with torch.no_grad(), model.hooks([("blocks.2.hook_resid_post", lambda x, hook: seen.setdefault("d", x.device))]):
+    with torch.no_grad(), model.hooks([("blocks.2.hook_resid_post", lambda x, hook: record(seen, "d", x.device))]):
         model(tokens_for(model.cfg.d_vocab))
     assert seen["d"] == torch.device("cuda:0")  # computed on the GPU, weights copied for the call
     _matches_cpu(model, HookedTransformer.from_pretrained(llama_folder))
@@ -233,3 +239,69 @@ def test_activation_export_from_cuda_matches_the_cpu(tmp_path):
         for w in range(5):
             torch.testing.assert_close(got.window(w)[0], want.window(w)[0], atol=1e-4, rtol=1e-4)
             assert torch.equal(got.window(w)[1], windows[w])
+
+
+# ------------------------------------------------------------------ the command line on the GPU
+@pytest.fixture
+def loads(monkeypatch):
+    """(dtype, device type) of every model the commands load."""
+    import lenskit.io.loading
+
+    seen, original = [], lenskit.io.loading.load_pretrained
+
+    def spy(*args, **kwargs):
+        model = original(*args, **kwargs)
+        seen.append((model.embed.weight.dtype, model.embed.weight.device.type))
+        return model
+
+    monkeypatch.setattr(lenskit.io.loading, "load_pretrained", spy)
+    return seen
+
+
+def cli_commands(folder, tmp_path) -> dict[str, list[str]]:
+    model_dir, data_dir = map(str, folder)
+    return {
+        "lens": ["lens", "x = 1", "--model", model_dir],
+        "ablate": ["ablate", "x = alpha + 1", "--model", model_dir, "--head", "0.1"],
+        "train-lens": ["train-lens", "--model", model_dir, "--data", data_dir, "--out", str(tmp_path / "lens"), "--steps", "2",
+                       "--tokens-per-step", "64", "--ctx", "16", "--quiet"],
+        "eval-lens": ["eval-lens", "--model", model_dir, "--lens", "logit", "--data", data_dir, "--tokens", "64", "--ctx", "16",
+                      "--quiet"],
+        "cache": ["cache", "--model", model_dir, "--data", data_dir, "--hooks", "resid_post.0", "--out", str(tmp_path / "acts"),
+                  "--tokens", "64", "--ctx", "16", "--quiet"],
+    }
+
+
+@pytest.mark.parametrize("name", ["lens", "ablate", "train-lens", "eval-lens", "cache"])
+@pytest.mark.parametrize("dtype, want", [("bf16", torch.bfloat16), ("auto", torch.float32)])
+def test_each_command_runs_on_cuda(name, dtype, want, folder, tmp_path, loads, capsys):
+    from lenses.cli import main
+
+    assert main([*cli_commands(folder, tmp_path)[name], "--device", "cuda", "--dtype", dtype]) == 0, capsys.readouterr().err
+    assert loads == [(want, "cuda")]  # auto: the checkpoint's dtype on a GPU (the tiny model's config names none)
+
+
+def test_the_default_device_is_cuda_and_said_once(folder, tmp_path, loads, capsys):
+    from lenses.cli import main
+
+    assert main(cli_commands(folder, tmp_path)["lens"]) == 0
+    assert loads == [(torch.float32, "cuda")]
+    assert "lenskit lens: device cuda (torch sees" in capsys.readouterr().err
+
+
+def test_train_lens_autocast_on_cuda_is_recorded_and_computes_the_same_objective(folder, tmp_path, capsys):
+    import json
+
+    from lenses.cli import main
+
+    argv = cli_commands(folder, tmp_path)["train-lens"]
+    assert main([*argv, "--device", "cuda", "--autocast"]) == 0, capsys.readouterr().err
+    config = json.loads((tmp_path / "lens" / "config.json").read_text())
+    assert config["recipe"]["autocast"] is True and "| autocast | true |" in (tmp_path / "lens" / "README.md").read_text()
+    mixed = config["loss_history"]
+    assert main([*argv[:argv.index("--out") + 1], str(tmp_path / "fp32"), *argv[argv.index("--out") + 2:], "--device", "cuda"]) == 0
+    full = json.loads((tmp_path / "fp32" / "config.json").read_text())["loss_history"]
+    # Step 0 reads the untrained lens (the logit lens): the same KL in bf16 autocast as in fp32, up to bf16 rounding.
+    assert mixed[0] == pytest.approx(full[0], rel=0.05) and mixed[0] != full[0]
+    assert main([*argv, "--device", "cuda", "--steps", "3"]) == 2  # extending it without autocast is another run
+    assert "autocast (saved true, now false) differ" in capsys.readouterr().err

@@ -20,6 +20,7 @@ import lenskit
 from lenskit.io.data import HELDOUT_SAMPLE, reference_windows
 from lenskit.intervene.experts import EXPERT_MODES, Expert, expert_ablation_hooks
 from lenskit.intervene.interventions import MODES, Attn, Block, Head, Mlp, ablation_hooks
+from lenses.cli.devices import add_device_options, model_options
 from lenses.cli.figure_options import add_figure_options, check_figure_output, figure_kwargs
 
 DEFAULT_REFERENCE = HELDOUT_SAMPLE  # held-out stdlib modules of the embedded model's split
@@ -86,6 +87,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--csv", default=None, help="write one row per position that has a next token")
     p.add_argument("--out", default=None, help="write the layer-by-position difference heatmap (.html with plotly.js "
                                                "inlined, about 5 MB; .png, .svg or .pdf)")
+    add_device_options(p)
     add_figure_options(p)
     p.set_defaults(run=run)
 
@@ -97,10 +99,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("nothing to ablate: give at least one of --block L, --attn L, --mlp L, --head L.H, --expert L.E")
     from lenskit.io.files import check_output_file, open_output
 
+    options = model_options(args)
     if args.csv:  # outputs before any work, not after it
         check_output_file(args.csv, "the --csv table", pipe_ok=True)
     check_figure_output(args.out)
-    model = lenskit.HookedTransformer.from_pretrained(args.model or lenskit.DEFAULT_MODEL)
+    model = lenskit.HookedTransformer.from_pretrained(args.model or lenskit.DEFAULT_MODEL, **options)
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files; lenskit ablate needs one to read PROMPT")
     tokens = model.to_tokens(args.prompt)

@@ -16,8 +16,7 @@ import argparse
 import sys
 
 import lenskit
-
-DTYPES = ("float32", "float16", "bfloat16")
+from lenses.cli.devices import add_device_options, model_options
 
 
 def add_parser(subparsers, name: str) -> None:
@@ -29,12 +28,15 @@ def add_parser(subparsers, name: str) -> None:
     p.add_argument("--out", required=True, metavar="FOLDER", help="where the shards and manifest.json go")
     p.add_argument("--tokens", type=int, default=0, metavar="N", help="export the first N tokens of --data (default 0 = all)")
     p.add_argument("--ctx", type=int, default=None, help="window length (default: the model's n_ctx)")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="stored dtype (default: the model's)")
+    p.add_argument("--store-dtype", default=None, metavar="DTYPE",
+                   help="the dtype the activations are stored in: float32, bfloat16, float16 or their short names "
+                        "(default: the model's, see --dtype)")
     p.add_argument("--windows-per-shard", type=int, default=None, metavar="W",
                    help="windows in each shard (default: shards of about 256 MiB)")
     p.add_argument("--batch", type=int, default=8, help="windows per forward pass (memory, not results; default 8)")
     p.add_argument("--text-field", default="text", help="the JSONL field that holds the text")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_device_options(p)
     p.set_defaults(run=run)
 
 
@@ -54,8 +56,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--windows-per-shard must be >= 1, got {args.windows_per_shard}")
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    from lenskit.devices import parse_dtype
+
+    store = parse_dtype(args.store_dtype, name="--store-dtype") if args.store_dtype is not None else None
     rank, world, device = init_distributed()
-    model = lenskit.HookedTransformer.from_pretrained(args.model, device=device or "cpu")
+    model = lenskit.HookedTransformer.from_pretrained(args.model, **model_options(args, device, announce=rank == 0))
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files; lenskit cache needs one to read text")
     hooks = resolve_hooks(model, args.hooks)  # an unknown name is refused before the data is read
@@ -66,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
               f"{windows.shape[1]}; hooks: {', '.join(hooks)}; processes: {world}")
     try:
         manifest = export_activations(model, windows, hooks, args.out, provenance=stream.provenance,
-                                      dtype=getattr(torch, args.dtype) if args.dtype else None,
+                                      dtype=store,
                                       windows_per_shard=args.windows_per_shard, batch=args.batch, progress=not args.quiet)
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP, SIGUSR1: the shards written are whole and listed
         from ..stopping import exit_code, stopped_by

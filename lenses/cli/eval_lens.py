@@ -56,6 +56,8 @@ def add_parser(subparsers, name: str) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     from .layer_transfer import add_arguments
     add_arguments(p)  # --layer-transfer, --layer-transfer-out
+    from .devices import add_device_options
+    add_device_options(p)
     p.set_defaults(run=run)
 
 
@@ -84,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     from ..training import init_distributed
 
     rank, world, device = init_distributed()
+    from .devices import model_options
+
+    device = model_options(args, device, announce=rank == 0)["device"]  # --dtype checked too
     # --card holds the lens folder's lock from before the lens is read until its card is written, so a
     # train-lens run cannot change the weights between the evaluation and the card (lenses/training/lock.py).
     # Only rank 0 writes, so only rank 0 locks.
@@ -105,7 +110,7 @@ def evaluate(args: argparse.Namespace, specs: list[str], card_folder: Path | Non
     from ..evaluation import evaluate_windows, heldout_windows, per_layer, side_by_side
     from ..spec import load_lenses
 
-    model = lenskit.HookedTransformer.from_pretrained(args.model, **({"device": device} if device is not None else {}))
+    model = lenskit.HookedTransformer.from_pretrained(args.model, device=device, dtype=args.dtype)
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files; eval-lens needs one to read text")
     lenses = load_lenses(specs, model)

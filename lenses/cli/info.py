@@ -41,25 +41,27 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
                         "(accelerate's planner; blocks whole, nothing allocated)")
     p.add_argument("--max-memory", default=None, metavar="DEV=SIZE,...",
                    help="the planner's budget per device, e.g. cuda:0=20GiB,cuda:1=20GiB,cpu=64GiB")
-    p.add_argument("--dtype", default="bfloat16", help="the weights' dtype for --device-map (default: bfloat16)")
+    p.add_argument("--dtype", default="auto", metavar="DTYPE",
+                   help="the weights' dtype for --device-map: auto (the checkpoint's own, as its config.json says; "
+                        "bfloat16 where it says none, as for a preset), float32/fp32, bfloat16/bf16, float16/fp16")
     p.set_defaults(run=run)
 
 
-def resolve_config(model: str | None) -> tuple[ModelConfig, str]:
-    """The config of `model` and where it came from, reading config.json rather than the weights: an embedded
-    model, a folder, a preset (by its short name, optionally with an organisation prefix), then a hub name in
-    the local Hugging Face cache. A path that does not exist is refused, never read as the preset it ends in."""
+def resolve_config(model: str | None) -> tuple[ModelConfig, str, Path | None]:
+    """The config of `model`, where it came from and its folder (None for a preset), reading config.json rather
+    than the weights: an embedded model, a folder, a preset (by its short name, optionally with an organisation
+    prefix), then a hub name in the local Hugging Face cache. A path that does not exist is refused, never read as the preset it ends in."""
     if model in lenskit.EMBEDDED_MODELS:  # a short name means the embedded model, before any folder of that name
         path = resolve_model_folder(model)
     else:
         path = Path(lenskit.DEFAULT_MODEL if model is None else model).expanduser()
     if os.path.lexists(path / "config.json"):  # a FIFO or folder there is refused by name when it is read
         name = "the embedded model" if model is None else (model if model in lenskit.EMBEDDED_MODELS else path.name)
-        return _read_config(path, name), f"{path}/config.json"
+        return _read_config(path, name), f"{path}/config.json", path
     if model is None:
         raise FileNotFoundError(f"the embedded model is missing at {path}; reinstall lenskit or pass --model")
     try:
-        return ModelConfig.from_name(model), "preset shapes (no weights needed)"
+        return ModelConfig.from_name(model), "preset shapes (no weights needed)", None
     except KeyError:
         pass  # not a preset: a folder, a file, a path that does not exist, or a hub name
     if path.is_dir():
@@ -67,7 +69,7 @@ def resolve_config(model: str | None) -> tuple[ModelConfig, str]:
     folder = resolve_model_folder(model)  # "no folder at ...", "... is a file", or the hub cache (explaining a miss)
     if not os.path.lexists(folder / "config.json"):
         raise FileNotFoundError(f"{folder} has no config.json; expected a Hugging Face model folder")
-    return _read_config(folder, model), f"{model} (Hugging Face cache)"
+    return _read_config(folder, model), f"{model} (Hugging Face cache)", folder
 
 
 def _read_config(folder: Path, name: str) -> ModelConfig:
@@ -78,14 +80,16 @@ def _read_config(folder: Path, name: str) -> ModelConfig:
     return ModelConfig.from_json(folder / "config.json", name=name, tensor_names=names)
 
 
-def print_placement(cfg: ModelConfig, args: argparse.Namespace) -> None:
+def print_placement(cfg: ModelConfig, args: argparse.Namespace, folder: Path | None = None) -> None:
     """Where `--device-map` would put each block under `--max-memory`, planned on the meta device."""
-    from lenskit.io.loading import parse_dtype
+    from lenskit.devices import BF16, checkpoint_dtype, parse_dtype
+    from lenskit.io.files import read_json_object
     from lenskit.placement import placement_from_map, plan_device_map
 
     if args.device_map is None:
         raise ValueError("--max-memory is a budget for --device-map; pass --device-map auto too")
-    dtype = parse_dtype(args.dtype)
+    saved = checkpoint_dtype(read_json_object(folder / "config.json", what="a Hugging Face config.json")) if folder else None
+    dtype = parse_dtype(args.dtype, auto=saved or BF16, name="--dtype")  # the plan is for accelerators
     placement = placement_from_map(plan_device_map(cfg, args.device_map, args.max_memory, dtype), cfg.n_layers)
     print(f"\nplacement: --device-map {args.device_map}" + (f" --max-memory {args.max_memory}" if args.max_memory else "")
           + f", {str(dtype).removeprefix('torch.')} weights")
@@ -106,7 +110,10 @@ def _human(x: float) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.csv:  # before any work
         check_output_file(args.csv, "the --csv table", pipe_ok=True)
-    cfg, source = resolve_config(args.model)
+    from lenskit.devices import BF16, parse_dtype
+
+    parse_dtype(args.dtype, auto=BF16, name="--dtype")  # a bad spelling fails before any work
+    cfg, source, folder = resolve_config(args.model)
     summary = accounting.param_summary(cfg)
     block = accounting.block_params(cfg)
     flops = accounting.flops_per_token(cfg, args.n_ctx)
@@ -177,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\ntraining compute 6ND for D={args.tokens:.3g} tokens: "
               f"{accounting.six_nd(cfg, args.tokens):.3g} FLOPs (N non-embedding)")
     if args.device_map is not None or args.max_memory is not None:
-        print_placement(cfg, args)
+        print_placement(cfg, args, folder)
     if args.csv:
         with open_output(args.csv, "the --csv table", pipe_ok=True) as f:
             accounting.param_table(cfg).to_csv(f, index=False)

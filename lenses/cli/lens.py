@@ -10,6 +10,7 @@ from pathlib import Path
 
 import lenskit
 from lenses.table import format_table
+from lenses.cli.devices import add_device_options, model_options
 from lenses.cli.figure_options import add_figure_options, check_figure_output, figure_kwargs
 from lenses.spec import SPEC_HELP
 COLORS = ("prob", "entropy", "kl", "rank")
@@ -34,6 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--csv", metavar="FILE", help="write one row per (layer, position) to FILE")
     p.add_argument("--color", choices=COLORS, default="prob",
                    help="heatmap colour: top-1 prob, entropy, KL(final||lens) or rank of the next token (default prob)")
+    add_device_options(p)
     add_figure_options(p)
     p.set_defaults(run=run)
 
@@ -49,13 +51,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.top_k < 1:
         raise ValueError(f"--top-k must be at least 1, got {args.top_k}")
+    options = model_options(args)
     if args.model == lenskit.DEFAULT_MODEL and not (Path(args.model) / "config.json").exists():
         raise FileNotFoundError(f"the embedded model is missing at {args.model}; reinstall lenskit or pass --model FOLDER")
     # Outputs before any work: a path that cannot take the file, or no browser for a PNG, is an error now.
     if args.csv:
         check_output_file(args.csv, "the --csv table", pipe_ok=True)
     check_figure_output(args.out)
-    model = lenskit.HookedTransformer.from_pretrained(args.model)
+    model = lenskit.HookedTransformer.from_pretrained(args.model, **options)
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files, so PROMPT cannot be tokenized")
     lenses = load_lenses(list(dict.fromkeys(args.lens or ["logit"])), model)

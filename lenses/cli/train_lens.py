@@ -56,7 +56,13 @@ def add_parser(subparsers, name: str) -> None:
     p.add_argument("--ckpt-minutes", type=float, default=DEFAULT.ckpt_minutes,
                    help=f"and at most this many minutes between checkpoints (default {DEFAULT.ckpt_minutes:g})")
     p.add_argument("--text-field", default="text", help="the JSONL field that holds the text")
+    p.add_argument("--autocast", action="store_true",
+                   help="bf16 mixed precision (torch.autocast): the model's forward, the translators and the readout's "
+                        "matmuls, on a GPU only (refused on the CPU); recorded in the recipe, so a run is resumed with "
+                        "the same setting")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from .devices import add_device_options
+    add_device_options(p)
     p.set_defaults(run=run)
 
 
@@ -80,17 +86,21 @@ def run(args: argparse.Namespace) -> int:
     from ..training.lock import check_writable
     from ..stopping import exit_code, stopped_by
     from ..training.interrupt import Interrupted
-    from ..training import init_distributed, train
+    from ..training import check_autocast, init_distributed, train
     from ..tuned import TunedLens
 
     # The recipe checks its fields on construction: bad flags fail before the model or the data load.
     recipe = Recipe(steps=args.steps, tokens_per_step=args.tokens_per_step, seed=args.seed, ctx=args.ctx,
                     optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, ckpt_every=args.ckpt_every,
                     ckpt_minutes=args.ckpt_minutes,
-                    micro_batch_tokens=args.micro_batch_tokens)
+                    micro_batch_tokens=args.micro_batch_tokens, autocast=args.autocast)
     check_writable(args.out)  # before any work, not at the first checkpoint
     rank, world, device = init_distributed()
-    model = lenskit.HookedTransformer.from_pretrained(args.model, device=device or ("cpu"))
+    from .devices import model_options
+
+    options = model_options(args, device, announce=rank == 0)
+    check_autocast(recipe, options["device"])
+    model = lenskit.HookedTransformer.from_pretrained(args.model, **options)
     if model.tokenizer is None:
         raise ValueError(f"the model at {args.model} has no tokenizer files; train-lens needs one to read text")
     stream = load_token_stream(args.data, model.tokenizer, text_field=args.text_field)

@@ -41,6 +41,7 @@ from lenskit.io.files import check_regular_file
 from ..stopping import SaveClock
 from .interrupt import Interrupted, interrupts_between_steps
 from ..io import CONFIG_FILE, read_config, write_atomic
+from .precision import check_autocast, mixed_precision
 from .recipe import Recipe
 from .lock import locks_out_folder
 from .state import check_checkpoint_meta, check_finished_state
@@ -50,6 +51,8 @@ from ..tuned import TunedLens
 CHECKPOINT_FILE = "checkpoint.safetensors"
 # Run-identity keys added after runs were first saved, with the value every older run had.
 IDENTITY_DEFAULTS = {"bias_only": False}
+# Recipe fields added likewise: a run saved before them ran with these values.
+RECIPE_DEFAULTS = {"autocast": False}
 
 
 def make_optimizer(params: list[nn.Parameter], recipe: Recipe) -> torch.optim.Optimizer:
@@ -221,14 +224,16 @@ def train_step(objective: nn.Module, lens: TunedLens, opt: torch.optim.Optimizer
     step_loss = torch.zeros(len(labels) + 1, dtype=torch.float64, device=tokens.device)  # + non-finite final flags
     chunks = tokens.split(max(1, recipe.micro_batch_tokens // recipe.ctx))
     for i, chunk in enumerate(chunks):
-        streams, final = collect_streams(lens, chunk)
+        with mixed_precision(recipe, tokens.device):
+            streams, final = collect_streams(lens, chunk)
         # DDP all-reduces gradients on the last micro-batch only; no_sync must cover forward and backward.
         accumulate = world > 1 and i < len(chunks) - 1
         with objective.no_sync() if accumulate else contextlib.nullcontext():
             # Forward and backward: [n_streams] summed nats, gradients added. Each rank divides by the step's
             # total tokens and DDP averages over ranks, so the gradient is the mean over every token of the
             # step: identical maths to one process doing all of it.
-            per_stream = kl_step(objective, lens.model.readout, streams, final, world / recipe.tokens_per_step)
+            with mixed_precision(recipe, tokens.device):
+                per_stream = kl_step(objective, lens.model.readout, streams, final, world / recipe.tokens_per_step)
             step_loss += loss_record(per_stream, final, world)
     norm = torch.nn.utils.clip_grad_norm_(lens.parameters(), recipe.clip_grad_norm)
     # The step's one device -> host copy (on a GPU, its one synchronisation): losses, NaN count and gradient norm.
@@ -264,6 +269,7 @@ def train(lens: TunedLens, stream: TokenStream, recipe: Recipe = Recipe(), out: 
     per_step = recipe.tokens_per_step // recipe.ctx
     order = window_order(len(windows), recipe.seed)
     labels = [stream_label(s) for s in lens.trained_streams()]
+    check_autocast(recipe, next(lens.parameters()).device)  # before any work
     identity = {"recipe": recipe.identity(), "data_sha256": stream.provenance.get("sha256"), "model_fingerprint": lens.fingerprint,
                 "resid_mid": lens.has_mid, "bias_only": lens.bias_only, "world_size": world}
 
@@ -366,8 +372,8 @@ def check_same_run(saved: dict, current: dict, where: Path, steps_done: object =
     for key, now in current.items():
         then = saved.get(key, IDENTITY_DEFAULTS.get(key))
         if key == "recipe" and isinstance(then, dict) and isinstance(now, dict):
-            diffs += [f"{f} (saved {short(then.get(f))}, now {short(v)})" for f, v in now.items()
-                      if f != "steps" and then.get(f) != v]
+            diffs += [f"{f} (saved {short(then.get(f, RECIPE_DEFAULTS.get(f)))}, now {short(v)})" for f, v in now.items()
+                      if f != "steps" and then.get(f, RECIPE_DEFAULTS.get(f)) != v]
         elif then != now:
             diffs.append(f"{key} (saved {short(then)}, now {short(now)})")
     if diffs:

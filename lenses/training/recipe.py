@@ -36,6 +36,7 @@ class Recipe:
     micro_batch_tokens: int = 2048  # tokens per forward; bounds memory (d_vocab floats per token per layer)
     ckpt_every: int = 10
     ckpt_minutes: float = 5.0  # and at most this long between checkpoints (one process; time decides when, never what)
+    autocast: bool = False  # bf16 mixed precision on a GPU (torch.autocast): the frozen forward, translators, readout matmuls
 
     def __post_init__(self) -> None:
         """Check every field at construction: one line naming the field (and its flag) and what it must be."""
@@ -46,6 +47,8 @@ class Recipe:
                 continue
             if not _is_int(value) or value < least:
                 raise ValueError(f"{_field(name)} must be an integer >= {least}, got {value!r}")
+        if not isinstance(self.autocast, bool):
+            raise ValueError(f"{_field('autocast')} must be True or False, got {self.autocast!r}")
         if not _is_int(self.seed):
             raise ValueError(f"{_field('seed')} must be an integer, got {self.seed!r}")
         if self.optimizer not in ("sgd", "adam"):
@@ -140,4 +143,4 @@ def _field(name: str) -> str:
 
 
 _FLAGS = {"steps", "tokens_per_step", "seed", "ctx", "optimizer", "lr", "weight_decay", "micro_batch_tokens", "ckpt_every",
-          "ckpt_minutes"}
+          "ckpt_minutes", "autocast"}

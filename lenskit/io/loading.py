@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
+from ..devices import auto_dtype, is_auto, parse_device, parse_dtype  # noqa: F401 - parse_* re-exported for older imports
 from ..families import family_of
 from ..placement import Placement, resolve_placement
 from .files import check_output_file, check_regular_file, read_json_object
@@ -219,50 +220,6 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
-    """A floating torch dtype from a dtype, its name ("bfloat16", "torch.float16"), or None (float32)."""
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
-        return DTYPES[dtype.removeprefix("torch.")]
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return dtype
-    raise ValueError(f"dtype={dtype!r} is not supported; pass one of {sorted(DTYPES)} or the matching torch dtype")
-
-
-def parse_device(device: str | torch.device | None) -> torch.device:
-    """A torch device that this torch can use (None: the CPU). One line says why not, before anything is loaded:
-    a name torch does not know, CUDA on a torch built without it or with no GPU visible, an index past the last GPU."""
-    if device is None:
-        return torch.device("cpu")
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"device={device!r} is not a device torch knows ({detail}); pass 'cpu', 'cuda', 'cuda:1' or 'mps'") from None
-    if parsed.type == "cuda":
-        if torch.version.cuda is None and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}, but this torch ({torch.__version__}) is built without CUDA; pass device='cpu', "
-                             "or install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"device={device!r}, but no CUDA device is visible (torch {torch.__version__}, CUDA "
-                             f"{torch.version.cuda}); check nvidia-smi and CUDA_VISIBLE_DEVICES, or pass device='cpu'")
-        if parsed.index is not None and parsed.index >= count:
-            raise ValueError(f"device={device!r}, but only {count} CUDA device(s) are visible (cuda:0 to cuda:{count - 1})")
-    elif parsed.type != "cpu":
-        try:
-            torch.empty(0, device=parsed)
-        except (RuntimeError, AssertionError, ValueError) as e:
-            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ValueError(f"device={device!r} cannot be used by this torch ({torch.__version__}): {detail}; "
-                             "pass device='cpu'") from None
-    return parsed
-
-
 def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathLike, dtype: torch.dtype | str | None = None,
                     device: str | torch.device | None = None, check_finite: bool = True,
                     mmap: bool = True, device_map=None, max_memory=None, **processing: bool) -> "HookedTransformer":
@@ -270,13 +227,16 @@ def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathL
     memory-mapped, and the files they map are watched (lenskit.io.mapped) before every forward."""
     if device is not None and device_map is not None:
         raise ValueError(f"pass device={device!r} or device_map, not both (a device map names every part's device)")
-    dtype = parse_dtype(dtype)
+    auto = is_auto(dtype)
+    dtype = parse_dtype(dtype, auto=torch.float32)  # a bad name is refused before anything is read
     device = parse_device(device)
     folder = resolve_model_folder(name_or_path)
     config_file = folder / "config.json"
     if not os.path.lexists(config_file):
         raise FileNotFoundError(f"{folder} has no config.json; expected a Hugging Face model folder")
     config = read_json_object(config_file, what="a Hugging Face config.json (a JSON object)")
+    if auto:  # a device map places weights on accelerators: the checkpoint's dtype there, as on one GPU
+        dtype = auto_dtype(config, accelerated=device.type != "cpu" or device_map is not None)
     files = WeightFiles(checkpoint_files(folder)[0]) if mmap else WeightFiles()
     raw = read_safetensors(folder)
     files.confirm()

@@ -52,8 +52,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     """`linear(x, weight, bias)` written into the float32 buffer `out` [..., out_features]: straight into it for
-    float32 weights (no temporary), else computed as the layer computes it, in the weight's dtype, and upcast."""
-    if weight.dtype == out.dtype:
+    float32 weights (no temporary), else computed as the layer computes it, in the weight's dtype (under
+    torch.autocast, in autocast's dtype, which a call with `out=` would skip), and upcast."""
+    if weight.dtype == out.dtype and not torch.is_autocast_enabled(out.device.type):
         if bias is not None:
             return torch.addmm(bias, x, weight.t(), out=out)
         return torch.matmul(x, weight.t(), out=out)
