@@ -30,7 +30,7 @@ from tqdm import tqdm  # tqdm.auto warns "IProgress not found" in kernels withou
 
 from ..observe.cache import ActivationCache, hook_name
 from ..observe.hooks import HookFn
-from .masks import check_positions, replace_along
+from .masks import check_positions, indices, positions_here, replace_along
 from ..model import HookedTransformer, TokensLike
 from ..observe.stream import POINTS, Stream, check_layer
 
@@ -161,7 +161,8 @@ def patching_hooks(
         raise ValueError(f"heads= applies to the head sites ({', '.join(HEAD_SITES)}) only, not {site!r}")
     if sources is not None and site != "pattern":
         raise ValueError(f"sources= (key positions) applies to the 'pattern' site only, not {site!r}")
-    heads, positions, sources = ([s] if isinstance(s, int) else s for s in (heads, positions, sources))
+    heads, positions, sources = (None if s is None else indices(s, what)
+                                 for s, what in ((heads, "heads"), (positions, "positions"), (sources, "sources")))
     if site in HEAD_SITES:
         layer = check_layer(layer, model.cfg.n_layers)
         check_heads(model, site, layer, heads)
@@ -172,9 +173,9 @@ def patching_hooks(
 
     def patch(x: torch.Tensor, hook) -> torch.Tensor:
         check_aligned(name, x, value)
-        check_positions(positions, x.shape[pos_axis], "patch")
-        check_positions(sources, x.shape[-1], "patch source")
-        return splice(x, value, layout, positions=positions, heads=heads, sources=sources)
+        here = positions_here(positions, x.shape[pos_axis], "patch")
+        check_positions(sources, x.shape[-1], "patch source")  # key positions: every key so far, also under a cache
+        return splice(x, value, layout, positions=here, heads=heads, sources=sources)
 
     return [(name, patch)]
 
