@@ -105,6 +105,40 @@ def _unit_of(name: str) -> str:
     return match.group(0)
 
 
+def parse_device(device: str | torch.device | None, what: str = "device") -> torch.device:
+    """A torch device that this torch can use (None: the CPU). One line, naming the argument `what`, says why not,
+    before anything is loaded: a name torch does not know, "meta" (which holds shapes and no values), CUDA on a torch
+    built without it or with no GPU visible, an index past the last GPU."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        detail = str(e).splitlines()[0].split(". ")[0][:120] if str(e) else type(e).__name__
+        raise ValueError(f"{what}={device!r} is not a device torch knows ({detail}); pass 'cpu', 'cuda', 'cuda:1' or 'mps'") from None
+    if parsed.type == "meta":
+        raise ValueError(f"{what}={device!r}: the meta device holds shapes and no values, so weights or activations there "
+                         "would be lost; pass 'cpu' or an accelerator")
+    if parsed.type == "cuda":
+        if torch.version.cuda is None and not torch.cuda.is_available():
+            raise ValueError(f"{what}={device!r}, but this torch ({torch.__version__}) is built without CUDA; pass {what}='cpu', "
+                             "or install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"{what}={device!r}, but no CUDA device is visible (torch {torch.__version__}, CUDA "
+                             f"{torch.version.cuda}); check nvidia-smi and CUDA_VISIBLE_DEVICES, or pass {what}='cpu'")
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(f"{what}={device!r}, but only {count} CUDA device(s) are visible (cuda:0 to cuda:{count - 1})")
+    elif parsed.type != "cpu":
+        try:
+            torch.empty(0, device=parsed)
+        except (RuntimeError, AssertionError, ValueError) as e:
+            detail = str(e).splitlines()[0].split(". ")[0][:120] if str(e) else type(e).__name__
+            raise ValueError(f"{what}={device!r} cannot be used by this torch ({torch.__version__}): {detail}; "
+                             f"pass {what}='cpu'") from None
+    return parsed
+
+
 def parse_map_device(value: Any, where: str) -> torch.device:
     """A device map's value: a device string or an int (CUDA index); disk offload is not implemented."""
     if isinstance(value, bool) or not isinstance(value, (int, str, torch.device)):

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from ..config import ModelConfig
 from ..families import family_of
-from ..placement import Placement, resolve_placement
+from ..placement import Placement, parse_device, resolve_placement  # noqa: F401 (parse_device: its old home)
 from .files import check_output_file, check_regular_file, read_json_object
 # Where a model's folder is (embedded, local or the hub cache): lenskit.io.hub, re-exported for older imports.
 from .hub import EMBEDDED_MODELS, embedded_model_folder, resolve_hub_file, resolve_model_folder  # noqa: F401
@@ -233,36 +233,6 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     raise ValueError(f"dtype={dtype!r} is not supported; pass one of {sorted(DTYPES)} or the matching torch dtype")
 
 
-def parse_device(device: str | torch.device | None) -> torch.device:
-    """A torch device that this torch can use (None: the CPU). One line says why not, before anything is loaded:
-    a name torch does not know, CUDA on a torch built without it or with no GPU visible, an index past the last GPU."""
-    if device is None:
-        return torch.device("cpu")
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"device={device!r} is not a device torch knows ({detail}); pass 'cpu', 'cuda', 'cuda:1' or 'mps'") from None
-    if parsed.type == "cuda":
-        if torch.version.cuda is None and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}, but this torch ({torch.__version__}) is built without CUDA; pass device='cpu', "
-                             "or install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"device={device!r}, but no CUDA device is visible (torch {torch.__version__}, CUDA "
-                             f"{torch.version.cuda}); check nvidia-smi and CUDA_VISIBLE_DEVICES, or pass device='cpu'")
-        if parsed.index is not None and parsed.index >= count:
-            raise ValueError(f"device={device!r}, but only {count} CUDA device(s) are visible (cuda:0 to cuda:{count - 1})")
-    elif parsed.type != "cpu":
-        try:
-            torch.empty(0, device=parsed)
-        except (RuntimeError, AssertionError, ValueError) as e:
-            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ValueError(f"device={device!r} cannot be used by this torch ({torch.__version__}): {detail}; "
-                             "pass device='cpu'") from None
-    return parsed
-
-
 def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathLike, dtype: torch.dtype | str | None = None,
                     device: str | torch.device | None = None, check_finite: bool = True,
                     mmap: bool = True, device_map=None, max_memory=None, **processing: bool) -> "HookedTransformer":
@@ -287,7 +257,7 @@ def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathL
         raw = dequantize_checkpoint(raw, dtype)
     placement = resolve_placement(cfg, device, device_map, max_memory, dtype)
     for used in {placement.embed, placement.readout, placement.main, *placement.blocks}:
-        parse_device(used)  # each device the map names can be used by this torch, before any weight moves
+        parse_device(str(used), "device_map")  # each device the map names can be used by this torch, before any weight moves
     model = _assemble(cls, cfg, raw, load_tokenizer(folder), dtype, placement, check_finite, copy=not mmap)
     if device_map is not None:
         model.placement = placement

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from ..placement import parse_device
 from .backward import backward_from
 from .cache import ActivationCache
 from .hooks import CacheRecording, HookFn, NameOrPredicate, NamesFilter, layer_of
@@ -92,7 +93,10 @@ class RunMethods:
                              "drop return_logits=False")
         if cache_device is not None and device is not None and torch.device(cache_device) != torch.device(device):
             raise ValueError(f"device={device!r} and cache_device={cache_device!r} both say where the cache goes; pass one")
-        recording = CacheRecording(cache_device if cache_device is not None else device, dtype)
+        where = cache_device if cache_device is not None else device
+        if where is not None:  # an impossible device refused in one line, before the run
+            parse_device(where, "cache_device" if cache_device is not None else "device")
+        recording = CacheRecording(where, dtype)
         names = self.hook_names(names_filter)
         fwd_hooks = list(fwd_hooks)
         stop = kwargs.get("stop_at_layer")
