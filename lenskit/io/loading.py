@@ -159,7 +159,7 @@ def _converted(name: str, stored: torch.Tensor, converted: torch.Tensor, check_f
     holds = [n for n, d in (("bfloat16", torch.bfloat16), ("float32", torch.float32)) if torch.finfo(d).max >= largest]
     raise CheckpointError(f"tensor {name!r} holds {largest:.6g}, past {str(converted.dtype).removeprefix('torch.')}'s "
                           f"largest value ({torch.finfo(converted.dtype).max:.6g}), so converting it gives inf; load with "
-                          f"dtype={' or '.join(repr(h) for h in holds or ['float64'])}, instead")
+                          f"dtype={' or '.join(repr(h) for h in holds or ['float64'])} instead")
 
 
 def to_hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
