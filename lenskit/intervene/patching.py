@@ -21,6 +21,7 @@ Linear-attention blocks (Qwen 3.5) have no head sites. `patching_hooks` also tak
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable, Sequence, Union
 
 import pandas as pd
@@ -192,6 +193,22 @@ def run_patches(model: HookedTransformer, tokens: torch.Tensor, metric: Metric,
         return [metric(model.run_with_hooks(tokens, fwd_hooks=hooks)) for hooks in bar]
 
 
+def one_number(metric: Metric, what: str) -> Metric:
+    """`metric`, refusing in one line a result that is not one number (a 0-d tensor or a float): a vector of them
+    (one per sequence, say) would otherwise fail inside float() or autograd with a message about something else."""
+
+    @functools.wraps(metric)
+    def checked(logits: torch.Tensor) -> torch.Tensor:
+        m = metric(logits)
+        if isinstance(m, torch.Tensor) and m.ndim == 0 or isinstance(m, (int, float)) and not isinstance(m, bool):
+            return m
+        got = f"a tensor of shape {tuple(m.shape)}" if isinstance(m, torch.Tensor) else f"{type(m).__name__} {m!r:.40}"
+        raise ValueError(f"{what}: the metric must return one number per run (a 0-d tensor), got {got}; reduce it, "
+                         "e.g. with .mean() over the batch")
+
+    return checked
+
+
 def checked_sweep(model: HookedTransformer, clean: TokensLike, corrupted: TokensLike, metric: Metric | str,
                   sites: str | Iterable[str], direction: str, allowed: Iterable[str], what: str) -> tuple:
     """(clean, corrupted, metric, sites) of a patching sweep, checked: a known direction, aligned token ids of one
@@ -207,6 +224,9 @@ def checked_sweep(model: HookedTransformer, clean: TokensLike, corrupted: Tokens
         if metric != "loss":
             raise ValueError(f"metric must be a callable on logits or 'loss', got {metric!r}")
         metric = next_token_loss(clean)
+    elif not callable(metric):
+        raise TypeError(f"metric must be a callable on logits or 'loss', got {type(metric).__name__}")
+    metric = one_number(metric, what)
     sites = [sites] if isinstance(sites, str) else list(sites)
     allowed = tuple(allowed)
     unknown = [s for s in sites if s not in allowed]

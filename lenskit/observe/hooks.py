@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator, Sequence, Union
 import torch
 from torch import nn
 
-from .backward import BACKWARD_HOOKS, Attachment, attach_backward
+from .backward import BACKWARD_HOOKS, Attachment, attach_backward, check_gradients_possible
 from .hook_admin import HookAdmin
 from .recording import RECORDING, CacheRecording  # noqa: F401  (CacheRecording: imported from here too)
 
@@ -308,6 +308,8 @@ class HookedRootModule(HookAdmin, nn.Module):
         """
         added = self._pairs(fwd_hooks, "fwd_hooks")
         added_bwd = self._pairs(bwd_hooks, "bwd_hooks")
+        if added_bwd:
+            check_gradients_possible("a backward hook")
         self.context_level += 1
         tokens, attachments = [], {}
         try:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from ..placement import parse_device
-from .backward import backward_from
+from .backward import backward_from, check_gradients_possible
 from .cache import ActivationCache
 from .hooks import CacheRecording, HookFn, NameOrPredicate, NamesFilter, layer_of
 
@@ -88,6 +88,8 @@ class RunMethods:
         if reset_hooks_end is not True:
             raise ValueError("run_with_cache always removes its hooks on return (reset_hooks_end=True); for gradients "
                              "at the cached points pass incl_bwd=True, or attach hooks with model.add_hook")
+        if incl_bwd:
+            check_gradients_possible("run_with_cache(incl_bwd=True)")
         if incl_bwd and not return_logits:
             raise ValueError("incl_bwd=True differentiates the model's output, so the run cannot stop early; "
                              "drop return_logits=False")
