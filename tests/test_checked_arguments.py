@@ -226,3 +226,23 @@ def test_a_weight_past_float16_is_refused_after_converting(tmp_path, family, wei
     model = HookedTransformer.from_pretrained(tmp_path, dtype="bfloat16")  # which holds it
     with torch.no_grad():
         assert torch.isfinite(model(tokens())).all()
+
+
+def test_mxfp4_experts_dequantised_past_float16_are_refused(tmp_path):
+    """An MXFP4 block whose scale takes it past 65504: exact in float32 and bfloat16, inf in float16."""
+    import safetensors.torch as st
+    from conftest import make_hf_family
+    from test_gptoss import write_mxfp4
+
+    hf = make_hf_family("gpt_oss", tie_word_embeddings=False, seed=8, intermediate_size=64)
+    write_mxfp4(hf, tmp_path, torch.Generator().manual_seed(0))
+    tensors = st.load_file(tmp_path / "model.safetensors")
+    scales = tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    scales[0, 0, 0] = 127 + 17  # codes up to 6, times 2^17: about 7.9e5
+    st.save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        HookedTransformer.from_pretrained(tmp_path, dtype="float16")
+    one_line(err, "blocks.1.mlp", "past float16's largest value (65504)", "dtype='bfloat16' or 'float32'")
+    model = HookedTransformer.from_pretrained(tmp_path, dtype="bfloat16")
+    with torch.no_grad():
+        assert torch.isfinite(model(tokens() % model.cfg.d_vocab)).all()
