@@ -66,8 +66,9 @@ def expert_groups(chosen: torch.Tensor, n_experts: int) -> Iterator[tuple[int, t
     if flat.is_floating_point() or flat.dtype == torch.bool:
         raise ValueError(f"expert indices must be an integer tensor, got {flat.dtype}; "
                          "a hook on hook_expert_indices returned another dtype")
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n_experts):
-        raise ValueError(f"expert indices must lie in [0, {n_experts}), got {int(flat.min())}..{int(flat.max())}; "
+    lo, hi = torch.stack(torch.aminmax(flat)).tolist() if flat.numel() else (0, 0)  # one wait, as the counts take
+    if lo < 0 or hi >= n_experts:
+        raise ValueError(f"expert indices must lie in [0, {n_experts}), got {lo}..{hi}; "
                          "a hook on hook_expert_indices returned an index outside the experts")
     counts = torch.bincount(flat, minlength=n_experts)
     order = flat.argsort(stable=True)  # slots sorted by their expert
