@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 
 from lenskit import HookedTransformer, Stream
+from lenskit.observe.backward import check_gradients_possible
 from lenskit.observe.stream import as_stream
 
 from .io import CONFIG_FILE, read_config, write_atomic
@@ -113,6 +114,7 @@ def fit(model: HookedTransformer, tokens: torch.Tensor | Sequence[torch.Tensor],
         checkpoint_minutes: float = SAVE_MINUTES) -> JacobianLens:
     """`JacobianLens.fit` (see there for the settings). The model is left as it was: parameters' requires_grad and
     train/eval mode are restored, and no hook stays attached, also when the fit raises."""
+    check_gradients_possible("JacobianLens.fit")
     rank, world = distributed()
     n, d = model.cfg.n_layers, model.cfg.d_model
     for name, value, low in (("skip_first_positions", skip_first_positions, 0), ("dim_batch", dim_batch, 1),

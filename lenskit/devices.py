@@ -88,7 +88,7 @@ def default_device() -> str:
 
 def parse_device(device: str | torch.device | None, name: str = "device") -> torch.device:
     """A torch device that this torch can use (None: the CPU). One line says why not, before anything is loaded:
-    a name torch does not know, CUDA on a torch built without it or with no GPU visible, an index past the last GPU."""
+    a name torch does not know, "meta" (which holds shapes and no values), CUDA on a torch built without it or with no GPU visible, an index past the last GPU."""
     if device is None:
         return torch.device("cpu")
     cpu = _named(name, "cpu")
@@ -98,6 +98,9 @@ def parse_device(device: str | torch.device | None, name: str = "device") -> tor
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{_named(name, device)} is not a device torch knows ({detail}); pass 'cpu', 'cuda', "
                          "'cuda:1' or 'mps'") from None
+    if parsed.type == "meta":
+        raise ValueError(f"{_named(name, device)}: the meta device holds shapes and no values, so weights or "
+                         "activations there would be lost; pass 'cpu' or an accelerator")
     if parsed.type == "cuda":
         if torch.version.cuda is None and not torch.cuda.is_available():
             raise ValueError(f"{_named(name, device)}, but this torch ({torch.__version__}) is built without CUDA; pass "

@@ -94,8 +94,9 @@ class DeltaNetState:
 class KVCache:
     """Every block's cached keys and values (or DeltaNet state) for `batch_size` sequences of one model.
 
-    Made for a config (`KVCache(model.cfg, batch_size)`); the first forward binds it to that model, and any other
-    model, batch size, a length past n_ctx, or `stop_at_layer` is refused. `cache[l]` is block l's entry.
+    Made for a config (`KVCache(model.cfg, batch_size)`); the first forward binds it to that model instance for the
+    cache's life, and any other model (even one of equal config, also once the first is garbage-collected), batch
+    size, a length past n_ctx, or `stop_at_layer` is refused. `cache[l]` is block l's entry.
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int = 1, device: torch.device | str | None = None) -> None:
@@ -135,6 +136,9 @@ class KVCache:
     def _bind(self, model: "HookedTransformer", tokens: torch.Tensor, stop_at_layer: int | None) -> int:
         """Check that this forward may use the cache; the position its tokens start at."""
         bound = None if self._model is None else self._model()
+        if self._model is not None and bound is None:  # its keys are another model's, whatever this one's config
+            raise ValueError("past_kv_cache's model was garbage-collected, and its keys belong to that model only; "
+                             "make a new cache for this one: KVCache(model.cfg, batch_size)")
         if model.cfg != self.cfg or (bound is not None and bound is not model):
             raise ValueError(f"past_kv_cache was made for another model ({self.cfg.name!r}, {self.cfg.n_layers} layers)"
                              f"; make one for this model: KVCache(model.cfg, batch_size)")
@@ -154,6 +158,13 @@ class KVCache:
 
 
 _ACTIVE: ContextVar[KVCache | None] = ContextVar("lenskit_kv_cache", default=None)
+
+
+def forward_start() -> int | None:
+    """The absolute position where the running forward's tokens start: the cache's length in a forward given a
+    KVCache, None in a forward without one (its positions are its own, starting at 0)."""
+    cache = _ACTIVE.get()
+    return None if cache is None else cache.n_pos
 
 
 def entry_of(module: "nn.Module") -> KeyValues | DeltaNetState | None:

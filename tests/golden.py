@@ -103,6 +103,18 @@ def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torc
     return logits, acts
 
 
+def rounding(model: lenskit.HookedTransformer, tokens: torch.Tensor) -> float:
+    """How far float rounding moves the logits when the model's sums are taken in another order (a cache, another
+    kernel, another CPU): eps of the model's dtype x the terms summed on the way (d_model per block and in the
+    readout) x the largest value the residual stream carries. A scale derived from the dtype and the values, not from
+    one machine's run; a real bug (a wrong key, a wrong position) moves the logits by orders of magnitude more."""
+    names = [f"blocks.{i}.hook_resid_post" for i in range(model.cfg.n_layers)]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=names)
+    size = max(1.0, max(cache[n].abs().max().item() for n in names))
+    return torch.finfo(model.cfg.dtype).eps * model.cfg.d_model * (model.cfg.n_layers + 1) * size
+
+
 def stream_names(n_layers: int) -> list[str]:
     return [Stream(i, p).hook_name(n_layers) for i in range(n_layers) for p in STREAM_POINTS]
 

@@ -158,7 +158,9 @@ def test_a_field_lenskit_does_not_implement_is_refused_by_name(changes, words):
 def test_the_refused_sharing_and_experts_fail_in_transformers_too(changes):
     """What lenskit refuses of kv sharing and the experts, transformers' own model cannot build or run either."""
     d = tiny_config(**changes)
-    with pytest.raises((ValueError, TypeError, RuntimeError, KeyError)):
+    # The behaviour is what counts, not the exception's type, which changes between releases (5.25 fails
+    # all-shared with an AttributeError from its cache, earlier ones with a ValueError or an IndexError).
+    with pytest.raises(Exception):  # noqa: B017
         model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig.from_dict(d)).eval()
         model(torch.randint(0, 101, (1, 5)))
 

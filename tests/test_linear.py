@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,7 +28,8 @@ def mode(monkeypatch):
 
 
 def cpu_with(monkeypatch, *flags: str) -> None:
-    """Pretend the CPU reports these flags (as /proc/cpuinfo would)."""
+    """Pretend the CPU reports these flags (as /proc/cpuinfo would), under the rule whatever LENSKIT_HALF_MATMUL says."""
+    monkeypatch.setattr(L, "HALF_MATMUL", "auto")
     monkeypatch.setattr(L, "cpu_flags", lambda: frozenset(flags))
 
 
@@ -138,6 +142,22 @@ def test_the_choice_is_a_bool_and_a_bad_setting_is_refused(mode):
     mode("fast")
     with pytest.raises(ValueError, match="HALF_MATMUL must be 'auto', 'native' or 'float32'"):
         L.linear(torch.ones(1, 2, dtype=torch.bfloat16), torch.ones(3, 2, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("value", ["auto", "native", "float32"])
+def test_the_environment_chooses_the_path(value):
+    code = "import lenskit.pieces.linear as L; print(L.HALF_MATMUL)"
+    env = {**os.environ, "LENSKIT_HALF_MATMUL": value}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == value
+
+
+def test_a_bad_environment_value_is_refused_in_one_line():
+    env = {**os.environ, "LENSKIT_HALF_MATMUL": "fp32"}
+    run = subprocess.run([sys.executable, "-c", "import lenskit"], env=env, capture_output=True, text=True)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert "LENSKIT_HALF_MATMUL must be 'auto', 'native' or 'float32', got 'fp32'" in last, run.stderr
 
 
 def test_linear_is_an_nn_linear_with_the_same_state_dict():

@@ -81,9 +81,10 @@ def test_device_is_honoured(hf, tmp_path):
     folder = layout_bare_tied(hf, tmp_path / "m")
     model = HookedTransformer.from_pretrained(folder, device=torch.device("cpu"))
     assert {p.device.type for p in model.parameters()} == {"cpu"}
-    meta = HookedTransformer.from_pretrained(folder, device="meta")  # a device other than the file's, no GPU needed
-    assert {p.device.type for p in meta.parameters()} == {"meta"}
-    assert meta.unembed.weight is meta.embed.weight
+    assert model.unembed.weight is model.embed.weight
+    for where in ({"device": "meta"}, {"device_map": {"": "meta"}}):  # shapes and no values: a model without weights
+        with pytest.raises(ValueError, match="the meta device holds shapes and no values"):
+            HookedTransformer.from_pretrained(folder, **where)
     if torch.cuda.is_available():
         cuda = HookedTransformer.from_pretrained(folder, device="cuda")
         assert {p.device.type for p in cuda.parameters()} == {"cuda"}

@@ -322,7 +322,7 @@ def test_hook_dict_covers_design_names(model):
     assert all(hp.name == n for n, hp in model.hook_dict.items())
 
 
-@pytest.mark.parametrize("device, dtype", [(None, torch.float64), ("meta", None), ("cpu", torch.bfloat16)])
+@pytest.mark.parametrize("device, dtype", [(None, torch.float64), ("cpu", None), ("cpu", torch.bfloat16)])
 def test_run_with_cache_device_and_dtype(model, tokens, device, dtype):
     names = ["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"]
     with torch.no_grad():
@@ -332,9 +332,8 @@ def test_run_with_cache_device_and_dtype(model, tokens, device, dtype):
     for n in names:
         t = cache[n]
         assert t.dtype == (dtype or torch.float32)
-        assert t.device.type == (device or "cpu")
-        if device != "meta":
-            assert max_diff(t, ref[n]) <= 1e-2 * max(1.0, ref[n].abs().max().item())
+        assert t.device.type == (device or "cpu")  # "meta", which holds no values, is refused (test_state_lifetimes)
+        assert max_diff(t, ref[n]) <= 1e-2 * max(1.0, ref[n].abs().max().item())
 
 
 def test_cache_does_not_keep_graph(model, tokens):

@@ -7,6 +7,7 @@ import torch
 
 from lenskit.intervene.patching import activation_patching, logit_diff, next_token_loss, patching_hooks
 from families import every_family, held_beside_the_stream
+from golden import rounding
 
 ATOL = 1e-5
 
@@ -70,8 +71,11 @@ def test_sweep_identities(model, pair):
     # the whole input), the rest is a no-op.
     assert resid[(0, 4)] == 1.0 or getattr(model.cfg, "d_per_layer", None) is not None
     assert (resid.drop((0, 4)).loc[0] == 0.0).all()
-    # Positions before the corruption are untouched by it at every layer (causal attention).
-    assert (df[df.position < 4]["normalized"] == 0.0).all()
+    # Positions before the corruption are untouched by it at every layer (causal attention): exactly, but for the
+    # rounding of a batch whose rows differ (a MoE's experts see other rows, and some CPUs' kernels block by rows),
+    # on both logits of the difference, in units of the clean-corrupted gap.
+    gap = abs(df.attrs["clean_metric"] - df.attrs["corrupted_metric"])
+    assert (df[df.position < 4]["normalized"].abs() <= 2 * rounding(model, clean) / gap).all()
     if getattr(model.cfg, "d_per_layer", None) is not None:
         return  # the whole stream does not carry Gemma 4's per-layer inputs
     # The whole stream after any block carries everything: patched at all positions, the clean run comes back.

@@ -109,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
     tokens = model.to_tokens(args.prompt)
     experts = [t for t in args.targets if isinstance(t, Expert)]
     parts = [t for t in args.targets if not isinstance(t, Expert)]
+    if args.mode != "zero" and not parts:  # an expert has no mean or resample ablation: say so, never run zero
+        raise ValueError(f"--mode {args.mode} applies to --block, --attn, --mlp and --head; an --expert is ablated "
+                         "by --expert-mode zero or reroute: drop --mode, or name a part it applies to")
     reference = None
     if args.mode != "zero" and parts:
         length = tokens.shape[1] if args.mode == "resample" else min(MEAN_WINDOW, model.cfg.n_ctx)

@@ -55,9 +55,9 @@ class ConfigReader:
         return True, self.d[key]
 
     def int(self, key: str, default: Any = REQUIRED, positive: bool = True, null: Any = _UNSET) -> int | None:
-        want = "a positive integer" if positive else "an integer"
+        want = "a positive integer" if positive else "an integer >= 0"  # a count or a width, never below zero
         given, value = self._lookup(key, default, null, want)
-        if given and (isinstance(value, bool) or not isinstance(value, int) or (positive and value <= 0)):
+        if given and (isinstance(value, bool) or not isinstance(value, int) or value < (1 if positive else 0)):
             raise self._bad(key, want)
         return value
 

@@ -290,9 +290,16 @@ class Layout:
                 split.append((fused.bias_parts(*stored[2:], cfg), "bias"))
             for parts, kind in split:
                 for e, ours, part in parts:
-                    out[block + self.block[f"mlp.experts.{{e}}.{ours}.{kind}"].format(e=e)] = part
+                    name = block + self.block[f"mlp.experts.{{e}}.{ours}.{kind}"].format(e=e)
+                    if name in out:  # one tensor in two spellings: which one the checkpoint means is not ours to guess
+                        raise ValueError(f"checkpoint holds expert {e} of {block.rstrip('.')!r} twice: as {name!r} and "
+                                         f"inside the fused {keys[0]!r}; keep one spelling")
+                    out[name] = part
             router = self.block["mlp.router.weight"]
             if router != fused.router and block + fused.router in out:
+                if block + router in out:
+                    raise ValueError(f"checkpoint holds the router of {block.rstrip('.')!r} twice: as {block + router!r} "
+                                     f"and {block + fused.router!r}; keep one spelling")
                 out[block + router] = out.pop(block + fused.router)
         return out
 

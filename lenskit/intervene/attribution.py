@@ -23,6 +23,7 @@ import pandas as pd
 import torch
 
 from ..model import HookedTransformer, TokensLike
+from ..observe.backward import check_gradients_possible
 from .patching import HEAD_SITES, SITES, Metric, checked_sweep, site_hook_name
 
 STREAM_START = ("hook_embed", "hook_pos_embed")  # where the residual stream begins: the gradient is taken w.r.t. these
@@ -36,6 +37,7 @@ def activations_and_gradients(model: HookedTransformer, tokens: TokensLike, metr
     stream only (`torch.autograd.grad`), so it works on a frozen model and leaves every parameter's `.grad` as it
     was. A point the gradient never reaches (the metric does not depend on it) gets zeros.
     """
+    check_gradients_possible("attribution patching")
     names = model.hook_names(list(names))
     acts: dict[str, torch.Tensor] = {}
     grads: dict[str, torch.Tensor] = {}
@@ -79,6 +81,7 @@ def attribution_patching(
     takes the gradient on the corrupted run and the difference clean - corrupted; "corrupted->clean" the reverse.
     `df.attrs` holds clean_metric, corrupted_metric (both measured), direction, metric and method="attribution".
     """
+    check_gradients_possible("attribution patching")  # before the source run, not after it
     clean, corrupted, metric, sites = checked_sweep(model, clean, corrupted, metric, sites, direction, SITES,
                                                     "attribution patching")
 

@@ -27,7 +27,7 @@ import torch
 
 from ..observe.hooks import HookFn
 from ..observe.stream import check_layer
-from .masks import check_positions, selection_mask
+from .masks import indices, positions_here, selection_mask
 
 EXPERT_MODES = ("zero", "reroute")
 
@@ -41,8 +41,7 @@ class Expert:
 
     def __init__(self, layer: int, experts: int | Iterable[int]) -> None:
         object.__setattr__(self, "layer", layer)
-        chosen = (experts,) if isinstance(experts, int) else tuple(int(e) for e in experts)
-        object.__setattr__(self, "experts", chosen)
+        object.__setattr__(self, "experts", indices(experts, "experts"))
 
 
 def _checked(model, target: Expert) -> tuple[int, tuple[int, ...]]:
@@ -73,9 +72,12 @@ def _zero(layer: int, experts: tuple[int, ...], positions: Sequence[int] | None)
         routed.append(chosen)
 
     def zero_weights(weights: torch.Tensor, hook) -> torch.Tensor:  # [batch, pos, k]
+        if not routed:  # the pair's first hook did not run: a list cut in two, or this hook alone
+            raise RuntimeError(f"{hook.name}: the expert ablation's hook on blocks.{layer}.mlp.hook_expert_indices did "
+                               "not run before it in this forward; pass both hooks expert_ablation_hooks returns")
         chosen = routed.pop()
-        check_positions(positions, weights.shape[1], "expert ablation")
-        hit = torch.isin(chosen, torch.tensor(experts, device=chosen.device)) & selection_mask(weights, positions)
+        here = positions_here(positions, weights.shape[1], "expert ablation")
+        hit = torch.isin(chosen, torch.tensor(experts, device=chosen.device)) & selection_mask(weights, here)
         return weights.masked_fill(hit, 0)
 
     return [(f"blocks.{layer}.mlp.hook_expert_indices", read_indices),
@@ -84,8 +86,8 @@ def _zero(layer: int, experts: tuple[int, ...], positions: Sequence[int] | None)
 
 def _reroute(layer: int, experts: tuple[int, ...], positions: Sequence[int] | None) -> list[tuple[str, HookFn]]:
     def remove(logits: torch.Tensor, hook) -> torch.Tensor:  # [batch, pos, expert]
-        check_positions(positions, logits.shape[1], "expert ablation")
-        mask = selection_mask(logits, positions, axis=2, units=experts)
+        here = positions_here(positions, logits.shape[1], "expert ablation")
+        mask = selection_mask(logits, here, axis=2, units=experts)
         return logits.masked_fill(mask, float("-inf"))
 
     return [(f"blocks.{layer}.mlp.hook_router_logits", remove)]
@@ -104,7 +106,7 @@ def expert_ablation_hooks(model, targets: Expert | Sequence[Expert], mode: str =
         layer, experts = _checked(model, target)
         by_layer.setdefault(layer, set()).update(experts)
     if positions is not None:
-        positions = (positions,) if isinstance(positions, int) else tuple(int(p) for p in positions)
+        positions = indices(positions, "positions")
     hooks = []
     for layer, experts in sorted(by_layer.items()):
         if mode == "reroute" and model.cfg.n_experts - len(experts) < model.cfg.n_experts_per_token:

@@ -44,7 +44,7 @@ import torch
 from ..observe.cache import hook_name
 from ..observe.hooks import HookFn
 from ..observe.resid import late_writes
-from .masks import check_positions, replace_where
+from .masks import indices, positions_here, replace_where, sequence_rows
 from ..model import HookedTransformer
 from ..observe.stream import Stream, check_layer
 
@@ -52,14 +52,6 @@ TokensRef = Union[torch.Tensor, Iterable[torch.Tensor]]
 
 
 # --------------------------------------------------------------------------------------------- targets
-def _as_tuple(units: int | Iterable[int]) -> tuple[int, ...]:
-    if isinstance(units, int):
-        return (units,)
-    if isinstance(units, torch.Tensor):
-        units = units.flatten().tolist()
-    return tuple(int(u) for u in units)
-
-
 @dataclass(frozen=True)
 class Block:
     """The whole block `layer`: both of its writes to the residual stream."""
@@ -90,7 +82,7 @@ class Head:
 
     def __init__(self, layer: int, heads: int | Iterable[int]) -> None:
         object.__setattr__(self, "layer", layer)
-        object.__setattr__(self, "heads", _as_tuple(heads))
+        object.__setattr__(self, "heads", indices(heads, "heads"))
 
 
 @dataclass(frozen=True)
@@ -102,7 +94,7 @@ class Neurons:
 
     def __init__(self, layer: int, neurons: int | Iterable[int]) -> None:
         object.__setattr__(self, "layer", layer)
-        object.__setattr__(self, "neurons", _as_tuple(neurons))
+        object.__setattr__(self, "neurons", indices(neurons, "neurons"))
 
 
 Target = Union[Block, Attn, Mlp, Head, Neurons, Stream]  # a Stream target replaces that whole stream activation
@@ -259,8 +251,8 @@ def _replace(site: Site, positions: tuple[int, ...] | None, value_for: ValueFor)
     """A hook that swaps the site's slice, at the chosen positions, for `value_for(x)`."""
 
     def hook(x: torch.Tensor, hook) -> torch.Tensor:
-        check_positions(positions, x.shape[1], "ablation")
-        return replace_where(x, value_for(x), positions, site.axis, site.units)
+        here = positions_here(positions, x.shape[1], "ablation")
+        return replace_where(x, value_for(x), here, site.axis, site.units)
 
     return hook
 
@@ -281,10 +273,11 @@ def mean_values(model: HookedTransformer, names: Sequence[str], reference: Token
             return lambda x: m  # [*feature] broadcasts over [batch, pos]
 
         def at_positions(x: torch.Tensor) -> torch.Tensor:
-            if x.shape[1] > m.shape[0]:
-                raise ValueError(f"per-position mean ablation: the input has {x.shape[1]} positions but the "
+            rows = sequence_rows(x.shape[1])  # the absolute positions, also under a KV cache
+            if rows.stop > m.shape[0]:
+                raise ValueError(f"per-position mean ablation: the input has {rows.stop} positions but the "
                                  f"reference only {m.shape[0]}; use longer reference sequences or per_position=False")
-            return m[: x.shape[1]]  # [pos, *feature]
+            return m[rows]  # [pos, *feature]
         return at_positions
 
     return {name: mean_of(means[name]) for name in names}
@@ -297,11 +290,12 @@ def resampled_values(model: HookedTransformer, names: Sequence[str], reference: 
 
     def from_reference(a: torch.Tensor) -> ValueFor:  # a: [n_reference, ref_pos, *feature]
         def value(x: torch.Tensor) -> torch.Tensor:
-            if x.shape[1] > a.shape[1]:
-                raise ValueError(f"resample ablation: the input has {x.shape[1]} positions but the reference rows "
+            at = sequence_rows(x.shape[1])  # the absolute positions, also under a KV cache
+            if at.stop > a.shape[1]:
+                raise ValueError(f"resample ablation: the input has {at.stop} positions but the reference rows "
                                  f"only {a.shape[1]}; use reference sequences at least as long as the input")
             rows = resample_indices(a.shape[0], x.shape[0], seed).to(a.device)
-            return a[rows, : x.shape[1]]  # [batch, pos, *feature]
+            return a[rows, at]  # [batch, pos, *feature]
         return value
 
     return {name: from_reference(acts[name]) for name in names}
@@ -338,7 +332,7 @@ def ablation_hooks(
     if mode != "zero" and reference is None:
         raise ValueError(f'mode "{mode}" needs reference tokens (reference=...), e.g. a batch of held-out text')
     if positions is not None:
-        positions = _as_tuple(positions)
+        positions = indices(positions, "positions")
     values = MODES[mode](model, [s.name for s in sites], reference, per_position=per_position, seed=seed,
                          batch_size=batch_size)
     return [(s.name, _replace(s, positions, values[s.name])) for s in sites]

@@ -7,9 +7,31 @@ Ablation (`lenskit.intervene.interventions`) and patching (`lenskit.intervene.pa
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import operator
+from typing import Iterable, Mapping, Sequence
 
 import torch
+
+from ..kv_cache import forward_start
+
+
+def indices(values: int | Iterable[int] | torch.Tensor, what: str) -> tuple[int, ...]:
+    """`values` (one index, a sequence of them, or an integer tensor) as a tuple of ints. A bool, a float or a
+    string is refused by name (TypeError), never rounded: `1.9` or `True` as an expert is a mistake, not expert 1."""
+    if isinstance(values, torch.Tensor):
+        if values.is_floating_point() or values.dtype == torch.bool:
+            raise TypeError(f"{what} must be integers, got a {values.dtype} tensor")
+        return tuple(values.flatten().tolist())
+    items = [values] if not isinstance(values, Iterable) or isinstance(values, (str, bytes)) else list(values)
+    out = []
+    for v in items:
+        try:
+            if isinstance(v, (bool, str, bytes)) or getattr(v, "dtype", None) == torch.bool:
+                raise TypeError
+            out.append(operator.index(v))  # ints, numpy and 0-d torch integers; refuses floats
+        except TypeError:
+            raise TypeError(f"{what} must be integers, got {type(v).__name__} {v!r}") from None
+    return tuple(out)
 
 
 def check_positions(positions: Sequence[int] | None, n_pos: int, what: str) -> None:
@@ -17,6 +39,30 @@ def check_positions(positions: Sequence[int] | None, n_pos: int, what: str) -> N
     bad = [p for p in positions or () if not -n_pos <= p < n_pos]
     if bad:
         raise IndexError(f"{what} position {bad[0]} is out of range for an input of {n_pos} positions")
+
+
+def positions_here(positions: Sequence[int] | None, n_pos: int, what: str) -> Sequence[int] | None:
+    """`positions`, absolute positions in the sequence, as indices into the running forward's `n_pos` positions.
+
+    Without a KV cache they are the same (checked in range; negatives count back). In a forward given a cache, the
+    tokens start at the cache's length, so position p is index p - start, and positions outside this forward's
+    tokens select nothing here (earlier ones were edited when they ran, later ones will be); a negative position is
+    refused there, since it would name another token at each step."""
+    start = forward_start()
+    if start is None or positions is None:
+        check_positions(positions, n_pos, what)
+        return positions
+    if any(p < 0 for p in positions):
+        raise IndexError(f"{what} position {min(positions)} counts back from the end, which under a KV cache is another "
+                         "token at each step; give absolute positions (from the sequence's start)")
+    return [p - start for p in positions if start <= p < start + n_pos]
+
+
+def sequence_rows(n_pos: int) -> slice:
+    """The absolute positions the running forward's `n_pos` tokens hold (from the KV cache's length under one), as a
+    slice of a per-position table [pos, ...]."""
+    start = forward_start() or 0
+    return slice(start, start + n_pos)
 
 
 def along_mask(x: torch.Tensor, selections: Mapping[int, Sequence[int] | None]) -> torch.Tensor:

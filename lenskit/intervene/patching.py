@@ -21,6 +21,7 @@ Linear-attention blocks (Qwen 3.5) have no head sites. `patching_hooks` also tak
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable, Sequence, Union
 
 import pandas as pd
@@ -30,7 +31,7 @@ from tqdm import tqdm  # tqdm.auto warns "IProgress not found" in kernels withou
 
 from ..observe.cache import ActivationCache, hook_name
 from ..observe.hooks import HookFn
-from .masks import check_positions, replace_along
+from .masks import check_positions, indices, positions_here, replace_along
 from ..model import HookedTransformer, TokensLike
 from ..observe.stream import POINTS, Stream, check_layer
 
@@ -161,7 +162,8 @@ def patching_hooks(
         raise ValueError(f"heads= applies to the head sites ({', '.join(HEAD_SITES)}) only, not {site!r}")
     if sources is not None and site != "pattern":
         raise ValueError(f"sources= (key positions) applies to the 'pattern' site only, not {site!r}")
-    heads, positions, sources = ([s] if isinstance(s, int) else s for s in (heads, positions, sources))
+    heads, positions, sources = (None if s is None else indices(s, what)
+                                 for s, what in ((heads, "heads"), (positions, "positions"), (sources, "sources")))
     if site in HEAD_SITES:
         layer = check_layer(layer, model.cfg.n_layers)
         check_heads(model, site, layer, heads)
@@ -172,9 +174,9 @@ def patching_hooks(
 
     def patch(x: torch.Tensor, hook) -> torch.Tensor:
         check_aligned(name, x, value)
-        check_positions(positions, x.shape[pos_axis], "patch")
-        check_positions(sources, x.shape[-1], "patch source")
-        return splice(x, value, layout, positions=positions, heads=heads, sources=sources)
+        here = positions_here(positions, x.shape[pos_axis], "patch")
+        check_positions(sources, x.shape[-1], "patch source")  # key positions: every key so far, also under a cache
+        return splice(x, value, layout, positions=here, heads=heads, sources=sources)
 
     return [(name, patch)]
 
@@ -189,6 +191,22 @@ def run_patches(model: HookedTransformer, tokens: torch.Tensor, metric: Metric,
     bar = tqdm(patches, total=total, desc="patching", disable=None if progress is None else not progress, leave=False)
     with torch.no_grad():
         return [metric(model.run_with_hooks(tokens, fwd_hooks=hooks)) for hooks in bar]
+
+
+def one_number(metric: Metric, what: str) -> Metric:
+    """`metric`, refusing in one line a result that is not one number (a 0-d tensor or a float): a vector of them
+    (one per sequence, say) would otherwise fail inside float() or autograd with a message about something else."""
+
+    @functools.wraps(metric)
+    def checked(logits: torch.Tensor) -> torch.Tensor:
+        m = metric(logits)
+        if isinstance(m, torch.Tensor) and m.ndim == 0 or isinstance(m, (int, float)) and not isinstance(m, bool):
+            return m
+        got = f"a tensor of shape {tuple(m.shape)}" if isinstance(m, torch.Tensor) else f"{type(m).__name__} {m!r:.40}"
+        raise ValueError(f"{what}: the metric must return one number per run (a 0-d tensor), got {got}; reduce it, "
+                         "e.g. with .mean() over the batch")
+
+    return checked
 
 
 def checked_sweep(model: HookedTransformer, clean: TokensLike, corrupted: TokensLike, metric: Metric | str,
@@ -206,6 +224,9 @@ def checked_sweep(model: HookedTransformer, clean: TokensLike, corrupted: Tokens
         if metric != "loss":
             raise ValueError(f"metric must be a callable on logits or 'loss', got {metric!r}")
         metric = next_token_loss(clean)
+    elif not callable(metric):
+        raise TypeError(f"metric must be a callable on logits or 'loss', got {type(metric).__name__}")
+    metric = one_number(metric, what)
     sites = [sites] if isinstance(sites, str) else list(sites)
     allowed = tuple(allowed)
     unknown = [s for s in sites if s not in allowed]

@@ -149,6 +149,20 @@ def check_values(name: str, tensor: torch.Tensor, check_finite: bool = True) -> 
         raise CheckpointError(f"tensor {name!r} holds NaN or inf values; the checkpoint is corrupt or was saved after training diverged")
 
 
+def _converted(name: str, stored: torch.Tensor, converted: torch.Tensor, check_finite: bool) -> torch.Tensor:
+    """`converted` (`stored` in the model's dtype), refused if the conversion made a finite weight inf or NaN: a value
+    past float16's 65504 becomes inf, and every logit NaN. `stored` was checked finite already."""
+    if not check_finite or converted.dtype == stored.dtype or converted.dtype.itemsize >= stored.dtype.itemsize:
+        return converted
+    if bool(torch.isfinite(converted.sum())) or bool(torch.isfinite(converted).all()):
+        return converted
+    largest = float(stored.detach().abs().max())
+    holds = [n for n, d in (("bfloat16", torch.bfloat16), ("float32", torch.float32)) if torch.finfo(d).max >= largest]
+    raise CheckpointError(f"tensor {name!r} holds {largest:.6g}, past {str(converted.dtype).removeprefix('torch.')}'s "
+                          f"largest value ({torch.finfo(converted.dtype).max:.6g}), so converting it gives inf; load with "
+                          f"dtype={' or '.join(repr(h) for h in holds or ['float64'])} instead")
+
+
 def to_hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The inverse of `convert_hf_state_dict`: our state dict under the family's checkpoint names (with the
     base-model prefix, as transformers' causal-LM class saves them) and in its stored shapes. A tied
@@ -247,7 +261,7 @@ def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathL
         raw = dequantize_checkpoint(raw, dtype)
     placement = resolve_placement(cfg, device, device_map, max_memory, dtype)
     for used in {placement.embed, placement.readout, placement.main, *placement.blocks}:
-        parse_device(used)  # each device the map names can be used by this torch, before any weight moves
+        parse_device(str(used), "device_map")  # each device the map names can be used by this torch, before any weight moves
     model = _assemble(cls, cfg, raw, load_tokenizer(folder), dtype, placement, check_finite, copy=not mmap)
     if device_map is not None:
         model.placement = placement
@@ -283,7 +297,8 @@ def _assemble(cls, cfg, raw, tokenizer, dtype, device: torch.device | Placement,
     with torch.device("meta"):
         model = cls(cfg, tokenizer=tokenizer)
     placement = device if isinstance(device, Placement) else Placement.single(device, cfg.n_layers)
-    state = {k: v.to(device=placement.device_of(k), dtype=dtype, copy=copy) for k, v in state.items()}
+    state = {k: _converted(k, v, v.to(device=placement.device_of(k), dtype=dtype, copy=copy), check_finite)
+             for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     return model.eval()

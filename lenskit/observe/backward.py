@@ -79,6 +79,14 @@ def _checked(hp: "HookPoint", fn: HookFn, out: object, grad: torch.Tensor) -> to
     return out
 
 
+def check_gradients_possible(what: str) -> None:
+    """RuntimeError, in one line, inside `torch.inference_mode()`: no graph is recorded there and `enable_grad` cannot
+    turn it back on, so `what` (a backward pass, a gradient) would fail later with a message about something else."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{what} needs gradients, which torch.inference_mode() turns off (torch.enable_grad cannot "
+                           "undo it); call it outside the inference_mode block")
+
+
 def backward_from(out: object, hint: str = "") -> None:
     """`.backward()` on a forward's output for `incl_bwd=True`, refusing, in one line, one that is not a scalar with a
     gradient (`hint` says how to get one)."""

@@ -141,6 +141,10 @@ class ResidStacks:
         layer = self._upto(layer, "apply_ln_to_stack")
         norm = self._norm(layer, mlp_input, "apply_ln_to_stack")
         batch_slice = Slice(batch_slice)
+        d_model = self.model.cfg.d_model
+        if not isinstance(residual_stack, torch.Tensor) or residual_stack.ndim < 1 or residual_stack.shape[-1] != d_model:
+            raise ValueError(f"apply_ln_to_stack: residual_stack must be a tensor [component, batch, pos, d_model={d_model}], "
+                             f"got {tuple(getattr(residual_stack, 'shape', ())) or type(residual_stack).__name__}")
         if has_batch_dim:
             residual_stack = batch_slice.apply(residual_stack, 1)
         if recompute_ln and layer == self.n_layers:
@@ -148,6 +152,14 @@ class ResidStacks:
         scale = apply_slice(need(self, norm.hook_scale.name, "apply_ln_to_stack"), pos_slice, -2)  # [batch, pos, 1]
         if self.has_batch_dim:
             scale = batch_slice.apply(scale, 0)
+        try:  # the cached scale must broadcast into the stack, never the stack be widened by it
+            fits = torch.broadcast_shapes(residual_stack.shape[:-1], scale.shape[:-1]) == residual_stack.shape[:-1]
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"apply_ln_to_stack: residual_stack {tuple(residual_stack.shape)} does not line up with the "
+                             f"cached scale [batch, pos] {tuple(scale.shape[:-1])}; pass [component, batch, pos, d_model] "
+                             "for the positions and sequences that pos_slice and batch_slice select")
         return pinned_norm(norm, residual_stack, scale, self.model)
 
     def logit_attrs(self: "ActivationCache", residual_stack: torch.Tensor, tokens: "str | int | torch.Tensor",

@@ -50,7 +50,10 @@ class HookAdmin:
             raise TypeError(f"hook for {name!r} is not callable: {hook!r}")
         if dir not in ("fwd", "bwd"):
             raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
-        for hp in self._resolve(name):
+        points = self._resolve(name)
+        if dir == "bwd" and not isinstance(name, str):  # a predicate passes over integer points (no gradient there)
+            points = [hp for hp in points if not hp.integer]
+        for hp in points:
             hp.add_hook(hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend)
 
     def add_perma_hook(self, name: "NameOrPredicate", hook: "HookFn", dir: str = "fwd") -> None:

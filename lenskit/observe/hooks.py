@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator, Sequence, Union
 import torch
 from torch import nn
 
-from .backward import BACKWARD_HOOKS, Attachment, attach_backward
+from .backward import BACKWARD_HOOKS, Attachment, attach_backward, check_gradients_possible
 from .hook_admin import HookAdmin
 from .recording import RECORDING, CacheRecording  # noqa: F401  (CacheRecording: imported from here too)
 
@@ -78,9 +78,10 @@ class HookPoint(nn.Module):
     `ctx` is a dict a hook may keep state in (TransformerLens's), emptied by `reset_hooks(clear_contexts=True)`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, integer: bool = False) -> None:
         super().__init__()
         self.name: str = ""
+        self.integer = integer  # it carries integers (a MoE's expert indices): no gradient reaches it
         self.ctx: dict = {}
         self._fwd_handles: list[LensHandle] = []  # global forward hooks, in running order
         self._bwd_handles: list[LensHandle] = []
@@ -112,11 +113,19 @@ class HookPoint(nn.Module):
             raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
         if not callable(fn):
             raise TypeError(f"hook for {self.name!r} is not callable: {fn!r}")
+        if dir == "bwd":
+            self.check_backward()
         handle = LensHandle(self, fn, dir, is_permanent, level)
         handles = self._fwd_handles if dir == "fwd" else self._bwd_handles
         handles.insert(0, handle) if prepend else handles.append(handle)
         self._sync()
         return handle
+
+    def check_backward(self) -> None:
+        """ValueError if a backward hook here could never run: an integer hook point has no gradient."""
+        if self.integer:
+            raise ValueError(f"{self.name} carries integers, which have no gradient, so a backward hook there never "
+                             "runs; hook a float point beside it (such as the block's hook_expert_weights)")
 
     def add_perma_hook(self, fn: HookFn, dir: str = "fwd") -> LensHandle:
         """`add_hook(fn, dir, is_permanent=True)`: kept by `reset_hooks()` unless `including_permanent=True`."""
@@ -299,6 +308,8 @@ class HookedRootModule(HookAdmin, nn.Module):
         """
         added = self._pairs(fwd_hooks, "fwd_hooks")
         added_bwd = self._pairs(bwd_hooks, "bwd_hooks")
+        if added_bwd:
+            check_gradients_possible("a backward hook")
         self.context_level += 1
         tokens, attachments = [], {}
         try:
@@ -335,7 +346,12 @@ class HookedRootModule(HookAdmin, nn.Module):
             target, fn = item
             if not callable(fn):
                 raise TypeError(f"hook for {target!r} is not callable: {fn!r}")
-            for hp in self._resolve(target):
+            points = self._resolve(target)
+            if what == "bwd_hooks":  # a predicate passes over integer points, where no gradient arrives; a name is refused
+                for hp in points if isinstance(target, str) else ():
+                    hp.check_backward()
+                points = [hp for hp in points if not hp.integer]
+            for hp in points:
                 added.setdefault(hp, []).append(fn)
         return added
 

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from .backward import backward_from
+from ..devices import parse_device
+from .backward import backward_from, check_gradients_possible
 from .cache import ActivationCache
 from .hooks import CacheRecording, HookFn, NameOrPredicate, NamesFilter, layer_of
 
@@ -87,12 +88,17 @@ class RunMethods:
         if reset_hooks_end is not True:
             raise ValueError("run_with_cache always removes its hooks on return (reset_hooks_end=True); for gradients "
                              "at the cached points pass incl_bwd=True, or attach hooks with model.add_hook")
+        if incl_bwd:
+            check_gradients_possible("run_with_cache(incl_bwd=True)")
         if incl_bwd and not return_logits:
             raise ValueError("incl_bwd=True differentiates the model's output, so the run cannot stop early; "
                              "drop return_logits=False")
         if cache_device is not None and device is not None and torch.device(cache_device) != torch.device(device):
             raise ValueError(f"device={device!r} and cache_device={cache_device!r} both say where the cache goes; pass one")
-        recording = CacheRecording(cache_device if cache_device is not None else device, dtype)
+        where = cache_device if cache_device is not None else device
+        if where is not None:  # an impossible device refused in one line, before the run
+            parse_device(where, "cache_device" if cache_device is not None else "device")
+        recording = CacheRecording(where, dtype)
         names = self.hook_names(names_filter)
         fwd_hooks = list(fwd_hooks)
         stop = kwargs.get("stop_at_layer")

@@ -116,7 +116,7 @@ class DenseAndExperts(SwiGLU):
         self.k, self.route = cfg.n_experts_per_token, ROUTES[cfg.routing]
         self.hook_dense_out = HookPoint()  # [batch, pos, d_model]
         self.hook_router_logits = HookPoint()  # [batch, pos, expert]
-        self.hook_expert_indices = HookPoint()  # [batch, pos, k], long
+        self.hook_expert_indices = HookPoint(integer=True)  # [batch, pos, k], long
         self.hook_expert_weights = HookPoint()  # [batch, pos, k], the model's dtype
         self.hook_expert_out = HookPoint()  # [batch, pos, k, d_model], unweighted; computed only when hooked
         self.hook_moe_out = HookPoint()  # [batch, pos, d_model]

@@ -16,18 +16,24 @@ the size of a call, so the same inputs always give the same numbers:
 - float16 natively where it lists `avx512_fp16` or `amx_fp16` (x86) or `fphp` (Arm), upcast elsewhere;
 - where the flags cannot be read (not Linux), natively; GPUs always natively.
 
-Set `HALF_MATMUL` to "native" or "float32" to choose instead ("auto" is the rule).
+Set `HALF_MATMUL`, or the environment variable LENSKIT_HALF_MATMUL before lenskit is imported, to "native" or
+"float32" to choose instead ("auto" is the rule): the tests run both paths on one machine that way.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-HALF_MATMUL = "auto"  # "auto" (the CPU flags rule above), "native" (the dtype's own GEMM) or "float32" (upcast)
+MODES = ("auto", "native", "float32")  # the CPU flags rule above, the dtype's own GEMM, or upcast
+HALF_MATMUL = os.environ.get("LENSKIT_HALF_MATMUL", "auto")
+if HALF_MATMUL not in MODES:  # refused at import, before a model computes anything on the wrong path
+    raise ValueError(f"LENSKIT_HALF_MATMUL must be 'auto', 'native' or 'float32', got {HALF_MATMUL!r}; "
+                     "unset it for the CPU flags rule")
 # The largest float32 copy of a weight that one call makes at once. Small enough to be reused from the heap
 # (glibc maps larger blocks afresh on every call, and faulting their pages in costs more than the copy).
 BLOCK_BYTES = 16 * 2**20
@@ -91,7 +97,7 @@ def cpu_flags() -> frozenset[str]:
 
 def half_matmul_in_float32(dtype: torch.dtype) -> bool:
     """Whether `linear` upcasts a CPU matmul in this half-precision dtype (see `HALF_MATMUL` and the rule above)."""
-    if HALF_MATMUL not in ("auto", "native", "float32"):
+    if HALF_MATMUL not in MODES:
         raise ValueError(f"lenskit.pieces.linear.HALF_MATMUL must be 'auto', 'native' or 'float32', got {HALF_MATMUL!r}")
     if HALF_MATMUL != "auto":
         return HALF_MATMUL == "float32"

@@ -62,10 +62,15 @@ def expert_groups(chosen: torch.Tensor, n_experts: int) -> Iterator[tuple[int, t
     """(expert, the flat slot indices [n] routed to it) for each expert that has tokens, in expert order: `chosen`
     [..., k] flattened, so slot s is token s // k's (s % k)-th choice."""
     flat = chosen.reshape(-1)  # [token * k]
-    counts = torch.bincount(flat, minlength=n_experts)
-    if counts.numel() > n_experts or (flat.numel() and int(flat.min()) < 0):
-        raise ValueError(f"expert indices must lie in [0, {n_experts}), got {int(flat.min())}..{int(flat.max())}; "
+    # Checked before bincount, which refuses a negative index with its own message and counts a large one silently.
+    if flat.is_floating_point() or flat.dtype == torch.bool:
+        raise ValueError(f"expert indices must be an integer tensor, got {flat.dtype}; "
+                         "a hook on hook_expert_indices returned another dtype")
+    lo, hi = torch.stack(torch.aminmax(flat)).tolist() if flat.numel() else (0, 0)  # one wait, as the counts take
+    if lo < 0 or hi >= n_experts:
+        raise ValueError(f"expert indices must lie in [0, {n_experts}), got {lo}..{hi}; "
                          "a hook on hook_expert_indices returned an index outside the experts")
+    counts = torch.bincount(flat, minlength=n_experts)
     order = flat.argsort(stable=True)  # slots sorted by their expert
     start = 0
     for e, n in enumerate(counts.tolist()):
@@ -137,7 +142,7 @@ class MoE(nn.Module):
         self.router = Linear(cfg.d_model, cfg.n_experts, bias=cfg.router_bias)
         self.experts = nn.ModuleList(EXPERTS[cfg.mlp](cfg) for _ in range(cfg.n_experts))
         self.hook_router_logits = HookPoint()  # [batch, pos, expert]
-        self.hook_expert_indices = HookPoint()  # [batch, pos, k], long
+        self.hook_expert_indices = HookPoint(integer=True)  # [batch, pos, k], long
         self.hook_expert_weights = HookPoint()  # [batch, pos, k], the model's dtype
         self.hook_expert_out = HookPoint()  # [batch, pos, k, d_model], unweighted; computed only when hooked
 

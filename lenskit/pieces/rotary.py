@@ -105,12 +105,18 @@ class Rotary(nn.Module):
         """cos and sin, each [pos, rotary_dim], for positions 0..n_pos-1."""
         tables = self._tables
         if tables is None or tables[0].shape[0] < n_pos or tables[0].device != like.device or tables[0].dtype != like.dtype:
-            inv_freq = inverse_frequencies(self.cfg, self.local, self.rotary_dim).to(like.device)
-            angles = torch.outer(torch.arange(n_pos, device=like.device, dtype=torch.float32), inv_freq)  # [pos, rotary_dim/2]
-            angles = torch.cat([angles, angles], dim=-1)  # [pos, rotary_dim]
-            scale = self.attention_factor  # YaRN's, applied in fp32 before the cast as transformers applies it (1: exact)
-            tables = self._tables = ((angles.cos() * scale).to(like.dtype), (angles.sin() * scale).to(like.dtype))
+            with torch.inference_mode(False), torch.no_grad():  # constants: also usable by a later forward autograd records
+                tables = self._tables = self._build(n_pos, like)
         return tables[0][:n_pos], tables[1][:n_pos]
+
+    def _build(self, n_pos: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin tables [n_pos, rotary_dim], as plain tensors: built under inference_mode they would be
+        inference tensors, which no later forward that autograd records may save for backward."""
+        inv_freq = inverse_frequencies(self.cfg, self.local, self.rotary_dim).to(like.device)
+        angles = torch.outer(torch.arange(n_pos, device=like.device, dtype=torch.float32), inv_freq)  # [pos, rotary_dim/2]
+        angles = torch.cat([angles, angles], dim=-1)  # [pos, rotary_dim]
+        scale = self.attention_factor  # YaRN's, applied in fp32 before the cast as transformers applies it (1: exact)
+        return (angles.cos() * scale).to(like.dtype), (angles.sin() * scale).to(like.dtype)
 
     def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
         """x: [batch, pos, head, d_head] at positions start..start+pos-1 -> the same shape, rotated."""
