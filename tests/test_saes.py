@@ -176,3 +176,19 @@ def test_not_an_sae_folder(tmp_path):
         SAE.load(tmp_path)
     with pytest.raises(FileNotFoundError, match="no SAE at"):
         SAE.load(str(tmp_path / "absent"))
+
+
+def test_save_round_trip_and_old_saelens_spellings(tmp_path, x):
+    w = saelens_folder(tmp_path / "old", D_IN, D_SAE, v6=False)
+    cfg = json.loads((tmp_path / "old" / "cfg.json").read_text())
+    cfg["hook_point"] = cfg.pop("hook_name")  # SAELens <= 2
+    cfg["normalize_activations"] = False  # SAELens <= 5's flag
+    (tmp_path / "old" / "cfg.json").write_text(json.dumps(cfg))
+    sae = SAE.load(tmp_path / "old")
+    assert sae.hook_name == "blocks.1.hook_resid_pre"
+    sae.save(tmp_path / "new")
+    again = SAE.load(tmp_path / "new")
+    saved = json.loads((tmp_path / "new" / "cfg.json").read_text())
+    assert saved["metadata"]["hook_name"] == "blocks.1.hook_resid_pre" and saved["architecture"] == "standard"
+    torch.testing.assert_close(again.encode(x), torch.relu((x - w["b_dec"]) @ w["W_enc"] + w["b_enc"]))
+    torch.testing.assert_close(again(x), sae(x))

@@ -94,6 +94,7 @@ def _saelens(folder: Path, hook: Any) -> SAE:
         raise SAEFileError(f"{folder}/cfg.json: SAELens architecture {arch_name!r} is not supported; lenskit reads "
                            f"{sorted(SAELENS_ARCH)}")
     norm = cfg.get("normalize_activations")
+    norm = ("expected_average_only_in" if norm else "none") if isinstance(norm, bool) else norm  # SAELens <= 5's flag
     if norm not in INERT_NORMALISATION:
         raise SAEFileError(f"{folder}/cfg.json: normalize_activations={norm!r} rescales inputs at run time, which "
                            f"lenskit does not implement (it reads {INERT_NORMALISATION[1:]}); fold it into the weights first")
@@ -105,7 +106,7 @@ def _saelens(folder: Path, hook: Any) -> SAE:
     if reshape not in ("none", "hook_z", None):
         raise SAEFileError(f"{folder}/cfg.json: reshape_activations={reshape!r} is not supported (expected 'none' or 'hook_z')")
     k = field("k", (cfg.get("activation_fn_kwargs") or {}).get("k") if isinstance(cfg.get("activation_fn_kwargs"), dict) else None)
-    hook_in, hook_out = _pick_hook(hook, field("hook_name"), folder)
+    hook_in, hook_out = _pick_hook(hook, field("hook_name", cfg.get("hook_point")), folder)  # hook_point: SAELens <= 2
     hook_out = hook_out or field("hook_name_out")
     weights = read_safetensors_file(folder / "sae_weights.safetensors")
     if "log_threshold" in weights and "threshold" not in weights:
@@ -136,7 +137,8 @@ def write_saelens(sae: SAE, folder: str | os.PathLike, extra: dict[str, Any]) ->
     cfg = {"architecture": arch, "d_in": c.d_in, "d_sae": c.d_sae, "dtype": str(sae.dtype).removeprefix("torch."),
            "device": "cpu", "apply_b_dec_to_input": c.apply_b_dec_to_input, "normalize_activations": "none",
            "reshape_activations": "none",
-           "metadata": {"hook_name": c.hook_name, "model_name": c.model_name, **extra}}
+           # SAELens reads "metadata" only from files that give a version of its 6.x layout, the one written here.
+           "metadata": {"sae_lens_version": "6.0.0", "hook_name": c.hook_name, "model_name": c.model_name, **extra}}
     if c.k is not None:
         cfg["k"] = c.k
     save_file({n: p.detach().contiguous().cpu() for n, p in sae.named_parameters()}, str(folder / "sae_weights.safetensors"))
@@ -316,10 +318,17 @@ def _from_hub(text: str, hook: Any) -> SAE:
     return _read_local(folder, hook, gemma_scope_hook(repo, sub))
 
 
+def _embedded_folder(name: str) -> Path:
+    folder = Path(__file__).parent / EMBEDDED_SAES[name]
+    if not (folder / "cfg.json").is_file():
+        raise FileNotFoundError(f"the embedded SAE {name} is missing at {folder}; reinstall lenskit")
+    return folder
+
+
 def read_sae(path_or_repo: str | os.PathLike, hook: Any = None) -> SAE:
     text = str(path_or_repo)
     if text in EMBEDDED_SAES:
-        return _read_local(Path(__file__).parent / EMBEDDED_SAES[text], hook)
+        return _read_local(_embedded_folder(text), hook)
     path = Path(path_or_repo).expanduser()
     if path.exists():
         sae = _read_local(path, hook, gemma_scope_hook(*_repo_and_sub(path)))
