@@ -21,7 +21,7 @@ Two readings, which mean different things:
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import pandas as pd
 import torch

@@ -129,7 +129,7 @@ class _Trainer:
                 self._checkpoint(params, opt, scale, last_fired, step)
         return {n: p.detach() for n, p in params.items()} | {"scale": torch.tensor(scale)}
 
-    def _checkpoint(self, params, opt, scale, last_fired, step) -> None:  # noqa: ANN001
+    def _checkpoint(self, params, opt, scale, last_fired, step) -> None:
         state = {n: p.detach().contiguous().clone() for n, p in params.items()}
         state.update(scale=torch.tensor(scale), last_fired=last_fired.clone())
         for i, p in enumerate(params.values()):
@@ -163,7 +163,7 @@ def folded_sae(w: dict[str, torch.Tensor], hook: str, k: int, model_name: str | 
 
 
 @torch.no_grad()
-def evaluate_sae(sae: SAE, rows: ActivationDataset, windows: torch.Tensor, model=None) -> dict[str, Any]:  # noqa: ANN001
+def evaluate_sae(sae: SAE, rows: ActivationDataset, windows: torch.Tensor, model=None) -> dict[str, Any]:
     """MSE, FVU, L0 and dead fraction on `windows` of the export; with the model, its next-token CE on their
     tokens plain and with the SAE spliced in without the error term (nats per token)."""
     x, toks = _windows(rows, windows)
@@ -198,7 +198,7 @@ def card(meta: dict[str, Any]) -> str:
 
 
 def train_sae(activations: str | Path, hook: str | None, out: str | Path, recipe: SAERecipe = SAERecipe(),
-              model=None, progress: bool = True) -> SAE:  # noqa: ANN001
+              model=None, progress: bool = True) -> SAE:
     """Train (or resume) a TopK SAE on one hook of a `lenskit cache` export; write it, its metrics and its card to
     `out`. `model` (the export's model) adds the CE increase when spliced."""
     rows = ActivationDataset(activations, hook)

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
+from sae_files import saelens_folder
 
 import lenskit
 from lenses import LogitLens, TunedLens
 from lenses.cli import main
-from lenses.features import feature_lens, first_stream, linear_readout
+from lenses.features import feature_lens, first_stream
 from lenses.plots import feature_lens_heatmap
 from lenskit.saes import SAE
 from lenskit.saes.features import Feature
-from sae_files import saelens_folder
 
 HOOK = "blocks.3.hook_resid_pre"
 
@@ -41,7 +41,7 @@ def test_direction_through_logit_and_tuned(model, sae_folder):
     assert sorted(frame.layer.unique()) == list(range(3, model.cfg.n_layers + 1)) and first_stream(model, HOOK) == 3
     v = sae.W_dec[5]
     ln = model.ln_final
-    by_hand = lambda u: ((u - u.mean()) * ln.gain) @ model.unembed.weight.T  # noqa: E731
+    by_hand = lambda u: ((u - u.mean()) * ln.gain) @ model.unembed.weight.T
     want = by_hand(v).topk(4)
     logit = frame.query("lens == 'logit' and kind == 'promoted'")
     for layer, rows in logit.groupby("layer"):  # the raw unembedding: the same at every stream

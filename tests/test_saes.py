@@ -8,11 +8,17 @@ import json
 import numpy as np
 import pytest
 import torch
+from sae_files import (
+    circuit_tracer_file,
+    dictionary_learning_pt,
+    gemma_scope_npz,
+    rand,
+    saelens_folder,
+    sparsify_folder,
+)
 
 from lenskit.saes import SAE, SAEFileError
 from lenskit.saes.formats import gemma_scope_hook, sparsify_hook
-from sae_files import (circuit_tracer_file, dictionary_learning_pt, gemma_scope_npz, rand, saelens_folder,
-                       sparsify_folder)
 
 D_IN, D_SAE = 16, 40
 

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from families import family_model_of
-from lenskit.intervene.interventions import ablation_hooks, resample_indices
-from lenskit.saes.features import (Feature, feature_attribution, feature_logit_attribution, feature_patching_hooks,
-                                   steering_hooks, top_activations)
 from test_saes_splice import relu_sae, toks
+
+from lenskit.intervene.interventions import ablation_hooks, resample_indices
+from lenskit.saes.features import (
+    Feature,
+    feature_attribution,
+    feature_logit_attribution,
+    feature_patching_hooks,
+    steering_hooks,
+    top_activations,
+)
 
 HOOK = "blocks.1.hook_resid_pre"
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from families import FAMILY_BUILDERS, family_model_of
+from sae_files import rand
+
 from lenskit.kv_cache import KVCache
 from lenskit.saes import SAE, SAEConfig
 from lenskit.saes.sae import SAE_POINTS
-from sae_files import rand
 
 POINTS = [f"blocks.1.hook_resid_pre.{p}" for p in SAE_POINTS]
 
@@ -81,7 +81,7 @@ def test_editing_feature_acts_moves_the_run_even_with_the_error_term():
         return acts
 
     with model.saes([sae]):
-        got = model.run_with_hooks(t, fwd_hooks=[(f"blocks.1.hook_resid_pre.hook_sae_acts_post", zero)])
+        got = model.run_with_hooks(t, fwd_hooks=[("blocks.1.hook_resid_pre.hook_sae_acts_post", zero)])
     want = model.run_with_hooks(t, fwd_hooks=[("blocks.1.hook_resid_pre",
                                                lambda x, hook: x - f[..., i : i + 1] * sae.W_dec[i])])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -105,9 +105,8 @@ def test_transcoder_splices_input_to_output():
 def test_hooks_removed_after_an_exception():
     model = family_model_of("gpt2").model
     sae = relu_sae(model.cfg.d_model)
-    with pytest.raises(RuntimeError, match="inside"):
-        with model.saes([sae]):
-            raise RuntimeError("inside")
+    with pytest.raises(RuntimeError, match="inside"), model.saes([sae]):
+        raise RuntimeError("inside")
     assert not any(n in model.hook_dict for n in POINTS)
     assert not any(hp.hook_fns() for hp in model.hook_dict.values())
 

@@ -9,11 +9,11 @@ import torch
 
 sae_lens = pytest.importorskip("sae_lens")
 
-import lenskit  # noqa: E402
-from lenses.activation_export import export_activations  # noqa: E402
-from lenses.sae_training import SAERecipe, train_sae  # noqa: E402
-from lenskit.saes import SAE  # noqa: E402
-from lenskit.saes.formats import EMBEDDED_SAES  # noqa: E402
+import lenskit
+from lenses.activation_export import export_activations
+from lenses.sae_training import SAERecipe, train_sae
+from lenskit.saes import SAE
+from lenskit.saes.formats import EMBEDDED_SAES
 
 HOOK = "blocks.1.hook_resid_pre"
 
@@ -41,9 +41,9 @@ def test_trained_folder_loads_in_saelens(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(EMBEDDED_SAES))
 def test_shipped_sae_loads_in_saelens(name):
-    from lenskit.saes.formats import _embedded_folder
+    from lenskit.saes.formats import embedded_sae_folder
 
     model = lenskit.HookedTransformer.from_pretrained("stdlib-gpt2")
     ours = SAE.load(name)
     _, cache = model.run_with_cache(model.to_tokens("import os\nprint(os.getcwd())\n"), [ours.hook_name])
-    same_codes(ours, _embedded_folder(name), cache[ours.hook_name])
+    same_codes(ours, embedded_sae_folder(name), cache[ours.hook_name])

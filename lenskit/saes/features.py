@@ -15,8 +15,9 @@ logits; `top_activations` lists the tokens and contexts where features fire most
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
@@ -61,7 +62,7 @@ class Feature:
         return f"Feature({self.sae.hook_name}, {i})"
 
 
-def check_spliced(model: "HookedTransformer", feature: Feature) -> str:
+def check_spliced(model: HookedTransformer, feature: Feature) -> str:
     if feature.acts_name not in model.hook_dict:
         raise KeyError(f"{feature!r}: its activations ({feature.acts_name}) exist only while its SAE is spliced in; "
                        "work inside `with model.saes([sae]):`")
@@ -76,7 +77,7 @@ def steering_hooks(feature: Feature, alpha: float | torch.Tensor, positions: Seq
         raise ValueError(f"{feature!r}: its SAE names no hook; load it with hook=")
     direction = sae.W_dec[list(feature.index)].sum(0)  # [d_out]
 
-    def steer(x: torch.Tensor, hook) -> torch.Tensor:  # noqa: ANN001
+    def steer(x: torch.Tensor, hook) -> torch.Tensor:
         add = (alpha * direction.to(x.device, torch.float32)).to(x.dtype)
         add = add.reshape(x.shape[2:]) if x.dim() > 3 else add  # per-head hooks ([.., head, d_head])
         out = x.clone()
@@ -87,7 +88,7 @@ def steering_hooks(feature: Feature, alpha: float | torch.Tensor, positions: Seq
     return [(sae.hook_name_out, steer)]
 
 
-def feature_patching_hooks(model: "HookedTransformer", source: "ActivationCache", feature: Feature,
+def feature_patching_hooks(model: HookedTransformer, source: ActivationCache, feature: Feature,
                            positions: Sequence[int] | None = None) -> list:
     """Hooks that set the feature's activation to the one recorded in `source` (a cache taken with the SAE
     spliced in, on an input of the same shape), at `positions` (default all)."""
@@ -96,7 +97,7 @@ def feature_patching_hooks(model: "HookedTransformer", source: "ActivationCache"
         raise KeyError(f"{name!r} is not in the source cache; record it with run_with_cache inside model.saes([sae])")
     value, idx = source[name], list(feature.index)
 
-    def patch(acts: torch.Tensor, hook) -> torch.Tensor:  # noqa: ANN001
+    def patch(acts: torch.Tensor, hook) -> torch.Tensor:
         if acts.shape != value.shape:
             raise ValueError(f"patching {feature!r}: the run has shape {tuple(acts.shape)}, the source {tuple(value.shape)}")
         out = acts.clone()
@@ -107,7 +108,7 @@ def feature_patching_hooks(model: "HookedTransformer", source: "ActivationCache"
     return [(name, patch)]
 
 
-def feature_attribution(model: "HookedTransformer", clean: torch.Tensor, corrupted: torch.Tensor,
+def feature_attribution(model: HookedTransformer, clean: torch.Tensor, corrupted: torch.Tensor,
                         metric: Callable[[torch.Tensor], torch.Tensor], saes: Sequence[SAE], *,
                         per_position: bool = False, top: int | None = None) -> pd.DataFrame:
     """Attribution patching per feature: (acts_clean - acts_corrupted) . d metric / d acts, the gradient taken on
@@ -133,7 +134,7 @@ def feature_attribution(model: "HookedTransformer", clean: torch.Tensor, corrupt
     return df.head(top) if top is not None else df
 
 
-def feature_logit_attribution(model: "HookedTransformer", cache: "ActivationCache", sae: SAE, token: int,
+def feature_logit_attribution(model: HookedTransformer, cache: ActivationCache, sae: SAE, token: int,
                               minus: int | None = None, pos: int = -1, top: int | None = 20) -> pd.DataFrame:
     """Each feature's direct effect on the logit of `token` (minus `minus`) at position `pos`: f_i W_dec[i]
     through the final norm at its cached scale (frozen, as `cache.logit_attrs` does) and the unembedding, for every
@@ -153,7 +154,7 @@ def feature_logit_attribution(model: "HookedTransformer", cache: "ActivationCach
 
 
 @torch.no_grad()
-def top_activations(model: "HookedTransformer", sae: SAE, tokens: torch.Tensor, features: Sequence[int] | None = None,
+def top_activations(model: HookedTransformer, sae: SAE, tokens: torch.Tensor, features: Sequence[int] | None = None,
                     *, top: int = 10, context: int = 8, batch_size: int = 8) -> pd.DataFrame:
     """Where features fire over a token stream `tokens` [batch, pos]: for each feature (default every one that
     fires), its `top` strongest (sequence, position)s, with the token, the `context` tokens before it, the

@@ -318,7 +318,8 @@ def _from_hub(text: str, hook: Any) -> SAE:
     return _read_local(folder, hook, gemma_scope_hook(repo, sub))
 
 
-def _embedded_folder(name: str) -> Path:
+def embedded_sae_folder(name: str) -> Path:
+    """The folder of an SAE that ships with lenskit, by its short name (`stdlib-gpt2-sae-L3`)."""
     folder = Path(__file__).parent / EMBEDDED_SAES[name]
     if not (folder / "cfg.json").is_file():
         raise FileNotFoundError(f"the embedded SAE {name} is missing at {folder}; reinstall lenskit")
@@ -328,7 +329,7 @@ def _embedded_folder(name: str) -> Path:
 def read_sae(path_or_repo: str | os.PathLike, hook: Any = None) -> SAE:
     text = str(path_or_repo)
     if text in EMBEDDED_SAES:
-        return _read_local(_embedded_folder(text), hook)
+        return _read_local(embedded_sae_folder(text), hook)
     path = Path(path_or_repo).expanduser()
     if path.exists():
         sae = _read_local(path, hook, gemma_scope_hook(*_repo_and_sub(path)))

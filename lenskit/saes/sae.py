@@ -131,7 +131,7 @@ class SAE(nn.Module):
     def device(self) -> torch.device:
         return self.W_enc.device
 
-    def with_hook(self, hook_name: str, hook_name_out: str | None = None) -> "SAE":
+    def with_hook(self, hook_name: str, hook_name_out: str | None = None) -> SAE:
         """The same weights placed at another hook (a file that does not name its hook)."""
         out = SAE.__new__(SAE)
         nn.Module.__init__(out)
@@ -155,7 +155,7 @@ class SAE(nn.Module):
             self._copies[device] = {n: p.to(device) for n, p in own.items()}
         return self._copies[device]
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature; .to() invalidates the copies
+    def _apply(self, fn, recurse=True):
         self._copies = {}
         return super()._apply(fn, recurse)
 
@@ -224,7 +224,7 @@ class SAE(nn.Module):
 
     # ---------------------------------------------------------------- files
     @classmethod
-    def load(cls, path_or_repo: str | os.PathLike, hook: str | tuple[str, str] | None = None) -> "SAE":
+    def load(cls, path_or_repo: str | os.PathLike, hook: str | tuple[str, str] | None = None) -> SAE:
         """Read an SAE or transcoder: a folder or file of SAELens, Gemma Scope (params.npz or its safetensors),
         EleutherAI sparsify, circuit-tracer (one layer's .safetensors) or dictionary_learning (ae.pt, read without
         unpickling) format; a hub repo path (`org/repo/sub/folder`) through the local Hugging Face cache; or a short

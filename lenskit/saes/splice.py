@@ -12,8 +12,9 @@ A transcoder reads its input hook and replaces its output hook (`hook_name_out`)
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from ..model import HookedTransformer
 
 
-def _check_fits(model: "HookedTransformer", sae: SAE) -> None:
+def _check_fits(model: HookedTransformer, sae: SAE) -> None:
     """Refuse, by name, an SAE whose hook the model lacks or whose width cannot be the hook's."""
     for name in (sae.hook_name, sae.hook_name_out):
         if name is None:
@@ -54,7 +55,7 @@ def splice_value(sae: SAE, x: torch.Tensor, y: torch.Tensor, use_error_term: boo
 
 
 @contextmanager
-def spliced(model: "HookedTransformer", saes: Sequence[SAE], use_error_term: bool = True) -> Iterator["HookedTransformer"]:
+def spliced(model: HookedTransformer, saes: Sequence[SAE], use_error_term: bool = True) -> Iterator[HookedTransformer]:
     saes = list(saes)
     for sae in saes:
         if not isinstance(sae, SAE):
@@ -89,10 +90,10 @@ def _transcoder_hooks(sae: SAE, use_error_term: bool) -> list:
     """Two hooks: the input hook keeps what it saw; the output hook replaces its value by the transcoder's."""
     seen: dict[str, torch.Tensor] = {}
 
-    def read(x: torch.Tensor, hook) -> None:  # noqa: ANN001
+    def read(x: torch.Tensor, hook) -> None:
         seen["x"] = x
 
-    def write(y: torch.Tensor, hook) -> torch.Tensor:  # noqa: ANN001
+    def write(y: torch.Tensor, hook) -> torch.Tensor:
         return splice_value(sae, seen.pop("x"), y, use_error_term)
 
     return [(sae.hook_name, read), (sae.hook_name_out, write)]
