@@ -60,11 +60,15 @@ def main() -> None:
          "--k", str(args.k), "--latents", str(args.latents), "--tokens", str(args.train_tokens)])
 
     meta = json.loads((Path(args.out) / "training.json").read_text())
-    meta.update(model_name="stdlib-gpt2", activations="runs/sae_acts (lenskit cache of the training split, every 8th file)")
+    exported = json.loads(manifest.read_text())
+    meta.update(model_name="stdlib-gpt2", activations="runs/sae_acts",
+                data=f"stdlib-gpt2's own training split (every 8th training file of the standard library), "
+                     f"{exported['n_windows'] * exported['ctx']:,} tokens exported")
     if PACKAGE.exists():
         shutil.rmtree(PACKAGE)
     sae = SAE.load(args.out)
     sae.save(PACKAGE, {"training_tokens": meta["training_tokens"], "trained_with": "lenskit train-sae"})
+    (PACKAGE / "sae_weights.safetensors").chmod(0o644)  # package data: readable by every user
     (PACKAGE / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     (PACKAGE / "README.md").write_text(card(meta))
     size = sum(p.stat().st_size for p in PACKAGE.iterdir())

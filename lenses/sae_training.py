@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from safetensors.torch import load_file, save_file
 
 from lenskit.io.activations import ActivationDataset
 from lenskit.saes import SAE, SAEConfig
+
+from .io import default_file_mode
 
 CHECKPOINT = "checkpoint.safetensors"
 CHECKPOINT_EVERY = 200  # steps
@@ -186,6 +189,7 @@ def card(meta: dict[str, Any]) -> str:
              f"{r['latents']} latents, k = {r['k']}, trained by `lenskit train-sae` on {meta['training_tokens']:,} "
              f"tokens of the export in `{meta['activations']}` (AuxK weight {r['aux_weight']:g}, lr {r['lr']:g}, "
              f"seed {r['seed']}). Files in SAELens's layout: `cfg.json` and `sae_weights.safetensors`.", "",
+             *([f"Data: {meta['data']}.", ""] if meta.get("data") else []),
              "```python", "from lenskit.saes import SAE", "sae = SAE.load(\"<this folder>\")", "```", "",
              f"Held-out evaluation on {ev['tokens']:,} tokens (the export's last {r['eval_windows']} windows, never trained on):", "",
              "| metric | value |", "|---|---|",
@@ -211,6 +215,7 @@ def train_sae(activations: str | Path, hook: str | None, out: str | Path, recipe
             "training_tokens": trainer.steps * recipe.batch_windows * rows.ctx, "recipe": asdict(recipe),
             "eval": evaluate_sae(sae, rows, trainer.eval_idx, model)}
     sae.save(out, {"training_tokens": meta["training_tokens"], "trained_with": "lenskit train-sae"})
+    os.chmod(out / "sae_weights.safetensors", default_file_mode())  # safetensors writes 0600; a model repo is shared
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     (out / "README.md").write_text(card(meta))
     return sae

@@ -84,3 +84,29 @@ def test_cli_refuses_a_foreign_export(export, tmp_path, capsys):
     _, acts = export
     code = main(["train-sae", "--model", "stdlib-gpt2", "--activations", str(acts), "--hook", HOOK, "--out", str(tmp_path / "s")])
     assert code == 2 and "another model" in capsys.readouterr().err
+
+
+def test_the_shipped_sae():
+    import lenskit
+
+    model = lenskit.HookedTransformer.from_pretrained("stdlib-gpt2")
+    sae = SAE.load("stdlib-gpt2-sae-L3")
+    assert sae.hook_name == "blocks.3.hook_resid_pre" and sae.cfg.k == 32 and sae.d_sae == 1536
+    from lenskit.saes.formats import embedded_sae_folder
+
+    folder = embedded_sae_folder("stdlib-gpt2-sae-L3")
+    card = (folder / "README.md").read_text()
+    ev = json.loads((folder / "training.json").read_text())["eval"]
+    assert ev["fvu"] < 0.3 and ev["dead_fraction"] < 0.05 and f"{ev['ce_increase']:.4f}" in card
+    text = "import os\n\n\ndef main(path):\n    with open(path) as f:\n        return [line.strip() for line in f]\n"
+    tokens = model.to_tokens(text)
+    with torch.no_grad():
+        plain = model(tokens)
+        with model.saes([sae]):
+            spliced, cache = model.run_with_cache(tokens)
+        torch.testing.assert_close(spliced, plain, atol=1e-4, rtol=1e-4)
+        x = cache["blocks.3.hook_resid_pre"]
+        recons = cache["blocks.3.hook_resid_pre.hook_sae_recons"]
+        fvu = float((x - recons).pow(2).sum() / (x - x.mean((0, 1))).pow(2).sum())
+        assert fvu < 0.5
+        assert int((cache["blocks.3.hook_resid_pre.hook_sae_acts_post"] > 0).sum(-1).max()) <= 32

@@ -52,5 +52,5 @@ def run(args: argparse.Namespace) -> int:
         if fp is not None and fp != model_fingerprint(model):
             raise ValueError(f"{args.activations} was exported from another model ({fp}); pass its --model, or --model none")
     sae = train_sae(args.activations, rows.hook, args.out, recipe, model, progress=not args.quiet)
-    print(f"wrote {args.out}: {sae}")
+    print(f"wrote {args.out}: {sae.extra_repr()}")
     return 0
