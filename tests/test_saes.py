@@ -4,6 +4,7 @@ damaged or foreign files refused in one line."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,3 +199,25 @@ def test_save_round_trip_and_old_saelens_spellings(tmp_path, x):
     assert saved["metadata"]["hook_name"] == "blocks.1.hook_resid_pre" and saved["architecture"] == "standard"
     torch.testing.assert_close(again.encode(x), torch.relu((x - w["b_dec"]) @ w["W_enc"] + w["b_enc"]))
     torch.testing.assert_close(again(x), sae(x))
+
+
+def test_gemma_scope_from_the_offline_hub_cache(tmp_path, monkeypatch, x):
+    repo_id, sub = "google/gemma-scope-2b-pt-res", "layer_1/width_16k/average_l0_82"
+    repo = tmp_path / "cache" / f"models--{repo_id.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    w = gemma_scope_npz(repo / "blobs" / "a1b2c3", D_IN, D_SAE)
+    (repo / "blobs" / "a1b2c3.npz").rename(repo / "blobs" / "a1b2c3")  # numpy added .npz; blobs are bare hashes
+    link = repo / "snapshots" / commit / sub / "params.npz"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(Path("../../../../../blobs/a1b2c3"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    sae = SAE.load(f"{repo_id}/{sub}")
+    assert sae.hook_name == "blocks.1.hook_resid_post" and sae.cfg.format == "gemma_scope"
+    pre = x @ w["W_enc"] + w["b_enc"]
+    torch.testing.assert_close(sae.encode(x), torch.relu(pre) * (pre > w["threshold"]))
+    with pytest.raises(OSError, match="not in the local Hugging Face cache|no SAE files"):
+        SAE.load(f"{repo_id}/layer_2/width_16k/average_l0_82")
