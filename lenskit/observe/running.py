@@ -1,5 +1,5 @@
 """Running a hooked model: with hooks for one call (`run_with_hooks`), with a cache of activations
-(`run_with_cache`). Mixed into `lenskit.HookedTransformer`, which gives them `cfg`, `blocks`, `hook_dict` and its
+(`run_with_cache`), with SAEs spliced in (`saes`, `run_with_saes`; lenskit.saes.splice). Mixed into `lenskit.HookedTransformer`, which gives them `cfg`, `blocks`, `hook_dict` and its
 forward; `add_hook` and the rest of TransformerLens's hook administration are in lenskit.observe.hook_admin."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class RunMethods:
-    """`run_with_hooks`, `run_with_cache` and `add_hook` for `HookedTransformer`."""
+    """`run_with_hooks`, `run_with_cache`, `saes` and `run_with_saes` for `HookedTransformer`."""
 
     def run_with_hooks(self, tokens: TokensLike, fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (),
                        bwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (), *, reset_hooks_end: bool = True,

@@ -18,7 +18,7 @@ dtype); results come back in the input's dtype, so a spliced SAE leaves a model'
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -131,20 +131,6 @@ class SAE(nn.Module):
     def device(self) -> torch.device:
         return self.W_enc.device
 
-    def with_hook(self, hook_name: str, hook_name_out: str | None = None) -> SAE:
-        """The same weights placed at another hook (a file that does not name its hook)."""
-        out = SAE.__new__(SAE)
-        nn.Module.__init__(out)
-        out.cfg = replace(self.cfg, hook_name=hook_name, hook_name_out=hook_name_out or self.cfg.hook_name_out)
-        for name, p in self.named_parameters():
-            out.register_parameter(name, p)
-        if self.W_skip is None:
-            out.register_buffer("W_skip", None)
-        for point in SAE_POINTS:
-            setattr(out, point, HookPoint())
-        out._copies = {}
-        return out
-
     def _weights(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The weights on `device`: the SAE's own where they live, else one copy per device, kept (a model split
         over devices runs its SAEs where their hooks are)."""
@@ -169,10 +155,6 @@ class SAE(nn.Module):
             raise ValueError(f"this SAE reads vectors of width d_in={self.d_in} ({self.cfg.source}), but got an activation "
                              f"of shape {tuple(x.shape)}; it was trained for another model or another hook")
         return x
-
-    def pre_acts(self, x: torch.Tensor) -> torch.Tensor:
-        """The encoder's pre-activations [..., d_sae] (for gated SAEs, the magnitude path's), in the weights' dtype."""
-        return self._encode(self._flat(x))[0]
 
     def _pre(self, x: torch.Tensor) -> torch.Tensor:
         """Pre-activations of x [..., d_in] (already flat), in the weights' dtype; a gated SAE's magnitude path."""
@@ -248,6 +230,3 @@ class SAE(nn.Module):
         k = f", k={c.k}" if c.k else ""
         where = f"{c.hook_name} -> {c.hook_name_out}" if c.is_transcoder else f"{c.hook_name}"
         return f"{c.architecture}{k}, d_in={c.d_in}, d_sae={c.d_sae}, hook={where}, format={c.format}"
-
-    def config_dict(self) -> dict[str, Any]:
-        return asdict(self.cfg)
