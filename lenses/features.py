@@ -28,6 +28,7 @@ import torch
 
 from lenskit import HookedTransformer, Stream
 from lenskit.observe.hooks import layer_of
+from lenskit.pieces.norms import LayerNorm
 from lenskit.saes.features import Feature, steering_hooks
 
 from .base import BasisLens, Lens
@@ -48,7 +49,7 @@ def linear_readout(model: HookedTransformer, v: torch.Tensor) -> torch.Tensor:
     """The readout's linear part on a direction v [..., d_model]: centring (LayerNorm), gain, unembedding."""
     ln = model.ln_final
     v = v.to(model.unembed.weight.dtype)
-    if getattr(ln, "bias", None) is not None or type(ln).__name__ == "LayerNorm":
+    if isinstance(ln, LayerNorm):  # it centres; RMSNorm does not
         v = v - v.mean(-1, keepdim=True)
     return ((v * ln.gain) @ model.unembed.weight.T).float()
 

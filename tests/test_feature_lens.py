@@ -85,3 +85,17 @@ def test_cli(sae_folder, tmp_path, capsys):
     assert main(["features", "--model", "stdlib-gpt2", "--sae", str(other), "--feature", "3"]) == 2
     err = capsys.readouterr().err
     assert "d_model is 192" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_5_text"])
+def test_direction_through_an_rmsnorm_readout(family):
+    from families import family_model_of
+    from test_saes_splice import relu_sae
+
+    model = family_model_of(family).model
+    sae = relu_sae(model.cfg.d_model)
+    frame = feature_lens(model, Feature(sae, 2), {"logit": LogitLens(model)}, top_k=3)
+    want = ((sae.W_dec[2] * model.ln_final.gain) @ model.unembed.weight.T).topk(3)  # RMSNorm: no centring
+    got = frame.query("layer == 1 and kind == 'promoted'")
+    assert got.token_id.tolist() == want.indices.tolist()
+    torch.testing.assert_close(torch.tensor(got.logit.tolist()), want.values.float(), rtol=1e-4, atol=1e-5)
