@@ -221,3 +221,21 @@ def test_gemma_scope_from_the_offline_hub_cache(tmp_path, monkeypatch, x):
     torch.testing.assert_close(sae.encode(x), torch.relu(pre) * (pre > w["threshold"]))
     with pytest.raises(OSError, match="not in the local Hugging Face cache|no SAE files"):
         SAE.load(f"{repo_id}/layer_2/width_16k/average_l0_82")
+
+
+def test_saelens_skip_transcoder(tmp_path, x):
+    folder = tmp_path / "tc"
+    w = saelens_folder(folder, D_IN, D_SAE, arch="skip_transcoder", hook="blocks.1.ln2.hook_normalized", v6=True,
+                       apply_b_dec_to_input=False)
+    w["W_skip"] = rand(D_IN, D_IN, seed=9)
+    from safetensors.torch import save_file
+
+    save_file(w, str(folder / "sae_weights.safetensors"))
+    cfg = json.loads((folder / "cfg.json").read_text())
+    cfg["metadata"]["hook_name_out"] = "blocks.1.hook_mlp_out"
+    cfg["d_out"] = D_IN
+    (folder / "cfg.json").write_text(json.dumps(cfg))
+    sae = SAE.load(folder)
+    assert (sae.hook_name, sae.hook_name_out) == ("blocks.1.ln2.hook_normalized", "blocks.1.hook_mlp_out")
+    f = torch.relu(x @ w["W_enc"] + w["b_enc"])
+    torch.testing.assert_close(sae(x), f @ w["W_dec"] + w["b_dec"] + x @ w["W_skip"].T)
