@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from lenskit.io.files import open_output
     from lenskit.saes import SAE
     from lenskit.saes.features import Feature
+    from lenskit.saes.splice import check_fits
 
     check_figure_output(args.out)
     if args.mode == "stream" and not args.prompt:
@@ -49,8 +50,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
     model = lenskit.HookedTransformer.from_pretrained(args.model)
     sae = SAE.load(args.sae, hook=args.hook)
-    with model.saes([sae]):  # refuses, by name, an SAE made for another model
-        pass
+    check_fits(model, sae)  # an SAE made for another model is refused by name, before any work
     lenses = load_lenses(list(dict.fromkeys(args.lens or ["logit"])), model)
     tokens = model.to_tokens(args.prompt) if args.prompt else None
     frame = feature_lens(model, Feature(sae, args.feature), lenses, mode=args.mode, tokens=tokens, alpha=args.alpha,

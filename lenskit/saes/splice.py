@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..model import HookedTransformer
 
 
-def _check_fits(model: HookedTransformer, sae: SAE) -> None:
+def check_fits(model: HookedTransformer, sae: SAE) -> None:
     """Refuse, by name, an SAE whose hook the model lacks or whose width cannot be the hook's."""
     for name in (sae.hook_name, sae.hook_name_out):
         if name is None:
@@ -60,7 +60,7 @@ def spliced(model: HookedTransformer, saes: Sequence[SAE], use_error_term: bool 
     for sae in saes:
         if not isinstance(sae, SAE):
             raise TypeError(f"model.saes takes lenskit.saes.SAE objects, got {type(sae).__name__}")
-        _check_fits(model, sae)
+        check_fits(model, sae)
     taken = [sae.hook_name_out for sae in saes]
     twice = {n for n in taken if taken.count(n) > 1}
     if twice:
