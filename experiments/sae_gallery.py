@@ -91,14 +91,16 @@ def main() -> None:
     lines = [f"`SAE.load(\"stdlib-gpt2-sae-L3\")`: {sae.d_sae} latents, k = {sae.cfg.k}, on `{sae.hook_name}` "
              f"(FVU {ev['fvu']:.3f}, CE +{ev['ce_increase']:.3f} nats spliced; card in lenskit/saes/stdlib_gpt2_sae_L3). "
              f"Top held-out contexts (the firing token in **bold**), then the tokens the feature's decoder direction "
-             f"promotes at stream 3 and at the last stream ({model.cfg.n_layers}) through each lens "
+             f"promotes at stream 3 and at stream {model.cfg.n_layers - 1} (the last block's input; at stream "
+             f"{model.cfg.n_layers} every lens is the model's readout) through each lens "
              "(`experiments/sae_gallery.py`; heatmap of the first: `lenskit features --sae stdlib-gpt2-sae-L3 "
              f"--feature {chosen[0]} --lens logit --lens runs/tuned_lens`).", "",
-             "| feature | fires on | top contexts | logit lens | tuned lens @3 / @6 | Jacobian lens @3 / @6 |", "|---|---|---|---|---|---|"]
-    last = model.cfg.n_layers
+             f"| feature | fires on | top contexts | logit lens | tuned lens @3 / @{model.cfg.n_layers - 1} "
+             f"| Jacobian lens @3 / @{model.cfg.n_layers - 1} |", "|---|---|---|---|---|---|"]
+    last = model.cfg.n_layers - 1
     for i in chosen:
         t = top[top.feature == i]
-        ctx = " · ".join(f"`{show_token(c[-24:], 24)}`**`{show_token(tok, 10)}`**".replace("|", "\\|")
+        ctx = " · ".join(f"`…{show_token(c)[-20:]}`**`{show_token(tok, 10)}`**".replace("|", "\\|")
                          for c, tok in zip(t.context.head(2), t.token.head(2)))
         r = readings[(readings.feature == i) & (readings.kind == "promoted")]
         at = lambda lens, layer, r=r: cell(r[(r.lens == lens) & (r.layer == layer)].token, 3)
