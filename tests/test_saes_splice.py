@@ -120,3 +120,25 @@ def test_foreign_saes_refused_by_name():
     with pytest.raises(ValueError, match="two SAEs"):
         model.saes([relu_sae(32), relu_sae(32)]).__enter__()
     assert not any(n in model.hook_dict for n in POINTS)
+
+
+def test_gradients_cross_the_splice_through_the_features_only():
+    model = family_model_of("gpt2").model
+    sae, t = relu_sae(model.cfg.d_model), toks()
+    grads = {}
+
+    def keep(g, hook):
+        grads[hook.name] = g
+
+    # mlp_out of block 0 is added to the stream just below the SAE: its gradient is the splice input's
+    with model.saes([sae]), model.hooks(bwd_hooks=[("blocks.0.hook_mlp_out", keep)]):
+        model(t)[:, -1, 5].sum().backward()
+    g_in = grads["blocks.0.hook_mlp_out"]
+    _, cache = model.run_with_cache(t, ["blocks.1.hook_resid_pre"])
+    x = cache["blocks.1.hook_resid_pre"].detach().requires_grad_(True)
+    f = torch.relu((x - sae.b_dec) @ sae.W_enc + sae.b_enc)
+    err = (x - (f @ sae.W_dec + sae.b_dec)).detach()
+    out = model.run_with_hooks(t, fwd_hooks=[("blocks.1.hook_resid_pre", lambda h, hook: f @ sae.W_dec + sae.b_dec + err)])
+    (want,) = torch.autograd.grad(out[:, -1, 5].sum(), x)
+    torch.testing.assert_close(g_in, want, atol=1e-5, rtol=1e-4)
+    model.zero_grad(set_to_none=True)

@@ -5,7 +5,8 @@ While spliced, every SAE's own hook points are in `model.hook_dict` as `"<hook>.
 `.hook_sae_acts_pre`, `.hook_sae_acts_post`, `.hook_sae_recons` and `.hook_sae_error` (SAELens's names), so
 `run_with_cache`, `run_with_hooks` and the patching and ablation APIs see and edit them like any other point.
 Editing `hook_sae_acts_post` changes the model's run even with the error term: the error is the clean
-reconstruction's, computed beside the hooked one, as SAELens computes it.
+reconstruction's, computed beside the hooked one and held constant for autograd, as SAELens does, so a gradient
+reaches the stream below an SAE through its features only.
 
 A transcoder reads its input hook and replaces its output hook (`hook_name_out`) by its prediction.
 """
@@ -48,9 +49,11 @@ def splice_value(sae: SAE, x: torch.Tensor, y: torch.Tensor, use_error_term: boo
     acts = sae.hook_sae_acts_post(sae._activate(pre, sae_in))
     recons = sae.hook_sae_recons(sae.decode(acts, sae_in).to(y.dtype))
     if use_error_term:
-        with torch.no_grad():  # the clean reconstruction: edits at the SAE's hook points move the output
-            clean = sae.decode(sae._encode(flat)[1], flat).to(y.dtype)
-        recons = recons + sae.hook_sae_error(y.reshape(recons.shape) - clean)
+        # The error of the clean reconstruction (no hooks): edits at the SAE's points move the output. It is a
+        # constant to autograd, as in SAELens, so gradients reach the stream through the features alone.
+        with torch.no_grad():
+            error = y.reshape(recons.shape) - sae.decode(sae._encode(flat)[1], flat).to(y.dtype)
+        recons = recons + sae.hook_sae_error(error)
     return recons.reshape(y.shape)
 
 
