@@ -110,3 +110,15 @@ def test_the_shipped_sae():
         fvu = float((x - recons).pow(2).sum() / (x - x.mean((0, 1))).pow(2).sum())
         assert fvu < 0.5
         assert int((cache["blocks.3.hook_resid_pre.hook_sae_acts_post"] > 0).sum(-1).max()) <= 32
+
+
+def test_cli_trains_and_resumes(export, tmp_path, capsys):
+    _, acts = export
+    argv = ["train-sae", "--model", "none", "--activations", str(acts), "--hook", HOOK, "--out", str(tmp_path / "s"),
+            "--k", "4", "--latents", "48", "--tokens", "256", "--batch-windows", "4", "--eval-windows", "4", "--quiet"]
+    assert main(argv) == 0
+    first = SAE.load(tmp_path / "s")
+    assert main(argv) == 0  # a finished run: reused from its checkpoint, the same weights
+    torch.testing.assert_close(SAE.load(tmp_path / "s").W_enc, first.W_enc, rtol=0, atol=0)
+    assert "CE increase" not in (tmp_path / "s" / "README.md").read_text()  # --model none: no CE metric
+    assert "topk, k=4" in capsys.readouterr().out
