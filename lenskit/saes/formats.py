@@ -66,7 +66,7 @@ def read_npz(path: Path) -> dict[str, torch.Tensor]:
                            f"which lenskit refuses): {_first_line(e)}") from None
 
 
-def _pick_hook(hook: str | tuple[str, str] | None, found: str | None, where: Path) -> tuple[str | None, str | None]:
+def _pick_hook(hook: str | tuple[str, str] | None, found: str | None) -> tuple[str | None, str | None]:
     """(input hook, output hook or None): `hook=` overrides what the files say."""
     if hook is None:
         return found, None
@@ -106,7 +106,7 @@ def _saelens(folder: Path, hook: Any) -> SAE:
     if reshape not in ("none", "hook_z", None):
         raise SAEFileError(f"{folder}/cfg.json: reshape_activations={reshape!r} is not supported (expected 'none' or 'hook_z')")
     k = field("k", (cfg.get("activation_fn_kwargs") or {}).get("k") if isinstance(cfg.get("activation_fn_kwargs"), dict) else None)
-    hook_in, hook_out = _pick_hook(hook, field("hook_name", cfg.get("hook_point")), folder)  # hook_point: SAELens <= 2
+    hook_in, hook_out = _pick_hook(hook, field("hook_name", cfg.get("hook_point")))  # hook_point: SAELens <= 2
     hook_out = hook_out or field("hook_name_out")
     weights = read_safetensors_file(folder / "sae_weights.safetensors")
     if "log_threshold" in weights and "threshold" not in weights:
@@ -167,7 +167,7 @@ def _gemma_scope(path: Path, hook: Any, implied: Any) -> SAE:
     if missing:
         raise SAEFileError(f"{path}: a Gemma Scope file holds W_enc, W_dec, b_enc, b_dec and threshold; missing {sorted(missing)}")
     hook = hook if hook is not None else implied
-    hook_in, hook_out = _pick_hook(hook, None, path)
+    hook_in, hook_out = _pick_hook(hook, None)
     d_in, d_sae = weights["W_enc"].shape
     return SAE(SAEConfig(d_in=d_in, d_sae=d_sae, architecture="jumprelu", hook_name=hook_in, hook_name_out=hook_out,
                          d_out=weights["W_dec"].shape[-1] if hook_out else None, format="gemma_scope",
@@ -203,7 +203,7 @@ def _sparsify(folder: Path, hook: Any) -> SAE:
     if transcode and not isinstance(hook, (tuple, list)):
         raise SAEFileError(f"{folder} is a sparsify transcoder; pass hook=(input_hook, output_hook), e.g. "
                            "('blocks.3.ln2.hook_normalized', 'blocks.3.hook_mlp_out')")
-    hook_in, hook_out = _pick_hook(hook, sparsify_hook(folder.name), folder)
+    hook_in, hook_out = _pick_hook(hook, sparsify_hook(folder.name))
     weights = {"W_enc": raw["encoder.weight"].T, "b_enc": raw["encoder.bias"], "W_dec": raw["W_dec"], "b_dec": raw["b_dec"]}
     if "W_skip" in raw:
         weights["W_skip"] = raw["W_skip"]
@@ -226,7 +226,7 @@ def _circuit_tracer(path: Path, raw: dict[str, torch.Tensor], hook: Any) -> SAE:
         arch, k = "topk", int(raw["k"])
     if "W_skip" in raw:
         weights["W_skip"] = raw["W_skip"]
-    hook_in, hook_out = _pick_hook(hook, None, path)
+    hook_in, hook_out = _pick_hook(hook, None)
     return SAE(SAEConfig(d_in=d_in, d_sae=d_sae, architecture=arch, k=k, hook_name=hook_in, hook_name_out=hook_out,
                          d_out=raw["W_dec"].shape[-1], format="circuit_tracer", source=str(path)), weights)
 
@@ -248,7 +248,7 @@ def _dictionary_learning(path: Path, hook: Any) -> SAE:
         layer, submodule = trainer.get("layer"), trainer.get("submodule_name") or ""
         if isinstance(layer, int) and "resid" in submodule:
             found = f"blocks.{layer}.hook_resid_post"
-    hook_in, hook_out = _pick_hook(hook, found, path)
+    hook_in, hook_out = _pick_hook(hook, found)
     if {"encoder.weight", "encoder.bias", "decoder.weight", "bias"} <= set(raw):  # AutoEncoder: relu(enc(x - bias))
         weights = {"W_enc": raw["encoder.weight"].T, "b_enc": raw["encoder.bias"], "W_dec": raw["decoder.weight"].T,
                    "b_dec": raw["bias"]}
