@@ -4,7 +4,8 @@
 
 1. `lenskit cache`: blocks.3.hook_resid_pre on about 1M tokens of the model's own training split (every 8th
    training file, `tuned_vs_logit.split_paths`), float16, into runs/sae_acts (resumed or reused);
-2. `lenskit train-sae`: 1536 latents, k = 32, 2M tokens (two passes), into runs/sae_L3 (resumed or reused);
+2. `lenskit train-sae`: 1536 latents, k = 32, 3M tokens (three passes), lr 8e-4, into runs/sae_L3 (resumed or
+   reused);
 3. the result (cfg.json, sae_weights.safetensors, training.json, README.md card) copied into the package as
    lenskit/saes/stdlib_gpt2_sae_L3, loadable as `SAE.load("stdlib-gpt2-sae-L3")`.
 """
@@ -44,7 +45,8 @@ def main() -> None:
     ap.add_argument("--acts", default=str(ROOT / "runs" / "sae_acts"))
     ap.add_argument("--out", default=str(ROOT / "runs" / "sae_L3"))
     ap.add_argument("--tokens", type=int, default=1 << 20, help="tokens exported (default 1M)")
-    ap.add_argument("--train-tokens", type=int, default=2_000_000)
+    ap.add_argument("--train-tokens", type=int, default=3_000_000, help="about three passes over the export")
+    ap.add_argument("--lr", type=float, default=8e-4)
     ap.add_argument("--latents", type=int, default=1536)
     ap.add_argument("--k", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
@@ -57,7 +59,7 @@ def main() -> None:
         run(["cache", "--model", "stdlib-gpt2", "--data", *map(str, train_paths), "--hooks", HOOK, "--out", args.acts,
              "--tokens", str(args.tokens), "--dtype", "float16", "--quiet"])
     run(["train-sae", "--model", "stdlib-gpt2", "--activations", args.acts, "--hook", HOOK, "--out", args.out,
-         "--k", str(args.k), "--latents", str(args.latents), "--tokens", str(args.train_tokens)])
+         "--k", str(args.k), "--latents", str(args.latents), "--tokens", str(args.train_tokens), "--lr", str(args.lr)])
 
     meta = json.loads((Path(args.out) / "training.json").read_text())
     exported = json.loads(manifest.read_text())
