@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SCRIPTS=(logit_lens_heatmap tuned_vs_logit lens_zoo causal_fidelity block_deletion residual_growth accounting attribution architectures)
+SCRIPTS=(logit_lens_heatmap tuned_vs_logit lens_zoo causal_fidelity block_deletion residual_growth accounting attribution architectures sae_gallery)
 if [ "$#" -gt 0 ]; then SCRIPTS=("$@"); fi
 
 mkdir -p docs/figures

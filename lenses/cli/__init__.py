@@ -15,6 +15,8 @@ COMMANDS = {
     "eval-lens": "eval_lens",
     "ablate": "ablate",
     "cache": "cache",
+    "train-sae": "train_sae",
+    "features": "features",
 }
 # The one-line help `lenskit --help` lists, so that listing the commands imports none of their modules
 # (they import torch, which takes seconds). Each module's add_parser uses the same line.
@@ -25,6 +27,8 @@ SUMMARY = {
     "eval-lens": "evaluate lenses side by side, per layer",
     "ablate": "ablate blocks, sublayers or heads and compare predictions with the clean run",
     "cache": "export activations to sharded safetensors (resumes from --out)",
+    "train-sae": "train a TopK SAE on a `lenskit cache` export (resumes from --out)",
+    "features": "read an SAE feature's direction through lenses at every later stream",
 }
 
 

@@ -3,7 +3,8 @@ and none calls `.show()`. Statistics are computed elsewhere (`Trajectory`, `metr
 package only draws.
 
 Modules: `style` (fonts, colours, token labels), `export` (`save_figure` to .html/.png/.svg/.pdf),
-`lens` (logit-lens heatmap, per-layer curves), `anatomy`, `interventions`, `diagnostics` (layer transfer, causal fidelity).
+`lens` (logit-lens heatmap, per-layer curves), `anatomy`, `interventions`, `diagnostics` (layer transfer, causal fidelity),
+`features` (the feature lens).
 """
 
 from .style import COLORS, FONT, MONO, PAPER, PRINT_DPI, SIZES, display_token, token_labels
@@ -13,6 +14,7 @@ from .lens import HEATMAP_CELL, HEATMAP_COLORS, KL_FLOOR, layer_curves, lens_sta
 from .anatomy import attribution_bars, growth_curves, head_attribution_heatmap, resid_norm_curves, share_bars
 from .interventions import difference_heatmap, grouped_bars, patching_heatmap
 from .diagnostics import fidelity_curves, fidelity_scatter, transfer_heatmap
+from .features import feature_lens_heatmap
 
 __all__ = [
     "COLORS",
@@ -33,6 +35,7 @@ __all__ = [
     "fidelity_curves",
     "fidelity_scatter",
     "export_session",
+    "feature_lens_heatmap",
     "figure_title",
     "grouped_bars",
     "growth_curves",

@@ -16,6 +16,7 @@ Where each target acts (a "site" is a hook point plus the slice of it that is re
     Head(L, h)        blocks.L.attn.hook_z                               [:, :, h, :] of [batch, pos, head, d_head]
     Neurons(L, [i])   blocks.L.mlp.hook_post                             [:, :, i] of [batch, pos, d_mlp]
     Stream(L, point)  its hook (`lenskit.Stream`), e.g. Stream(2, "attn_out") is Attn(2)  [batch, pos, d_model]
+    Feature(sae, [i]) <hook>.hook_sae_acts_post, inside `model.saes([sae])`  [:, :, i] of [batch, pos, d_sae]
 
 A head is ablated through its `z`, the input to the output projection, so the head's write is
 `W_O[h] @ z_h`; the projection's bias belongs to no head and stays.
@@ -47,6 +48,7 @@ from ..observe.resid import late_writes
 from .masks import indices, positions_here, replace_where, sequence_rows
 from ..model import HookedTransformer
 from ..observe.stream import Stream, check_layer
+from ..saes.features import Feature, check_spliced
 
 TokensRef = Union[torch.Tensor, Iterable[torch.Tensor]]
 
@@ -97,7 +99,7 @@ class Neurons:
         object.__setattr__(self, "neurons", indices(neurons, "neurons"))
 
 
-Target = Union[Block, Attn, Mlp, Head, Neurons, Stream]  # a Stream target replaces that whole stream activation
+Target = Union[Block, Attn, Mlp, Head, Neurons, Stream, Feature]  # a Stream target replaces that whole stream activation
 
 
 @dataclass(frozen=True)
@@ -131,8 +133,10 @@ def target_sites(model: HookedTransformer, target: Target) -> list[Site]:
     cfg = model.cfg
     if isinstance(target, Stream):
         return [Site(target.hook_name(cfg.n_layers))]
+    if isinstance(target, Feature):  # acts_post: [batch, pos, d_sae], present while its SAE is spliced
+        return [Site(check_spliced(model, target), axis=2, units=target.index)]
     if not isinstance(target, (Block, Attn, Mlp, Head, Neurons)):
-        raise TypeError(f"an ablation target must be Block, Attn, Mlp, Head, Neurons or a Stream, got {target!r}"
+        raise TypeError(f"an ablation target must be Block, Attn, Mlp, Head, Neurons, a Stream or an SAE Feature, got {target!r}"
                         + ("; experts are ablated by lenskit.intervene.experts.expert_ablation_hooks"
                            if type(target).__name__ == "Expert" else ""))
     layer = _check_layer(target, cfg.n_layers)
@@ -325,7 +329,7 @@ def ablation_hooks(
     """
     if mode not in MODES:
         raise ValueError(f"unknown ablation mode {mode!r}; expected one of {', '.join(MODES)}")
-    targets = [targets] if isinstance(targets, (Block, Attn, Mlp, Head, Neurons, Stream)) else list(targets)
+    targets = [targets] if isinstance(targets, (Block, Attn, Mlp, Head, Neurons, Stream, Feature)) else list(targets)
     if not targets:
         raise ValueError("no ablation targets given; pass e.g. [Block(3)] or [Head(1, 2)]")
     sites = merge_sites(s for t in targets for s in target_sites(model, t))

@@ -1,11 +1,11 @@
 """Running a hooked model: with hooks for one call (`run_with_hooks`), with a cache of activations
-(`run_with_cache`). Mixed into `lenskit.HookedTransformer`, which gives them `cfg`, `blocks`, `hook_dict` and its
+(`run_with_cache`), with SAEs spliced in (`saes`, `run_with_saes`; lenskit.saes.splice). Mixed into `lenskit.HookedTransformer`, which gives them `cfg`, `blocks`, `hook_dict` and its
 forward; `add_hook` and the rest of TransformerLens's hook administration are in lenskit.observe.hook_admin."""
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Sequence
 
 import torch
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 class RunMethods:
-    """`run_with_hooks`, `run_with_cache` and `add_hook` for `HookedTransformer`."""
+    """`run_with_hooks`, `run_with_cache`, `saes` and `run_with_saes` for `HookedTransformer`."""
 
     def run_with_hooks(self, tokens: TokensLike, fwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (),
                        bwd_hooks: Iterable[tuple[NameOrPredicate, HookFn]] = (), *, reset_hooks_end: bool = True,
@@ -42,6 +42,23 @@ class RunMethods:
                           "bwd_hooks will not be called; pass reset_hooks_end=False (and call reset_hooks() after), "
                           "or call .backward() inside `with model.hooks(fwd_hooks, bwd_hooks):`", stacklevel=2)
         with self.hooks(fwd_hooks, bwd_hooks, clear_contexts=clear_contexts):
+            return self(tokens, **kwargs)
+
+    def saes(self, saes: Sequence[Any], use_error_term: bool = True) -> ContextManager[Any]:
+        """Splice SAEs (lenskit.saes.SAE) in for the body of a `with` block; removed on exit, also when it raises.
+
+        With `use_error_term` (the default) each hook gets reconstruction + error, so outputs are unchanged to
+        rounding while the SAE's own hook points (`f"{hook}.hook_sae_acts_post"`, ...) are in `hook_dict`, cached
+        and hookable; without it the activation is replaced by the reconstruction. See lenskit.saes.splice.
+        """
+        from ..saes.splice import spliced
+
+        return spliced(self, saes, use_error_term)
+
+    def run_with_saes(self, tokens: TokensLike, saes: Sequence[Any] = (), *, use_error_term: bool = True,
+                      **kwargs: Any) -> torch.Tensor:
+        """Run once with `saes` spliced in (`model.saes`); `use_error_term=False` runs on the reconstructions."""
+        with self.saes(saes, use_error_term=use_error_term):
             return self(tokens, **kwargs)
 
     def run_with_cache(
