@@ -55,8 +55,8 @@ def _windows(rows: ActivationDataset, idx: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 class _Trainer:
-    def __init__(self, rows: ActivationDataset, recipe: SAERecipe, out: Path) -> None:
-        self.rows, self.r, self.out = rows, recipe, out
+    def __init__(self, rows: ActivationDataset, recipe: SAERecipe, out: Path, device: torch.device) -> None:
+        self.rows, self.r, self.out, self.device = rows, recipe, out, device
         n = len(rows) // rows.ctx
         if n <= recipe.eval_windows + recipe.batch_windows:
             raise ValueError(f"{rows.folder} holds {n} windows; train-sae needs more than {recipe.eval_windows} held out "
@@ -86,7 +86,7 @@ class _Trainer:
 
     def run(self, progress: bool = True) -> dict[str, torch.Tensor]:
         ck = self.out / CHECKPOINT
-        state = load_file(str(ck)) if ck.is_file() else self.init()
+        state = {n: t.to(self.device) for n, t in (load_file(str(ck)) if ck.is_file() else self.init()).items()}
         meta = json.loads((self.out / STATE).read_text()) if ck.is_file() else {"step": 0, "recipe": asdict(self.r)}
         if meta["recipe"] != asdict(self.r):
             raise ValueError(f"{self.out} holds a checkpoint of another recipe ({meta['recipe']}); use a new --out "
@@ -101,7 +101,7 @@ class _Trainer:
         t0, step = time.time(), meta["step"]
         while step < self.steps:
             x, _ = _windows(self.rows, self.order[step * bw : (step + 1) * bw])
-            x = x * scale
+            x = x.to(self.device) * scale
             pre = (x - params["b_dec"]) @ params["W_enc"] + params["b_enc"]
             top = pre.topk(self.r.k, dim=-1)
             f = torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
@@ -112,11 +112,12 @@ class _Trainer:
             last_fired += len(x)
             last_fired[top.indices[top.values > 0].unique()] = 0
             dead = last_fired >= self.r.dead_tokens
-            if dead.any():
-                k_aux = min(self.d // 2, int(dead.sum()))
-                aux = torch.where(dead, pre, -torch.inf).topk(k_aux, dim=-1)
-                e_hat = torch.zeros_like(pre).scatter(-1, aux.indices, torch.relu(aux.values)) @ params["W_dec"]
-                loss = loss + self.r.aux_weight * (e_hat - err.detach()).pow(2).sum() / total
+            # AuxK: the dead latents' top k_aux pre-activations model the error. Computed every step and weighted by
+            # whether any latent is dead, so the loop never waits on the device: live latents enter as relu(-inf) = 0,
+            # so this adds exactly 0 (value and gradient) when none is dead, as skipping it would.
+            aux = torch.where(dead, pre, -torch.inf).topk(min(self.d // 2, self.r.latents), dim=-1)
+            e_hat = torch.zeros_like(pre).scatter(-1, aux.indices, torch.relu(aux.values)) @ params["W_dec"]
+            loss = loss + dead.any() * (self.r.aux_weight * (e_hat - err.detach()).pow(2).sum() / total)
             opt.zero_grad()
             loss.backward()
             with torch.no_grad():
@@ -130,15 +131,15 @@ class _Trainer:
                       f"  {time.time() - t0:.0f}s", flush=True)
             if step % CHECKPOINT_EVERY == 0 or step == self.steps:
                 self._checkpoint(params, opt, scale, last_fired, step)
-        return {n: p.detach() for n, p in params.items()} | {"scale": torch.tensor(scale)}
+        return {n: p.detach().cpu() for n, p in params.items()} | {"scale": torch.tensor(scale)}
 
     def _checkpoint(self, params, opt, scale, last_fired, step) -> None:
-        state = {n: p.detach().contiguous().clone() for n, p in params.items()}
-        state.update(scale=torch.tensor(scale), last_fired=last_fired.clone())
+        state = {n: p.detach().cpu().contiguous().clone() for n, p in params.items()}
+        state.update(scale=torch.tensor(scale), last_fired=last_fired.cpu().clone())
         for i, p in enumerate(params.values()):
             s = opt.state[p]
-            state.update({f"m{i}": s["exp_avg"].clone(), f"v{i}": s["exp_avg_sq"].clone()})
-            state["adam_step"] = torch.as_tensor(s["step"]).clone()
+            state.update({f"m{i}": s["exp_avg"].cpu().clone(), f"v{i}": s["exp_avg_sq"].cpu().clone()})
+            state["adam_step"] = torch.as_tensor(s["step"]).cpu().clone()
         tmp = self.out / (CHECKPOINT + ".tmp")
         save_file(state, str(tmp))
         (self.out / (STATE + ".tmp")).write_text(json.dumps({"step": step, "recipe": asdict(self.r)}))
@@ -202,13 +203,13 @@ def card(meta: dict[str, Any]) -> str:
 
 
 def train_sae(activations: str | Path, hook: str | None, out: str | Path, recipe: SAERecipe = SAERecipe(),
-              model=None, progress: bool = True) -> SAE:
+              model=None, progress: bool = True, device: str | torch.device = "cpu") -> SAE:
     """Train (or resume) a TopK SAE on one hook of a `lenskit cache` export; write it, its metrics and its card to
-    `out`. `model` (the export's model) adds the CE increase when spliced."""
+    `out`. `model` (the export's model) adds the CE increase when spliced. The SAE trains on `device`."""
     rows = ActivationDataset(activations, hook)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    trainer = _Trainer(rows, recipe, out)
+    trainer = _Trainer(rows, recipe, out, torch.device(device))
     weights = trainer.run(progress)
     sae = folded_sae(weights, rows.hook, recipe.k, short_model_name(rows.manifest.get("model_name")))
     meta = {"hook": rows.hook, "model_name": sae.cfg.model_name or "the model", "activations": str(activations),

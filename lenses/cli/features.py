@@ -31,6 +31,9 @@ def add_parser(subparsers, name: str) -> None:
     p.add_argument("--kind", choices=("promoted", "suppressed"), default="promoted", help="what the figure shows")
     p.add_argument("--out", default=None, metavar="FILE", help="heatmap: .html, .png, .svg or .pdf")
     p.add_argument("--csv", default=None, metavar="FILE", help="every row as CSV")
+    from .devices import add_device_options
+
+    add_device_options(p)
     p.set_defaults(run=run)
 
 
@@ -48,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--mode stream runs the model on a prompt: pass --prompt TEXT")
     if args.top_k < 1:
         raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
-    model = lenskit.HookedTransformer.from_pretrained(args.model)
+    from .devices import model_options
+
+    model = lenskit.HookedTransformer.from_pretrained(args.model, **model_options(args))
     sae = SAE.load(args.sae, hook=args.hook)
     check_fits(model, sae)  # an SAE made for another model is refused by name, before any work
     lenses = load_lenses(list(dict.fromkeys(args.lens or ["logit"])), model)

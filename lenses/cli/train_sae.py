@@ -31,6 +31,9 @@ def add_parser(subparsers, name: str) -> None:
     p.add_argument("--eval-windows", type=int, default=32, metavar="W", help="last windows held out for the card (default 32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
+    from .devices import add_device_options
+
+    add_device_options(p)
     p.set_defaults(run=run)
 
 
@@ -44,13 +47,16 @@ def run(args: argparse.Namespace) -> int:
     rows = ActivationDataset(args.activations, args.hook)
     recipe = SAERecipe(latents=args.latents or 8 * rows.shape[-1], k=args.k, tokens=args.tokens, lr=args.lr,
                        batch_windows=args.batch_windows, eval_windows=args.eval_windows, seed=args.seed)
-    model = None if args.model == "none" else lenskit.HookedTransformer.from_pretrained(args.model)
+    from .devices import model_options
+
+    options = model_options(args)
+    model = None if args.model == "none" else lenskit.HookedTransformer.from_pretrained(args.model, **options)
     if model is not None:
         fp = rows.manifest.get("model_fingerprint")
         from lenses.tuned import model_fingerprint
 
         if fp is not None and fp != model_fingerprint(model):
             raise ValueError(f"{args.activations} was exported from another model ({fp}); pass its --model, or --model none")
-    sae = train_sae(args.activations, rows.hook, args.out, recipe, model, progress=not args.quiet)
+    sae = train_sae(args.activations, rows.hook, args.out, recipe, model, progress=not args.quiet, device=options["device"])
     print(f"wrote {args.out}: {sae.extra_repr()}")
     return 0
