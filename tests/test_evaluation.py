@@ -184,12 +184,12 @@ def bf16_gpt2():
     lambda: family("gemma2"),  # a final soft-cap
 ], ids=["gpt2", "unembed-bias", "tied-top", "llama", "bf16", "gemma2-softcap"])
 def test_every_readout_case_matches_metrics(build, windows, monkeypatch):
-    from lenses import evaluation
+    from lenses import chunks
 
     model = build()
     # chunks of 7 rows: many chunks, the last one partial, rows of one window split across chunks
-    monkeypatch.setattr(evaluation, "CHUNK_BYTES", 7 * 4 * model.cfg.d_vocab)
-    monkeypatch.setattr(evaluation, "CHUNK_ROWS", 1)
+    monkeypatch.setattr(chunks, "CPU_BYTES", 7 * 4 * model.cfg.d_vocab)
+    monkeypatch.setattr(chunks, "CPU_MIN_ROWS", 1)
     windows = windows % model.cfg.d_vocab
     lenses = {"logit": LogitLens(model), "tuned": tuned_lens(model)}
     # one batch: a bfloat16 forward pass rounds differently with the batch's shape, and the reference runs all windows
@@ -244,7 +244,7 @@ def test_a_model_evaluated_can_still_be_trained_through(windows):
 
 @pytest.mark.slow
 def test_memory_stays_bounded_on_a_128k_vocabulary_and_16_layers():
-    """The bound in lenses/evaluation.py's CHUNK_BYTES comment, measured in a fresh process: a 16-layer model
+    """The bound in lenses/evaluation.py's BUFFERS comment, measured in a fresh process: a 16-layer model
     with a 128,256-token vocabulary, two lenses, 2 x 256 tokens. One buffer a chunk of all 512 tokens would make
     4 buffers x 512 x 128,256 x 4 bytes = 1 GB (all the logits, 17 layers of them, 8.9 GB per lens); the chunks of
     64 rows need 4 x 64 x 128,256 x 4 bytes = 125 MiB."""

@@ -1,0 +1,65 @@
+"""Rows decoded against the vocabulary a chunk at a time: how many rows a chunk holds on a device, and the one
+pass over a chunk's logits that the statistics are read from.
+
+Every path that turns streams into [rows, d_vocab] logits (trajectories, evaluation and layer transfer, causal
+fidelity) sizes its chunks with `chunk_rows`, writes per-row results into tensors on the device, and copies
+them to the host once, after its loops: nothing inside a loop over chunks or layers waits for the device
+(no `.cpu()`, `.item()`, `.tolist()`, nor a Python branch on a tensor's value). tests/test_sync.py counts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .metrics import first_max
+
+# On CUDA a chunk's float32 [rows, d_vocab] buffers share this fraction of the memory the device has free (the
+# caching allocator's idle blocks included), each buffer at most CUDA_MAX_BYTES: at 128k tokens that is 2,048
+# rows, past the ~1k rows where the readout matmul runs at speed (issue 39: 0.64 s at 1,024 rows, 0.61 s at 4,096).
+CUDA_FREE_FRACTION = 0.25
+CUDA_MAX_BYTES = 2**30
+# On the CPU larger chunks are slower (they fall out of cache): about CPU_BYTES per buffer, and at least
+# CPU_MIN_ROWS rows so that the matmul keeps its speed on a large vocabulary (benchmarks/bench_trajectory.py).
+CPU_BYTES = 8 * 2**20
+CPU_MIN_ROWS = 32
+
+
+def chunk_rows(device: torch.device | str, d_vocab: int, buffers: int = 1) -> int:
+    """Rows per chunk for `buffers` float32 [rows, d_vocab] buffers on `device` (at least 1).
+
+    >>> chunk_rows("cpu", 128_256)        # CPU_MIN_ROWS: 8 MiB holds only 16 rows of 128k
+    32
+    """
+    device = torch.device(device)
+    row_bytes = 4 * d_vocab
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        per_buffer = min(CUDA_MAX_BYTES, int(CUDA_FREE_FRACTION * (free + idle)) // buffers)
+        return max(1, per_buffer // row_bytes)
+    return max(CPU_MIN_ROWS, CPU_BYTES // row_bytes)
+
+
+def shifted_stats(z: torch.Tensor, e: torch.Tensor, scratch: torch.Tensor | None = None,
+                  peak: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """One log-softmax of the logits z [rows, d_vocab] (a float32 buffer), in the form the statistics read it:
+    z is shifted in place to z - peak, so that log q = z - log_mass, and e := exp(z - peak) is written into
+    the buffer `e`. Returns (top, log_mass, weighted, mass): top [rows, 1] each row's first maximum (as argmax;
+    given as `peak` [rows, 1] values instead, top is None), log_mass = log sum e, weighted = sum e (z - peak),
+    mass = sum e; so H(q) = log_mass - weighted / mass. Terms 0 x (-inf) count as 0 (a token of logit -inf adds
+    nothing); a NaN logit makes the row's sums NaN. Without `scratch`, e is used up by the product."""
+    top = None
+    if peak is None:
+        top = first_max(z)[:, None]
+        peak = z.gather(1, top)
+    z.sub_(peak)
+    mass = torch.exp(z, out=e).sum(-1)
+    weighted = (e.mul_(z) if scratch is None else torch.mul(e, z, out=scratch)).nansum(-1)
+    return top, mass.log(), weighted, mass
+
+
+def cross_term(f_e: torch.Tensor, z: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """sum e^f (z - peak) per row, for shifted lens logits z and the final's e^f = exp(z^f - peak^f): with the
+    final's own (log_mass, weighted, mass), KL(final || lens) = (weighted^f - cross) / mass^f + log_mass - log_mass^f,
+    exactly 0 where z = z^f."""
+    return torch.mul(f_e, z, out=scratch).nansum(-1)
