@@ -24,19 +24,25 @@ CPU_BYTES = 8 * 2**20
 CPU_MIN_ROWS = 32
 
 
+def device_budget(device: torch.device | str) -> int:
+    """Bytes a chunk's buffers may take on a CUDA device: CUDA_FREE_FRACTION of its free memory, the caching
+    allocator's idle blocks counted as free (queried once, before a loop: it is not a sync with the stream)."""
+    device = torch.device(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(CUDA_FREE_FRACTION * (free + idle))
+
+
 def chunk_rows(device: torch.device | str, d_vocab: int, buffers: int = 1) -> int:
-    """Rows per chunk for `buffers` float32 [rows, d_vocab] buffers on `device` (at least 1).
+    """Rows per chunk for `buffers` float32 [rows, d_vocab] buffers on `device` (at least 1): on CUDA they share
+    `device_budget`, each at most CUDA_MAX_BYTES; elsewhere CPU_BYTES each, at least CPU_MIN_ROWS rows.
 
     >>> chunk_rows("cpu", 128_256)        # CPU_MIN_ROWS: 8 MiB holds only 16 rows of 128k
     32
     """
-    device = torch.device(device)
     row_bytes = 4 * d_vocab
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        per_buffer = min(CUDA_MAX_BYTES, int(CUDA_FREE_FRACTION * (free + idle)) // buffers)
-        return max(1, per_buffer // row_bytes)
+    if torch.device(device).type == "cuda":
+        return max(1, min(CUDA_MAX_BYTES, device_budget(device) // buffers) // row_bytes)
     return max(CPU_MIN_ROWS, CPU_BYTES // row_bytes)
 
 
