@@ -64,7 +64,7 @@ def main() -> None:
     tokens = torch.randint(0, args.vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     n = model.cfg.n_layers
     names = [s.hook_name(n) for s in streams(n)]
-    chunk = chunk_rows(model.readout.weight.device, model.cfg.d_vocab, buffers=4)
+    chunk = chunk_rows(model.readout, buffers=4)
 
     def readout(rows_at_once: int):
         def call():

@@ -106,8 +106,7 @@ def stream_hiddens(model: HookedTransformer, windows: torch.Tensor, stream: int 
 
 
 def _chunk_rows(lens: Lens) -> int:
-    readout = lens.model.readout
-    return chunk_rows(readout.weight.device, readout.d_vocab, BUFFERS)
+    return chunk_rows(lens.model.readout, BUFFERS)
 
 
 @torch.no_grad()

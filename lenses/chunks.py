@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from lenskit.pieces.readout import Readout
+
 from .metrics import first_max
 
 # On CUDA a chunk's float32 [rows, d_vocab] buffers share this fraction of the memory the device has free (the
@@ -18,11 +20,13 @@ from .metrics import first_max
 # rows, past the ~1k rows where the readout matmul runs at speed (issue 39: 0.64 s at 1,024 rows, 0.61 s at 4,096).
 CUDA_FREE_FRACTION = 0.25
 CUDA_MAX_BYTES = 2**30
-# On the CPU larger chunks are slower (they fall out of cache): about CPU_BYTES per buffer, and at least
-# CPU_MIN_ROWS rows so that the matmul keeps its speed on a large vocabulary (benchmarks/bench_trajectory.py).
+# On the CPU the readout matmul reads the whole unembedding again for every chunk, so a chunk's buffer holds about as
+# many bytes as the unembedding (at least CPU_BYTES, at most CPU_MAX_BYTES, at least CPU_MIN_ROWS rows): d_model rows
+# for a float32 model. On a 128k vocabulary, d_model 256, 512 tokens, one thread, a trajectory took 31 s in chunks of
+# 32 rows, 26 s of 128 and 19 s of 512 (benchmarks/bench_trajectory.py; results.md).
 CPU_BYTES = 8 * 2**20
+CPU_MAX_BYTES = 256 * 2**20
 CPU_MIN_ROWS = 32
-
 
 def device_budget(device: torch.device | str) -> int:
     """Bytes a chunk's buffers may take on a CUDA device: CUDA_FREE_FRACTION of its free memory, the caching
@@ -33,17 +37,19 @@ def device_budget(device: torch.device | str) -> int:
     return int(CUDA_FREE_FRACTION * (free + idle))
 
 
-def chunk_rows(device: torch.device | str, d_vocab: int, buffers: int = 1) -> int:
-    """Rows per chunk for `buffers` float32 [rows, d_vocab] buffers on `device` (at least 1): on CUDA they share
-    `device_budget`, each at most CUDA_MAX_BYTES; elsewhere CPU_BYTES each, at least CPU_MIN_ROWS rows.
+def chunk_rows(readout: Readout, buffers: int = 1) -> int:
+    """Rows per chunk for `buffers` float32 [rows, d_vocab] buffers of logits read out by `readout` (at least 1):
+    on CUDA they share `device_budget`, each at most CUDA_MAX_BYTES; on the CPU each holds about the unembedding's
+    bytes (see CPU_BYTES above).
 
-    >>> chunk_rows("cpu", 128_256)        # CPU_MIN_ROWS: 8 MiB holds only 16 rows of 128k
-    32
+    >>> chunk_rows(model.readout, buffers=4)     # a Llama-3-vocabulary model of d_model 256 on the CPU: 256
     """
-    row_bytes = 4 * d_vocab
-    if torch.device(device).type == "cuda":
-        return max(1, min(CUDA_MAX_BYTES, device_budget(device) // buffers) // row_bytes)
-    return max(CPU_MIN_ROWS, CPU_BYTES // row_bytes)
+    weight = readout.weight
+    row_bytes = 4 * readout.d_vocab
+    if weight.device.type == "cuda":
+        return max(1, min(CUDA_MAX_BYTES, device_budget(weight.device) // buffers) // row_bytes)
+    per_buffer = min(CPU_MAX_BYTES, max(CPU_BYTES, weight.numel() * weight.element_size()))
+    return max(CPU_MIN_ROWS, per_buffer // row_bytes)
 
 
 def shifted_stats(z: torch.Tensor, e: torch.Tensor, scratch: torch.Tensor | None = None,

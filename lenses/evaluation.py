@@ -139,7 +139,7 @@ def _per_token_stats(model: HookedTransformer, lenses: dict[str, Lens], hs: list
     n, d_vocab = len(flat[0]), model.readout.d_vocab
     device = model.readout.weight.device  # where every lens reads out (under a device map, not the streams' device)
     next_ids = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(-1, 1).to(device)  # pos-1's is a stand-in, dropped later
-    chunk = min(n, chunk_rows(device, d_vocab, BUFFERS))
+    chunk = min(n, chunk_rows(model.readout, BUFFERS))
     final_z, final_e, z, scratch = torch.empty(BUFFERS, chunk, d_vocab, dtype=torch.float32, device=device)
     out = {name: {k: torch.empty(n_layers, n, dtype=torch.float32, device=z.device) for k in ("kl", "ce", "entropy")}
            for name in lenses}

@@ -184,12 +184,11 @@ def bf16_gpt2():
     lambda: family("gemma2"),  # a final soft-cap
 ], ids=["gpt2", "unembed-bias", "tied-top", "llama", "bf16", "gemma2-softcap"])
 def test_every_readout_case_matches_metrics(build, windows, monkeypatch):
-    from lenses import chunks
+    from lenses import evaluation
 
     model = build()
     # chunks of 7 rows: many chunks, the last one partial, rows of one window split across chunks
-    monkeypatch.setattr(chunks, "CPU_BYTES", 7 * 4 * model.cfg.d_vocab)
-    monkeypatch.setattr(chunks, "CPU_MIN_ROWS", 1)
+    monkeypatch.setattr(evaluation, "chunk_rows", lambda readout, buffers: 7)
     windows = windows % model.cfg.d_vocab
     lenses = {"logit": LogitLens(model), "tuned": tuned_lens(model)}
     # one batch: a bfloat16 forward pass rounds differently with the batch's shape, and the reference runs all windows

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lenses import LogitLens, Trajectory, chunks, trajectory
+from lenses import LogitLens, Trajectory, chunks, evaluation, trajectory
 from lenses.evaluation import evaluate_windows
 from lens_fixtures import random_tuned
 
@@ -66,11 +66,15 @@ def test_an_evaluation_reads_back_the_same_whatever_the_number_of_chunks(model, 
 
     def run(rows: int):
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(chunks, "CPU_BYTES", rows * 4 * model.cfg.d_vocab)
-            m.setattr(chunks, "CPU_MIN_ROWS", 1)
+            m.setattr(evaluation, "chunk_rows", lambda readout, buffers: rows)
             return readbacks(monkeypatch, lambda: evaluate_windows(model, lenses, tokens, batch=3, progress=False))
 
-    many, few = run(1), run(36)  # 36 chunks of one row, or one of every row
+    calls = []
+    honest = evaluation.cross_term
+    with pytest.MonkeyPatch.context() as m:  # counts the chunks, to show that there are many
+        m.setattr(evaluation, "cross_term", lambda *args: calls.append(1) or honest(*args))
+        many, few = run(1), run(36)  # 36 chunks of one row, or one of every row
+    assert len(calls) == (36 + 1) * 2 * model.cfg.n_layers  # 2 lenses; the logit lens's last stream is the model's
     assert many == few and len(many) <= 64, many
 
 
