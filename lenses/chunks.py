@@ -20,13 +20,14 @@ from .metrics import first_max
 # rows, past the ~1k rows where the readout matmul runs at speed (issue 39: 0.64 s at 1,024 rows, 0.61 s at 4,096).
 CUDA_FREE_FRACTION = 0.25
 CUDA_MAX_BYTES = 2**30
-# On the CPU the readout matmul reads the whole unembedding again for every chunk, so a chunk's buffer holds about as
-# many bytes as the unembedding (at least CPU_BYTES, at most CPU_MAX_BYTES, at least CPU_MIN_ROWS rows): d_model rows
-# for a float32 model. On a 128k vocabulary, d_model 256, 512 tokens, one thread, a trajectory took 31 s in chunks of
-# 32 rows, 26 s of 128 and 19 s of 512 (benchmarks/bench_trajectory.py; results.md).
+# On the CPU the readout matmul reads the whole unembedding again for every chunk, so larger chunks are faster on a
+# large vocabulary (128k tokens, d_model 256, 512 tokens, one thread: a trajectory took 31 s in chunks of 32 rows,
+# 26 s of 128, 19 s of 512; benchmarks/bench_trajectory.py). Memory bounds them: a chunk's buffers together hold
+# about the unembedding's bytes (each at least CPU_BYTES and CPU_MIN_ROWS rows), so decoding takes about as much
+# memory as the readout's own weight (benchmarks/trajectory_memory.py: under one layer's logits on GPT-2 small).
 CPU_BYTES = 8 * 2**20
-CPU_MAX_BYTES = 256 * 2**20
 CPU_MIN_ROWS = 32
+
 
 def device_budget(device: torch.device | str) -> int:
     """Bytes a chunk's buffers may take on a CUDA device: CUDA_FREE_FRACTION of its free memory, the caching
@@ -39,16 +40,16 @@ def device_budget(device: torch.device | str) -> int:
 
 def chunk_rows(readout: Readout, buffers: int = 1) -> int:
     """Rows per chunk for `buffers` float32 [rows, d_vocab] buffers of logits read out by `readout` (at least 1):
-    on CUDA they share `device_budget`, each at most CUDA_MAX_BYTES; on the CPU each holds about the unembedding's
-    bytes (see CPU_BYTES above).
+    on CUDA they share `device_budget`, each at most CUDA_MAX_BYTES; on the CPU they share the unembedding's bytes
+    (see CPU_BYTES above).
 
-    >>> chunk_rows(model.readout, buffers=4)     # a Llama-3-vocabulary model of d_model 256 on the CPU: 256
+    >>> chunk_rows(model.readout, buffers=4)     # d_model 256, 128k tokens, float32 on the CPU: 64 rows
     """
     weight = readout.weight
     row_bytes = 4 * readout.d_vocab
     if weight.device.type == "cuda":
         return max(1, min(CUDA_MAX_BYTES, device_budget(weight.device) // buffers) // row_bytes)
-    per_buffer = min(CPU_MAX_BYTES, max(CPU_BYTES, weight.numel() * weight.element_size()))
+    per_buffer = max(CPU_BYTES, weight.numel() * weight.element_size() // buffers)
     return max(CPU_MIN_ROWS, per_buffer // row_bytes)
 
 

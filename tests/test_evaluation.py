@@ -245,8 +245,8 @@ def test_a_model_evaluated_can_still_be_trained_through(windows):
 def test_memory_stays_bounded_on_a_128k_vocabulary_and_16_layers():
     """The bound in lenses/evaluation.py's BUFFERS comment, measured in a fresh process: a 16-layer model
     with a 128,256-token vocabulary, two lenses, 2 x 256 tokens. One buffer a chunk of all 512 tokens would make
-    4 buffers x 512 x 128,256 x 4 bytes = 1 GB (all the logits, 17 layers of them, 8.9 GB per lens); the chunks of
-    64 rows need 4 x 64 x 128,256 x 4 bytes = 125 MiB."""
+    4 buffers x 512 x 128,256 x 4 bytes = 1 GB (all the logits, 17 layers of them, 8.9 GB per lens); the CPU's
+    chunks of 32 rows (lenses/chunks.py) need 4 x 32 x 128,256 x 4 bytes = 63 MiB."""
     import subprocess
     import sys
     import textwrap
