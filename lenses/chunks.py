@@ -21,8 +21,8 @@ from .metrics import first_max
 CUDA_FREE_FRACTION = 0.25
 CUDA_MAX_BYTES = 2**30
 # On the CPU the readout matmul reads the whole unembedding again for every chunk, so larger chunks are faster on a
-# large vocabulary (128k tokens, d_model 256, 512 tokens, one thread: a trajectory took 31 s in chunks of 32 rows,
-# 26 s of 128, 19 s of 512; benchmarks/bench_trajectory.py). Memory bounds them: a chunk's buffers together hold
+# large vocabulary (128k tokens, d_model 256, 512 tokens, one thread: a trajectory took 24 s in chunks of 32 rows,
+# 19 s of 64, 15 s of 256; benchmarks/bench_trajectory.py, results.md). Memory bounds them: a chunk's buffers together hold
 # about the unembedding's bytes (each at least CPU_BYTES and CPU_MIN_ROWS rows), so decoding takes about as much
 # memory as the readout's own weight (benchmarks/trajectory_memory.py: under one layer's logits on GPT-2 small).
 CPU_BYTES = 8 * 2**20
