@@ -94,3 +94,25 @@ def test_the_count_catches_a_read_back_inside_the_loop(model, tokens, monkeypatc
         many = readbacks(monkeypatch, lambda: Trajectory.from_prompt(lens, tokens, chunk_size=1))
         few = readbacks(monkeypatch, lambda: Trajectory.from_prompt(lens, tokens, chunk_size=36))
     assert len(many) - len(few) == (36 - 1) * 2 * model.cfg.n_layers  # `.item()` and its _local_scalar_dense
+
+
+def test_a_jacobian_fit_reads_nothing_back_per_backward(model, monkeypatch):
+    """One prompt's Jacobians read back the same whether they take 8 backward passes (dim_batch 4 of d_model 32) or
+    one (dim_batch 32): nothing per backward. What is left is the model's forward, once per prompt: its token
+    check and, on the CPU only, the fused attention's finiteness check (a CUDA tensor skips it)."""
+    from lenses import jacobian_fit
+
+    prompts = torch.randint(0, 101, (3, 10), generator=torch.Generator().manual_seed(2))
+    seen: list[list[str]] = []
+    honest = jacobian_fit.prompt_jacobians
+
+    def counted(*args, **kwargs):
+        out = []
+        seen.append(readbacks(pytest.MonkeyPatch(), lambda: out.extend(honest(*args, **kwargs))))
+        return out
+
+    monkeypatch.setattr(jacobian_fit, "prompt_jacobians", counted)
+    for dim_batch in (4, 32):
+        jacobian_fit.fit(model, prompts, skip_first_positions=2, dim_batch=dim_batch, progress=False)
+    assert len(seen) == 6 and all(calls == seen[0] for calls in seen), seen
+    assert len(seen[0]) <= 2 * (1 + model.cfg.n_layers), seen[0]  # `.item()` and its aten op, per check
