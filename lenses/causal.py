@@ -40,11 +40,12 @@ from lenskit.observe.stream import as_stream
 
 from . import metrics
 from .base import BasisLens, Lens
+from .chunks import chunk_rows
 from .training.step import readout_kl_and_grad
 
-# Lens logits are worked a chunk of tokens at a time, about this many bytes of [rows, d_vocab] float32 per
-# chunk (autograd keeps a few such tensors), so memory stays bounded whatever the number of tokens.
-CHUNK_BYTES = 8 * 2**20
+# Lens logits are worked a chunk of tokens at a time, as many rows as `lenses.chunks.chunk_rows` gives the device for
+# this many [rows, d_vocab] float32 tensors (autograd keeps a few), so memory stays bounded whatever the number of tokens.
+BUFFERS = 4
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,8 @@ def stream_hiddens(model: HookedTransformer, windows: torch.Tensor, stream: int 
     return torch.cat(parts)
 
 
-def _chunk_rows(d_vocab: int) -> int:
-    return max(64, CHUNK_BYTES // (4 * d_vocab))
+def _chunk_rows(lens: Lens) -> int:
+    return chunk_rows(lens.model.readout, BUFFERS)
 
 
 @torch.no_grad()
@@ -117,7 +118,7 @@ def _influence_rows(lens: Lens, s: Stream, rows: torch.Tensor, vectors: torch.Te
 
 
 def _influence_and_grad(lens: BasisLens, s: Stream, rows: torch.Tensor, v: torch.Tensor,
-                        mean: torch.Tensor) -> tuple[float, torch.Tensor]:
+                        mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed KL(lens(h) || lens(r_v(h))) over rows [n, d_model], and its gradient with respect to v [d_model].
 
     The d_vocab-sized part is the tuned-lens training step's (`readout_kl_and_grad`: the KL's gradient with
@@ -131,7 +132,7 @@ def _influence_and_grad(lens: BasisLens, s: Stream, rows: torch.Tensor, v: torch
     normed = readout.normed(lens.transform_hidden(mean_ablate(rows, leaf, mean), s))  # [n, d_model]
     kl, grad = readout_kl_and_grad(normed.detach()[None], clean, readout)  # [1], [1, n, d_model]
     (dv,) = torch.autograd.grad(normed, leaf, grad[0])  # for v alone: nothing accumulates in any weight
-    return float(kl[0]), dv
+    return kl[0], dv  # a tensor: the caller sums chunks on the device
 
 
 def lens_influence(lens: Lens, hiddens: torch.Tensor, stream: int | str | Stream, vectors: torch.Tensor,
@@ -143,7 +144,7 @@ def lens_influence(lens: Lens, hiddens: torch.Tensor, stream: int | str | Stream
     flat = hiddens.detach().reshape(-1, hiddens.shape[-1]).float()
     mean = flat.mean(0) if mean is None else mean.float()
     vectors = (vectors[:, None] if vectors.ndim == 1 else vectors).float()
-    chunk = _chunk_rows(lens.model.readout.d_vocab)
+    chunk = _chunk_rows(lens)
     out = torch.cat([_influence_rows(lens, s, flat[t: t + chunk], vectors, mean) for t in range(0, len(flat), chunk)], 1)
     return out.view(vectors.shape[1], *hiddens.shape[:-1])
 
@@ -189,7 +190,7 @@ def extract_causal_bases(lens: Lens, hiddens: torch.Tensor, k: int, *, stream: i
     start = (default_init(lens, s, k) if init is None else init.detach()).float().to(flat.device)
     if start.shape[0] != d or start.shape[1] < k:
         raise ValueError(f"init has shape {tuple(start.shape)}; expected [d_model={d}, at least k={k}] columns")
-    chunk = _chunk_rows(lens.model.readout.d_vocab)
+    chunk = _chunk_rows(lens)
     found = torch.zeros(d, 0, device=flat.device)
     energies = []
     for _ in tqdm(range(k), desc=f"causal basis at stream {s.layer}", disable=not progress):
@@ -209,11 +210,11 @@ def _best_direction(lens: Lens, s: Stream, flat: torch.Tensor, mean: torch.Tenso
 
     def objective(v: torch.Tensor) -> tuple[float, torch.Tensor]:
         """The mean influence of v over all tokens and its gradient with respect to v, a chunk at a time."""
-        total, grad = 0.0, torch.zeros_like(v)
+        total, grad = torch.zeros((), device=v.device), torch.zeros_like(v)
         for t in range(0, len(flat), chunk):
             part, g = _influence_and_grad(lens, s, flat[t: t + chunk], v, mean)
             total, grad = total + part, grad + g
-        return total / len(flat), grad / len(flat)
+        return float(total) / len(flat), grad / len(flat)  # one read-back per evaluation of the objective
 
     u = torch.nn.Parameter(direction(start.clone()))
     scale = objective(direction(u.detach()))[0]
@@ -242,20 +243,24 @@ def influence_windows(model: HookedTransformer, lens: Lens, windows: torch.Tenso
     tidy rows (direction, window, lens_influence, model_influence), each the mean KL over the window's tokens:
     KL(lens(h) || lens(r(h))) for the lens, KL(model(x) || model with r at the stream (x)) for the model."""
     s, k = basis.stream, basis.vectors.shape[1]
-    rows = []
+    on_lens, on_model = [], []  # [k, batch] per batch of windows, kept on the device
+    on_device = windows.to(model.embed.weight.device)  # once: a copy per batch would wait for the device
     for start in tqdm(range(0, len(windows), batch), desc="influence", disable=not progress):
-        tokens = windows[start: start + batch].to(model.embed.weight.device)
+        tokens = on_device[start: start + batch]
         clean, cache = model.run_with_cache(tokens, names_filter=[s.hook_name(model.cfg.n_layers)])
-        on_lens = lens_influence(lens, cache.stream(s), s, basis.vectors, basis.mean).mean(-1)  # [k, batch]
-        on_model = torch.empty(k, len(tokens))
+        on_lens.append(lens_influence(lens, cache.stream(s), s, basis.vectors, basis.mean).mean(-1))
+        model_kl = []
         for j in range(k):
             with ablate_subspace(model, s, basis.vectors[:, j], basis.mean):
-                on_model[j] = metrics.forward_kl(clean, model(tokens)).mean(-1).cpu()
-        for j in range(k):
-            for b in range(len(tokens)):
-                rows.append({"direction": j, "window": start + b, "lens_influence": float(on_lens[j, b]),
-                             "model_influence": float(on_model[j, b])})
-    return pd.DataFrame(rows)
+                model_kl.append(metrics.forward_kl(clean, model(tokens)).mean(-1))
+        on_model.append(torch.stack(model_kl).float())
+    if not on_lens:
+        return pd.DataFrame(columns=["direction", "window", "lens_influence", "model_influence"])
+    lens_values = torch.cat(on_lens, 1).cpu().tolist()  # [k][window], to the host once
+    model_values = torch.cat(on_model, 1).cpu().tolist()
+    return pd.DataFrame([{"direction": j, "window": w, "lens_influence": lens_values[j][w],
+                          "model_influence": model_values[j][w]}
+                         for b0 in range(0, len(windows), batch) for j in range(k) for w in range(b0, min(b0 + batch, len(windows)))])
 
 
 def causal_fidelity(model: HookedTransformer, lens: Lens, windows: torch.Tensor, stream: int | str | Stream, k: int,

@@ -26,17 +26,14 @@ from lenskit.observe.stream import streams
 
 from . import metrics
 from .base import Lens
-from .metrics import first_max
+from .chunks import chunk_rows, cross_term, shifted_stats
 
 METRICS = ("kl", "ce", "entropy", "top1_agree", "settled")
-# Logits are worked on a chunk of tokens at a time, in four reused float32 buffers of [rows, d_vocab]: about
-# CHUNK_BYTES each, and at least CHUNK_ROWS rows so that the readout matmul still runs at speed on a large
-# vocabulary. Beyond the model's forward and the cached streams ([n_layers + 1, batch, pos, d_model]),
-# evaluation therefore holds at most 4 * max(CHUNK_BYTES, CHUNK_ROWS * 4 * d_vocab) bytes of logits, whatever
-# the number of layers, tokens or lenses: 32 MiB for d_vocab <= 32k, 4 * 64 rows * 4 bytes * d_vocab above
-# (128 MiB at 128k; tests/test_evaluation.py measures it).
-CHUNK_BYTES = 8 * 2**20
-CHUNK_ROWS = 64
+# Logits are worked on a chunk of tokens at a time, in four reused float32 buffers of [rows, d_vocab], as many
+# rows as `lenses.chunks.chunk_rows` gives the device. Beyond the model's forward and the cached streams
+# ([n_layers + 1, batch, pos, d_model]), evaluation therefore holds four such buffers of logits, whatever the
+# number of layers, tokens or lenses (tests/test_evaluation.py measures it on the CPU).
+BUFFERS = 4
 
 
 def _named(lenses: Mapping[str, Lens] | Sequence[Lens]) -> dict[str, Lens]:
@@ -77,11 +74,12 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
     locations = streams(model.cfg.n_layers)  # the streams after 0..n_layers blocks
     names = [s.hook_name(model.cfg.n_layers) for s in locations]
     rank, world = _distributed()
-    mine = torch.arange(rank, len(windows), world)  # this process's windows (all of them in one process)
-    rows = []
+    mine = range(rank, len(windows), world)  # this process's windows (all of them in one process)
+    on_device = windows.to(model.embed.weight.device)  # once: a copy per batch would wait for the device
+    parts: dict[str, dict[str, list[torch.Tensor]]] = {name: {k: [] for k in METRICS} for name in lenses}
     for start in tqdm(range(0, len(mine), batch), desc="evaluate", disable=not progress or rank != 0):
-        ids = mine[start: start + batch].tolist()
-        tokens = windows[ids].to(model.embed.weight.device)
+        part = mine[start: start + batch]
+        tokens = on_device[part.start: part.stop: part.step]  # [batch, ctx]
         _, cache = model.run_with_cache(tokens, names_filter=names, return_logits=False)
         per_token = _per_token_stats(model, lenses, [cache.stream(s) for s in locations], locations, tokens)
         for name, stats in per_token.items():
@@ -92,13 +90,19 @@ def evaluate_windows(model: HookedTransformer, lenses: Mapping[str, Lens] | Sequ
             values = {"kl": stats["kl"].view(shape).mean(-1), "ce": stats["ce"].view(shape)[:, :, :-1].mean(-1),
                       "entropy": stats["entropy"].view(shape).mean(-1), "top1_agree": agree.float().mean(-1),
                       "settled": settled.float().mean(-1)}
-            uncovered = [l for l, s in enumerate(locations) if not lenses[name].covers(s)]
-            for v in values.values():  # a stream the lens does not decode has no numbers, not zeros
-                v[uncovered] = float("nan")
-            values = {k: v.tolist() for k, v in values.items()}  # [layer][window] floats
-            for layer in range(len(locations)):
-                for b in range(tokens.shape[0]):
-                    rows.append({"lens": name, "layer": layer, "window": ids[b], **{k: values[k][layer][b] for k in METRICS}})
+            for k, v in values.items():
+                parts[name][k].append(v)  # [layer, batch], kept on the device
+    ids, table = list(mine), {}
+    for name, lens in lenses.items():  # to the host once, after the loop: [layer, window] per metric
+        values = {k: torch.cat(v, 1).cpu() if v else torch.empty(len(locations), 0) for k, v in parts[name].items()}
+        for l, s in enumerate(locations):
+            if not lens.covers(s):  # a stream the lens does not decode has no numbers, not zeros
+                for v in values.values():
+                    v[l] = float("nan")
+        table[name] = {k: v.tolist() for k, v in values.items()}
+    rows = [{"lens": name, "layer": layer, "window": ids[b], **{k: table[name][k][layer][b] for k in METRICS}}
+            for b0 in range(0, len(ids), batch) for name in lenses for layer in range(len(locations))
+            for b in range(b0, min(b0 + batch, len(ids)))]  # one process's order: batch, lens, layer, window
     if world > 1:
         rows = _gathered(rows, list(lenses), batch, world)
     return pd.DataFrame(rows)
@@ -135,8 +139,8 @@ def _per_token_stats(model: HookedTransformer, lenses: dict[str, Lens], hs: list
     n, d_vocab = len(flat[0]), model.readout.d_vocab
     device = model.readout.weight.device  # where every lens reads out (under a device map, not the streams' device)
     next_ids = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).reshape(-1, 1).to(device)  # pos-1's is a stand-in, dropped later
-    chunk = min(n, max(CHUNK_ROWS, CHUNK_BYTES // (4 * d_vocab)))
-    final_z, final_e, z, scratch = torch.empty(4, chunk, d_vocab, dtype=torch.float32, device=device)
+    chunk = min(n, chunk_rows(model.readout, BUFFERS))
+    final_z, final_e, z, scratch = torch.empty(BUFFERS, chunk, d_vocab, dtype=torch.float32, device=device)
     out = {name: {k: torch.empty(n_layers, n, dtype=torch.float32, device=z.device) for k in ("kl", "ce", "entropy")}
            for name in lenses}
     for name in lenses:
@@ -147,10 +151,8 @@ def _per_token_stats(model: HookedTransformer, lenses: dict[str, Lens], hs: list
         rows, c = slice(t0, t1), t1 - t0
         f_e, buf = final_e[:c], scratch[:c]
         f = model.readout.into(flat[-1][rows], final_z[:c])
-        top = first_max(f)[:, None]  # the final's top-1, as argmax
-        f_next = f.gather(1, next_ids[rows])
-        f_peak, f_log_mass, f_weighted, f_mass, _ = _row_stats(f, top, f_e, buf)  # f_e kept for every lens and layer
-        f_ce, f_entropy = f_peak + f_log_mass - f_next.squeeze(1), f_log_mass - f_weighted / f_mass
+        top, f_log_mass, f_weighted, f_mass = shifted_stats(f, f_e, buf)  # top: the final's top-1, as argmax; f_e kept
+        f_ce, f_entropy = f_log_mass - f.gather(1, next_ids[rows]).squeeze(1), f_log_mass - f_weighted / f_mass
         for name, lens in lenses.items():
             o = out[name]
             for l, s in enumerate(locations):
@@ -161,34 +163,12 @@ def _per_token_stats(model: HookedTransformer, lenses: dict[str, Lens], hs: list
                     o["kl"][l, rows], o["ce"][l, rows], o["entropy"][l, rows], o["agree"][l, rows] = 0.0, f_ce, f_entropy, True
                     continue
                 zl = lens.logits_into(flat[l][rows], s, z[:c])
-                z_next = zl.gather(1, next_ids[rows]).squeeze(1)
-                peak, log_mass, weighted, mass, agree = _row_stats(zl, top, buf)
-                cross = torch.mul(f_e, zl, out=buf).nansum(-1)  # sum e^f (z - peak): zl was shifted in place
-                o["kl"][l, rows] = (f_weighted - cross) / f_mass + (log_mass - f_log_mass)
-                o["ce"][l, rows] = peak + log_mass - z_next
+                top_l, log_mass, weighted, mass = shifted_stats(zl, buf)  # zl shifted in place to z - peak
+                o["kl"][l, rows] = (f_weighted - cross_term(f_e, zl, buf)) / f_mass + (log_mass - f_log_mass)
+                o["ce"][l, rows] = log_mass - zl.gather(1, next_ids[rows]).squeeze(1)
                 o["entropy"][l, rows] = log_mass - weighted / mass
-                o["agree"][l, rows] = agree
+                o["agree"][l, rows] = (top_l == top).squeeze(1)
     return out
-
-
-def _row_stats(z: torch.Tensor, ref: torch.Tensor, e: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """For logits z [rows, d_vocab] (float32, a buffer: left shifted in place to z - peak) and a reference
-    token per row, ref [rows, 1]: (peak; log sum e; sum e (z - peak); sum e; whether the first maximum, as
-    argmax, is ref), with e := exp(z - peak) written into the buffer `e`. Terms 0 x (-inf) count as 0 (a
-    token of logit -inf adds nothing), NaN logits make the row's sums NaN. Without `scratch`, e is used up."""
-    at_ref = z.gather(1, ref)
-    runner_up = z.scatter_(1, ref, -torch.inf).amax(-1)  # the largest other logit: one fast reduction, no argmax
-    z.scatter_(1, ref, at_ref)
-    at_ref = at_ref.squeeze(1)
-    agree = at_ref > runner_up
-    tied = at_ref == runner_up
-    if tied.any():  # another token shares the maximum: argmax takes the first of them
-        agree[tied] = z[tied].argmax(-1) == ref[tied, 0]
-    peak = torch.maximum(at_ref, runner_up)
-    z.sub_(peak[:, None])
-    mass = torch.exp(z, out=e).sum(-1)
-    weighted = (e.mul_(z) if scratch is None else torch.mul(e, z, out=scratch)).nansum(-1)
-    return peak, mass.log(), weighted, mass, agree
 
 
 def per_layer(tidy: pd.DataFrame, n_tokens: int | None = None, n_bytes: int | None = None) -> pd.DataFrame:

@@ -38,7 +38,8 @@ WEIGHTS_FILE = "lens.safetensors"
 SKIP_FIRST_POSITIONS = 16  # the reference's: early positions (attention sinks) have atypical streams
 # Output dimensions per backward pass of the fit. On a 2-core CPU (the embedded 6-block d_model-192 GPT-2, 128-token
 # prompts) 4 and 8 are the fastest; from 16 up it is slower again (the replicated activations outgrow the caches, and
-# the forward runs dim_batch copies of the prompt). benchmarks/bench_jacobian.py --sweep 4,16 measures it.
+# the forward runs dim_batch copies of the prompt). benchmarks/bench_jacobian.py --sweep 4,16 measures it. The CPU's;
+# on CUDA `lenses.jacobian_fit.dim_batch_for` sizes it from the device's memory.
 DIM_BATCH = 8
 CHECKPOINT_EVERY = 16  # prompts between checkpoints of a fit with out=FOLDER
 
@@ -80,15 +81,16 @@ class JacobianLens(BasisLens):
     @classmethod
     def fit(cls, model: HookedTransformer, tokens: torch.Tensor | Sequence[torch.Tensor], *,
             skip_first_positions: int = SKIP_FIRST_POSITIONS, streams: Sequence[int | str | Stream] | None = None,
-            exclude_last: bool = True, dim_batch: int = DIM_BATCH, progress: bool = True, out: str | os.PathLike | None = None,
+            exclude_last: bool = True, dim_batch: int | None = None, progress: bool = True, out: str | os.PathLike | None = None,
             provenance: dict | None = None, checkpoint_every: int = CHECKPOINT_EVERY,
             checkpoint_minutes: float = 5.0) -> "JacobianLens":
         """Fit J_s on `tokens`: [n, pos] ids, or a list of 1-D id tensors (one prompt each, any lengths).
 
         `streams`: which to fit (None: every stream 0..n_layers-1; stream n_layers is the identity). Valid positions
         are [skip_first_positions, T - 1), or [skip_first_positions, T) with exclude_last=False; shorter prompts are
-        skipped with a warning. `dim_batch`: output dimensions per backward pass (speed only). `out`: a folder to
-        checkpoint in (every `checkpoint_every` prompts, at most `checkpoint_minutes` apart, and on a stop signal), resume from, and save the lens to. `provenance`: plain values
+        skipped with a warning. `dim_batch`: output dimensions per backward pass (speed only; None: the device's,
+        `lenses.jacobian_fit.dim_batch_for`). `out`: a folder to checkpoint in (every `checkpoint_every` prompts, at
+        most `checkpoint_minutes` apart, and on a stop signal), resume from, and save the lens to. `provenance`: plain values
         saying where the tokens came from, saved as the lens's "data". See `lenses.jacobian_fit`.
         """
         from .jacobian_fit import fit

@@ -6,7 +6,9 @@ Batch row b of pass p carries a one-hot cotangent in output dimension i = p * di
 t' in V; the model being causal, the gradient at source position t is then the sum over t' >= t, with no masking.
 Averaged over t in V, the gradients at every fitted stream are row i of that prompt's J_s, all streams at once.
 The forward stops at `end`: position T - 1 is neither source nor target, and moves nothing before it.
-Prompts count equally: J_s = (sum over prompts) / (number of prompts), the sums kept in float64.
+Prompts count equally: J_s = (sum over prompts) / (number of prompts). The sums stay on the model's device, in
+float64 where the device runs it at speed (`accumulator_dtype`), else in float32 with Kahan's compensated sums;
+nothing is copied to the host per prompt or per backward. `dim_batch` defaults to the device's (`dim_batch_for`).
 
 Resuming: with `out`, the fit holds the folder's lock and, every `checkpoint_every` prompts, at most every
 `checkpoint_minutes` (in one process) and on Ctrl-C, SIGTERM, SIGHUP or SIGUSR1,
@@ -43,6 +45,7 @@ from lenskit.observe.backward import check_gradients_possible
 from lenskit.observe.stream import as_stream
 
 from .io import CONFIG_FILE, read_config, write_atomic
+from .chunks import device_budget
 from .jacobian import CHECKPOINT_EVERY, DIM_BATCH, FORMAT, SKIP_FIRST_POSITIONS, JacobianLens
 from .training import check_same_run, distributed
 from .training.lock import locks_out_folder
@@ -74,9 +77,61 @@ class Estimator:
                 "streams": list(self.streams)}
 
 
-def prompt_jacobians(model: HookedTransformer, prompt: torch.Tensor, est: Estimator, dim_batch: int) -> list[torch.Tensor]:
+def accumulator_dtype(model: HookedTransformer) -> torch.dtype:
+    """The dtype the fit sums in on the model's device: float64 on the CPU, on a float64 model, and on CUDA chips
+    with full-rate float64 (compute capability x.0 from 6.0: P100, V100, A100, H100, B200); float32 elsewhere
+    (consumer GPUs run float64 at 1/32-1/64 of float32; MPS has none), where `Sum` compensates. Decided by the
+    device, never by timing."""
+    device = model.unembed.weight.device
+    if device.type == "cpu" or model.unembed.weight.dtype == torch.float64:
+        return torch.float64
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return torch.float64 if major >= 6 and minor == 0 else torch.float32
+    return torch.float32
+
+
+def dim_batch_for(model: HookedTransformer, n_tokens: int) -> int:
+    """Output dimensions per backward pass on the model's device: DIM_BATCH on the CPU (measured there: larger
+    batches fall out of cache); on CUDA as many as the autograd graph of that many copies of an n_tokens prompt
+    fits in the chunk budget (`lenses.chunks.device_budget`), at most d_model. A copy's graph is estimated at
+    n_tokens x n_layers x (8 d_model + 3 d_mlp + n_heads x n_tokens) elements of the model's dtype."""
+    device, cfg = model.unembed.weight.device, model.cfg
+    if device.type != "cuda":
+        return DIM_BATCH
+    per_copy = n_tokens * cfg.n_layers * (8 * cfg.d_model + 3 * cfg.d_mlp + cfg.n_heads * n_tokens)
+    per_copy *= model.unembed.weight.element_size()
+    return max(1, min(cfg.d_model, device_budget(device) // per_copy))
+
+
+class Sum:
+    """A running sum of tensors on their device: plain in float64, Kahan-compensated in float32 (the error of
+    n additions stays near one rounding instead of growing with n). `value()` is the sum in float64."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.total = torch.zeros(shape, dtype=dtype, device=device)
+        self.carry = torch.zeros_like(self.total) if dtype != torch.float64 else None  # what the total lost
+
+    def add(self, x: torch.Tensor) -> None:
+        if self.carry is None:
+            self.total += x
+            return
+        y = x - self.carry
+        t = self.total + y
+        self.carry = (t - self.total) - y  # in this order: the low bits that t could not hold
+        self.total = t
+
+    def value(self) -> torch.Tensor:
+        if self.carry is None:
+            return self.total
+        return self.total.double() - self.carry.double()
+
+
+def prompt_jacobians(model: HookedTransformer, prompt: torch.Tensor, est: Estimator, dim_batch: int,
+                     dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
     """For one prompt [pos], each fitted stream's (1/|V|) sum_{t in V} sum_{t' in V} d h_final,t' / d h_s,t:
-    [d_model, d_model] float64 (row i: output dimension i). The model's parameters must be frozen."""
+    [d_model, d_model] in `dtype`, on the model's device (row i: output dimension i). The model's parameters
+    must be frozen."""
     n, d = model.cfg.n_layers, model.cfg.d_model
     skip, end = est.skip_first_positions, est.end(len(prompt))
     names = [Stream(s).hook_name(n) for s in est.streams]  # in depth order: names[0] is the earliest
@@ -95,21 +150,21 @@ def prompt_jacobians(model: HookedTransformer, prompt: torch.Tensor, est: Estima
     rows = torch.arange(batch, device=final.device)
     targets = torch.arange(skip, end, device=final.device)
     cotangent = torch.zeros_like(final)
-    out = [torch.empty(d, d, dtype=torch.float64, device=final.device) for _ in names]
+    out = [torch.empty(d, d, dtype=dtype, device=final.device) for _ in names]
     for start in range(0, d, batch):
         k = min(batch, d - start)
         cotangent.zero_()
         cotangent[rows[:k, None], targets, start + rows[:k, None]] = 1.0  # row b: output dim start + b, every target
         grads = torch.autograd.grad(final, sources, cotangent, retain_graph=start + batch < d)
         for J, g in zip(out, grads):
-            J[start:start + k] = g[:k, skip:end].sum(1, dtype=torch.float64) / (end - skip)  # [k, d_model]: rows of J_s
+            J[start:start + k] = g[:k, skip:end].sum(1, dtype=dtype) / (end - skip)  # [k, d_model]: rows of J_s
     return out
 
 
 @locks_out_folder  # one fit per out folder (lenses/training/lock.py)
 def fit(model: HookedTransformer, tokens: torch.Tensor | Sequence[torch.Tensor], *,
         skip_first_positions: int = SKIP_FIRST_POSITIONS, streams: Sequence[int | str | Stream] | None = None,
-        exclude_last: bool = True, dim_batch: int = DIM_BATCH, progress: bool = True, out: str | os.PathLike | None = None,
+        exclude_last: bool = True, dim_batch: int | None = None, progress: bool = True, out: str | os.PathLike | None = None,
         provenance: dict | None = None, checkpoint_every: int = CHECKPOINT_EVERY,
         checkpoint_minutes: float = SAVE_MINUTES) -> JacobianLens:
     """`JacobianLens.fit` (see there for the settings). The model is left as it was: parameters' requires_grad and
@@ -119,6 +174,8 @@ def fit(model: HookedTransformer, tokens: torch.Tensor | Sequence[torch.Tensor],
     n, d = model.cfg.n_layers, model.cfg.d_model
     for name, value, low in (("skip_first_positions", skip_first_positions, 0), ("dim_batch", dim_batch, 1),
                              ("checkpoint_every", checkpoint_every, 1)):
+        if name == "dim_batch" and value is None:
+            continue  # the device's
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     est = Estimator(skip_first_positions, bool(exclude_last), fitted_streams(n, streams))
@@ -136,20 +193,20 @@ def fit(model: HookedTransformer, tokens: torch.Tensor | Sequence[torch.Tensor],
     if out is not None and (out / CONFIG_FILE).exists():
         return finished_fit(out, model, identity, rank)
     ckpt = out / CHECKPOINT_FILE if out is not None else None
-    device = model.unembed.weight.device
-    sums = [torch.zeros(d, d, dtype=torch.float64, device=device) for _ in est.streams]
-    counts = torch.zeros(2, dtype=torch.int64, device=device)  # prompts summed, their tokens
+    device, dtype = model.unembed.weight.device, accumulator_dtype(model)
+    sums = [Sum((d, d), dtype, device) for _ in est.streams]
+    counts = [0, 0]  # prompts summed, their tokens: counted on the host, which knows them
     start = 0
     if ckpt is not None and ckpt.exists():
         start, saved_sums, saved_counts = load_checkpoint(ckpt, identity, len(est.streams), d)
         if rank == 0:  # the other ranks start from zero: the all-reduce adds the saved sums once
             for J, saved in zip(sums, saved_sums):
-                J += saved.to(device)
-            counts += saved_counts.to(device)
+                J.add(saved.to(device=device, dtype=dtype))
+            counts = [int(c) for c in saved_counts.tolist()]
             print(f"resuming the Jacobian lens fit at prompt {start} of {len(prompts)} ({ckpt})", flush=True)
 
     def checkpoint(next_index: int) -> None:
-        total_sums, total_counts = all_reduced(sums, counts, world)
+        total_sums, total_counts = all_reduced([J.value() for J in sums], torch.tensor(counts, device=device), world)
         if rank == 0:
             save_checkpoint(ckpt, est, total_sums, total_counts, next_index, identity)
 
@@ -168,12 +225,13 @@ def fit(model: HookedTransformer, tokens: torch.Tensor | Sequence[torch.Tensor],
             if guard.requested.is_set():
                 raise KeyboardInterrupt
             if i % world == rank and usable[i]:
+                batch = dim_batch or dim_batch_for(model, est.end(len(prompts[i])))
                 guard.interruptible = True  # a prompt's passes may be dropped; the sums below change whole or not at all
-                adds = prompt_jacobians(model, prompts[i], est, dim_batch)
+                adds = prompt_jacobians(model, prompts[i], est, batch, dtype)
                 guard.interruptible = False
                 for J, add in zip(sums, adds):
-                    J += add
-                counts += torch.tensor([1, len(prompts[i])], device=device)
+                    J.add(add)
+                counts = [counts[0] + 1, counts[1] + len(prompts[i])]
             done = i + 1
             bar.update(1)
             # By time only in one process: every rank must reach a checkpoint at the same i.
@@ -192,8 +250,8 @@ def fit(model: HookedTransformer, tokens: torch.Tensor | Sequence[torch.Tensor],
             p.requires_grad_(True)
         model.train(was_training)
 
-    sums, counts = all_reduced(sums, counts, world)
-    n_done, n_tokens = (int(c) for c in counts.tolist())
+    sums, counts = all_reduced([J.value() for J in sums], torch.tensor(counts, device=device), world)
+    n_done, n_tokens = (int(c) for c in counts.tolist())  # once, after the loop
     dtype = torch.float64 if model.unembed.weight.dtype == torch.float64 else torch.float32
     info = {"estimator": {"skip_first_positions": est.skip_first_positions, "exclude_last": est.exclude_last,
                           "n_prompts": n_done, "n_tokens": n_tokens, "n_skipped": usable.count(False)},

@@ -69,6 +69,7 @@ class Patchscope(Lens):
             raise ValueError(f"target_prompt must be one prompt, token ids [pos] or [1, pos]; got shape {tuple(tokens.shape)}")
         self.target_prompt = target_prompt
         self.target_tokens = tokens[0].cpu()  # [pos]
+        self._device_tokens: torch.Tensor | None = None  # a copy where the model runs (`_tokens_on`)
         self.placeholder = placeholder if position is None else None
         self.position = (self._placeholder_position(placeholder) if position is None
                          else self._checked_position(position))
@@ -148,13 +149,20 @@ class Patchscope(Lens):
         weight = model.embed.weight
         h = h.to(device=weight.device, dtype=weight.dtype)
         # Before that block the prompt's stream is the same for every row: it is computed once, for one row.
-        clean = model(self.target_tokens.to(weight.device)[None], stop_at_layer=first)  # [1, pos, d_model]
+        clean = model(self._tokens_on(weight.device)[None], stop_at_layer=first)  # [1, pos, d_model]
         for start in range(0, len(h), self.chunk_rows):
             chunk = h[start: start + self.chunk_rows]
             x = clean.expand(len(chunk), -1, -1).clone()  # [chunk, pos, d_model], a real tensor: hooks may write into it
             with model.hooks([(hook_name, _Patch(chunk, self.position))]):
                 x = model.run_blocks(x, first)  # [chunk, pos, d_model]
             yield slice(start, start + len(chunk)), x[:, -1]
+
+    def _tokens_on(self, device: torch.device) -> torch.Tensor:
+        """The target prompt's ids on `device`, copied there once: evaluation calls the lens per chunk and stream,
+        and a host-to-device copy in that loop would wait for the device each time."""
+        if self._device_tokens is None or self._device_tokens.device != device:
+            self._device_tokens = self.target_tokens.to(device)
+        return self._device_tokens
 
     def extra_repr(self) -> str:
         T = len(self.target_tokens)

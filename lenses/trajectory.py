@@ -20,8 +20,8 @@ from lenskit import HookedTransformer
 from lenskit.observe.stream import streams
 from lenskit.io.text import encode_texts, is_text, single_token_id, token_texts
 
-from . import metrics
 from .base import Lens
+from .chunks import chunk_rows, cross_term, shifted_stats
 
 NO_TARGET = -1
 NO_TOKEN = -1  # top_ids at a stream the lens does not cover (`Lens.covers`): its numbers there are NaN
@@ -92,8 +92,9 @@ class Trajectory:
         `lens` is any `lenses.Lens` (`LogitLens(model)`, a `TunedLens`, ...); it knows its model. `target` picks the token
         whose rank and probability are tracked: None = the next input token (none at a sequence's last
         position), an int id or a one-token string = that token everywhere, or ids [batch, pos]
-        (or [pos]) with -1 for "no target". `chunk_size` = (batch, position) rows decoded at once (default:
-        ~2M logits, 8 MB in float32, e.g. 41 rows for GPT-2's vocabulary); lower it to save memory.
+        (or [pos]) with -1 for "no target". `chunk_size` = (batch, position) rows decoded at once (default: the
+        device's rule, `lenses.chunks.chunk_rows`); lower it to save memory. Results stay on the lens's device
+        until the end, and are copied to the host once.
 
         >>> traj = Trajectory.from_prompt(LogitLens(model), "def add(a, b):\\n    return", top_k=5)
         >>> traj.to_frame().query("layer == 6")[["position", "input_token", "top_token", "top_prob"]]
@@ -111,42 +112,54 @@ class Trajectory:
         batch, pos = tokens.shape
         rows = batch * pos  # decode (batch, pos) rows in flat chunks
         flat_streams = [cache[n].reshape(rows, -1) for n in names]  # each [batch*pos, d_model]
-        flat_targets = targets.reshape(rows).to(model.readout.weight.device)  # where the lens reads out (device maps)
-        has_target = flat_targets != NO_TARGET
-        safe_targets = flat_targets.clamp(min=0)
-        chunk = chunk_size or max(1, (1 << 21) // model.cfg.d_vocab)
+        readout = model.readout
+        device, d_vocab = readout.weight.device, readout.d_vocab  # where the lens reads out (device maps)
+        flat_targets = targets.reshape(rows).to(device)
+        safe_targets = flat_targets.clamp(min=0)[:, None]  # [rows, 1]
+        chunk = min(rows, chunk_size or chunk_rows(readout, buffers=4))
+        dtype = torch.float64 if readout.weight.dtype == torch.float64 else torch.float32
+        z, e, f_e, scratch = torch.empty(4, chunk, d_vocab, dtype=dtype, device=device)  # reused by every chunk
 
         L = n_layers + 1
-        covered = [lens.covers(s) for s in streams(n_layers)]
-        top_ids = torch.empty(L, rows, top_k, dtype=torch.long)
-        top_probs = torch.empty(L, rows, top_k)
-        ent = torch.empty(L, rows)
-        kl = torch.empty(L, rows)
-        rank = torch.empty(L, rows, dtype=torch.long)
-        tlogp = torch.empty(L, rows)
-        starts = range(0, rows, chunk)
-        for start in tqdm(starts, desc=f"trajectory ({getattr(lens, 'name', 'lens')} lens)", disable=not progress):
+        locations = streams(n_layers)
+        covered = [lens.covers(s) for s in locations]
+        # The last stream read as the model reads it is the final itself: its numbers are the final's, KL 0.
+        last_is_final = covered[-1] and lens.reads_as_model(locations[-1])
+        # Per-row statistics stay on the device, NaN where the lens does not decode, and are finished after the
+        # loops (see `shifted_stats`): the top-k logits and ids, the target's logit and rank, log sum e,
+        # sum e (z - peak), sum e and the cross term with the final.
+        top_z = torch.full((L, rows, top_k), torch.nan, dtype=dtype, device=device)
+        top_ids = torch.full((L, rows, top_k), NO_TOKEN, dtype=torch.long, device=device)
+        target_z, log_mass, weighted, mass, cross = torch.full((5, L, rows), torch.nan, dtype=dtype, device=device)
+        rank = torch.full((L, rows), NO_TARGET, dtype=torch.long, device=device)
+        f_log_mass, f_weighted, f_mass = torch.empty(3, rows, dtype=dtype, device=device)
+        desc = f"trajectory ({getattr(lens, 'name', 'lens')} lens)"
+        for start in tqdm(range(0, rows, chunk), desc=desc, disable=not progress):
             sl = slice(start, start + chunk)
-            final_logp = metrics.log_probs(model.readout(flat_streams[n_layers][sl]))  # [chunk, d_vocab]
-            tgt = safe_targets[sl]
-            for layer in range(L):  # one layer's [chunk, d_vocab] logits alive at a time
+            c, tgt = min(chunk, rows - start), safe_targets[sl]
+            zf = readout.into(flat_streams[n_layers][sl], z[:c])  # the model's own final logits
+            peak = (_top_and_target(zf, tgt, top_z[n_layers, sl], top_ids[n_layers, sl], target_z[n_layers, sl],
+                                    rank[n_layers, sl], scratch[:c]) if last_is_final else None)
+            _, f_log_mass[sl], f_weighted[sl], f_mass[sl] = shifted_stats(zf, f_e[:c], scratch[:c], peak)  # f_e kept
+            for layer in range(n_layers if last_is_final else L):  # one layer's [chunk, d_vocab] logits at a time
                 if not covered[layer]:
-                    continue  # filled in below: no numbers where the lens does not decode
-                logp = metrics.log_probs(lens(flat_streams[layer][sl], layer))
-                p, ids = logp.topk(top_k, dim=-1)
-                top_ids[layer, sl] = ids.cpu()
-                top_probs[layer, sl] = p.exp().cpu()
-                ent[layer, sl] = metrics.entropy(logp).cpu()
-                kl[layer, sl] = metrics.kl_divergence(final_logp, logp).cpu()
-                rank[layer, sl] = metrics.target_rank(logp, tgt).cpu()
-                tlogp[layer, sl] = logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1).cpu()  # kept as a log: exp underflows
-                del logp
-        for layer in (l for l in range(L) if not covered[l]):
-            top_ids[layer], rank[layer] = NO_TOKEN, NO_TARGET
-            top_probs[layer], ent[layer], kl[layer], tlogp[layer] = (float("nan"),) * 4
-        no_tgt = ~has_target.cpu()
-        rank[:, no_tgt] = NO_TARGET
-        tlogp[:, no_tgt] = float("nan")
+                    continue
+                zl = lens.logits_into(flat_streams[layer][sl], locations[layer], z[:c])
+                peak = _top_and_target(zl, tgt, top_z[layer, sl], top_ids[layer, sl], target_z[layer, sl], rank[layer, sl],
+                                       e[:c])
+                _, log_mass[layer, sl], weighted[layer, sl], mass[layer, sl] = shifted_stats(zl, e[:c], None, peak)
+                cross[layer, sl] = cross_term(f_e[:c], zl, scratch[:c])
+        if last_is_final:
+            log_mass[n_layers], weighted[n_layers], mass[n_layers], cross[n_layers] = f_log_mass, f_weighted, f_mass, f_weighted
+        peak = top_z[..., 0]  # [layer, rows]
+        no_target = flat_targets == NO_TARGET
+        top_probs = (top_z - (peak + log_mass)[..., None]).exp()
+        ent = log_mass - weighted / mass
+        kl = (f_weighted - cross) / f_mass + (log_mass - f_log_mass)  # KL(final || lens), exactly 0 for the final
+        tlogp = (target_z - peak - log_mass).masked_fill_(no_target, torch.nan)  # kept as a log: exp underflows
+        rank.masked_fill_(no_target, NO_TARGET)
+        top_ids, top_probs, ent, kl, rank, tlogp = (t.cpu() if t.dtype == torch.long else t.float().cpu()
+                                                    for t in (top_ids, top_probs, ent, kl, rank, tlogp))  # once
         shape = (L, batch, pos)
         return cls(
             tokens=tokens.cpu(), lengths=lengths, top_ids=top_ids.view(*shape, top_k), top_probs=top_probs.view(*shape, top_k),
@@ -197,6 +210,18 @@ class Trajectory:
         frame = pd.DataFrame(cols)
         frame.attrs["lens"] = self.lens_name
         return frame
+
+
+def _top_and_target(z: torch.Tensor, tgt: torch.Tensor, top_z: torch.Tensor, top_ids: torch.Tensor,
+                    target_z: torch.Tensor, rank: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """For logits z [rows, d_vocab]: the top-k logits and ids into top_z, top_ids [rows, k], the target's logit
+    into target_z [rows] and its rank (tokens of a strictly larger logit) into rank [rows]; returns the peak [rows, 1].
+    The rank counts 1.0s in the float buffer `scratch` [rows, d_vocab] (exact below 2^24 tokens): summing a bool
+    tensor is 8x slower on the CPU."""
+    torch.topk(z, top_z.shape[-1], out=(top_z, top_ids))
+    target_z.copy_(z.gather(1, tgt).squeeze(1))
+    rank.copy_(torch.gt(z, target_z[:, None], out=scratch).sum(-1))
+    return top_z[:, :1]
 
 
 def tokens_and_lengths(model: HookedTransformer, prompt: str | Sequence[str] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

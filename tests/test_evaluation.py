@@ -188,8 +188,7 @@ def test_every_readout_case_matches_metrics(build, windows, monkeypatch):
 
     model = build()
     # chunks of 7 rows: many chunks, the last one partial, rows of one window split across chunks
-    monkeypatch.setattr(evaluation, "CHUNK_BYTES", 7 * 4 * model.cfg.d_vocab)
-    monkeypatch.setattr(evaluation, "CHUNK_ROWS", 1)
+    monkeypatch.setattr(evaluation, "chunk_rows", lambda readout, buffers: 7)
     windows = windows % model.cfg.d_vocab
     lenses = {"logit": LogitLens(model), "tuned": tuned_lens(model)}
     # one batch: a bfloat16 forward pass rounds differently with the batch's shape, and the reference runs all windows
@@ -244,10 +243,10 @@ def test_a_model_evaluated_can_still_be_trained_through(windows):
 
 @pytest.mark.slow
 def test_memory_stays_bounded_on_a_128k_vocabulary_and_16_layers():
-    """The bound in lenses/evaluation.py's CHUNK_BYTES comment, measured in a fresh process: a 16-layer model
+    """The bound in lenses/evaluation.py's BUFFERS comment, measured in a fresh process: a 16-layer model
     with a 128,256-token vocabulary, two lenses, 2 x 256 tokens. One buffer a chunk of all 512 tokens would make
-    4 buffers x 512 x 128,256 x 4 bytes = 1 GB (all the logits, 17 layers of them, 8.9 GB per lens); the chunks of
-    64 rows need 4 x 64 x 128,256 x 4 bytes = 125 MiB."""
+    4 buffers x 512 x 128,256 x 4 bytes = 1 GB (all the logits, 17 layers of them, 8.9 GB per lens); the CPU's
+    chunks of 32 rows (lenses/chunks.py) need 4 x 32 x 128,256 x 4 bytes = 63 MiB."""
     import subprocess
     import sys
     import textwrap
