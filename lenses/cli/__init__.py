@@ -34,6 +34,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     With `command=None` every command is a stub, which is all that `lenskit --help` needs.
     """
     parser = argparse.ArgumentParser(prog="lenskit", description="Read GPT-2's residual stream layer by layer.")
+    parser.add_argument("--version", action="version", version=f"lenskit {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
         if name == command:
@@ -41,6 +42,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         else:
             sub.add_parser(name, help=SUMMARY[name], add_help=False)
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version (`lenskit-interp`); `lenskit.__version__` when run from a bare checkout."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("lenskit-interp")
+    except metadata.PackageNotFoundError:
+        from lenskit import __version__  # imports torch: only when no installed metadata says it
+
+        return __version__
 
 
 def _command(argv: list[str]) -> str | None:
