@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
@@ -28,12 +29,24 @@ SUMMARY = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose "invalid choice" says which choices are closest (subcommands included)."""
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        if action.choices is not None and value not in action.choices:
+            # difflib here rather than lenskit.suggest.did_you_mean: importing lenskit imports torch (seconds).
+            close = difflib.get_close_matches(str(value), list(map(str, action.choices)), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r}{hint} (choose from {', '.join(map(repr, action.choices))})")
+        super()._check_value(action, value)
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `lenskit` parser: the full parser of `command` (its module imported now), a stub for the others.
 
     With `command=None` every command is a stub, which is all that `lenskit --help` needs.
     """
-    parser = argparse.ArgumentParser(prog="lenskit", description="Read GPT-2's residual stream layer by layer.")
+    parser = Parser(prog="lenskit", description="Read GPT-2's residual stream layer by layer.")
     parser.add_argument("--version", action="version", version=f"lenskit {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():

@@ -22,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
                     "top-1 next-token prediction at every position.",
     )
     p.add_argument("prompt", metavar="PROMPT", help=r"the text to read; write a newline as \n in the shell with $'...'")
-    p.add_argument("--model", default=lenskit.DEFAULT_MODEL,
+    p.add_argument("--model", default="stdlib-gpt2",
                    help="model folder (a Hugging Face layout), embedded model (stdlib-gpt2, stdlib-llama) or hub name; "
                         "default: stdlib-gpt2")
     p.add_argument("--lens", action="append", metavar="SPEC",
@@ -49,8 +49,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.top_k < 1:
         raise ValueError(f"--top-k must be at least 1, got {args.top_k}")
-    if args.model == lenskit.DEFAULT_MODEL and not (Path(args.model) / "config.json").exists():
-        raise FileNotFoundError(f"the embedded model is missing at {args.model}; reinstall lenskit or pass --model FOLDER")
     # Outputs before any work: a path that cannot take the file, or no browser for a PNG, is an error now.
     if args.csv:
         check_output_file(args.csv, "the --csv table", pipe_ok=True)
@@ -84,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             fig = plots.lens_stack(frames, color=args.color, title=args.title, **sizes, **options)
         plots.save_figure(fig, args.out)  # FigureExportError (an OSError): one line, exit 2
     for name, traj in trajs.items():
-        print(f"{name} lens, {Path(args.model).name or args.model}: top-1 prediction after each block "
+        print(f"{name} lens, {model.cfg.name}: top-1 prediction after each block "
               f"(layer 0 = embeddings, layer {traj.n_layers} = the model's output)")
         print(format_table(frames[name]))
     if args.csv:
