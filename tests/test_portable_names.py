@@ -74,6 +74,8 @@ def test_no_absolute_path_in_any_card_or_config_a_tuned_and_a_jacobian_lens_writ
                  "--steps", "2", "--tokens-per-step", "64", "--ctx", "16", "--quiet"]) == 0
     assert main(["eval-lens", "--model", str(model_folder), "--lens", str(out), "--data", str(data),
                  "--tokens", "128", "--ctx", "16", "--card", "--quiet"]) == 0
+    assert main(["fit-jacobian", "--model", str(model_folder), "--data", str(data), "--out", str(tmp_path / "fitted"),
+                 "--prompts", "2", "--tokens", "12", "--skip-first-positions", "2", "--streams", "1", "--quiet"]) == 0
     capsys.readouterr()
 
     model = lenskit.HookedTransformer.from_pretrained(lenskit.DEFAULT_MODEL)
@@ -87,6 +89,7 @@ def test_no_absolute_path_in_any_card_or_config_a_tuned_and_a_jacobian_lens_writ
                        key=len, reverse=True)
     assert absolute_paths(tmp_path / "tuned", forbidden) == []
     assert absolute_paths(jacobian, forbidden) == []
+    assert absolute_paths(tmp_path / "fitted", forbidden) == []
     tuned_card, jacobian_card = (out / "README.md").read_text(), (jacobian / "README.md").read_text()
     assert "# Tuned lens for model" in tuned_card
     assert "# Jacobian lens for stdlib-gpt2" in jacobian_card

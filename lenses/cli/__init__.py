@@ -16,6 +16,7 @@ COMMANDS = {
     "eval-lens": "eval_lens",
     "ablate": "ablate",
     "cache": "cache",
+    "fit-jacobian": "fit_jacobian",
 }
 # The one-line help `lenskit --help` lists, so that listing the commands imports none of their modules
 # (they import torch, which takes seconds). Each module's add_parser uses the same line.
@@ -26,6 +27,7 @@ SUMMARY = {
     "eval-lens": "evaluate lenses side by side, per layer",
     "ablate": "ablate blocks, sublayers or heads and compare predictions with the clean run",
     "cache": "export activations to sharded safetensors (resumes from --out)",
+    "fit-jacobian": "fit a Jacobian lens on text or tokens (resumes from --out)",
 }
 
 
