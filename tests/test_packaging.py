@@ -50,6 +50,7 @@ def test_wheel_contains_packages_and_default_model(dist):
         names = set(zf.namelist())
         entry_points = next((zf.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt")), "")
     assert {"lenskit/__init__.py", "lenskit/model.py", "lenses/__init__.py", "lenses/cli/__init__.py"} <= names
+    assert {"lenses/view/view.js", "lenses/view/view.css"} <= names  # the interactive view's script and style
     assert not any(n.endswith((".cpp", ".c", ".cu")) for n in names)  # nothing needs a compiler at install time
     assert "lenskit = lenses.cli:main" in entry_points
     model_files = {n.removeprefix("lenskit/default_model/") for n in names if n.startswith("lenskit/default_model/")}

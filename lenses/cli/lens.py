@@ -32,6 +32,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--out", metavar="FILE", help="write the heatmap to FILE.html (plotly.js inlined, about 5 MB, opens "
                                                  "offline), .png (300 dpi with --size), .svg or .pdf")
     p.add_argument("--csv", metavar="FILE", help="write one row per (layer, position) to FILE")
+    p.add_argument("--html", metavar="FILE", help="write an interactive view to FILE.html: each lens's table (hover for the "
+                                                  "top-k, click to pin) and the attention patterns; opens offline")
     p.add_argument("--color", choices=COLORS, default="prob",
                    help="heatmap colour: top-1 prob, entropy, KL(final||lens) or rank of the next token (default prob)")
     add_figure_options(p)
@@ -52,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
     # Outputs before any work: a path that cannot take the file, or no browser for a PNG, is an error now.
     if args.csv:
         check_output_file(args.csv, "the --csv table", pipe_ok=True)
+    if args.html:
+        if Path(args.html).suffix.lower() not in (".html", ".htm"):
+            raise ValueError(f"--html writes an HTML view; expected a name ending in .html, got {args.html!r}")
+        check_output_file(args.html, "the --html view")
     check_figure_output(args.out)
     model = lenskit.HookedTransformer.from_pretrained(args.model)
     if model.tokenizer is None:
@@ -85,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name} lens, {model.cfg.name}: top-1 prediction after each block "
               f"(layer 0 = embeddings, layer {traj.n_layers} = the model's output)")
         print(format_table(frames[name]))
+    if args.html:
+        from lenses.view import View, attention_patterns
+
+        View(frames, attention_patterns(model, args.prompt), title=f"{model.cfg.name}: {args.prompt[:60]!r}").save(args.html)
+        print(f"wrote {args.html}")
     if args.csv:
         print(f"wrote {args.csv} ({len(frame)} rows)")
     if args.out:
