@@ -37,7 +37,7 @@ def _shown(token: str) -> str:
 
 
 def attention_patterns(model: "HookedTransformer", prompt: str) -> dict:
-    """{"tokens", "patterns": [layer][head][query][key]} of the prompt's last MAX_ATTENTION_POSITIONS positions, the
+    """`{"tokens", "patterns": [layer][head][query][key]}` of the prompt's last MAX_ATTENTION_POSITIONS positions, the
     prompt tokenized as `Trajectory.from_prompt` tokenizes it; only layers with softmax attention are listed."""
     import torch
 
@@ -54,7 +54,7 @@ def attention_patterns(model: "HookedTransformer", prompt: str) -> dict:
 
 class View:
     """Lens tables (`frames`: lens name -> `Trajectory.to_frame()` of one prompt, with top-k columns) and, if given,
-    attention patterns (`attention`: {"tokens": [...], "patterns": [layer][head][query][key]})."""
+    attention patterns (`attention`: `{"tokens": [...], "patterns": [layer][head][query][key]}`)."""
 
     def __init__(self, frames: Mapping[str, pd.DataFrame], attention: dict | None = None, title: str = "lenskit view"):
         if not frames and attention is None:
