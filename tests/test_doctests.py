@@ -20,14 +20,14 @@ MODULES = sorted(
 NOT_YET_RUNNABLE = {
     "lenskit.accounting", "lenskit.conveniences", "lenskit.factored", "lenskit.generation", "lenskit.intervene.attribution",
     "lenskit.intervene.experts", "lenskit.intervene.interventions", "lenskit.intervene.patching", "lenskit.io.activations",
-    "lenskit.io.data", "lenskit.io.files", "lenskit.io.mapped", "lenskit.io.text", "lenskit.io.tokenizer",
-    "lenskit.io.torchfile", "lenskit.kv_cache", "lenskit.losses", "lenskit.model", "lenskit.observe.hook_admin",
-    "lenskit.observe.stream", "lenskit.pieces.forward_state", "lenskit.pieces.readout", "lenskit.placement",
+    "lenskit.io.data", "lenskit.io.files", "lenskit.io.mapped", "lenskit.io.tokenizer",
+    "lenskit.io.torchfile", "lenskit.kv_cache", "lenskit.losses", "lenskit.observe.hook_admin",
+    "lenskit.pieces.forward_state", "lenskit.pieces.readout", "lenskit.placement",
     "lenskit.transformer_lens.evals", "lenskit.transformer_lens.patching", "lenskit.transformer_lens.utils", "lenses",
     "lenses.activation_export", "lenses.causal", "lenses.compare", "lenses.evaluation", "lenses.jacobian",
     "lenses.jacobian_fit", "lenses.logit", "lenses.metrics", "lenses.patchscope", "lenses.plots.diagnostics",
     "lenses.plots.export", "lenses.plots.lens", "lenses.spec", "lenses.training", "lenses.training.lock",
-    "lenses.training.step", "lenses.trajectory", "lenses.transfer", "lenses.tuned", "lenses.view",
+    "lenses.training.step", "lenses.transfer", "lenses.tuned", 
 }
 
 
@@ -47,7 +47,7 @@ def names():
 
 def test_the_list_names_only_modules_with_examples():
     assert NOT_YET_RUNNABLE <= set(MODULES), sorted(NOT_YET_RUNNABLE - set(MODULES))
-    assert len(MODULES) - len(NOT_YET_RUNNABLE) >= 12
+    assert len(MODULES) - len(NOT_YET_RUNNABLE) >= 17
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -5,7 +5,7 @@ The view is one self-contained HTML file: the data as JSON, and the script and s
 (`view.js`, `view.css`), inlined; it opens offline and needs no plotly. In Jupyter it displays inline.
 
 >>> view = View.from_prompt(model, "def add(a, b):\\n    return a + b", lenses={"logit": LogitLens(model)})
->>> view.save("view.html")          # or show `view` as a notebook cell's value
+>>> path = view.save("view.html")   # or show `view` as a notebook cell's value
 """
 
 from __future__ import annotations
