@@ -35,7 +35,8 @@ def add_parser(subparsers, name: str) -> None:
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
                    help=f"tokens per prompt cut from a stream (default {DEFAULT_TOKENS}); [n, T] token files keep their T")
     p.add_argument("--streams", nargs="+", default=None, metavar="S",
-                   help="streams to fit: stream numbers (3, -1) or names (resid_mid.3); default every stream 0..n_layers-1")
+                   help="streams to fit, at block boundaries: stream numbers (3, -1) or names such as resid_post.2 (= stream 3); "
+                        "default every stream 0..n_layers-1")
     p.add_argument("--dim-batch", type=int, default=DIM_BATCH, help=f"output dimensions per backward pass (speed only; default {DIM_BATCH})")
     p.add_argument("--skip-first-positions", type=int, default=SKIP_FIRST_POSITIONS,
                    help=f"positions left out at the start of each prompt (default {SKIP_FIRST_POSITIONS}, the reference's)")
