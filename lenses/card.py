@@ -19,8 +19,10 @@ TAGS = ("tuned-lens", "interpretability", "lenskit")
 JACOBIAN_FORMAT = "lenskit-jacobian-lens"  # lenses.jacobian.FORMAT (which imports this module)
 JACOBIAN_TAGS = ("jacobian-lens", "interpretability", "lenskit")
 HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# Short GPT-2 names now live under this organisation on the Hub.
-SHORT_GPT2 = {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "distilgpt2"}
+# Short GPT-2 names -> the hub repositories they now redirect to.
+SHORT_GPT2 = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
+              "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl",
+              "distilgpt2": "distilbert/distilgpt2"}
 EVAL_COLUMNS = ("layer", "kl_logit", "kl_tuned", "ce_logit", "ce_tuned")
 
 
@@ -29,7 +31,7 @@ def base_model(model_name: Any) -> str | None:
     if not isinstance(model_name, str) or Path(model_name).expanduser().exists():
         return None
     if model_name in SHORT_GPT2:
-        return f"openai-community/{model_name}"
+        return SHORT_GPT2[model_name]
     return model_name if HUB_REPO_ID.match(model_name) else None
 
 

@@ -97,7 +97,9 @@ class Trajectory:
         until the end, and are copied to the host once.
 
         >>> traj = Trajectory.from_prompt(LogitLens(model), "def add(a, b):\\n    return", top_k=5)
-        >>> traj.to_frame().query("layer == 6")[["position", "input_token", "top_token", "top_prob"]]
+        >>> traj.to_frame().query("layer == 6")[["position", "input_token", "top_token", "top_prob"]]  # doctest: +ELLIPSIS
+            position input_token top_token  top_prob
+        ...
         """
         model = lens.model
         if not isinstance(top_k, int) or not 1 <= top_k <= model.cfg.d_vocab:

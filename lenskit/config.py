@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from .suggest import did_you_mean
 from .config_checks import check_experts, check_full_heads, check_gemma4_extras, check_linear, kv_sources, shrunk_kv_sharing
 from .config_names import TransformerLensNames
 
@@ -352,7 +353,7 @@ class ModelConfig(TransformerLensNames):
 
         org, slash, key = str(name).rpartition("/")
         if key.lower() not in PRESETS or (slash and not _ORGANISATION.fullmatch(org)):
-            raise KeyError(f"no preset named {name!r}; presets (a short name, optionally after an organisation "
+            raise KeyError(f"no preset named {name!r}{did_you_mean(key.lower(), PRESETS)}; presets (a short name, optionally after an organisation "
                            f"such as openai-community/): {sorted(PRESETS)}")
         return PRESETS[key.lower()]
 

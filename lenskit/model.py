@@ -43,6 +43,7 @@ class HookedTransformer(RunMethods, TextMethods, WeightViews, ModelConveniences,
     >>> model = HookedTransformer.from_pretrained(lenskit.DEFAULT_MODEL)
     >>> logits, cache = model.run_with_cache("def __init__(self")
     >>> cache["resid_post", 3].shape   # [batch, pos, d_model]
+    torch.Size([1, 5, 192])
     """
 
     ON_REQUEST = ("attn.hook_result", "mlp.hook_expert_out", "attn.hook_state")

@@ -27,9 +27,10 @@ if [ "${#need[@]}" -gt 0 ]; then
     fi
 fi
 
-# The bench extra too: the peers (TransformerLens, tuned-lens, nnterp) that tests compare against. The
-# constraints file pins every version to the ones the suite passed with (README, "Reliability").
-"$PY" -m pip install --quiet -c constraints.txt -e ".[dev,bench]"
+# The docs extra builds the site (mkdocs); the bench extra has the peers (TransformerLens, tuned-lens, nnterp) that
+# tests compare against. The constraints file pins every version to the ones the suite passed with (README,
+# "Reliability").
+"$PY" -m pip install --quiet -c constraints.txt -e ".[dev,bench,docs]"
 
 # Check that a static export really works here (a few seconds: it starts the browser once).
 "$PY" -c "from lenses.plots import check_static_export; check_static_export()" \

@@ -1,6 +1,7 @@
 """`lenskit lens` on a tiny saved model and on the embedded one: the table, the CSV and real figure files."""
 
 import html
+import os
 
 import pandas as pd
 import pytest
@@ -191,18 +192,30 @@ def test_figure_option_errors(tiny_folder, tmp_path, capsys):
 
 
 def test_a_static_export_starts_the_browser_once(tiny_folder, tmp_path, monkeypatch):
-    """`lenskit lens --out x.png` asks kaleido for the figure once, after one 100 px probe made before the work
-    (so a missing browser fails first, issue 29), and starts no server (each is a Chromium)."""
-    import kaleido
+    """`lenskit lens --out x.png` draws the figure once, after one 100 px probe made before the work (so a missing
+    browser fails first, issue 29), both in the one browser the process starts (each is a Chromium)."""
+    from lenses.plots import export
 
-    calls = {"calc": 0, "server": 0}
+    calls = {"calc": 0, "browsers": 0}
 
-    def calc(fig, opts=None, kopts=None):
-        calls["calc"] += 1
-        return b"\x89PNG\r\n\x1a\n" + b"\0" * 16
+    class Browser:
+        pid = os.getpid()
 
-    monkeypatch.setattr(kaleido, "calc_fig_sync", calc)
-    monkeypatch.setattr(kaleido, "start_sync_server", lambda *a, **k: calls.__setitem__("server", calls["server"] + 1))
-    assert main(["lens", PROMPT, "--model", str(tiny_folder), "--out", str(tmp_path / "x.png")]) == 0
-    assert calls == {"calc": 2, "server": 0}, calls  # the probe, then the figure
+        def __init__(self):
+            calls["browsers"] += 1
+
+        def render(self, fig, opts):
+            calls["calc"] += 1
+            return b"\x89PNG\r\n\x1a\n" + b"\0" * 16
+
+        def close(self):
+            pass
+
+    export.stop_export_browser()
+    monkeypatch.setattr(export, "_Browser", Browser)
+    try:
+        assert main(["lens", PROMPT, "--model", str(tiny_folder), "--out", str(tmp_path / "x.png")]) == 0
+    finally:
+        export.stop_export_browser()
+    assert calls == {"calc": 2, "browsers": 1}, calls  # the probe, then the figure
     assert (tmp_path / "x.png").read_bytes().startswith(b"\x89PNG")

@@ -57,3 +57,14 @@ def test_info_and_text_lens_import_no_plotting(tmp_path, default_model_path):
     lens = probe("lens", "import os", cwd=tmp_path)
     assert lens["rc"] == 0 and not {"plotly", "kaleido"} & set(lens["loaded"]), lens
     assert "torch" in lens["loaded"]  # the probe does see imports
+
+
+def test_version_is_the_installed_distributions_and_imports_nothing_heavy(tmp_path):
+    from importlib import metadata
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    code = ("import sys\nfrom lenses.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
+            f"print('LOADED', [m for m in {HEAVY!r} if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert done.stdout.splitlines()[0] == f"lenskit {metadata.version('lenskit-interp')}", done.stdout + done.stderr[-2000:]
+    assert "LOADED []" in done.stdout, done.stdout[-500:]

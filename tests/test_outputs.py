@@ -100,7 +100,7 @@ def test_the_bound_is_one_number_and_stated_in_help(capsys):
 def test_save_figure_refuses_a_size_past_the_canvas_before_rendering(tmp_path, monkeypatch, size):
     import plotly.graph_objects as go
 
-    monkeypatch.setattr("kaleido.calc_fig_sync", lambda *a, **k: pytest.fail("rendered a figure past the limit"))
+    monkeypatch.setattr(export, "_export_browser", lambda: pytest.fail("rendered a figure past the limit"))
     width, height, scale = size
     out = tmp_path / "x.png"
     with pytest.raises(export.FigureExportError, match="past the limit.*at most 8192 px"):
@@ -113,7 +113,10 @@ def test_save_figure_refuses_a_size_past_the_canvas_before_rendering(tmp_path, m
 def test_what_the_browser_returned_is_checked_before_it_is_written(tmp_path, monkeypatch, suffix, junk):
     import plotly.graph_objects as go
 
-    monkeypatch.setattr("kaleido.calc_fig_sync", lambda *a, **k: junk)
+    class Junk:  # a browser that returns junk
+        render = staticmethod(lambda fig, opts: junk)
+
+    monkeypatch.setattr(export, "_export_browser", lambda: Junk)
     out = tmp_path / f"x{suffix}"
     with pytest.raises(export.FigureExportError, match=f"{out.name} was not written.*not {suffix[1:].upper()}"):
         export.save_figure(go.Figure(), out)

@@ -190,10 +190,10 @@ def test_heatmap_window_and_layer_selection(traj):
         plots.logit_lens_heatmap(traj, size="poster")
 
 
-def test_long_tokens_wrap_without_rotation():
+def test_long_tokens_are_cut_on_one_line_without_rotation():
     labels, size = plots.token_labels(["    return", "a", "\n\n"], cell_px=30, font=14, max_chars=12)
-    assert size == 8 and labels[0].count("<br>") == 1 and "·" in labels[0] and labels[1] == "a"
-    assert labels[0].replace("<br>", "").replace("…", "") in "····return"
+    assert size == 8 and not any("<br>" in label for label in labels) and labels[1] == "a"
+    assert labels[0].endswith("…") and "····return".startswith(labels[0][:-1])
     roomy, big = plots.token_labels(["    return"], cell_px=200, font=14, max_chars=12)
     assert roomy == ["····return"] and big == 14
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
@@ -17,6 +18,7 @@ COMMANDS = {
     "cache": "cache",
     "train-sae": "train_sae",
     "features": "features",
+    "fit-jacobian": "fit_jacobian",
 }
 # The one-line help `lenskit --help` lists, so that listing the commands imports none of their modules
 # (they import torch, which takes seconds). Each module's add_parser uses the same line.
@@ -29,7 +31,20 @@ SUMMARY = {
     "cache": "export activations to sharded safetensors (resumes from --out)",
     "train-sae": "train a TopK SAE on a `lenskit cache` export (resumes from --out)",
     "features": "read an SAE feature's direction through lenses at every later stream",
+    "fit-jacobian": "fit a Jacobian lens on text or tokens (resumes from --out)",
 }
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose "invalid choice" says which choices are closest (subcommands included)."""
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        if action.choices is not None and value not in action.choices:
+            # difflib here rather than lenskit.suggest.did_you_mean: importing lenskit imports torch (seconds).
+            close = difflib.get_close_matches(str(value), list(map(str, action.choices)), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r}{hint} (choose from {', '.join(map(repr, action.choices))})")
+        super()._check_value(action, value)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -37,7 +52,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     With `command=None` every command is a stub, which is all that `lenskit --help` needs.
     """
-    parser = argparse.ArgumentParser(prog="lenskit", description="Read GPT-2's residual stream layer by layer.")
+    parser = Parser(prog="lenskit", description="Read GPT-2's residual stream layer by layer.")
+    parser.add_argument("--version", action="version", version=f"lenskit {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
         if name == command:
@@ -45,6 +61,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         else:
             sub.add_parser(name, help=SUMMARY[name], add_help=False)
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version (`lenskit-interp`); `lenskit.__version__` when run from a bare checkout."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("lenskit-interp")
+    except metadata.PackageNotFoundError:
+        from lenskit import __version__  # imports torch: only when no installed metadata says it
+
+        return __version__
 
 
 def _command(argv: list[str]) -> str | None:

@@ -22,7 +22,7 @@ from lenses.cli.devices import add_device_options, model_options
 def add_parser(subparsers, name: str) -> None:
     p = subparsers.add_parser(name, help="export activations to sharded safetensors (resumes from --out)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=lenskit.DEFAULT_MODEL, help="model folder, embedded model (stdlib-gpt2, stdlib-llama) or hub name (default: stdlib-gpt2)")
+    p.add_argument("--model", default="stdlib-gpt2", help="model folder, embedded model (stdlib-gpt2, stdlib-llama) or hub name (default: stdlib-gpt2)")
     p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="text files, folders or .jsonl")
     p.add_argument("--hooks", required=True, metavar="NAMES", help="comma-separated hooks, e.g. resid_post.6,resid_mid.12")
     p.add_argument("--out", required=True, metavar="FOLDER", help="where the shards and manifest.json go")

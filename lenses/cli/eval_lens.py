@@ -34,7 +34,7 @@ PLOT_LABELS = {"kl": "KL(final ‖ lens), nats", "ce": "cross-entropy, nats", "e
 def add_parser(subparsers, name: str) -> None:
     p = subparsers.add_parser(name, help="evaluate lenses side by side, per layer", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=lenskit.DEFAULT_MODEL, help="model folder, embedded model (stdlib-gpt2, stdlib-llama) or hub name (default: stdlib-gpt2)")
+    p.add_argument("--model", default="stdlib-gpt2", help="model folder, embedded model (stdlib-gpt2, stdlib-llama) or hub name (default: stdlib-gpt2)")
     p.add_argument("--lens", required=True, action="append", metavar="SPEC",
                    help=f"a lens, repeatable: {SPEC_HELP} (a FOLDER is a tuned or Jacobian lens, or tuned-lens' params.pt)")
     p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="held-out text files, folders or .jsonl")
@@ -149,7 +149,7 @@ def evaluate(args: argparse.Namespace, specs: list[str], card_folder: Path | Non
         m = args.plot_metric
         curves = summary[["lens", "layer", m, f"{m}_lo", f"{m}_hi"]].rename(columns={m: "mean", f"{m}_lo": "lo", f"{m}_hi": "hi"})
         fig = plots.layer_curves(curves, m, series="lens", ylabel=PLOT_LABELS[m], log_y=m == "kl",
-                                 title=f"lenses on {Path(args.model).name or args.model}, {n_tokens:,} tokens")
+                                 title=f"lenses on {model.cfg.name}, {n_tokens:,} tokens")
         plots.save_figure(fig, args.out)
         print(f"wrote {args.out}")
     if card_folder is not None:

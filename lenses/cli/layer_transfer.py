@@ -78,8 +78,7 @@ def run_layer_transfer(args: argparse.Namespace, model: "HookedTransformer", len
     if args.layer_transfer_out:
         from .. import plots
 
-        name = Path(args.model).name or args.model
         fig = plots.transfer_heatmap(transfer_penalty(matrix),
-                                     title=f"layer transfer penalty, {name}, {matrix.attrs['n_tokens']:,} tokens")
+                                     title=f"layer transfer penalty, {model.cfg.name}, {matrix.attrs['n_tokens']:,} tokens")
         plots.save_figure(fig, args.layer_transfer_out)
         print(f"wrote {args.layer_transfer_out}")

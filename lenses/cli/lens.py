@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
                     "top-1 next-token prediction at every position.",
     )
     p.add_argument("prompt", metavar="PROMPT", help=r"the text to read; write a newline as \n in the shell with $'...'")
-    p.add_argument("--model", default=lenskit.DEFAULT_MODEL,
+    p.add_argument("--model", default="stdlib-gpt2",
                    help="model folder (a Hugging Face layout), embedded model (stdlib-gpt2, stdlib-llama) or hub name; "
                         "default: stdlib-gpt2")
     p.add_argument("--lens", action="append", metavar="SPEC",
@@ -33,6 +33,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--out", metavar="FILE", help="write the heatmap to FILE.html (plotly.js inlined, about 5 MB, opens "
                                                  "offline), .png (300 dpi with --size), .svg or .pdf")
     p.add_argument("--csv", metavar="FILE", help="write one row per (layer, position) to FILE")
+    p.add_argument("--html", metavar="FILE", help="write an interactive view to FILE.html: each lens's table (hover for the "
+                                                  "top-k, click to pin) and the attention patterns; opens offline")
     p.add_argument("--color", choices=COLORS, default="prob",
                    help="heatmap colour: top-1 prob, entropy, KL(final||lens) or rank of the next token (default prob)")
     add_device_options(p)
@@ -52,11 +54,13 @@ def run(args: argparse.Namespace) -> int:
     if args.top_k < 1:
         raise ValueError(f"--top-k must be at least 1, got {args.top_k}")
     options = model_options(args)
-    if args.model == lenskit.DEFAULT_MODEL and not (Path(args.model) / "config.json").exists():
-        raise FileNotFoundError(f"the embedded model is missing at {args.model}; reinstall lenskit or pass --model FOLDER")
     # Outputs before any work: a path that cannot take the file, or no browser for a PNG, is an error now.
     if args.csv:
         check_output_file(args.csv, "the --csv table", pipe_ok=True)
+    if args.html:
+        if Path(args.html).suffix.lower() not in (".html", ".htm"):
+            raise ValueError(f"--html writes an HTML view; expected a name ending in .html, got {args.html!r}")
+        check_output_file(args.html, "the --html view")
     check_figure_output(args.out)
     model = lenskit.HookedTransformer.from_pretrained(args.model, **options)
     if model.tokenizer is None:
@@ -87,9 +91,14 @@ def run(args: argparse.Namespace) -> int:
             fig = plots.lens_stack(frames, color=args.color, title=args.title, **sizes, **options)
         plots.save_figure(fig, args.out)  # FigureExportError (an OSError): one line, exit 2
     for name, traj in trajs.items():
-        print(f"{name} lens, {Path(args.model).name or args.model}: top-1 prediction after each block "
+        print(f"{name} lens, {model.cfg.name}: top-1 prediction after each block "
               f"(layer 0 = embeddings, layer {traj.n_layers} = the model's output)")
         print(format_table(frames[name]))
+    if args.html:
+        from lenses.view import View, attention_patterns
+
+        View(frames, attention_patterns(model, args.prompt), title=f"{model.cfg.name}: {args.prompt[:60]!r}").save(args.html)
+        print(f"wrote {args.html}")
     if args.csv:
         print(f"wrote {args.csv} ({len(frame)} rows)")
     if args.out:

@@ -31,7 +31,7 @@ DEFAULT = Recipe()  # every option's default is the recipe's own
 def add_parser(subparsers, name: str) -> None:
     p = subparsers.add_parser(name, help="train a tuned lens (resumes from --out)", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=lenskit.DEFAULT_MODEL, help="model folder, embedded model (stdlib-gpt2, stdlib-llama) or hub name (default: stdlib-gpt2)")
+    p.add_argument("--model", default="stdlib-gpt2", help="model folder, embedded model (stdlib-gpt2, stdlib-llama) or hub name (default: stdlib-gpt2)")
     p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="text files, folders (.py/.txt/.md/... inside) or .jsonl")
     p.add_argument("--out", required=True, metavar="FOLDER", help="where checkpoints and the finished lens go")
     p.add_argument("--steps", type=int, default=DEFAULT.steps,

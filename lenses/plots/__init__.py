@@ -8,7 +8,7 @@ Modules: `style` (fonts, colours, token labels), `export` (`save_figure` to .htm
 """
 
 from .style import COLORS, FONT, MONO, PAPER, PRINT_DPI, SIZES, display_token, token_labels
-from .export import (EXPORT_TIMEOUT_S, STATIC_FORMATS, check_static_export, export_session, figure_title, save_figure,
+from .export import (EXPORT_TIMEOUT_S, STATIC_FORMATS, check_static_export, export_session, figure_title, save_figure, stop_export_browser,
                      save_figures, set_pdf_title)
 from .lens import HEATMAP_CELL, HEATMAP_COLORS, KL_FLOOR, layer_curves, lens_stack, logit_lens_heatmap, select_window
 from .anatomy import attribution_bars, growth_curves, head_attribution_heatmap, resid_norm_curves, share_bars
@@ -47,6 +47,7 @@ __all__ = [
     "resid_norm_curves",
     "save_figure",
     "save_figures",
+    "stop_export_browser",
     "select_window",
     "set_pdf_title",
     "share_bars",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import html
 import os
 import re
@@ -90,33 +91,92 @@ def set_pdf_title(pdf: bytes, title: str) -> bytes:
     return body + obj + xref
 
 
-_sessions = 0
+class _Browser:
+    """The process's one headless Chrome (a kaleido.Kaleido), started by the first static export and reused by every
+    later one; it runs on an event loop in a daemon thread of its own, and is closed at exit (atexit) or by
+    `stop_export_browser()`. Renders are one at a time (a lock), as the one tab is."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import threading
+
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="lenskit-figure-export", daemon=True)
+        self.thread.start()
+        try:
+            self.kaleido = self._call(self._open())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    async def _open(self):
+        import kaleido
+
+        # mathjax=False: kaleido otherwise loads MathJax from a CDN, which hangs or fails offline.
+        # timeout: seconds per image; kaleido's default of 90 is too short on a busy 2-core CI machine.
+        k = kaleido.Kaleido(mathjax=False, timeout=EXPORT_TIMEOUT_S)
+        await k.open()
+        return k
+
+    def _call(self, coroutine):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def render(self, fig: dict, opts: dict) -> bytes:
+        with self.lock:
+            return self._call(self.kaleido.calc_fig(fig, opts=opts))
+
+    def close(self) -> None:
+        with self.lock:
+            try:
+                self._call(self.kaleido.close())
+            finally:
+                self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+
+
+_browser: _Browser | None = None
+
+
+def _export_browser() -> _Browser:
+    """The process's browser, started now if it is not running (nor inherited from a parent process by a fork)."""
+    global _browser
+    if _browser is None or _browser.pid != os.getpid():
+        from kaleido.errors import ChromeNotFoundError
+
+        try:
+            _browser = _Browser()
+        except ChromeNotFoundError:
+            raise FigureExportError(_no_chrome_message("static export")) from None
+        atexit.register(stop_export_browser)
+    return _browser
+
+
+def stop_export_browser() -> None:
+    """Close the browser that static exports share (the next export starts another); also run at exit."""
+    global _browser
+    browser, _browser = _browser, None
+    if browser is not None and browser.pid == os.getpid():
+        browser.close()
 
 
 @contextmanager
 def export_session() -> Iterator[None]:
-    """Reuse one headless Chrome for every static export in the block (otherwise each export starts its own).
+    """Start the shared browser now, so that the block's first export does not pay for it. Every static export of a
+    process reuses one browser, in a block or not; it stays open until exit or `stop_export_browser()`.
 
     >>> with export_session():
     ...     for suffix in (".png", ".svg", ".pdf"):
     ...         save_figure(fig, "figures/lens" + suffix)
     """
-    import kaleido
-    from kaleido.errors import ChromeNotFoundError
-
-    global _sessions
-    if _sessions == 0:
-        try:
-            kaleido.start_sync_server(mathjax=False, timeout=EXPORT_TIMEOUT_S, silence_warnings=True)
-        except ChromeNotFoundError:
-            raise FigureExportError(_no_chrome_message("static export")) from None
-    _sessions += 1
-    try:
-        yield
-    finally:
-        _sessions -= 1
-        if _sessions == 0:
-            kaleido.stop_sync_server(silence_warnings=True)
+    _export_browser()
+    yield
 
 
 def _no_chrome_message(what: str) -> str:
@@ -162,21 +222,17 @@ def check_rendered(data: bytes, fmt: str, path: str | os.PathLike) -> None:
 
 
 def _render_static(fig: go.Figure, fmt: str, width: int | None, height: int | None, scale: float | None) -> bytes:
-    import kaleido
-    from kaleido.errors import ChromeNotFoundError
-
     layout = fig.layout
     meta = layout.meta if isinstance(layout.meta, dict) else {}
     opts = dict(format=fmt, width=width or layout.width or 900, height=height or layout.height or 500,
                 scale=scale or (meta.get("export_scale", 2) if fmt == "png" else 1))
     check_figure_size(opts["width"], opts["height"], opts["scale"] if fmt == "png" else 1)
+    browser = _export_browser()
     try:
-        # mathjax=False: kaleido otherwise loads MathJax from a CDN, which hangs or fails offline.
-        # timeout: seconds per image; kaleido's default of 90 is too short on a busy 2-core CI machine.
-        kopts = None if _sessions else dict(mathjax=False, timeout=EXPORT_TIMEOUT_S)  # a session was started with these
-        return kaleido.calc_fig_sync(fig.to_dict(), opts=opts, kopts=kopts)
-    except ChromeNotFoundError:
-        raise FigureExportError(_no_chrome_message(f"exporting {fmt.upper()}")) from None
+        return browser.render(fig.to_dict(), opts)
+    except Exception:
+        stop_export_browser()  # a browser that failed once is not trusted with the next figure: the next one starts anew
+        raise
 
 
 def save_figures(figures: dict[str, go.Figure], folder: str | os.PathLike, formats: str | Sequence[str]) -> list[Path]:

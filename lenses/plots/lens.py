@@ -26,6 +26,8 @@ HEATMAP_COLORS = {
 
 
 HEATMAP_CELL = (72, 44)  # px per position and per layer when nothing caps the size: 6 characters of 16 px monospace
+MIN_LABELLED_CELL = 19  # px: a column that still shows 3 characters of 8 px monospace (style.fit_text)
+STACK_GROWTH = 0.6  # a size preset's height grows by this share for every lens stacked under the first
 KL_FLOOR = 0.01  # nats; the KL colour scale is logarithmic, and smaller values share its lightest colour
 
 
@@ -58,6 +60,9 @@ def logit_lens_heatmap(data: Any, color: str = "prob", *, batch: int = 0, title:
     missing = [c for c in needed if c not in frame.columns]
     if missing:
         raise KeyError(f"the frame lacks columns {missing}; pass Trajectory.to_frame() output")
+    caption = ""
+    if positions is None and last is None:  # too many positions to label: the last ones that can be, said so
+        frame, caption = _last_that_fit(frame, size, width, layers)
     frame = select_window(frame, positions=positions, last=last, layers=layers)
     layers = np.sort(frame["layer"].unique())
     positions = np.sort(frame["position"].unique())
@@ -86,7 +91,7 @@ def logit_lens_heatmap(data: Any, color: str = "prob", *, batch: int = 0, title:
     font = font_size(w, h)
     has_targets = "target_token" in frame.columns
     margin = dict(l=round(4.5 * font), r=round(1.5 * font), b=round(3.5 * font),
-                  t=round((2.4 if title else 0.8) * font + (3.2 * font if has_targets else 0)))
+                  t=round((2.2 if title else 0.8) * font + (3.2 * font if has_targets else 0)))
     cell_w = (w - margin["l"] - margin["r"] - 4.5 * font) / len(positions)  # 4.5 em for the colour bar
     cell_h = (h - margin["t"] - margin["b"] - 3 * font) / len(layers)  # up to 3 em for two lines of tick labels
 
@@ -108,9 +113,9 @@ def logit_lens_heatmap(data: Any, color: str = "prob", *, batch: int = 0, title:
     # Both x axes get the same fixed range (`matches` with `overlaying` breaks plotly.js's static export).
     xrange = [float(positions[0]) - 0.5, float(positions[-1]) + 0.5]
     fig.update_layout(
-        template=PAPER, title=dict(text=title, x=0.0, xref="paper", xanchor="left", font=dict(size=1.15 * font)) if title else None,
+        template=PAPER, title=top_title(title, font),
         width=w, height=h, margin=margin, font=dict(size=font), meta=print_meta(size),
-        xaxis=dict(title=dict(text="input token", standoff=0.4 * font), range=xrange, tickmode="array", tickvals=positions,
+        xaxis=dict(title=dict(text=f"input token{caption}", standoff=0.4 * font), range=xrange, tickmode="array", tickvals=positions,
                    ticktext=xticks, tickfont=dict(family=MONO, size=tick_font), tickangle=0, showline=False, ticks="",
                    automargin=True),
         yaxis=dict(title=dict(text="layer"), tickmode="array", tickvals=layers,
@@ -130,6 +135,27 @@ def logit_lens_heatmap(data: Any, color: str = "prob", *, batch: int = 0, title:
     return fig
 
 
+def top_title(title: str | None, font: float) -> dict | None:
+    """A figure title at the top edge, left-aligned with the plot, in the band the top margin keeps for it."""
+    if not title:
+        return None
+    return dict(text=title, x=0.0, xref="paper", xanchor="left", y=1.0, yref="container", yanchor="top",
+                pad=dict(t=round(0.4 * font)), font=dict(size=1.15 * font))
+
+
+def _last_that_fit(frame: pd.DataFrame, size: str | None, width: int | None, layers: Sequence[int] | None) -> tuple[pd.DataFrame, str]:
+    """The frame cut to the last positions whose token labels fit the figure's width, and the caption that says so
+    (empty when every position fits)."""
+    all_positions = np.sort(frame["position"].unique())
+    w, _ = figure_size(size, width, None, default=(min(NOTEBOOK_WIDTH, 190 + HEATMAP_CELL[0] * len(all_positions)), 500))
+    font = font_size(w, 500)
+    room = w - 6 * font - 4.5 * font  # the side margins and the colour bar, as logit_lens_heatmap lays them out
+    fit = max(1, int(room // MIN_LABELLED_CELL))
+    if len(all_positions) <= fit:
+        return frame, ""
+    return frame[frame["position"].isin(all_positions[-fit:])], f" (last {fit} of {len(all_positions)} positions)"
+
+
 def lens_stack(data: Mapping[str, Any], color: str = "prob", *, title: str | None = None, size: str | None = None,
                width: int | None = None, height: int | None = None, **window: Any) -> go.Figure:
     """Several lenses' heatmaps of one prompt, one above the other, on one shared colour scale.
@@ -146,28 +172,45 @@ def lens_stack(data: Mapping[str, Any], color: str = "prob", *, title: str | Non
 
     if not data:
         raise ValueError("lens_stack needs at least one lens's trajectory")
-    panels = {name: logit_lens_heatmap(d, color, **window) for name, d in data.items()}
+    n = len(data)
+    probe = logit_lens_heatmap(next(iter(data.values())), color, size=size, width=width, **window)
+    default_h = min(2400, probe.layout.height * n)
+    if height is None and size is not None:  # a preset's height is one panel's: each lens stacked adds a share
+        height = round(probe.layout.height * (1 + STACK_GROWTH * (n - 1)))
+    w, h = figure_size(size, width, height, default=(probe.layout.width, default_h))
+    panel_h = max(150, round(h / n))
+    panels = {name: logit_lens_heatmap(d, color, width=w, height=panel_h, **window) for name, d in data.items()}
     traces = [fig.data[0] for fig in panels.values()]
     lows = [tr.zmin for tr in traces if tr.zmin is not None]
     zmin = min(lows) if lows else None
     widest = max(traces, key=lambda tr: -math.inf if tr.zmax is None else tr.zmax)
     first = next(iter(panels.values()))
-    w, h = figure_size(size, width, height, default=(first.layout.width, min(2400, sum(f.layout.height for f in panels.values()))))
-    font = font_size(w, h)
-    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=min(0.08, 0.3 / len(panels)),
+    font = first.layout.font.size
+    margin = dict(l=round(4.5 * font), r=round(1.5 * font), b=round(3.5 * font), t=round((3.4 if title else 2.0) * font))
+    spacing = min(0.08, 0.3 / n, 2.2 * font / h)  # room for the next panel's title
+    fig = make_subplots(rows=n, cols=1, shared_xaxes=True, vertical_spacing=spacing,
                         subplot_titles=[f"{name} lens" for name in panels])
+    # The px one panel gets, less up to three lines of tick labels under the bottom one.
+    panel_px = ((h - margin["t"] - margin["b"] - 3 * font) * (1 - spacing * (n - 1))) / n
     for row, (panel, trace) in enumerate(zip(panels.values(), traces), start=1):
         trace.update(zmin=zmin, zmax=widest.zmax, showscale=row == 1,
                      colorbar=widest.colorbar.to_plotly_json() | dict(len=1.0, y=0.5, yanchor="middle"))
+        rows = len(panel.layout.yaxis.tickvals)
+        if trace.texttemplate and panel_px / rows < 1.3 * trace.textfont.size:  # rows too thin for their text
+            trace.update(texttemplate=None)
         fig.add_trace(trace, row=row, col=1)
-        fig.update_yaxes(row=row, col=1, **{k: panel.layout.yaxis[k] for k in ("tickmode", "tickvals", "ticktext", "title")})
+        step = math.ceil(1.3 * font * rows / max(panel_px, 1))  # label every step-th layer where rows are thin
+        ticktext = [t if i % step == 0 else "" for i, t in enumerate(panel.layout.yaxis.ticktext)]
+        fig.update_yaxes(row=row, col=1, ticktext=ticktext, **{k: panel.layout.yaxis[k] for k in ("tickmode", "tickvals")},
+                         title=dict(text="layer" if row == (n + 1) // 2 else None))
     bottom = first.layout.xaxis
-    fig.update_xaxes(row=len(panels), col=1, **{k: bottom[k] for k in ("title", "tickmode", "tickvals", "ticktext", "tickfont")})
+    fig.update_xaxes(row=len(panels), col=1, automargin=True, title=dict(text=bottom.title.text, standoff=0.8 * font),
+                     **{k: bottom[k] for k in ("tickmode", "tickvals", "ticktext", "tickfont")})
     fig.update_xaxes(range=list(bottom.range), showline=False, ticks="")
     fig.update_yaxes(showline=False, ticks="")
-    fig.update_layout(template=PAPER, width=w, height=h, font=dict(size=font), meta=print_meta(size),
-                      margin=dict(l=round(4.5 * font), r=round(1.5 * font), b=round(3.5 * font), t=round((3.4 if title else 2.0) * font)),
-                      title=dict(text=title, x=0.0, xref="paper", xanchor="left", font=dict(size=1.15 * font)) if title else None)
+    fig.update_annotations(font=dict(size=font))  # the panels' titles
+    fig.update_layout(template=PAPER, width=w, height=h, font=dict(size=font), meta=print_meta(size), margin=margin,
+                      title=top_title(title, font))
     return fig
 
 

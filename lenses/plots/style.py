@@ -72,21 +72,17 @@ def fit_text(cell_px: float, chars: int, largest: float, smallest: float = 8.0) 
 
 def token_labels(tokens: list[str], cell_px: float, font: float, max_chars: int,
                   blank_empty: bool = False) -> tuple[list[str], float]:
-    """Tick labels that fit a column `cell_px` wide, never rotated: the largest font up to `font` that fits
-    each token on one line; else 8 px with long tokens wrapped onto two lines (cut with '…' beyond);
-    else, for very narrow columns, every k-th label. Returns the labels (HTML) and their font size."""
+    """Tick labels that fit a column `cell_px` wide, never rotated and never wrapped inside a token: the largest
+    font up to `font` that fits each token on one line; else 8 px with long tokens cut with '…'; else, for very
+    narrow columns, every k-th label. Returns the labels (HTML) and their font size."""
     shown = ["" if blank_empty and t == "" else show_token(t, max_chars) for t in tokens]
     longest = max((len(t) for t in shown), default=1)
     size = fit_text(cell_px, longest, font)
     if size is not None:
         return [html.escape(t, quote=False) for t in shown], size
     per_line = max(1, int(0.9 * (cell_px - 2) / (MONO_EM * 8)))
-    labels = []
-    for t in shown:
-        lines = [t[i:i + per_line] for i in range(0, len(t), per_line)] or [""]
-        if len(lines) > 2:
-            lines = [lines[0], lines[1][:-1] + "…"] if per_line > 1 else [lines[0], "…"]
-        labels.append("<br>".join(html.escape(line, quote=False) for line in lines))
+    cut = [t if len(t) <= per_line else (t[: per_line - 1] + "…" if per_line > 1 else t[:1]) for t in shown]
+    labels = [html.escape(t, quote=False) for t in cut]
     if per_line < 2:  # under two characters a column: label every k-th position only
         step = math.ceil((2 * MONO_EM * 8 + 2) / max(cell_px, 1))  # columns that two characters need
         labels = [label if i % step == 0 else "" for i, label in enumerate(labels)]

@@ -82,11 +82,9 @@ def resolve_hook(n_layers: int, hook_dict: dict, spec: str) -> str:
         except (KeyError, ValueError):
             name = spec
     if name not in hook_dict:
-        import difflib
+        from ..suggest import hook_hint
 
-        close = difflib.get_close_matches(name, list(hook_dict), n=3, cutoff=0.5)
-        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else "; see model.hook_dict for all names"
-        raise KeyError(f"unknown hook name {spec!r}{hint}")
+        raise KeyError(f"unknown hook name {spec!r}{hook_hint(spec, hook_dict)}")
     layout = hook_layout(name)
     if layout != "per-token":
         raise ValueError(f"{name} is not one vector per token (it is {layout}: {' '.join(HOOK_AXES[layout])}), so it "

@@ -135,14 +135,16 @@ def decode_text(path: Path, raw: bytes, max_bad_fraction: float = 0.01) -> str:
 def read_documents(paths: Sequence[str | Path], text_field: str = "text") -> tuple[list[Document], dict]:
     """Read every file (see `list_files`) into documents; JSONL gives one document per record's `text_field`.
 
-    Returns the documents and the provenance: each file's path, size and sha256, plus one sha256
-    over all of them in order, which identifies the data as a whole.
+    Returns the documents and the provenance: each file's path (`portable_path`), size and sha256, plus one
+    sha256 over all of them in order, which identifies the data as a whole, wherever it lies.
     """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
     docs: list[Document] = []
     records = []
-    for f in list_files(paths):
+    for f, recorded in ((f, portable_path(f, given)) for given in paths for f in list_files([given])):
         raw = read_bytes(f, what="a text or .jsonl data file")
-        records.append({"path": f.as_posix(), "bytes": len(raw), "sha256": _sha256(raw)})
+        records.append({"path": recorded, "bytes": len(raw), "sha256": _sha256(raw)})
         if f.suffix.lower() == ".jsonl":
             for i, line in enumerate(decode_text(f, raw).splitlines(), start=1):
                 if not line.strip():
@@ -159,13 +161,28 @@ def read_documents(paths: Sequence[str | Path], text_field: str = "text") -> tup
             docs.append(Document(f.as_posix(), decode_text(f, raw)))
     combined = _sha256("\n".join(f"{r['path']} {r['sha256']}" for r in records).encode())
     provenance = {
-        "inputs": [Path(p).as_posix() for p in paths],
+        "inputs": [portable_path(Path(p), p) for p in paths],
         "n_files": len(records),
         "bytes": sum(r["bytes"] for r in records),
         "sha256": combined,
         "files": records,
     }
     return docs, provenance
+
+
+def portable_path(f: Path, given: str | Path) -> str:
+    """How provenance names file `f`, found under the input `given`, with no absolute path of this machine: a
+    relative input as given, an absolute one by its path from the working directory when it is below it, else by
+    its own name; a file in a folder as that name plus its path inside the folder."""
+    given = Path(given).expanduser()
+    label = given
+    if given.is_absolute():
+        try:
+            label = given.resolve().relative_to(Path.cwd().resolve())
+        except ValueError:
+            label = Path(given.name)
+    inside = Path(f).relative_to(given) if Path(f) != given else Path()
+    return (label / inside).as_posix()
 
 
 def eos_id(tokenizer: "PreTrainedTokenizerBase") -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..families import PRESETS
 from .files import file_kind
+from ..suggest import did_you_mean
 from .hubcache import HubCacheError, check_cached_file, check_ref, check_snapshot
 
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json", "vocab.json",
@@ -21,6 +22,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 # The models that ship inside the package, by short name -> folder beside this package's parent.
 EMBEDDED_MODELS = {"stdlib-gpt2": "default_model", "stdlib-llama": "stdlib_llama"}
+# TransformerLens's own names that are no hub repository, -> the repository they name there.
+TRANSFORMER_LENS_NAMES = {"gpt2-small": "openai-community/gpt2"}
 
 
 def embedded_model_folder(name: str) -> Path:
@@ -28,6 +31,21 @@ def embedded_model_folder(name: str) -> Path:
     if name not in EMBEDDED_MODELS:
         raise KeyError(f"no embedded model named {name!r}; lenskit ships {sorted(EMBEDDED_MODELS)}")
     return Path(__file__).resolve().parents[1] / EMBEDDED_MODELS[name]
+
+
+def model_label(name_or_path: str | os.PathLike, folder: Path) -> str:
+    """The name lenskit writes for a model (cfg.name: cards, provenance, figures, errors), the same on every machine:
+    an embedded model's short name, a hub name as given, a relative folder as given, and an absolute folder by its
+    own name, since the machine's path means nothing elsewhere (the fingerprint identifies the weights)."""
+    resolved = folder.resolve()
+    short = next((name for name in EMBEDDED_MODELS if embedded_model_folder(name) == resolved), None)
+    if short is not None:
+        return short
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if not path.exists():
+        return text  # a hub name, resolved through the cache
+    return folder.name if path.is_absolute() else path.as_posix()
 
 
 def resolve_model_folder(name_or_path: str | os.PathLike) -> Path:
@@ -56,6 +74,10 @@ def resolve_model_folder(name_or_path: str | os.PathLike) -> Path:
         raise NotADirectoryError(f"{text} is {kind}; pass the folder that holds config.json and the weights")
     if not _HUB_ID.match(text) or text.startswith((".", "~")):
         raise FileNotFoundError(f"no folder at {text}; pass a Hugging Face model folder or a hub name")
+    near = did_you_mean(text, EMBEDDED_MODELS, cutoff=0.8) if "/" not in text else ""
+    if near:  # a misspelt embedded model: say so before any hub lookup
+        raise FileNotFoundError(f"no model named {text!r}{near} lenskit ships {', '.join(EMBEDDED_MODELS)}; "
+                                "a hub name carries its organisation (openai-community/gpt2)")
     return _from_hub(text)
 
 
@@ -98,10 +120,17 @@ def _from_hub(name: str) -> Path:
             reason = f"download failed: {type(e).__name__}: {e}"
         else:
             return check_snapshot(cache_dir, candidates[-1], snapshot)
+    repo_id = TRANSFORMER_LENS_NAMES.get(name, candidates[-1])
+    where = f"{name!r} is not a local folder, and not in the local Hugging Face cache ({cache_dir or 'default location'})"
+    if name in TRANSFORMER_LENS_NAMES:
+        where += f"; it is TransformerLens's name for the hub's {repo_id}"
+    elif "/" not in repo_id:  # a bare name that is no hub repository lenskit knows: no download to advise
+        known = [*EMBEDDED_MODELS, *TRANSFORMER_LENS_NAMES, *(p for p in PRESETS if PRESETS[p].family == "gpt2")]
+        raise OSError(f"{where}, and it could not be fetched ({reason}){did_you_mean(name, known)}; pass a local "
+                      "folder, or a hub name with its organisation (openai-community/gpt2, EleutherAI/pythia-70m)")
     raise OSError(
-        f"{name!r} is not a local folder, and not in the local Hugging Face cache ({cache_dir or 'default location'}); it could not be "
-        f"fetched ({reason}). Pass a local folder instead: on a machine with network, run "
-        f"`hf download {candidates[-1]}` (or save_pretrained a model), copy the folder here, then "
+        f"{where}; it could not be fetched ({reason}). Pass a local folder instead: on a machine with network, run "
+        f"`hf download {repo_id}` (or save_pretrained a model), copy the folder here, then "
         "HookedTransformer.from_pretrained('/path/to/folder')"
     )
 

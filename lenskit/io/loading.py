@@ -25,7 +25,7 @@ from ..families import family_of
 from ..placement import Placement, resolve_placement
 from .files import check_output_file, check_regular_file, read_json_object
 # Where a model's folder is (embedded, local or the hub cache): lenskit.io.hub, re-exported for older imports.
-from .hub import EMBEDDED_MODELS, embedded_model_folder, resolve_hub_file, resolve_model_folder  # noqa: F401
+from .hub import EMBEDDED_MODELS, embedded_model_folder, model_label, resolve_hub_file, resolve_model_folder  # noqa: F401
 from .mapped import WeightFiles
 from .mxfp4 import check_quantization_config, dequantize_checkpoint
 from .tokenizer import TOKENIZER_FILES, load_tokenizer, save_tokenizer
@@ -256,7 +256,7 @@ def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathL
     files.confirm()
     # The config's layer count is checked against the blocks the tensor names hold before anything scales with it;
     # its quantization_config is refused unless it is MXFP4 in a family that has it (gpt-oss).
-    cfg = ModelConfig.from_hf_config(config, name=str(name_or_path), tensor_names=raw)
+    cfg = ModelConfig.from_hf_config(config, name=model_label(name_or_path, folder), tensor_names=raw)
     if check_quantization_config(config):
         raw = dequantize_checkpoint(raw, dtype)
     placement = resolve_placement(cfg, device, device_map, max_memory, dtype)

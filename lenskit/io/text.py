@@ -209,7 +209,8 @@ class TextMethods:
         `truncate` keeps the first n_ctx tokens (TransformerLens's default); without it a forward refuses a longer
         prompt. `padding_side` may only be "right" (see README, "Coming from TransformerLens").
 
-        >>> model.to_tokens("Hello world")   # GPT-2's tokenizer: tensor([[15496, 995]])
+        >>> model.to_tokens("Hello world")   # stdlib-gpt2's tokenizer; GPT-2's gives tensor([[15496, 995]])
+        tensor([[3876, 1245, 1127]])
         """
         tok = self._need_tokenizer()
         texts = [text] if isinstance(text, str) else list(text)

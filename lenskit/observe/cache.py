@@ -4,16 +4,16 @@ TransformerLens does, `compute_head_results`)."""
 
 from __future__ import annotations
 
-import difflib
 import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Iterator
 
 import torch
 
+from ..suggest import closest_hook_names, hook_hint
 from .cache_components import ComponentStacks
 from .cache_resid import ResidStacks
-from .names import ALIASES, NORM_SHORT, TOP_SHORT, get_act_name, hook_name
+from .names import ALIASES, BLOCK_SHORT, NORM_SHORT, TOP_SHORT, get_act_name, hook_name
 from .slices import PosSlice, Slice, as_int
 from .stream import Stream, as_stream, check_layer
 
@@ -78,7 +78,7 @@ class ActivationCache(ResidStacks, ComponentStacks, Mapping):
         try:
             return self._store[name]
         except KeyError:
-            close = difflib.get_close_matches(name, list(self._store), n=3, cutoff=0.5)
+            close = closest_hook_names(name, self._store)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             raise KeyError(f"{name!r} is not in this cache ({len(self._store)} entries){hint}") from None
 
@@ -97,6 +97,8 @@ class ActivationCache(ResidStacks, ComponentStacks, Mapping):
             layer = check_layer(layer if index is None else index, self.n_layers)
             if len(key) == 3 or ALIASES.get(short, short) in (*NORM_SHORT, *TOP_SHORT):
                 return get_act_name(short, layer, layer_type)
+            if ALIASES.get(short, short) not in BLOCK_SHORT:  # this cache's names, closest first, not every family's
+                raise KeyError(f"unknown short hook name {short!r}{hook_hint(f'{short}.{layer}', self._store)}")
             return hook_name(ALIASES.get(short, short), layer, self.n_layers)
         if not isinstance(key, str):
             hint = "; cache.stream(l) reads the stream after l blocks" if type(key) is int else ""

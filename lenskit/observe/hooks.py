@@ -15,7 +15,6 @@ methods for any subclass are in lenskit.observe.hook_admin.
 
 from __future__ import annotations
 
-import difflib
 import re
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from .backward import BACKWARD_HOOKS, Attachment, attach_backward, check_gradients_possible
+from ..suggest import hook_hint
 from .hook_admin import HookAdmin
 from .recording import RECORDING, CacheRecording  # noqa: F401  (CacheRecording: imported from here too)
 
@@ -251,9 +251,7 @@ class HookedRootModule(HookAdmin, nn.Module):
 
     # ----------------------------------------------------------- name lookup
     def _unknown(self, name: str) -> KeyError:
-        close = difflib.get_close_matches(name, list(self.hook_dict), n=3, cutoff=0.5)
-        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else "; see model.hook_dict for all names"
-        return KeyError(f"unknown hook name {name!r}{hint}")
+        return KeyError(f"unknown hook name {name!r}{hook_hint(name, self.hook_dict)}")
 
     def hook_names(self, names_filter: NamesFilter = None) -> list[str]:
         """The hook names a filter selects, in module order (the order of `hook_dict`).

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 
+from ..suggest import did_you_mean
 from .stream import POINTS, block_hook_name, check_layer
 
 # Short name -> the hook's path inside block `layer`: the stream points, then attention, MLP and norms.
@@ -57,7 +58,7 @@ def hook_name(short: str, layer: int | None = None, n_layers: int | None = None)
     if layer is None:
         return short
     if short not in BLOCK_SHORT:
-        raise KeyError(f"unknown short hook name {short!r}; known: {sorted(BLOCK_SHORT)}")
+        raise KeyError(f"unknown short hook name {short!r}{did_you_mean(short, BLOCK_SHORT)}; known: {sorted(BLOCK_SHORT)}")
     if isinstance(layer, bool) or not isinstance(layer, int):
         raise TypeError(f"a layer must be an int, got {layer!r}")
     if n_layers is not None:
@@ -97,7 +98,7 @@ def get_act_name(name: str, layer: int | None = None, layer_type: str | None = N
         return TOP_SHORT[name]
     if name not in BLOCK_SHORT:
         known = sorted({*BLOCK_SHORT, *TOP_SHORT, *ALIASES, *NORM_SHORT} - {"scale1", "scale2", "normalized1", "normalized2"})
-        raise KeyError(f"unknown activation name {name!r}; known short names: {', '.join(known)}")
+        raise KeyError(f"unknown activation name {name!r}{did_you_mean(name, known)}; known short names: {', '.join(known)}")
     if layer is None:
         raise ValueError(f"{name!r} lives in every block; pass a layer, e.g. get_act_name({name!r}, 0)")
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:

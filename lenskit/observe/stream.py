@@ -4,6 +4,7 @@ This module is the one place that spells residual-stream hook names (`blocks.{la
 checks a layer against a model and turns what users type ("3", "resid_mid.3") into a location.
 
 >>> Stream(3)                          # the stream after 3 blocks: blocks.3.hook_resid_pre
+Stream(layer=3, point='resid_pre')
 >>> Stream(3, "resid_mid").hook_name(n_layers=6)
 'blocks.3.hook_resid_mid'
 >>> Stream.parse("resid_mid.3") == Stream(3, "resid_mid")
