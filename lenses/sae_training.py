@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from lenskit.io.data import portable_path
 from lenskit.io.activations import ActivationDataset
 from lenskit.saes import SAE, SAEConfig
 
@@ -212,7 +213,7 @@ def train_sae(activations: str | Path, hook: str | None, out: str | Path, recipe
     trainer = _Trainer(rows, recipe, out, torch.device(device))
     weights = trainer.run(progress)
     sae = folded_sae(weights, rows.hook, recipe.k, short_model_name(rows.manifest.get("model_name")))
-    meta = {"hook": rows.hook, "model_name": sae.cfg.model_name or "the model", "activations": str(activations),
+    meta = {"hook": rows.hook, "model_name": sae.cfg.model_name or "the model", "activations": portable_path(Path(activations), activations),
             "training_tokens": trainer.steps * recipe.batch_windows * rows.ctx, "recipe": asdict(recipe),
             "eval": evaluate_sae(sae, rows, trainer.eval_idx, model)}
     sae.save(out, {"training_tokens": meta["training_tokens"], "trained_with": "lenskit train-sae"})
