@@ -18,8 +18,13 @@ import torch
 import lenskit
 from lenskit.config import ModelConfig
 from lenskit.config_names import note_prepend_bos
+from lenskit.observe.hooks import HookedRootModule  # noqa: F401  (imported from here by SAELens)
 
 from .HookedTransformerConfig import HookedTransformerConfig, to_model_config
+
+# TransformerLens's type names for what `forward` returns, imported from this module by code written for it.
+Loss = torch.Tensor  # a scalar, or [batch, pos - 1] per token
+Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None  # logits, loss, both, or nothing
 
 PROCESSING = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases", "refactor_factored_attn_matrices")
 

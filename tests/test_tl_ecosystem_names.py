@@ -1,0 +1,124 @@
+"""lenskit.transformer_lens's TransformerLens 3.x/4.x module paths, the names SAELens imports, component isinstance
+checks, `install()`, and the TransformerBridge stand-in (TransformerLens itself is not needed here)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lenskit
+import lenskit.transformer_lens as tl
+from lenskit.transformer_lens import components, utilities, utils
+from lenskit.transformer_lens.components.mlps.can_be_used_as_mlp import CanBeUsedAsMLP
+from lenskit.transformer_lens.model_bridge import TransformerBridge, legacy_name
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tl.HookedTransformer.from_pretrained(lenskit.DEFAULT_MODEL)
+
+
+def test_module_paths_name_the_same_objects():
+    from lenskit.observe.hooks import HookedRootModule
+    from lenskit.transformer_lens.HookedRootModule import HookedRootModule as by_module
+    from lenskit.transformer_lens.HookedTransformer import HookedRootModule as by_ht, Loss, Output
+
+    assert tl.HookedRootModule is by_module is by_ht is HookedRootModule
+    assert utilities.get_act_name is utils.get_act_name and utilities.test_prompt is utils.test_prompt
+    assert set(utils.__all__) <= set(dir(utilities))
+    assert Loss is torch.Tensor and Output is not None and utils.USE_DEFAULT_VALUE is None
+
+
+def test_in_and_out_are_the_blocks_input_and_output():
+    assert utils.get_act_name("in", 3) == "blocks.3.hook_resid_pre"
+    assert utils.get_act_name("out", 0) == "blocks.0.hook_resid_post"
+    assert utils.get_act_name("mlp_post", 2) == "blocks.2.mlp.hook_post"
+
+
+def test_components_hold_on_lenskit_pieces(model):
+    block = model.blocks[0]
+    assert isinstance(block.mlp, components.MLP) and isinstance(block.mlp, CanBeUsedAsMLP)
+    assert not isinstance(block.mlp, components.GatedMLP)
+    assert isinstance(block.attn, components.Attention) and isinstance(block.attn, components.AbstractAttention)
+    assert not isinstance(block.attn, components.GroupedQueryAttention)  # GPT-2: a key per head
+    assert isinstance(block, components.TransformerBlock) and isinstance(model.unembed, components.Unembed)
+    assert isinstance(block.ln1, components.LayerNorm) and not isinstance(block.ln1, components.RMSNorm)
+    assert not isinstance(torch.nn.Linear(2, 2), CanBeUsedAsMLP)
+    assert issubclass(type(block.mlp), CanBeUsedAsMLP)
+    with pytest.raises(TypeError, match="isinstance"):
+        components.MLP()
+
+
+def test_grouped_query_attention_is_told_apart():
+    cfg = tl.HookedTransformerConfig(n_layers=1, d_model=32, n_ctx=16, d_head=8, n_heads=4, n_key_value_heads=2,
+                                     d_vocab=50, positional_embedding_type="rotary", gated_mlp=True,
+                                     normalization_type="RMS", act_fn="silu")
+    gqa = tl.HookedTransformer(cfg)
+    assert isinstance(gqa.blocks[0].attn, components.GroupedQueryAttention)
+    assert not isinstance(gqa.blocks[0].attn, components.Attention)
+    assert isinstance(gqa.blocks[0].mlp, components.GatedMLP) and isinstance(gqa.blocks[0].ln1, components.RMSNorm)
+
+
+class _Tok:
+    bos_token_id, pad_token_id, padding_side = 7, 0, "left"
+
+
+def test_tokens_with_bos_removed():
+    right = type("T", (), {"bos_token_id": 7, "pad_token_id": 0, "padding_side": "right"})()
+    rows = torch.tensor([[7, 1, 2, 0], [7, 3, 4, 5]])
+    assert utils.get_tokens_with_bos_removed(right, rows).tolist() == [[1, 2, 0], [3, 4, 5]]
+    left = torch.tensor([[0, 0, 7, 1], [7, 3, 4, 5]])
+    assert utils.get_tokens_with_bos_removed(_Tok(), left).tolist() == [[0, 0, 1], [3, 4, 5]]
+    same = type("T", (), {"bos_token_id": 7, "pad_token_id": 7, "padding_side": "left"})()
+    assert utils.get_tokens_with_bos_removed(same, torch.tensor([[7, 7, 7, 1], [7, 3, 4, 5]])).tolist() == \
+        [[7, 7, 1], [3, 4, 5]]
+    with pytest.raises(ValueError, match="no BOS"):
+        utils.get_tokens_with_bos_removed(_Tok(), torch.tensor([[0, 0, 5, 1]]))
+
+
+def test_install_registers_every_submodule_and_refuses_a_real_one():
+    code = ("import sys, lenskit.transformer_lens as t; t.install(); t.install(); import transformer_lens as tl;"
+            "from transformer_lens.components.mlps.can_be_used_as_mlp import CanBeUsedAsMLP;"
+            "from transformer_lens.HookedTransformer import HookedRootModule, Loss, Output;"
+            "import transformer_lens.utilities as u; from transformer_lens.model_bridge import TransformerBridge;"
+            "assert tl is t and sys.modules['transformer_lens.patching'] is t.patching; print('ok')")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "ok"
+    code = ("import sys, types; sys.modules['transformer_lens'] = types.ModuleType('transformer_lens');"
+            "import lenskit.transformer_lens as t; t.install()")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: a real transformer_lens") and "call install() first" in last
+
+
+def test_bridge_boots_raw_and_compatibility_mode_processes(model):
+    bridge = TransformerBridge.boot_transformers(lenskit.DEFAULT_MODEL, device="cpu")
+    raw = tl.HookedTransformer.from_pretrained_no_processing(lenskit.DEFAULT_MODEL)
+    tokens = bridge.to_tokens("def f(x): return x")
+    assert tokens[0, 0] == bridge.tokenizer.bos_token_id
+    with torch.no_grad():
+        torch.testing.assert_close(bridge(tokens), raw(tokens))
+        bridge.enable_compatibility_mode(disable_warnings=True)
+        torch.testing.assert_close(bridge(tokens), model(tokens))
+        assert torch.equal(bridge.W_E, model.W_E) and not torch.equal(bridge.W_E, raw.W_E)  # centred, as processed
+    with pytest.raises(RuntimeError, match="already"):
+        bridge.enable_compatibility_mode()
+
+
+def test_bridge_takes_transformer_lens_4_names(model):
+    bridge = TransformerBridge.boot_transformers(lenskit.DEFAULT_MODEL, device="cpu")
+    bridge.enable_compatibility_mode(disable_warnings=True)
+    tokens = bridge.to_tokens("x = 1")
+    _, cache = bridge.run_with_cache(tokens, names_filter=["blocks.0.attn.hook_out", "blocks.1.hook_in", "embed.hook_out"])
+    _, ref = model.run_with_cache(tokens)
+    assert sorted(cache.keys()) == ["blocks.0.hook_attn_out", "blocks.1.hook_resid_pre", "hook_embed"]
+    for name in cache.keys():
+        torch.testing.assert_close(cache[name], ref[name])
+    zeroed = bridge.run_with_hooks(tokens, fwd_hooks=[("blocks.1.mlp.hook_out", lambda x, hook: x * 0)])
+    by_legacy = model.run_with_hooks(tokens, fwd_hooks=[("blocks.1.hook_mlp_out", lambda x, hook: x * 0)])
+    torch.testing.assert_close(zeroed, by_legacy)
+    assert legacy_name("blocks.2.mlp.out.hook_in") == "blocks.2.mlp.hook_post"
+    assert legacy_name("blocks.2.hook_resid_mid") == "blocks.2.hook_resid_mid"
+    out = bridge.generate("def", max_new_tokens=3, do_sample=False, verbose=False)
+    assert out == model.generate("def", max_new_tokens=3, do_sample=False, verbose=False) and out.startswith("def")
