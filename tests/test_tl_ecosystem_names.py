@@ -122,3 +122,19 @@ def test_bridge_takes_transformer_lens_4_names(model):
     assert legacy_name("blocks.2.hook_resid_mid") == "blocks.2.hook_resid_mid"
     out = bridge.generate("def", max_new_tokens=3, do_sample=False, verbose=False)
     assert out == model.generate("def", max_new_tokens=3, do_sample=False, verbose=False) and out.startswith("def")
+
+
+@pytest.mark.parametrize("remove_batch_dim", [False, True])
+def test_pos_slice_keeps_the_selected_positions(model, remove_batch_dim):
+    tokens = model.to_tokens("def f(x): return x + 1")
+    n = tokens.shape[1]
+    _, full = model.run_with_cache(tokens, remove_batch_dim=remove_batch_dim)
+    for pos_slice, index in ((2, [2]), (-1, [n - 1]), (utils.Slice([0, 3]), [0, 3])):
+        _, part = model.run_with_cache(tokens, remove_batch_dim=remove_batch_dim, pos_slice=pos_slice)
+        assert sorted(part.keys()) == sorted(full.keys())
+        at = torch.tensor(index)
+        lead = 0 if remove_batch_dim else 1
+        for name in ("hook_embed", "blocks.1.hook_resid_mid", "blocks.0.attn.hook_q", "blocks.1.mlp.hook_post"):
+            assert torch.equal(part[name], full[name].index_select(lead, at))
+        for name in ("blocks.0.attn.hook_pattern", "blocks.1.attn.hook_attn_scores"):
+            assert torch.equal(part[name], full[name].index_select(full[name].ndim - 2, at))

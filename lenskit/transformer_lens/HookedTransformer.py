@@ -116,6 +116,22 @@ class HookedTransformer(lenskit.HookedTransformer):
                                    default_prepend_bos=default_prepend_bos, default_padding_side=default_padding_side,
                                    **kwargs)
 
+    def run_with_cache(self, *model_args: Any, pos_slice: Any = None, **kwargs: Any) -> tuple[Any, Any]:
+        """`lenskit.HookedTransformer.run_with_cache`, and TransformerLens's `pos_slice=`: each cached activation
+        keeps only the positions it selects (an int keeps its axis, as there), queries for attention patterns and
+        scores. The run itself sees every position; the slicing is of what is kept."""
+        out, cache = super().run_with_cache(*model_args, **kwargs)
+        if pos_slice is None:
+            return out, cache
+        from lenskit.observe.slices import Slice
+
+        keep = Slice.unwrap(pos_slice)
+        store = cache.cache_dict if hasattr(cache, "cache_dict") else cache
+        batched = getattr(cache, "has_batch_dim", not kwargs.get("remove_batch_dim", False))
+        for name, tensor in store.items():
+            store[name] = keep.apply(tensor, _query_axis(name.removesuffix("_grad"), batched))
+        return out, cache
+
     def to_tokens(self, input: str | list[str], prepend_bos: bool | None = None, padding_side: str | None = None,
                   move_to_device: bool = True, truncate: bool = True) -> torch.Tensor:
         """`lenskit.HookedTransformer.to_tokens`, truncating to n_ctx by default as TransformerLens does."""
@@ -136,6 +152,16 @@ class HookedTransformer(lenskit.HookedTransformer):
                                 freq_penalty=freq_penalty, use_past_kv_cache=use_past_kv_cache,
                                 prepend_bos=prepend_bos, padding_side=padding_side, return_type=return_type,
                                 verbose=verbose, generator=generator)
+
+
+def _query_axis(name: str, batched: bool) -> int:
+    """The position axis `pos_slice` selects along in activation `name`: the query's in a pattern or scores
+    [batch, head, query_pos, key_pos] and in a sink's share [batch, head, query_pos]; else pos in [batch, pos, ...]."""
+    if name.endswith(("hook_pattern", "hook_attn_scores")):
+        return -2
+    if name.endswith("hook_sink"):
+        return -1
+    return 1 if batched else 0
 
 
 def _even_device_map(model_name: str | os.PathLike, n_devices: int) -> dict[str, str]:
