@@ -138,3 +138,19 @@ def test_pos_slice_keeps_the_selected_positions(model, remove_batch_dim):
             assert torch.equal(part[name], full[name].index_select(lead, at))
         for name in ("blocks.0.attn.hook_pattern", "blocks.1.attn.hook_attn_scores"):
             assert torch.equal(part[name], full[name].index_select(full[name].ndim - 2, at))
+
+
+def test_unembed_hooks_are_the_readouts_input_and_logits(model):
+    logits, cache = model.run_with_cache("The cat sat on the mat")
+    assert list(cache.keys())[-2:] == ["unembed.hook_in", "unembed.hook_out"]
+    resid = cache[f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"]
+    centred = resid - resid.mean(-1, keepdim=True)  # fold_ln leaves ln_final without weight or bias
+    normed = centred / (centred.pow(2).mean(-1, keepdim=True) + model.cfg.eps).sqrt()
+    torch.testing.assert_close(cache["unembed.hook_in"], normed, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache["unembed.hook_out"], normed @ model.W_U + model.b_U, atol=1e-4, rtol=1e-4)
+    assert torch.equal(cache["unembed.hook_out"], logits)
+    # A hook on hook_in changes the logits the forward returns: nothing reaches them past it.
+    zeroed = model.run_with_hooks("The cat sat on the mat", fwd_hooks=[("unembed.hook_in", lambda x, hook: x * 0)])
+    torch.testing.assert_close(zeroed, model.b_U.expand_as(zeroed))
+    plain = lenskit.HookedTransformer.from_pretrained(lenskit.DEFAULT_MODEL)
+    assert "unembed.hook_in" not in plain.hook_dict  # lenskit's own hook set is unchanged

@@ -4,6 +4,11 @@ The computation is `lenskit.HookedTransformer`'s. This class only sets what Tran
 - text input gets BOS first (`cfg.default_prepend_bos = True`), where lenskit follows the checkpoint's tokenizer;
 - `from_pretrained` processes the weights as TransformerLens does (fold_ln, center_writing_weights, center_unembed,
   fold_value_biases; lenskit.processing), where lenskit loads them raw; `from_pretrained_no_processing` loads them raw;
+- the unembedding has TransformerLens's hook points `unembed.hook_in` (its input, ln_final's output) and
+  `unembed.hook_out` (the logits before any final soft-cap), cached by default as there;
+- `run_with_cache` returns the namespace's `ActivationCache` (TransformerLens's layer-0 remainder);
+- where TransformerLens asserts (a hook on a point whose `set_use_*` switch is off, `get_token_position` of a
+  token not in the prompt, `remove_batch_dim` of several sequences), the error is also an `AssertionError`;
 - `to_tokens` truncates to n_ctx, and `generate` samples, shows a progress bar and gives text for text, as
   TransformerLens's do.
 """
@@ -18,8 +23,11 @@ import torch
 import lenskit
 from lenskit.config import ModelConfig
 from lenskit.config_names import note_prepend_bos
-from lenskit.observe.hooks import HookedRootModule  # noqa: F401  (imported from here by SAELens)
+from lenskit.observe.hooks import HookedRootModule, HookPoint  # HookedRootModule: imported from here by SAELens
+from lenskit.pieces.embeddings import Unembed
 
+from .ActivationCache import ActivationCache
+from .errors import ValueAssertionError, asserts
 from .HookedTransformerConfig import HookedTransformerConfig, to_model_config
 
 # TransformerLens's type names for what `forward` returns, imported from this module by code written for it.
@@ -52,6 +60,10 @@ class HookedTransformer(lenskit.HookedTransformer):
                 torch.manual_seed(tl_cfg.seed)  # TransformerLens seeds the init with it
         super().__init__(cfg, tokenizer=tokenizer)
         note_prepend_bos(self.cfg, True if tl_cfg is None else tl_cfg.default_prepend_bos)
+        # In place, not a new module: the readout and a tied embedding hold this very object.
+        self.unembed.__class__ = HookedUnembed
+        self.unembed.hook_in, self.unembed.hook_out = HookPoint(), HookPoint()
+        self.setup_hooks()
         if tl_cfg is not None:
             for switch in ("use_attn_result", "use_split_qkv_input", "use_hook_mlp_in", "use_attn_in"):
                 if getattr(tl_cfg, switch):
@@ -116,21 +128,38 @@ class HookedTransformer(lenskit.HookedTransformer):
                                    default_prepend_bos=default_prepend_bos, default_padding_side=default_padding_side,
                                    **kwargs)
 
-    def run_with_cache(self, *model_args: Any, pos_slice: Any = None, **kwargs: Any) -> tuple[Any, Any]:
-        """`lenskit.HookedTransformer.run_with_cache`, and TransformerLens's `pos_slice=`: each cached activation
-        keeps only the positions it selects (an int keeps its axis, as there), queries for attention patterns and
-        scores. The run itself sees every position; the slicing is of what is kept."""
+    def run_with_cache(self, *model_args: Any, pos_slice: Any = None, remove_batch_dim: bool = False,
+                       return_cache_object: bool = True, **kwargs: Any) -> tuple[Any, Any]:
+        """`lenskit.HookedTransformer.run_with_cache` giving the namespace's `ActivationCache`, and TransformerLens's
+        `pos_slice=`: each cached activation keeps only the positions it selects (an int keeps its axis, as there),
+        queries for attention patterns and scores. The run itself sees every position; the slicing is of what is
+        kept."""
         out, cache = super().run_with_cache(*model_args, **kwargs)
-        if pos_slice is None:
-            return out, cache
-        from lenskit.observe.slices import Slice
+        cache.__class__ = ActivationCache  # same state, the namespace's methods
+        if remove_batch_dim:
+            cache.remove_batch_dim()
+        if pos_slice is not None:
+            from lenskit.observe.slices import Slice
 
-        keep = Slice.unwrap(pos_slice)
-        store = cache.cache_dict if hasattr(cache, "cache_dict") else cache
-        batched = getattr(cache, "has_batch_dim", not kwargs.get("remove_batch_dim", False))
-        for name, tensor in store.items():
-            store[name] = keep.apply(tensor, _query_axis(name.removesuffix("_grad"), batched))
-        return out, cache
+            keep = Slice.unwrap(pos_slice)
+            store = cache.cache_dict
+            for name, tensor in store.items():
+                store[name] = keep.apply(tensor, _query_axis(name.removesuffix("_grad"), not remove_batch_dim))
+        return out, (cache if return_cache_object else cache.cache_dict)
+
+    @asserts
+    def add_hook(self, name: Any, hook: Any, dir: str = "fwd", is_permanent: bool = False, level: int | None = None,
+                 prepend: bool = False) -> None:
+        """lenskit's `add_hook`; as in TransformerLens, a hook on `attn.hook_result` needs `set_use_attn_result(True)`
+        first (lenskit computes it whenever hooked), and one on a point another switch adds needs that switch."""
+        if isinstance(name, str) and name.endswith("attn.hook_result") and "attn.hook_result" in self.ON_REQUEST:
+            raise ValueAssertionError(f"cannot hook {name} while use_attn_result is off (TransformerLens's rule); "
+                                      "call model.set_use_attn_result(True) first")
+        super().add_hook(name, hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend)
+
+    @asserts
+    def get_token_position(self, *args: Any, **kwargs: Any) -> Any:
+        return super().get_token_position(*args, **kwargs)
 
     def to_tokens(self, input: str | list[str], prepend_bos: bool | None = None, padding_side: str | None = None,
                   move_to_device: bool = True, truncate: bool = True) -> torch.Tensor:
@@ -152,6 +181,14 @@ class HookedTransformer(lenskit.HookedTransformer):
                                 freq_penalty=freq_penalty, use_past_kv_cache=use_past_kv_cache,
                                 prepend_bos=prepend_bos, padding_side=padding_side, return_type=return_type,
                                 verbose=verbose, generator=generator)
+
+
+class HookedUnembed(Unembed):
+    """lenskit's unembedding with TransformerLens's two hook points around it. Only the namespace's model has them:
+    lenskit's own hook set (and what its cache holds by default) stays as DESIGN.md lists it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hook_out(super().forward(self.hook_in(x)))  # [..., d_model] -> [..., d_vocab]
 
 
 def _query_axis(name: str, batched: bool) -> int:

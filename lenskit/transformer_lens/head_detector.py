@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import torch
 
+from .errors import asserts
+
 HEAD_NAMES = ("previous_token_head", "duplicate_token_head", "induction_head")
 ErrorMeasure = Literal["abs", "mul"]
 
@@ -67,6 +69,7 @@ def compute_head_attention_similarity_score(attention_pattern: torch.Tensor, det
     return 1 - torch.round(diff.sum((-2, -1)) / n, decimals=3)
 
 
+@asserts
 def detect_head(model: Any, seq: str | list[str], detection_pattern: str | torch.Tensor,
                 heads: list[tuple[int, int]] | dict[int, list[int]] | None = None, cache: Any = None, *,
                 exclude_bos: bool = False, exclude_current_token: bool = False,
