@@ -154,3 +154,47 @@ def test_unembed_hooks_are_the_readouts_input_and_logits(model):
     torch.testing.assert_close(zeroed, model.b_U.expand_as(zeroed))
     plain = lenskit.HookedTransformer.from_pretrained(lenskit.DEFAULT_MODEL)
     assert "unembed.hook_in" not in plain.hook_dict  # lenskit's own hook set is unchanged
+
+
+def test_layer_zero_remainder_is_transformer_lens_s_final_stream(model):
+    tokens = model.to_tokens(["The cat sat on the mat", "A dog ran in the park"])
+    _, cache = model.run_with_cache(tokens)
+    assert isinstance(cache, tl.ActivationCache) and isinstance(cache, lenskit.ActivationCache)
+    final = cache[f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"][:, -1]
+    for stack_fn in (cache.stack_head_results, cache.stack_neuron_results):
+        stack, labels = stack_fn(layer=0, pos_slice=-1, incl_remainder=True, return_labels=True)
+        assert labels == ["remainder"] and torch.equal(stack, final[None])
+        empty, labels = stack_fn(layer=0, pos_slice=-1, return_labels=True)
+        assert labels == [] and empty.shape[0] == 0
+    # Layer 1 and lenskit's own cache keep lenskit's definition: the stream entering the layer.
+    stack = cache.stack_head_results(layer=1, pos_slice=-1, incl_remainder=True)
+    torch.testing.assert_close(stack.sum(0), cache["blocks.1.hook_resid_pre"][:, -1])
+    plain = lenskit.ActivationCache(dict(cache.cache_dict), model.cfg.n_layers, model)
+    torch.testing.assert_close(plain.stack_head_results(layer=0, pos_slice=-1, incl_remainder=True)[-1],
+                               cache["blocks.0.hook_resid_pre"][:, -1])
+
+
+def test_errors_are_also_the_assertion_transformer_lens_raises(model):
+    from lenskit.transformer_lens.errors import KeyAssertionError, ValueAssertionError
+
+    _, cache = model.run_with_cache(model.to_tokens(["one two", "three four"]))
+    with pytest.raises(ValueError, match="batch size 2") as caught:
+        cache.remove_batch_dim()
+    assert isinstance(caught.value, AssertionError) and isinstance(caught.value, ValueAssertionError)
+    with pytest.raises(AssertionError, match="use_attn_result"):
+        model.add_hook("blocks.0.attn.hook_result", lambda x, hook: x)
+    with pytest.raises(KeyError, match="set_use_split_qkv_input") as caught:
+        model.add_hook("blocks.0.hook_q_input", lambda x, hook: x)
+    assert isinstance(caught.value, KeyAssertionError)
+    assert not any(hp.has_hooks() for hp in model.hook_dict.values())  # nothing attached by a refusal
+    model.set_use_attn_result(True)
+    try:
+        seen = []
+        model.add_hook("blocks.0.attn.hook_result", lambda x, hook: seen.append(x.shape))
+        model("one two")
+        assert seen == [(1, 3, model.cfg.n_heads, model.cfg.d_model)]
+    finally:
+        model.reset_hooks()
+        model.set_use_attn_result(False)
+    with pytest.raises(AssertionError):
+        model.get_token_position(" zebra", "one two")
