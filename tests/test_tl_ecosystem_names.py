@@ -198,3 +198,32 @@ def test_errors_are_also_the_assertion_transformer_lens_raises(model):
         model.set_use_attn_result(False)
     with pytest.raises(AssertionError):
         model.get_token_position(" zebra", "one two")
+
+
+def test_loading_from_pretrained_looks_names_up_offline():
+    import json
+
+    from lenskit.io.hub import embedded_model_folder
+    from lenskit.transformer_lens import loading_from_pretrained as loading
+
+    assert loading.get_official_model_name("GPT2-Small") == "gpt2"
+    assert loading.get_official_model_name("pythia-70m-deduped") == "pythia-70m"
+    assert set(loading.make_model_alias_map().values()) == set(loading.OFFICIAL_MODEL_NAMES)
+    with pytest.raises(ValueError, match="closest: gpt2") as caught:
+        loading.get_official_model_name("gpt3")
+    assert isinstance(caught.value, AssertionError)
+    # The embedded GPT-2's fields against its own config.json, read here as transformers names them.
+    hf = json.loads((embedded_model_folder("stdlib-gpt2") / "config.json").read_text())
+    got = loading.convert_hf_model_config("stdlib-gpt2")
+    assert (got["d_model"], got["n_heads"], got["n_layers"], got["n_ctx"], got["d_vocab"]) == \
+        (hf["n_embd"], hf["n_head"], hf["n_layer"], hf["n_positions"], hf["vocab_size"])
+    assert got["d_head"] * got["n_heads"] == got["d_model"] and got["normalization_type"] == "LN"
+    llama = loading.convert_hf_model_config("stdlib-llama")
+    assert llama["normalization_type"] == "RMS" and llama["gated_mlp"] and llama["act_fn"] == "silu"
+    assert loading.convert_hf_model_config("gpt2")["d_mlp"] == 3072  # a preset, no folder needed
+    # A model built from the config has the loaded model's parameter shapes.
+    built = tl.HookedTransformer(loading.get_pretrained_model_config("stdlib-gpt2"))
+    loaded = tl.HookedTransformer.from_pretrained_no_processing("stdlib-gpt2")
+    assert {k: v.shape for k, v in built.state_dict().items()} == {k: v.shape for k, v in loaded.state_dict().items()}
+    with pytest.raises(ValueError, match="hub"):
+        loading.get_checkpoint_labels("attn-only-2l")

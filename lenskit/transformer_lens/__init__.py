@@ -12,7 +12,8 @@ See the README, "Coming from TransformerLens", for what differs and what is not 
 
 from .ActivationCache import ActivationCache
 
-from . import components, evals, head_detector, hook_points, past_key_value_caching, patching, utilities, utils
+from . import (components, errors, evals, head_detector, hook_points, loading_from_pretrained, past_key_value_caching,
+               patching, utilities, utils)
 from .FactoredMatrix import FactoredMatrix
 from .HookedRootModule import HookedRootModule
 from .hook_points import HookPoint
@@ -22,5 +23,5 @@ from .past_key_value_caching import HookedTransformerKeyValueCache
 from .registration import install
 
 __all__ = ["ActivationCache", "FactoredMatrix", "HookPoint", "HookedRootModule", "HookedTransformer",
-           "HookedTransformerConfig", "HookedTransformerKeyValueCache", "components", "evals", "head_detector", "hook_points",
-           "install", "past_key_value_caching", "patching", "utilities", "utils"]
+           "HookedTransformerConfig", "HookedTransformerKeyValueCache", "components", "errors", "evals", "head_detector",
+           "hook_points", "install", "loading_from_pretrained", "past_key_value_caching", "patching", "utilities", "utils"]
