@@ -227,3 +227,46 @@ def test_loading_from_pretrained_looks_names_up_offline():
     assert {k: v.shape for k, v in built.state_dict().items()} == {k: v.shape for k, v in loaded.state_dict().items()}
     with pytest.raises(ValueError, match="hub"):
         loading.get_checkpoint_labels("attn-only-2l")
+
+
+def test_what_circuit_tracer_relies_on():
+    model = tl.HookedTransformer.from_pretrained_no_processing(lenskit.DEFAULT_MODEL)
+    tokens = model.to_tokens("The cat sat")
+    assert model.cfg.to_dict()["n_layers"] == model.cfg.n_layers and model.cfg.output_logits_soft_cap == 0.0
+    with pytest.raises(Exception, match="cannot assign"):
+        model.cfg.n_layers = 3  # every other field stays frozen
+    # A soft-cap written to the config changes this model's forward: c tanh(logits / c), by hand.
+    plain = model(tokens)
+    model.cfg.output_logits_soft_cap = 2.0
+    torch.testing.assert_close(model(tokens), 2.0 * torch.tanh(plain / 2.0))
+    model.cfg.output_logits_soft_cap = 0.0
+    # A module put in place of model.unembed is what the forward calls.
+    seen = []
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            seen.append(x.shape)
+            return self.inner(x) * 0 + 1
+
+    original = model.unembed
+    model.unembed = Wrapper(original)
+    try:
+        assert torch.equal(model(tokens), torch.ones_like(plain)) and seen == [(*tokens.shape, model.cfg.d_model)]
+    finally:
+        model.unembed = original
+    torch.testing.assert_close(model(tokens), plain)
+    # A backward hook from a hooks() block stays on the graph of the forward run inside it, as in TransformerLens.
+    grads = []
+    embed = model.embed.weight
+    embed.requires_grad_(True)
+    with model.hooks(bwd_hooks=[("blocks.0.hook_resid_post", lambda g, hook: grads.append(g.shape))]):
+        loss = model(tokens, return_type="loss")
+    loss.backward()
+    assert grads == [(*tokens.shape, model.cfg.d_model)]
+    model(tokens, return_type="loss").backward()  # a forward after the block: the hook is not on its graph
+    assert len(grads) == 1
+    assert [b.attn.attn_type for b in model.blocks] == ["global"] * model.cfg.n_layers

@@ -9,14 +9,25 @@ The computation is `lenskit.HookedTransformer`'s. This class only sets what Tran
 - `run_with_cache` returns the namespace's `ActivationCache` (TransformerLens's layer-0 remainder);
 - where TransformerLens asserts (a hook on a point whose `set_use_*` switch is off, `get_token_position` of a
   token not in the prompt, `remove_batch_dim` of several sequences), the error is also an `AssertionError`;
+- each attention module has TransformerLens's `attn_type` ("global", or "local" for a sliding window) beside its
+  `mask` (lenskit's mask object, which code may share between layers of one type, as circuit-tracer does);
+- `cfg.to_dict()` gives TransformerLens's field names, and `cfg.output_logits_soft_cap` (the final logit cap, 0.0
+  for none) can be written, as code written for TransformerLens does to run without the cap for a while (writing
+  it changes this model's forward, nothing else);
+- the forward reads out through whatever module `model.unembed` is when it runs, so code that wraps the
+  unembedding (circuit-tracer does) sees its wrapper called; lenses and lenskit's readout helpers keep using the
+  unembedding the model was built with;
+- a backward hook from `hooks(bwd_hooks=...)` / `run_with_hooks` stays on the graphs of the forwards run in the
+  block, as TransformerLens's do, so a backward after the block calls it (lenskit's own turn off on exit);
 - `to_tokens` truncates to n_ctx, and `generate` samples, shows a progress bar and gives text for text, as
   TransformerLens's do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -24,7 +35,9 @@ import lenskit
 from lenskit.config import ModelConfig
 from lenskit.config_names import note_prepend_bos
 from lenskit.observe.hooks import HookedRootModule, HookPoint  # HookedRootModule: imported from here by SAELens
+from lenskit.pieces.attention import SlidingWindowMask
 from lenskit.pieces.embeddings import Unembed
+from lenskit.pieces.readout import Readout
 
 from .ActivationCache import ActivationCache
 from .errors import ValueAssertionError, asserts
@@ -64,6 +77,11 @@ class HookedTransformer(lenskit.HookedTransformer):
         self.unembed.__class__ = HookedUnembed
         self.unembed.hook_in, self.unembed.hook_out = HookPoint(), HookPoint()
         self.setup_hooks()
+        self.readout = LiveReadout(self)
+        for block in self.blocks:  # TransformerLens's name for the kind of mask a layer's attention applies
+            mask = getattr(getattr(block, "attn", None), "mask", None)
+            if mask is not None:
+                block.attn.attn_type = "local" if isinstance(mask, SlidingWindowMask) else "global"
         if tl_cfg is not None:
             for switch in ("use_attn_result", "use_split_qkv_input", "use_hook_mlp_in", "use_attn_in"):
                 if getattr(tl_cfg, switch):
@@ -72,6 +90,11 @@ class HookedTransformer(lenskit.HookedTransformer):
                 self.to(dtype=tl_cfg.dtype)
                 if move_to_device and tl_cfg.device is not None:
                     self.to(tl_cfg.device)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "cfg" and isinstance(value, ModelConfig) and not isinstance(value, NamespaceConfig):
+            object.__setattr__(value, "__class__", NamespaceConfig)  # same fields: to_dict, a writable soft-cap
+        super().__setattr__(name, value)
 
     @classmethod
     def from_pretrained(cls, model_name: str | os.PathLike, fold_ln: bool = True, center_writing_weights: bool = True,
@@ -147,6 +170,24 @@ class HookedTransformer(lenskit.HookedTransformer):
                 store[name] = keep.apply(tensor, _query_axis(name.removesuffix("_grad"), not remove_batch_dim))
         return out, (cache if return_cache_object else cache.cache_dict)
 
+    @contextlib.contextmanager
+    def hooks(self, fwd_hooks: Any = (), bwd_hooks: Any = (), reset_hooks_end: bool = True,
+              clear_contexts: bool = False) -> Iterator["HookedTransformer"]:
+        """lenskit's `hooks()`, except that a backward hook stays on the graph of each forward run inside the
+        block, as in TransformerLens (torch keeps a module's backward hooks with the graph a forward builds), so a
+        `.backward()` after the block still calls it; forwards after the block do not see it. circuit-tracer runs
+        its forward inside the block and its backward passes after."""
+        from lenskit.observe.backward import BACKWARD_HOOKS
+
+        kept: list = []
+        try:
+            with super().hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts):
+                kept = [a for attached in (BACKWARD_HOOKS.get() or {}).values() for a in attached]
+                yield self
+        finally:
+            for attachment in kept:
+                attachment.live = True
+
     @asserts
     def add_hook(self, name: Any, hook: Any, dir: str = "fwd", is_permanent: bool = False, level: int | None = None,
                  prepend: bool = False) -> None:
@@ -181,6 +222,54 @@ class HookedTransformer(lenskit.HookedTransformer):
                                 freq_penalty=freq_penalty, use_past_kv_cache=use_past_kv_cache,
                                 prepend_bos=prepend_bos, padding_side=padding_side, return_type=return_type,
                                 verbose=verbose, generator=generator)
+
+
+class NamespaceConfig(ModelConfig):
+    """lenskit's frozen config with TransformerLens's `to_dict()` and one writable field, `output_logits_soft_cap`
+    (TransformerLens's name for `final_softcap`; 0.0 or below: no cap), which the namespace's forward reads."""
+
+    @property
+    def output_logits_soft_cap(self) -> float:
+        return self.__dict__.get("_softcap_override", self.final_softcap or 0.0)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name != "output_logits_soft_cap":
+            return super().__setattr__(name, value)  # refused: the config is frozen
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TypeError(f"output_logits_soft_cap must be a number (0.0 for no cap), got {value!r}")
+        object.__setattr__(self, "_softcap_override", float(value))
+
+    def to_dict(self) -> dict[str, Any]:
+        from .loading_from_pretrained import tl_fields
+
+        return {**tl_fields(self), "output_logits_soft_cap": self.output_logits_soft_cap,
+                "model_name": self.model_name, "tokenizer_name": self.model_name, "device": self.device,
+                "dtype": self.dtype}
+
+
+class LiveReadout(Readout):
+    """The namespace model's readout: the forward calls `model.unembed` as it is at call time (a wrapper put there
+    runs) and caps with `model.cfg.output_logits_soft_cap`; the weight-based helpers (`into`, `weight`, lenses) use
+    the unembedding the model was built with."""
+
+    def __init__(self, model: "HookedTransformer") -> None:
+        super().__init__(model.ln_final, model.unembed, model.cfg.final_softcap)
+        self._model = model
+
+    @property
+    def softcap(self) -> float | None:
+        cap = self._model.cfg.output_logits_soft_cap
+        return cap if cap > 0 else None
+
+    @softcap.setter
+    def softcap(self, value: float | None) -> None:
+        pass  # read from the model's config at each call (Readout.__init__ sets it once)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.cap_(self.uncapped(h))
+
+    def uncapped(self, h: torch.Tensor) -> torch.Tensor:
+        return self._model.unembed(self.norm(h.to(self.unembed.weight.device)))
 
 
 class HookedUnembed(Unembed):

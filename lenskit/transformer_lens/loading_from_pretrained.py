@@ -74,7 +74,11 @@ def _model_config(name_or_path: str | os.PathLike) -> ModelConfig:
 
 def convert_hf_model_config(model_name: str | os.PathLike, **kwargs: Any) -> dict[str, Any]:
     """The architecture of a preset, embedded model or local folder as TransformerLens's config fields (offline)."""
-    cfg = _model_config(model_name)
+    return tl_fields(_model_config(model_name))
+
+
+def tl_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """A lenskit config's architecture in TransformerLens's field names."""
     gated = cfg.mlp.startswith(("swiglu", "geglu"))
     return {
         "d_model": cfg.d_model, "d_head": cfg.d_head, "n_heads": cfg.n_heads, "d_mlp": cfg.d_mlp,
