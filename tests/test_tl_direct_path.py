@@ -75,3 +75,9 @@ def test_bad_input_is_refused_in_one_line(setting):
         ours.get_act_patch_direct_path(model, corrupted, clean_cache, corrupted_cache, metric, 0, 0, component="z")
     with pytest.raises(ValueError, match="outside this model"):  # nothing run, nothing switched
         ours.get_act_patch_direct_path(model, corrupted, clean_cache, corrupted_cache, metric, 5, 0)
+
+
+def test_the_demo_s_module_path():
+    from lenskit.transformer_lens.direct_path_patching import get_act_patch_direct_path
+
+    assert get_act_patch_direct_path is ours.get_act_patch_direct_path
