@@ -43,7 +43,8 @@ HOOK_AXES = {"per-token": ("batch", "pos", "..."), "per-head": ("batch", "head",
 TOP_SHORT = {"embed": "hook_embed", "pos_embed": "hook_pos_embed"}
 # TransformerLens's spellings of the same short names.
 ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
-           "mlp_pre": "pre", "mlp_post": "post"}
+           "mlp_pre": "pre", "mlp_post": "post",
+           "in": "resid_pre", "out": "resid_post"}  # TransformerLens 4's blocks.{i}.hook_in / hook_out: the block's input and output
 NORM_SHORT = ("scale", "normalized")  # ambiguous inside a block: which norm is named by layer_type
 NORM_TYPES = {"ln1": "1", "ln2": "2"}
 # TransformerLens's spellings of the part of a block a hook lives in ("" is the block itself).

@@ -4,22 +4,48 @@ The computation is `lenskit.HookedTransformer`'s. This class only sets what Tran
 - text input gets BOS first (`cfg.default_prepend_bos = True`), where lenskit follows the checkpoint's tokenizer;
 - `from_pretrained` processes the weights as TransformerLens does (fold_ln, center_writing_weights, center_unembed,
   fold_value_biases; lenskit.processing), where lenskit loads them raw; `from_pretrained_no_processing` loads them raw;
+- the unembedding has TransformerLens's hook points `unembed.hook_in` (its input, ln_final's output) and
+  `unembed.hook_out` (the logits before any final soft-cap), cached by default as there;
+- `run_with_cache` returns the namespace's `ActivationCache` (TransformerLens's layer-0 remainder);
+- where TransformerLens asserts (a hook on a point whose `set_use_*` switch is off, `get_token_position` of a
+  token not in the prompt, `remove_batch_dim` of several sequences), the error is also an `AssertionError`;
+- each attention module has TransformerLens's `attn_type` ("global", or "local" for a sliding window) beside its
+  `mask` (lenskit's mask object, which code may share between layers of one type, as circuit-tracer does);
+- `cfg.to_dict()` gives TransformerLens's field names, and `cfg.output_logits_soft_cap` (the final logit cap, 0.0
+  for none) can be written, as code written for TransformerLens does to run without the cap for a while (writing
+  it changes this model's forward, nothing else);
+- the forward reads out through whatever module `model.unembed` is when it runs, so code that wraps the
+  unembedding (circuit-tracer does) sees its wrapper called; lenses and lenskit's readout helpers keep using the
+  unembedding the model was built with;
+- a backward hook from `hooks(bwd_hooks=...)` / `run_with_hooks` stays on the graphs of the forwards run in the
+  block, as TransformerLens's do, so a backward after the block calls it (lenskit's own turn off on exit);
 - `to_tokens` truncates to n_ctx, and `generate` samples, shows a progress bar and gives text for text, as
   TransformerLens's do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 import lenskit
 from lenskit.config import ModelConfig
 from lenskit.config_names import note_prepend_bos
+from lenskit.observe.hooks import HookedRootModule, HookPoint  # HookedRootModule: imported from here by SAELens
+from lenskit.pieces.attention import SlidingWindowMask
+from lenskit.pieces.embeddings import Unembed
+from lenskit.pieces.readout import Readout
 
+from .ActivationCache import ActivationCache
+from .errors import ValueAssertionError, asserts
 from .HookedTransformerConfig import HookedTransformerConfig, to_model_config
+
+# TransformerLens's type names for what `forward` returns, imported from this module by code written for it.
+Loss = torch.Tensor  # a scalar, or [batch, pos - 1] per token
+Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None  # logits, loss, both, or nothing
 
 PROCESSING = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases", "refactor_factored_attn_matrices")
 
@@ -47,6 +73,15 @@ class HookedTransformer(lenskit.HookedTransformer):
                 torch.manual_seed(tl_cfg.seed)  # TransformerLens seeds the init with it
         super().__init__(cfg, tokenizer=tokenizer)
         note_prepend_bos(self.cfg, True if tl_cfg is None else tl_cfg.default_prepend_bos)
+        # In place, not a new module: the readout and a tied embedding hold this very object.
+        self.unembed.__class__ = HookedUnembed
+        self.unembed.hook_in, self.unembed.hook_out = HookPoint(), HookPoint()
+        self.setup_hooks()
+        self.readout = LiveReadout(self)
+        for block in self.blocks:  # TransformerLens's name for the kind of mask a layer's attention applies
+            mask = getattr(getattr(block, "attn", None), "mask", None)
+            if mask is not None:
+                block.attn.attn_type = "local" if isinstance(mask, SlidingWindowMask) else "global"
         if tl_cfg is not None:
             for switch in ("use_attn_result", "use_split_qkv_input", "use_hook_mlp_in", "use_attn_in"):
                 if getattr(tl_cfg, switch):
@@ -55,6 +90,11 @@ class HookedTransformer(lenskit.HookedTransformer):
                 self.to(dtype=tl_cfg.dtype)
                 if move_to_device and tl_cfg.device is not None:
                     self.to(tl_cfg.device)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "cfg" and isinstance(value, ModelConfig) and not isinstance(value, NamespaceConfig):
+            object.__setattr__(value, "__class__", NamespaceConfig)  # same fields: to_dict, a writable soft-cap
+        super().__setattr__(name, value)
 
     @classmethod
     def from_pretrained(cls, model_name: str | os.PathLike, fold_ln: bool = True, center_writing_weights: bool = True,
@@ -111,6 +151,57 @@ class HookedTransformer(lenskit.HookedTransformer):
                                    default_prepend_bos=default_prepend_bos, default_padding_side=default_padding_side,
                                    **kwargs)
 
+    def run_with_cache(self, *model_args: Any, pos_slice: Any = None, remove_batch_dim: bool = False,
+                       return_cache_object: bool = True, **kwargs: Any) -> tuple[Any, Any]:
+        """`lenskit.HookedTransformer.run_with_cache` giving the namespace's `ActivationCache`, and TransformerLens's
+        `pos_slice=`: each cached activation keeps only the positions it selects (an int keeps its axis, as there),
+        queries for attention patterns and scores. The run itself sees every position; the slicing is of what is
+        kept."""
+        out, cache = super().run_with_cache(*model_args, **kwargs)
+        cache.__class__ = ActivationCache  # same state, the namespace's methods
+        if remove_batch_dim:
+            cache.remove_batch_dim()
+        if pos_slice is not None:
+            from lenskit.observe.slices import Slice
+
+            keep = Slice.unwrap(pos_slice)
+            store = cache.cache_dict
+            for name, tensor in store.items():
+                store[name] = keep.apply(tensor, _query_axis(name.removesuffix("_grad"), not remove_batch_dim))
+        return out, (cache if return_cache_object else cache.cache_dict)
+
+    @contextlib.contextmanager
+    def hooks(self, fwd_hooks: Any = (), bwd_hooks: Any = (), reset_hooks_end: bool = True,
+              clear_contexts: bool = False) -> Iterator["HookedTransformer"]:
+        """lenskit's `hooks()`, except that a backward hook stays on the graph of each forward run inside the
+        block, as in TransformerLens (torch keeps a module's backward hooks with the graph a forward builds), so a
+        `.backward()` after the block still calls it; forwards after the block do not see it. circuit-tracer runs
+        its forward inside the block and its backward passes after."""
+        from lenskit.observe.backward import BACKWARD_HOOKS
+
+        kept: list = []
+        try:
+            with super().hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts):
+                kept = [a for attached in (BACKWARD_HOOKS.get() or {}).values() for a in attached]
+                yield self
+        finally:
+            for attachment in kept:
+                attachment.live = True
+
+    @asserts
+    def add_hook(self, name: Any, hook: Any, dir: str = "fwd", is_permanent: bool = False, level: int | None = None,
+                 prepend: bool = False) -> None:
+        """lenskit's `add_hook`; as in TransformerLens, a hook on `attn.hook_result` needs `set_use_attn_result(True)`
+        first (lenskit computes it whenever hooked), and one on a point another switch adds needs that switch."""
+        if isinstance(name, str) and name.endswith("attn.hook_result") and "attn.hook_result" in self.ON_REQUEST:
+            raise ValueAssertionError(f"cannot hook {name} while use_attn_result is off (TransformerLens's rule); "
+                                      "call model.set_use_attn_result(True) first")
+        super().add_hook(name, hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend)
+
+    @asserts
+    def get_token_position(self, *args: Any, **kwargs: Any) -> Any:
+        return super().get_token_position(*args, **kwargs)
+
     def to_tokens(self, input: str | list[str], prepend_bos: bool | None = None, padding_side: str | None = None,
                   move_to_device: bool = True, truncate: bool = True) -> torch.Tensor:
         """`lenskit.HookedTransformer.to_tokens`, truncating to n_ctx by default as TransformerLens does."""
@@ -131,6 +222,72 @@ class HookedTransformer(lenskit.HookedTransformer):
                                 freq_penalty=freq_penalty, use_past_kv_cache=use_past_kv_cache,
                                 prepend_bos=prepend_bos, padding_side=padding_side, return_type=return_type,
                                 verbose=verbose, generator=generator)
+
+
+class NamespaceConfig(ModelConfig):
+    """lenskit's frozen config with TransformerLens's `to_dict()` and one writable field, `output_logits_soft_cap`
+    (TransformerLens's name for `final_softcap`; 0.0 or below: no cap), which the namespace's forward reads."""
+
+    @property
+    def output_logits_soft_cap(self) -> float:
+        return self.__dict__.get("_softcap_override", self.final_softcap or 0.0)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name != "output_logits_soft_cap":
+            return super().__setattr__(name, value)  # refused: the config is frozen
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TypeError(f"output_logits_soft_cap must be a number (0.0 for no cap), got {value!r}")
+        object.__setattr__(self, "_softcap_override", float(value))
+
+    def to_dict(self) -> dict[str, Any]:
+        from .loading_from_pretrained import tl_fields
+
+        return {**tl_fields(self), "output_logits_soft_cap": self.output_logits_soft_cap,
+                "model_name": self.model_name, "tokenizer_name": self.model_name, "device": self.device,
+                "dtype": self.dtype}
+
+
+class LiveReadout(Readout):
+    """The namespace model's readout: the forward calls `model.unembed` as it is at call time (a wrapper put there
+    runs) and caps with `model.cfg.output_logits_soft_cap`; the weight-based helpers (`into`, `weight`, lenses) use
+    the unembedding the model was built with."""
+
+    def __init__(self, model: "HookedTransformer") -> None:
+        super().__init__(model.ln_final, model.unembed, model.cfg.final_softcap)
+        self._model = model
+
+    @property
+    def softcap(self) -> float | None:
+        cap = self._model.cfg.output_logits_soft_cap
+        return cap if cap > 0 else None
+
+    @softcap.setter
+    def softcap(self, value: float | None) -> None:
+        pass  # read from the model's config at each call (Readout.__init__ sets it once)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.cap_(self.uncapped(h))
+
+    def uncapped(self, h: torch.Tensor) -> torch.Tensor:
+        return self._model.unembed(self.norm(h.to(self.unembed.weight.device)))
+
+
+class HookedUnembed(Unembed):
+    """lenskit's unembedding with TransformerLens's two hook points around it. Only the namespace's model has them:
+    lenskit's own hook set (and what its cache holds by default) stays as DESIGN.md lists it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hook_out(super().forward(self.hook_in(x)))  # [..., d_model] -> [..., d_vocab]
+
+
+def _query_axis(name: str, batched: bool) -> int:
+    """The position axis `pos_slice` selects along in activation `name`: the query's in a pattern or scores
+    [batch, head, query_pos, key_pos] and in a sink's share [batch, head, query_pos]; else pos in [batch, pos, ...]."""
+    if name.endswith(("hook_pattern", "hook_attn_scores")):
+        return -2
+    if name.endswith("hook_sink"):
+        return -1
+    return 1 if batched else 0
 
 
 def _even_device_map(model_name: str | os.PathLike, n_devices: int) -> dict[str, str]:

@@ -12,13 +12,16 @@ See the README, "Coming from TransformerLens", for what differs and what is not 
 
 from .ActivationCache import ActivationCache
 
-from . import evals, hook_points, past_key_value_caching, patching, utils
+from . import (components, errors, evals, head_detector, hook_points, loading_from_pretrained, past_key_value_caching,
+               patching, utilities, utils)
 from .FactoredMatrix import FactoredMatrix
-from .hook_points import HookedRootModule, HookPoint
+from .HookedRootModule import HookedRootModule
+from .hook_points import HookPoint
 from .HookedTransformer import HookedTransformer
 from .HookedTransformerConfig import HookedTransformerConfig
 from .past_key_value_caching import HookedTransformerKeyValueCache
+from .registration import install
 
 __all__ = ["ActivationCache", "FactoredMatrix", "HookPoint", "HookedRootModule", "HookedTransformer",
-           "HookedTransformerConfig", "HookedTransformerKeyValueCache", "evals", "hook_points",
-           "past_key_value_caching", "patching", "utils"]
+           "HookedTransformerConfig", "HookedTransformerKeyValueCache", "components", "errors", "evals", "head_detector",
+           "hook_points", "install", "loading_from_pretrained", "past_key_value_caching", "patching", "utilities", "utils"]

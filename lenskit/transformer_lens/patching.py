@@ -10,11 +10,19 @@ A metric takes logits [batch, pos, d_vocab] and returns a scalar. Under grouped-
 have one entry per key/value head (kv head j is read by query heads j * group .. (j + 1) * group - 1); the `*_every`
 stacks pad them with zeros to n_heads, as TransformerLens does. Linear-attention blocks (Qwen 3.5) have no head
 sites: a head sweep over every layer refuses them; pass an `index_df` of the full-attention layers instead.
-TransformerLens 4's `reduce=` / `baseline=` (per-example results) and direct-path patching are not here.
+TransformerLens 4's `reduce=` / `baseline=` (per-example results) are not here.
+
+Direct-path patching (`get_act_patch_direct_path`, TransformerLens 4's newer demos) patches only the edge from one
+source head A into one later head B's query, key or value input: A's clean-minus-corrupted write
+(z_clean - z_corrupted) @ W_O[A] is added to B's own copy of the block's input (`set_use_split_qkv_input`, switched
+on for the sweep and restored after), which B's ln1 then normalises as usual; every other reader of A sees the
+corrupted run. This is the exact edge intervention, as TransformerLens 4.3 computes it (its earlier releases held
+ln1's scale fixed, an approximation).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from functools import partial
 from typing import Callable, Sequence
@@ -243,3 +251,72 @@ def get_act_patch_block_every(model, corrupted_tokens, clean_cache, metric) -> t
     """Each block's input, attention output and MLP output, by position: [3, layer, pos]."""
     sweeps = (get_act_patch_resid_pre, get_act_patch_attn_out, get_act_patch_mlp_out)
     return torch.stack([s(model, corrupted_tokens, clean_cache, metric) for s in sweeps])
+
+
+def _check_direct_path(model: HookedTransformer, component: str, src_layer: int, src_head: int) -> None:
+    if component not in ("q", "k", "v"):
+        raise ValueError(f"component must be 'q', 'k' or 'v', got {component!r}")
+    if component != "q" and model.cfg.n_kv_heads != model.cfg.n_heads:
+        raise ValueError(f"component={component!r}: key/value heads are shared under grouped-query attention "
+                         f"({model.cfg.n_kv_heads} for {model.cfg.n_heads} query heads); patch 'q'")
+    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+    if not (0 <= src_layer < n_layers and 0 <= src_head < n_heads):
+        raise ValueError(f"source head ({src_layer}, {src_head}) is outside this model's {n_layers} layers x "
+                         f"{n_heads} heads")
+
+
+def get_act_patch_direct_path(model: HookedTransformer, corrupted_tokens: torch.Tensor, clean_cache: ActivationCache,
+                              corrupted_cache: ActivationCache, patching_metric: MetricFn, src_layer: int,
+                              src_head: int, component: str = "q", verbose: bool = True) -> torch.Tensor:
+    """The metric [n_layers, n_heads] with the edge from head (src_layer, src_head) into each later head's
+    `component` input ('q', 'k' or 'v') patched to the clean run (see the module's docstring); 0 for heads at or
+    before the source layer, which it cannot reach. Both caches hold `blocks.{src_layer}.attn.hook_z`."""
+    _check_direct_path(model, component, src_layer, src_head)
+    name = f"blocks.{src_layer}.attn.hook_z"
+    W_O = model.blocks[src_layer].attn.W_O[src_head]  # [d_head, d_model]
+    delta = clean_cache[name][:, :, src_head] @ W_O - corrupted_cache[name][:, :, src_head] @ W_O  # [batch, pos, d_model]
+    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+    results = torch.zeros(n_layers, n_heads, device=model.cfg.device)
+    pairs = [(layer, head) for layer in range(src_layer + 1, n_layers) for head in range(n_heads)]
+    if verbose:
+        from tqdm.auto import tqdm
+
+        pairs = tqdm(pairs, desc=f"direct path ({src_layer}, {src_head}) -> {component}")
+    with _split_inputs(model):
+        for layer, head in pairs:
+            def add(value: torch.Tensor, hook=None, head=head) -> torch.Tensor:
+                value = value.clone()  # [batch, pos, head, d_model]: each head's own copy of the block's input
+                value[:, :, head] += delta.to(value.dtype)
+                return value
+
+            logits = model.run_with_hooks(corrupted_tokens, fwd_hooks=[(f"blocks.{layer}.hook_{component}_input", add)])
+            results[layer, head] = patching_metric(logits).item()
+    return results
+
+
+def get_act_patch_direct_path_all_sources(model: HookedTransformer, corrupted_tokens: torch.Tensor,
+                                          clean_cache: ActivationCache, corrupted_cache: ActivationCache,
+                                          patching_metric: MetricFn, component: str = "q",
+                                          verbose: bool = True) -> torch.Tensor:
+    """`get_act_patch_direct_path` from every source head: [src_layer, src_head, dst_layer, dst_head] (one run per
+    pair, so for small models or a few sources)."""
+    _check_direct_path(model, component, 0, 0)
+    return torch.stack([torch.stack([get_act_patch_direct_path(model, corrupted_tokens, clean_cache, corrupted_cache,
+                                                               patching_metric, layer, head, component, verbose=False)
+                                     for head in range(model.cfg.n_heads)]) for layer in range(model.cfg.n_layers)])
+
+
+@contextlib.contextmanager
+def _split_inputs(model: HookedTransformer):
+    """`set_use_split_qkv_input(True)` for the body, the caller's switches restored after (also on an error)."""
+    had_split = any(getattr(b, "_input_switch", None) == "split_qkv" for b in model.blocks)
+    had_attn_in = any(getattr(b, "_input_switch", None) == "attn_in" for b in model.blocks)
+    try:
+        if had_attn_in:
+            model.set_use_attn_in(False)
+        model.set_use_split_qkv_input(True)
+        yield
+    finally:
+        model.set_use_split_qkv_input(had_split)
+        if had_attn_in:
+            model.set_use_attn_in(True)

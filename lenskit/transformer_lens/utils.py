@@ -27,10 +27,14 @@ from lenskit.observe.slices import Slice
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["Slice", "composition_scores", "gelu_fast", "gelu_new", "get_act_name", "get_corner",
-           "get_device", "is_lower_triangular", "is_square", "keep_single_column", "lm_accuracy",
+__all__ = ["USE_DEFAULT_VALUE", "Slice", "composition_scores", "gelu_fast", "gelu_new", "get_act_name", "get_corner",
+           "get_device", "get_tokens_with_bos_removed", "is_lower_triangular", "is_square", "keep_single_column", "lm_accuracy",
            "lm_cross_entropy_loss", "print_gpu_mem", "remove_batch_dim", "solu", "test_prompt", "to_numpy",
            "tokenize_and_concatenate", "transpose"]
+
+
+# An argument left at this value takes the model's own default (`prepend_bos=`, `padding_side=`): None, as there.
+USE_DEFAULT_VALUE = None
 
 
 # ------------------------------------------------------------------ tensors
@@ -186,6 +190,27 @@ def test_prompt(prompt: str, answer: str | Sequence[str], model: Any, prepend_sp
 
 
 test_prompt.__test__ = False  # not a test, for pytest, in a test module that imports it by name
+
+
+def get_tokens_with_bos_removed(tokenizer: "PreTrainedTokenizerBase", tokens: torch.Tensor) -> torch.Tensor:
+    """Token rows [batch, pos] that start with BOS -> the rows without it [batch, pos - 1].
+
+    Right-padded rows lose their first column. Left-padded rows (`tokenizer.padding_side == "left"`) lose the BOS
+    after their padding, and keep their padding on the left; where the pad id is the BOS id, a row's BOS is the last
+    of its leading run of that id.
+    """
+    bos, pad = tokenizer.bos_token_id, tokenizer.pad_token_id
+    if bos is None:
+        raise ValueError("get_tokens_with_bos_removed needs a tokenizer with a bos_token_id")
+    if getattr(tokenizer, "padding_side", "right") != "left" or pad is None:
+        return tokens[..., 1:]
+    flat = tokens.reshape(-1, tokens.shape[-1])  # [row, pos]
+    lead = (flat == pad).int().cumprod(dim=-1).sum(dim=-1)  # [row]: the leading pad-id run
+    at = lead - 1 if pad == bos else lead  # [row]: where each row's BOS is
+    if bool(((at < 0) | (at >= flat.shape[-1])).any()) or not bool((flat.gather(1, at[:, None]) == bos).all()):
+        raise ValueError("get_tokens_with_bos_removed: a left-padded row has no BOS after its padding")
+    keep = torch.ones_like(flat, dtype=torch.bool).scatter_(1, at[:, None], False)
+    return flat[keep].reshape(*tokens.shape[:-1], tokens.shape[-1] - 1)
 
 
 # ------------------------------------------------------------------ datasets
