@@ -64,6 +64,11 @@ _STATUS = pytest.StashKey[str | None]()
 SMOKE = (
     "test_families.py::test_golden_fast_and_eager_paths[*-untied]",  # every family, fused and eager, vs transformers
     "test_every_family.py::test_logit_lens_is_transformers_readout_at_every_stream[*]",  # every family: a cache of every hook
+    "test_kv_cache.py::test_cached_steps_give_the_full_forwards_logits[*]",  # every family: the KV cache
+    "test_generate_cache.py::test_cached_greedy_generation_is_the_uncached_one[*]",  # every family: generation
+    "test_every_family.py::test_tuned_lens_trains_evaluates_and_round_trips[*]",  # every family: train, save, load
+    "test_every_family.py::test_parts_sum_to_the_stream_at_every_point[*]",  # every family: the decomposition
+    "test_cli_lens.py::test_csv_and_html",  # the CLI
     "test_logit.py::test_every_stream_equals_transformers_ln_f_and_lm_head",
     "test_tuned.py::test_untrained_tuned_lens_is_the_logit_lens_at_every_layer",
     "test_tuned.py::test_save_load_gives_identical_outputs_and_no_pickle[gpt2]",

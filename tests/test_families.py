@@ -21,11 +21,6 @@ from fixtures import unchanged_copy
 ALL_HOOKS = lambda name: True  # noqa: E731 - every hook on: the eager attention path
 
 
-@pytest.fixture
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 101, (3, 17), generator=torch.Generator().manual_seed(1))
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request) -> str:
     return request.param

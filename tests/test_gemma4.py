@@ -26,11 +26,6 @@ from lenskit.pieces.rotary import inverse_frequencies
 from fixtures import unchanged_copy
 
 
-@pytest.fixture
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 101, (3, 17), generator=torch.Generator().manual_seed(1))
-
-
 def tiny_config(**changes) -> dict:
     """The config.json transformers writes for the tiny Gemma 4, with `changes` (None: the field removed)."""
     d = {**make_hf_family("gemma4_text").config.to_dict(), "architectures": ["Gemma4ForCausalLM"]}

@@ -45,11 +45,6 @@ def small(name: str = "together", seed: int = 0, **changes) -> transformers.PreT
     return hf
 
 
-@pytest.fixture
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 101, (3, 17), generator=torch.Generator().manual_seed(1))
-
-
 EAGER = [(lambda n: n.endswith("hook_pattern"), unchanged_copy)]
 
 
