@@ -12,6 +12,7 @@ import transformers
 
 import lenskit
 from lenskit.families import FAMILIES as REGISTRY
+from fixtures import random_tokens
 
 transformers.logging.set_verbosity_error()
 torch.set_num_threads(1)  # the CI machine has 2 cores; tests also run beside other work
@@ -57,17 +58,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 _STATUS = pytest.StashKey[str | None]()
 
 
-# The smoke tier (`python3 -m pytest -m smoke`, 2-3 minutes on one idle core): every family once through the golden
-# test of both attention paths, and every lens once, each by a test that checks it against a reference. Patterns
-# are node ids relative to tests/, `*` matching anything; a pattern that names a collected file but none of its tests fails the
-# run, so a renamed test cannot drop out of the tier unseen.
+# The smoke tier (`python3 -m pytest -m smoke`, a few minutes at most on one core): every family through the golden
+# tests and everything above the model, and every lens once, each by a test that checks it against a reference.
+# Patterns are node ids relative to tests/, `*` matching anything; a pattern that names a collected file but none of
+# its tests fails the run, so a renamed test cannot drop out of the tier unseen.
 SMOKE = (
     "test_families.py::test_golden_fast_and_eager_paths[*-untied]",  # every family, fused and eager, vs transformers
-    "test_every_family.py::test_logit_lens_is_transformers_readout_at_every_stream[*]",  # every family: a cache of every hook
+    "test_families.py::test_golden_through_save_pretrained[*-single-file-untied]",  # every family: our files
+    "test_every_family.py::*",  # every family: everything above the model (lenses, ablation, patching, attribution)
     "test_kv_cache.py::test_cached_steps_give_the_full_forwards_logits[*]",  # every family: the KV cache
     "test_generate_cache.py::test_cached_greedy_generation_is_the_uncached_one[*]",  # every family: generation
-    "test_every_family.py::test_tuned_lens_trains_evaluates_and_round_trips[*]",  # every family: train, save, load
-    "test_every_family.py::test_parts_sum_to_the_stream_at_every_point[*]",  # every family: the decomposition
     "test_cli_lens.py::test_csv_and_html",  # the CLI
     "test_logit.py::test_every_stream_equals_transformers_ln_f_and_lm_head",
     "test_tuned.py::test_untrained_tuned_lens_is_the_logit_lens_at_every_layer",
@@ -159,7 +159,7 @@ def model(request, hf_model) -> lenskit.HookedTransformer:
 
 @pytest.fixture
 def tokens() -> torch.Tensor:
-    return torch.randint(0, 101, (3, 17), generator=torch.Generator().manual_seed(1))
+    return random_tokens(3, 17, seed=1)
 
 
 @pytest.fixture(scope="session")

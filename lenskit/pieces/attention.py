@@ -271,19 +271,20 @@ class Attention(HeadCircuits, nn.Module):
 
     def _pattern(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The pattern [batch, head, query_pos, key_pos] through the hooks on the scores and on it, and whether a hook
-        replaced or edited in place either of them (`_version` counts in-place writes)."""
+        replaced either of them or changed a value in place (a NaN counts as changed: the eager path keeps it)."""
         pos = q.shape[1]
         k = k.repeat_interleave(self.group, dim=2)  # [batch, pos, head, d_head]: query head h reads kv head h // group
         scores = self._cap(torch.einsum("bqhd,bkhd->bhqk", q, k) * self.scale)  # [batch, head, query_pos, key_pos]
         allowed = self.mask.allowed(pos, q.device, k.shape[1] - pos)  # keys past the queries' count are cached ones
         # Masked scores become -inf, and a NaN stays NaN, as transformers' additive mask leaves it
         scores = torch.where(allowed, scores, scores - float("inf"))
-        version = scores._version
+        before = scores.clone()  # to see an edit in place (inference tensors count no writes, so values are compared)
         hooked = self.hook_attn_scores(scores)
         probs = self._softmax(hooked)
-        probs_version = probs._version
+        probs_before = probs.clone()
         pattern = self.hook_pattern(probs)
-        edited = hooked is not scores or scores._version != version or pattern is not probs or probs._version != probs_version
+        edited = (hooked is not scores or pattern is not probs
+                  or not torch.equal(scores, before) or not torch.equal(probs, probs_before))
         return pattern, edited
 
     def _mix(self, pattern: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
