@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import transformers
 
 import lenskit
 from lenskit.families import FAMILIES as REGISTRY
+from fixtures import random_tokens
 
 transformers.logging.set_verbosity_error()
 torch.set_num_threads(1)  # the CI machine has 2 cores; tests also run beside other work
@@ -28,12 +30,20 @@ def checkout_status() -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+def _is_worker(config: pytest.Config) -> bool:
+    """Under pytest-xdist (`-n 2`), a worker process; the checks of the whole session run in the controller."""
+    return hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
-    session.config.stash[_STATUS] = checkout_status()
+    if not _is_worker(session.config):
+        session.config.stash[_STATUS] = checkout_status()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Tests never write into the checkout: the suite fails if `git status` changed while it ran."""
+    if _is_worker(session.config):
+        return
     before, after = session.config.stash.get(_STATUS, None), checkout_status()
     if before is None or after is None or before == after:
         return
@@ -46,6 +56,53 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 _STATUS = pytest.StashKey[str | None]()
+
+
+# The smoke tier (`python3 -m pytest -m smoke`, a few minutes at most on one core): every family through the golden
+# tests and everything above the model, and every lens once, each by a test that checks it against a reference.
+# Patterns are node ids relative to tests/, `*` matching anything; a pattern that names a collected file but none of
+# its tests fails the run, so a renamed test cannot drop out of the tier unseen.
+SMOKE = (
+    "test_families.py::test_golden_fast_and_eager_paths[*-untied]",  # every family, fused and eager, vs transformers
+    "test_families.py::test_golden_through_save_pretrained[*-single-file-untied]",  # every family: our files
+    "test_every_family.py::*",  # every family: everything above the model (lenses, ablation, patching, attribution)
+    "test_kv_cache.py::test_cached_steps_give_the_full_forwards_logits[*]",  # every family: the KV cache
+    "test_generate_cache.py::test_cached_greedy_generation_is_the_uncached_one[*]",  # every family: generation
+    "test_cli_lens.py::test_csv_and_html",  # the CLI
+    "test_logit.py::test_every_stream_equals_transformers_ln_f_and_lm_head",
+    "test_tuned.py::test_untrained_tuned_lens_is_the_logit_lens_at_every_layer",
+    "test_tuned.py::test_save_load_gives_identical_outputs_and_no_pickle[gpt2]",
+    "test_jacobian.py::test_fit_is_the_averaged_jacobian_on_every_family[gpt2]",
+    "test_patchscope.py::test_batched_rows_equal_a_hand_written_patch_one_row_at_a_time[gpt2]",
+    "test_transfer.py::test_an_untrained_lens_gives_the_logit_lens_kl_in_every_row",
+    "test_causal.py::test_mean_ablate_is_the_hand_projection_and_the_packages_remove_subspace",
+    "test_trajectory.py::test_rows_agree_with_full_vocab_reference",
+    "test_default_model.py::test_transformers_and_lenskit_agree[stdlib-gpt2]",
+)
+
+# The golden tier (`-m golden`): parity with transformers on the same weights, which the suite names in the test
+# (`test_golden_...`, `..._parity`, `..._matches_transformers...`): new tests named that way join it unmarked.
+GOLDEN = re.compile(r"golden|parity|transformers(?!_lens)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).resolve().parent
+    smoke = {p: re.compile(re.escape(p).replace(r"\*", ".*")) for p in SMOKE}
+    found: dict[str, bool] = {}
+    for item in items:
+        node = item.nodeid.split("tests/", 1)[-1]
+        if GOLDEN.search(item.originalname if isinstance(item, pytest.Function) else item.name):
+            item.add_marker(pytest.mark.golden)
+        for pattern, match in smoke.items():
+            if pattern.split("::")[0] == node.split("::")[0]:
+                found.setdefault(pattern, False)
+                if match.fullmatch(node):
+                    item.add_marker(pytest.mark.smoke)
+                    found[pattern] = True
+    lost = [p for p, hit in found.items() if not hit and not config.getoption("-k") and (tests / p.split("::")[0]).is_file()]
+    if lost and not config.getoption("deselect"):
+        raise pytest.UsageError(f"the smoke tier names tests that were not collected: {lost}; "
+                                "rename them in tests/conftest.py's SMOKE")
 
 
 def make_hf_gpt2(seed: int = 0, **overrides) -> transformers.GPT2LMHeadModel:
@@ -102,7 +159,7 @@ def model(request, hf_model) -> lenskit.HookedTransformer:
 
 @pytest.fixture
 def tokens() -> torch.Tensor:
-    return torch.randint(0, 101, (3, 17), generator=torch.Generator().manual_seed(1))
+    return random_tokens(3, 17, seed=1)
 
 
 @pytest.fixture(scope="session")

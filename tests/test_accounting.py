@@ -9,6 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import lenskit
 from lenskit import accounting
 from lenskit.config import ModelConfig
+from fixtures import unchanged_copy
 
 
 def numel(model: torch.nn.Module) -> int:
@@ -103,7 +104,7 @@ def test_flops_equal_torchs_flop_counter_on_a_real_forward():
     model = lenskit.HookedTransformer(cfg).eval()
     tokens = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(0))
     # a no-op hook on the pattern selects the eager attention path, whose matmuls the counter sees
-    eager = [(f"blocks.{i}.attn.hook_pattern", lambda x, hook: None) for i in range(cfg.n_layers)]
+    eager = [(f"blocks.{i}.attn.hook_pattern", unchanged_copy) for i in range(cfg.n_layers)]
     with FlopCounterMode(display=False) as counter, model.hooks(eager):
         model(tokens)
     assert counter.get_total_flops() / tokens.numel() == accounting.flops_per_token(cfg)["forward"]["total"]

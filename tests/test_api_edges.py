@@ -17,13 +17,14 @@ from lenses.anatomy import decompose_resid, direct_logit_attribution
 from lenskit import Stream
 from lenskit.observe.cache import CacheKeyError
 from lenskit.observe.resid import resid_parts
+from fixtures import random_tokens
 
 TWO = ["gpt2", "llama"]  # learned positions and LayerNorm; rotary, RMSNorm and GQA
 
 
 @pytest.fixture(scope="module")
 def tokens() -> torch.Tensor:
-    return torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(2))
+    return random_tokens(2, 6, seed=2, high=300, low=3)
 
 
 def one_line(error: pytest.ExceptionInfo) -> str:

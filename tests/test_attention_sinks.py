@@ -9,6 +9,7 @@ import transformers
 from golden import max_diff
 from lenskit import ModelConfig
 from lenskit.pieces.attention import Attention
+from fixtures import unchanged_copy
 
 N_LAYERS, D_MODEL, N_HEADS, N_KV, D_HEAD, WINDOW = 4, 32, 4, 2, 8, 3
 YARN = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
@@ -74,7 +75,7 @@ def test_both_paths_equal_transformers(reference, layer):
     patterns = []
     with torch.no_grad():
         fused = attn(x)  # no hooks: the fused kernel, with the sink as an extra key
-        remove = attn.hook_pattern.add_hook(lambda t, hook: patterns.append(t))
+        remove = attn.hook_pattern.add_hook(lambda t, hook: patterns.append(t) or t.clone())
         try:
             eager = attn(x)  # a hooked internal: the eager path
         finally:
@@ -136,7 +137,7 @@ def test_sink_gradient_flows_through_the_fused_path(reference):
     attn(x).sum().backward()
     fused_grad = attn.sinks.grad.clone()
     attn.sinks.grad = None
-    remove = attn.hook_pattern.add_hook(lambda t, hook: None)
+    remove = attn.hook_pattern.add_hook(unchanged_copy)  # the eager path
     try:
         attn(x).sum().backward()
     finally:

@@ -11,6 +11,7 @@ import lenskit
 from conftest import make_hf_gpt2
 from families import every_family
 from lenskit.observe.backward import BACKWARD_HOOKS
+from fixtures import random_tokens
 
 POINT = "blocks.1.hook_resid_post"
 
@@ -23,7 +24,7 @@ def gpt2() -> lenskit.HookedTransformer:
 
 @pytest.fixture
 def tokens() -> torch.Tensor:
-    return torch.randint(0, 101, (2, 7), generator=torch.Generator().manual_seed(3))
+    return random_tokens(2, 7, seed=3)
 
 
 def _param_grads(model, tokens, bwd_hooks=()) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import make_hf_gpt2
 from families import family_model_of
 from lenskit import HookedTransformer
+from fixtures import random_tokens
 
 # Learned positions, rotary, parallel blocks with partial rotary, post-norm, sandwich norms with a scaled embedding.
 FAMILIES = ["gpt2", "llama", "gpt_neox", "olmo2", "gemma2"]
@@ -27,7 +28,7 @@ ROTARY = [f for f in FAMILIES if f != "gpt2"]
 
 @pytest.fixture(scope="module")
 def tokens() -> torch.Tensor:
-    return torch.randint(3, 300, (2, 7), generator=torch.Generator().manual_seed(3))
+    return random_tokens(2, 7, seed=3, high=300, low=3)
 
 
 def set_pos(x: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ norm's gain that TransformerLens leaves out (raw weights), the difference is pin
 from __future__ import annotations
 
 import itertools
+from functools import partial
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import lenskit
 from lenskit import ActivationCache
 from lenskit.observe.slices import Slice
 from tl_fixtures import boot_bridge, tiny_gpt2_folder
+from fixtures import close
 
 pytestmark = pytest.mark.slow  # boots the bridge, twice
 
@@ -22,8 +24,7 @@ RAW = {k: False for k in PROCESSING}
 TOKENS = torch.tensor([[50256, 464, 3797, 3332, 319, 262, 2603], [50256, 40, 588, 4695, 290, 2042, 13]])
 
 
-def close(ours, theirs, atol=1e-5):
-    torch.testing.assert_close(ours, theirs, atol=atol, rtol=1e-5)
+close = partial(close, atol=1e-5)  # the shared check, tighter: both sides run the same processed weights
 
 
 @pytest.fixture(scope="module", params=["processed", "raw"])

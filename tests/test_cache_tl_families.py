@@ -9,12 +9,9 @@ import pytest
 import torch
 
 from families import every_family
+from fixtures import close
 
 ALL = lambda name: True  # noqa: E731 - hook_result too
-
-
-def close(a, b, atol=2e-5):
-    torch.testing.assert_close(a, b, atol=atol, rtol=1e-5)
 
 
 def kinds(model):

@@ -27,6 +27,7 @@ from lenskit import Stream
 from lenskit.io.data import load_token_stream
 from lenskit.intervene.interventions import Attn, Block, Head, Mlp, Neurons, ablation_hooks
 from lenskit.intervene.patching import patching_hooks
+from fixtures import random_tokens
 
 PROMPT = "def add(a, b):\n    return a + b\n"
 EVERY_HOOK = lambda name: True  # noqa: E731 - includes the per-head attn.hook_result
@@ -34,7 +35,7 @@ EVERY_HOOK = lambda name: True  # noqa: E731 - includes the per-head attn.hook_r
 
 @pytest.fixture(scope="module")
 def tokens() -> torch.Tensor:
-    return torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(7))
+    return random_tokens(2, 11, seed=7, high=300, low=3)
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,14 @@ and against torch.linalg on the formed product AB."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from lenskit.factored import FactoredMatrix
 from references import transformer_lens_4_3
+from fixtures import close
 
 F64 = dict(dtype=torch.float64)
 
@@ -24,9 +27,7 @@ def factors(lead=(3, 4), ldim=12, mdim=5, rdim=12, seed=0):
     return torch.randn(*lead, ldim, mdim, generator=g, **F64), torch.randn(*lead, mdim, rdim, generator=g, **F64)
 
 
-def close(a, b, tol=1e-10):
-    assert a.shape == b.shape, (a.shape, b.shape)
-    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+close = partial(close, atol=1e-10, rtol=1e-10)  # float64 products: the shared check, to float64 rounding
 
 
 def same_as_tl(ours: FactoredMatrix, theirs) -> None:

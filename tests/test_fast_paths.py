@@ -14,6 +14,7 @@ from conftest import make_hf_gpt2
 from golden import ATOL, hf_reference, max_diff
 from lenskit import HookedTransformer, Stream
 from references import resid_writes
+from fixtures import unchanged_copy
 
 def resid_names(model: HookedTransformer) -> list[str]:
     return resid_writes(model.cfg.n_layers)
@@ -64,21 +65,60 @@ def test_caching_residual_writes_keeps_the_fused_kernels(pair, batch, counters):
 
 
 @pytest.mark.parametrize("internal", ["hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern"])
-def test_a_hook_on_attention_internals_switches_to_eager(pair, batch, counters, internal):
+def test_reading_attention_internals_keeps_the_fused_output_exactly(pair, batch, counters, internal):
+    """Observing does not move the numbers: a read-only hook gets the eager path's value, the output stays the kernel's."""
     _, model = pair
     with torch.no_grad():
         fused = model(batch)
-        eager, cache = model.run_with_cache(batch, names_filter=f"blocks.2.attn.{internal}")
-    assert counters["sdpa"] == model.cfg.n_layers + model.cfg.n_layers - 1  # block 2 alone went eager
+        observed, cache = model.run_with_cache(batch, names_filter=f"blocks.2.attn.{internal}")
+    assert counters["sdpa"] == 2 * model.cfg.n_layers
+    assert torch.equal(observed, fused)
     assert f"blocks.2.attn.{internal}" in cache
-    assert max_diff(fused, eager) <= 1e-5
+
+
+def first_key(x: torch.Tensor) -> torch.Tensor:
+    """5 on the first key's column of scores or pattern [batch, head, query_pos, key_pos], 0 elsewhere: an edit."""
+    bump = torch.zeros_like(x)
+    bump[..., 0] = 5.0
+    return bump
+
+
+@pytest.mark.parametrize("internal", ["hook_attn_scores", "hook_pattern"])
+def test_an_edit_of_the_scores_or_pattern_takes_the_eager_path(pair, batch, counters, internal):
+    """A returned tensor, or a value changed in place, is an edit: that block computes its output from what the hooks
+    left, on the eager path (a returned copy that changes nothing agrees with the kernel to rounding)."""
+    _, model = pair
+    name, n = f"blocks.2.attn.{internal}", model.cfg.n_layers
+    with torch.no_grad():
+        fused = model(batch)
+        copied = model.run_with_hooks(batch, fwd_hooks=[(name, unchanged_copy)])
+        assert counters["sdpa"] == n + n - 1  # block 2 alone went eager
+        returned = model.run_with_hooks(batch, fwd_hooks=[(name, lambda x, hook: x + first_key(x))])
+        in_place = model.run_with_hooks(batch, fwd_hooks=[(name, lambda x, hook: x.add_(first_key(x)))])
+    assert counters["sdpa"] == n + 3 * (n - 1)
+    assert max_diff(fused, copied) <= 1e-5
+    assert torch.equal(in_place, returned) and max_diff(returned, fused) > 1e-3
+
+
+def test_in_bf16_a_read_leaves_the_logits_bit_for_bit_and_an_edit_moves_them_a_little(pair, batch):
+    """The rule in numbers: reading the pattern changes nothing; an edit takes the eager path, within 2e-2 of the
+    fused logits in bf16 (the two paths round differently; the review measured about 3e-3)."""
+    hf, _ = pair
+    model = HookedTransformer.from_hf(hf).to(torch.bfloat16)
+    names = lambda n: n.endswith("attn.hook_pattern")  # noqa: E731
+    with torch.no_grad():
+        fused = model(batch)
+        read = model.run_with_hooks(batch, fwd_hooks=[(names, lambda x, hook: None)])
+        edited = model.run_with_hooks(batch, fwd_hooks=[(names, unchanged_copy)])
+    assert torch.equal(read, fused)
+    assert max_diff(edited.float(), fused.float()) <= 2e-2
 
 
 def test_fused_and_eager_paths_agree_with_each_other_and_transformers(pair, batch, counters):
     hf, model = pair
     ref_logits, ref = hf_reference(hf, batch)
     counters["sdpa"] = 0  # count lenskit's calls only
-    everywhere = [(lambda n: n.endswith("attn.hook_pattern"), noop)]
+    everywhere = [(lambda n: n.endswith("attn.hook_pattern"), unchanged_copy)]
     with torch.no_grad():
         fused_logits, fused = model.run_with_cache(batch, names_filter=resid_names(model))
         assert counters["sdpa"] == model.cfg.n_layers

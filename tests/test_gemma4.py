@@ -23,11 +23,7 @@ from lenskit import HookedTransformer, ModelConfig, accounting
 from lenskit.pieces.attention import SlidingWindowMask
 from lenskit.pieces.qkv import KeyValueQK
 from lenskit.pieces.rotary import inverse_frequencies
-
-
-@pytest.fixture
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 101, (3, 17), generator=torch.Generator().manual_seed(1))
+from fixtures import unchanged_copy
 
 
 def tiny_config(**changes) -> dict:
@@ -111,7 +107,7 @@ def test_counts_and_flops_are_the_real_models():
     for layer, block in enumerate(model.blocks):
         assert accounting.block_params(cfg, layer).params.sum() == sum(p.numel() for p in block.parameters())
     tokens = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(0))
-    eager = [(f"blocks.{i}.attn.hook_pattern", lambda x, hook: None) for i in range(cfg.n_layers)]
+    eager = [(f"blocks.{i}.attn.hook_pattern", unchanged_copy) for i in range(cfg.n_layers)]
     with FlopCounterMode(display=False) as counter, model.hooks(eager):
         model(tokens)
     assert counter.get_total_flops() / tokens.numel() == accounting.flops_per_token(cfg, n_ctx=16)["forward"]["total"]

@@ -21,10 +21,11 @@ from lenses.cli import main
 from lenskit import HookedTransformer, accounting
 from lenskit.intervene.experts import Expert, expert_ablation_hooks
 from lenskit.pieces.dense_and_experts import DenseAndExperts
+from fixtures import random_tokens, unchanged_copy
 
 MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8, hidden_size_per_layer_input=0)
 LAYERS = ["sliding_attention", "full_attention", "full_attention"]
-EAGER = [(lambda n: n.endswith("hook_pattern"), lambda x, hook: None)]
+EAGER = [(lambda n: n.endswith("hook_pattern"), unchanged_copy)]
 EVERY_HOOK = lambda name: True  # noqa: E731
 
 
@@ -42,7 +43,7 @@ def moe(seed: int = 0, **changes) -> transformers.PreTrainedModel:
 
 @pytest.fixture(scope="module")
 def tokens() -> torch.Tensor:
-    return torch.randint(0, 101, (3, 17), generator=torch.Generator().manual_seed(8))
+    return random_tokens(3, 17, seed=8)
 
 
 @pytest.fixture(scope="module")

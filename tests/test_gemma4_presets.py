@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lenses.cli import main
 from lenskit import PRESETS, HookedTransformer, ModelConfig, accounting
+from fixtures import unchanged_copy
 
 
 def _layer_types(n: int, pattern: int) -> list[str]:
@@ -114,7 +115,7 @@ def test_flops_are_torchs_on_a_shrunk_copy(name):
     model = HookedTransformer(cfg).eval()
     assert numel(model) == accounting.param_summary(cfg).loc["total", "value"]
     tokens = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(0))
-    eager = [(f"blocks.{i}.attn.hook_pattern", lambda x, hook: None) for i in range(cfg.n_layers)]
+    eager = [(f"blocks.{i}.attn.hook_pattern", unchanged_copy) for i in range(cfg.n_layers)]
     with FlopCounterMode(display=False) as counter, model.hooks(eager), torch.no_grad():
         model(tokens)
     assert counter.get_total_flops() / tokens.numel() == accounting.flops_per_token(cfg, n_ctx=16)["forward"]["total"]

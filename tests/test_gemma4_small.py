@@ -22,6 +22,7 @@ from golden import assert_golden, hf_blocks, max_diff, run_then_remove
 from safetensors.torch import load_file, save_file
 
 from lenskit import HookedTransformer
+from fixtures import unchanged_copy
 
 LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 # 4 blocks (sliding, full, sliding, full); with 2 shared, block 2 reads block 0's keys and block 3 block 1's
@@ -44,12 +45,7 @@ def small(name: str = "together", seed: int = 0, **changes) -> transformers.PreT
     return hf
 
 
-@pytest.fixture
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 101, (3, 17), generator=torch.Generator().manual_seed(1))
-
-
-EAGER = [(lambda n: n.endswith("hook_pattern"), lambda x, hook: None)]
+EAGER = [(lambda n: n.endswith("hook_pattern"), unchanged_copy)]
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])

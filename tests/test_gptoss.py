@@ -25,11 +25,6 @@ from lenskit.pieces.attention import SlidingWindowMask
 EVERY_HOOK = lambda name: True  # noqa: E731 - includes the on-request hook_expert_out
 
 
-@pytest.fixture
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 101, (3, 17), generator=torch.Generator().manual_seed(1))
-
-
 @pytest.fixture(scope="module")
 def pair():
     hf = make_hf_family("gpt_oss", seed=2)

@@ -8,6 +8,7 @@ from lenskit import Stream
 from lenskit.observe.resid import late_writes
 from lenskit.observe.stream import stream_hook_names, streams
 from families import every_family
+from fixtures import random_tokens
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def hf_decode(hf_model, h):
 
 @pytest.fixture(scope="module")
 def tokens():
-    return torch.randint(0, 101, (2, 13), generator=torch.Generator().manual_seed(3))
+    return random_tokens(2, 13, seed=3)
 
 
 @every_family

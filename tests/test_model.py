@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from conftest import make_hf_gpt2
 from golden import ATOL, assert_golden, max_diff
 from lenskit import HookedTransformer
+from fixtures import unchanged_copy
 
 CONFIGS = {
     "default": dict(),
@@ -62,7 +63,7 @@ def test_golden_parity(pair, path, monkeypatch):
     tokens = batch_for(model)
     fwd_hooks = []
     if path.startswith("eager"):  # a hook on the pattern forces the hand-written attention
-        fwd_hooks.append((lambda n: n.endswith("attn.hook_pattern"), noop))
+        fwd_hooks.append((lambda n: n.endswith("attn.hook_pattern"), unchanged_copy))
     if path.endswith("result"):  # per-head writes, summed back
         fwd_hooks.append((lambda n: n.endswith("attn.hook_result"), noop))
     calls = count_sdpa(monkeypatch)

@@ -25,11 +25,6 @@ MOE_FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]
 EVERY_HOOK = lambda name: True  # noqa: E731 - includes the on-request hook_expert_out
 
 
-@pytest.fixture
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 101, (3, 17), generator=torch.Generator().manual_seed(1))
-
-
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
 def pair(request):
     hf = make_hf_family(request.param, seed=2)
@@ -234,3 +229,20 @@ def test_short_names_reach_the_moe_hooks(pair, tokens):
     _, cache = model.run_with_cache(tokens, names_filter=EVERY_HOOK)
     for short in ("router_logits", "expert_indices", "expert_weights", "expert_out"):
         assert cache[short, 0] is cache[f"blocks.0.mlp.hook_{short}"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reading_expert_out_leaves_the_logits_bit_for_bit(pair, tokens, dtype):
+    """Observing does not move the numbers: with a read-only hook on hook_expert_out the weighted sum is taken in the
+    order of the unhooked run; an edit through it still reaches mlp_out. Three experts per token: with two, any order
+    of the sum rounds alike."""
+    hf, _ = pair
+    model = HookedTransformer.from_hf(make_hf_family(hf.config.model_type, seed=2, num_experts_per_tok=3)).to(dtype)
+    names = lambda n: n.endswith("mlp.hook_expert_out")  # noqa: E731
+    seen = []
+    with torch.no_grad():
+        plain = model(tokens)
+        read = model.run_with_hooks(tokens, fwd_hooks=[(names, lambda x, hook: seen.append(x))])
+        zeroed = model.run_with_hooks(tokens, fwd_hooks=[(names, lambda x, hook: torch.zeros_like(x))])
+    assert seen and torch.equal(read, plain)
+    assert not torch.equal(zeroed, plain)

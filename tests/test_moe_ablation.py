@@ -12,6 +12,7 @@ from conftest import make_hf_family
 from lenskit import HookedTransformer
 from lenskit.intervene.experts import Expert, expert_ablation_hooks
 from lenskit.intervene.interventions import ablation_hooks
+from fixtures import random_tokens
 
 MOE_FAMILIES = ["mixtral", "qwen3_moe", "olmoe", "gpt_oss"]
 EVERY_HOOK = lambda name: True  # noqa: E731
@@ -24,7 +25,7 @@ def model(request) -> HookedTransformer:
 
 @pytest.fixture(scope="module")
 def tokens() -> torch.Tensor:
-    return torch.randint(0, 101, (3, 17), generator=torch.Generator().manual_seed(8))
+    return random_tokens(3, 17, seed=8)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import lenskit
 from lenses.cli import main as cli_main
 from lenskit import PRESETS, ModelConfig, accounting
 from lenskit.families import family_of
+from fixtures import unchanged_copy
 
 MOE_PRESETS = ["mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "olmoe-1b-7b", "gpt-oss-20b", "gpt-oss-120b"]
 
@@ -87,7 +88,7 @@ def counted_flops_per_token(cfg) -> float:
     attention path (a pattern hook) so that the attention core's matmuls are counted as the accounting counts them."""
     model = lenskit.HookedTransformer(cfg).eval()
     tokens = torch.randint(0, cfg.d_vocab, (2, 16), generator=torch.Generator().manual_seed(0))
-    eager = [(f"blocks.{i}.attn.hook_pattern", lambda x, hook: None) for i in range(cfg.n_layers)]
+    eager = [(f"blocks.{i}.attn.hook_pattern", unchanged_copy) for i in range(cfg.n_layers)]
     with FlopCounterMode(display=False) as counter, model.hooks(eager), torch.no_grad():
         model(tokens)
     return counter.get_total_flops() / tokens.numel()

@@ -15,6 +15,7 @@ import torch
 from families import build_family_model
 from golden import hf_attention, hf_blocks
 from lenskit import HookedTransformer
+from fixtures import random_tokens
 
 FAMILIES = ["gpt2", "gpt_neox", "llama", "mistral", "qwen3", "olmo2", "phi3"]
 LLAMA_LIKE = ["llama", "mistral", "qwen3", "olmo2"]  # separate k_proj modules
@@ -23,7 +24,7 @@ LAYER = 1
 
 @pytest.fixture(scope="module")
 def tokens() -> torch.Tensor:
-    return torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(5))
+    return random_tokens(2, 9, seed=5, high=300, low=3)
 
 
 def nan_site(hf, n_heads: int, d_head: int, which: str) -> tuple[torch.nn.Parameter, tuple[int, int]]:

@@ -24,11 +24,6 @@ YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, a
             beta_slow=1.0)
 
 
-@pytest.fixture
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 101, (3, 17), generator=torch.Generator().manual_seed(1))
-
-
 def tiny_config(family: str, **changes) -> dict:
     """The config.json transformers writes for the family's tiny model, with `changes` (None: the field removed)."""
     hf = make_hf_family(family)

@@ -8,6 +8,7 @@ from lenses import LogitLens, Trajectory
 from lenses.base import BasisLens, Lens
 from tiny_tokenizer import make_model_with_tokenizer
 from families import every_family
+from fixtures import random_tokens
 
 
 @torch.no_grad()
@@ -21,7 +22,7 @@ def reference_log_probs(hf_model, tokens):
 
 @pytest.fixture(scope="module")
 def tokens():
-    return torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(5))
+    return random_tokens(2, 9, seed=5)
 
 
 def test_rows_agree_with_full_vocab_reference(model, hf_model, tokens):

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_hf_family
+from fixtures import close
 
 import lenskit
 from lenskit import HookedTransformer, get_act_name
@@ -29,10 +30,6 @@ def setup(request):
     with torch.no_grad():
         logits, cache = model.run_with_cache(tokens, names_filter=ALL)
     return request.param, hf, model, tokens, logits, cache
-
-
-def close(a, b, atol=2e-5):
-    torch.testing.assert_close(a, b, atol=atol, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------ cache

@@ -10,12 +10,9 @@ import torch.nn.functional as F
 import lenskit
 from lenskit import HookedTransformer, ModelConfig
 from lenskit.pieces.layers import MLP
+from fixtures import close
 
 TOKENS = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(3))
-
-
-def close(a: torch.Tensor, b: torch.Tensor) -> None:
-    torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
 
 
 def act(cfg: ModelConfig, pre: torch.Tensor) -> torch.Tensor:

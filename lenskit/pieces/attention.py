@@ -62,9 +62,12 @@ def make_mask(cfg: ModelConfig, layer: int = 0) -> CausalMask:
 class Attention(HeadCircuits, nn.Module):
     """Multi-head causal self-attention: project, (q/k norm), (rotate), attend, write back.
 
-    PyTorch's fused scaled-dot-product kernel runs unless a hook needs the internals, the scores are
-    soft-capped (which the kernel cannot do) or, on the CPU, q or k is not finite (see `_fused_agrees`); both
-    paths compute the same function, non-finite values included. Under grouped-query
+    PyTorch's fused scaled-dot-product kernel runs unless the scores are soft-capped (which the kernel cannot do)
+    or, on the CPU, q or k is not finite (see `_fused_agrees`); both paths compute the same function, non-finite
+    values included. A hook on the scores or the pattern gets them from the eager path; the output stays the fused
+    kernel's unless a hook edits them (returns a tensor or writes in place) or a backward hook is on them, so that
+    reading a pattern never moves the logits (an edit takes the eager path, which in bf16 differs from the fused
+    one by a few 1e-3 in the logits; in fp32 by rounding). Under grouped-query
     attention each group of n_heads / n_kv_heads query heads shares one key/value head. `layer` picks
     the block's mask and rotary base where the config alternates local and global blocks.
 
@@ -146,8 +149,10 @@ class Attention(HeadCircuits, nn.Module):
         """The block's write [batch, pos, d_model] from q [batch, pos, head, d_head] and k, v [batch, key_pos, kv_head,
         d_head], as the scores read them (after norms and rotation; cached keys first): scores, pattern, mix, gate, out."""
         batch, pos = q.shape[:2]
-        if self.softcap is not None or any(h.has_hooks() for h in self._internals) or not _fused_agrees(q, k):
+        if self.softcap is not None or not _fused_agrees(q, k):
             z = self._eager(q, k, v)
+        elif any(h.has_hooks() for h in self._internals):
+            z = self._observed(q, k, v)
         else:
             z = self._fused(q, k, v)
         z = self.hook_z(self._gate_z(z, *gate))
@@ -253,14 +258,37 @@ class Attention(HeadCircuits, nn.Module):
         return probs[..., :-1]
 
     def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self._mix(self._pattern(q, k)[0], v)
+
+    def _observed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The eager path's scores and pattern for the hooks on them; if the hooks only read (no backward hook, nothing
+        returned or edited in place), the output is the fused kernel's, so that observing a run leaves its numbers as
+        an unobserved run gives them (in bf16 the two paths differ by a few 1e-3 in the logits)."""
+        pattern, edited = self._pattern(q, k)
+        if edited or any(h.has_hooks("bwd") for h in self._internals):
+            return self._mix(pattern, v)
+        return self._fused(q, k, v)
+
+    def _pattern(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The pattern [batch, head, query_pos, key_pos] through the hooks on the scores and on it, and whether a hook
+        replaced either of them or changed a value in place (a NaN counts as changed: the eager path keeps it)."""
         pos = q.shape[1]
         k = k.repeat_interleave(self.group, dim=2)  # [batch, pos, head, d_head]: query head h reads kv head h // group
-        v = v.repeat_interleave(self.group, dim=2)
         scores = self._cap(torch.einsum("bqhd,bkhd->bhqk", q, k) * self.scale)  # [batch, head, query_pos, key_pos]
         allowed = self.mask.allowed(pos, q.device, k.shape[1] - pos)  # keys past the queries' count are cached ones
         # Masked scores become -inf, and a NaN stays NaN, as transformers' additive mask leaves it
-        scores = self.hook_attn_scores(torch.where(allowed, scores, scores - float("inf")))
-        pattern = self.hook_pattern(self._softmax(scores))
+        scores = torch.where(allowed, scores, scores - float("inf"))
+        before = scores.clone()  # to see an edit in place (inference tensors count no writes, so values are compared)
+        hooked = self.hook_attn_scores(scores)
+        probs = self._softmax(hooked)
+        probs_before = probs.clone()
+        pattern = self.hook_pattern(probs)
+        edited = (hooked is not scores or pattern is not probs
+                  or not torch.equal(scores, before) or not torch.equal(probs, probs_before))
+        return pattern, edited
+
+    def _mix(self, pattern: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        v = v.repeat_interleave(self.group, dim=2)  # [batch, pos, head, d_head]
         return torch.einsum("bhqk,bkhd->bqhd", pattern, v)  # [batch, pos, head, d_head]
 
 

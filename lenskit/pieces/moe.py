@@ -14,7 +14,8 @@ pass over every expert.
 Hooks: `hook_router_logits` [batch, pos, expert], `hook_expert_indices` and `hook_expert_weights` [batch, pos, k]
 (a hook may replace either; the mix uses what it returns), and `hook_expert_out` [batch, pos, k, d_model], each
 slot's unweighted expert output, computed only when something is attached to it (it is in the model's
-ON_REQUEST list). `mlp_out = Σ_j weights_j · expert_out_j` either way.
+ON_REQUEST list). `mlp_out = Σ_j weights_j · expert_out_j` either way, summed in the same order, so a hook that only
+reads expert_out leaves the numbers as they were.
 
 The kind of expert is `EXPERTS[cfg.mlp]`: the SwiGLU expert, or gpt-oss's biased one with the clamped SwiGLU
 (`ClampedSwiGLUExpert`); the router has a bias where `cfg.router_bias` says so (gpt-oss).
@@ -153,17 +154,24 @@ class MoE(nn.Module):
         weights = self.hook_expert_weights(weights.to(x.dtype))
         if self.hook_expert_out.has_hooks():
             out = self.hook_expert_out(self.expert_outputs(x, chosen))  # [batch, pos, k, d_model]
-            return (weights.unsqueeze(-1) * out).sum(dim=-2)
+            by_slot = out.reshape(-1, out.shape[-1])  # [token * k, d_model]
+            return self._summed(x, weights, chosen, lambda e, slots: by_slot[slots])
         return self.mixed(x, weights, chosen)
 
     def mixed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Σ_j weights_j · expert_{chosen_j}(x) [batch, pos, d_model], each expert run once on all its tokens."""
         flat = x.reshape(-1, x.shape[-1])  # [token, d_model]
+        return self._summed(x, weights, chosen, lambda e, slots: self.experts[e](flat[slots // self.k]))
+
+    def _summed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                output: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Σ_j weights_j · output(expert, slots) [batch, pos, d_model], added expert by expert: the one order of the
+        sum whether the outputs are computed here or read from hook_expert_out, so that hooking it only to read leaves
+        mlp_out bit for bit as it was."""
         w = weights.reshape(-1, 1)  # [token * k, 1]
-        out = torch.zeros_like(flat)
+        out = x.new_zeros(x.shape[:-1].numel(), x.shape[-1])  # [token, d_model]
         for e, slots in self._groups(chosen):
-            token = slots // self.k
-            out.index_add_(0, token, self.experts[e](flat[token]) * w[slots])
+            out.index_add_(0, slots // self.k, output(e, slots) * w[slots])
         return out.view_as(x)
 
     def expert_outputs(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
