@@ -43,7 +43,8 @@ def chunk_rows(readout: Readout, buffers: int = 1) -> int:
     on CUDA they share `device_budget`, each at most CUDA_MAX_BYTES; on the CPU they share the unembedding's bytes
     (see CPU_BYTES above).
 
-    >>> chunk_rows(model.readout, buffers=4)     # d_model 256, 128k tokens, float32 on the CPU: 64 rows
+    >>> chunk_rows(model.readout, buffers=4)     # stdlib-gpt2 on the CPU: four buffers of at least 8 MiB
+    512
     """
     weight = readout.weight
     row_bytes = 4 * readout.d_vocab

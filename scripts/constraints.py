@@ -1,4 +1,4 @@
-"""Prints the constraints file: the installed version of every distribution that lenskit-interp[dev,bench]
+"""Prints the constraints file: the installed version of every distribution that lenskit-interp[dev,bench,docs]
 pulls in, walked through the installed metadata (so nothing else on the machine slips in).
 
     python3 scripts/constraints.py > constraints.txt     # after the whole suite passed on this install
@@ -9,7 +9,7 @@ import importlib.metadata as md
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-ROOT, EXTRAS = "lenskit-interp", {"dev", "bench"}
+ROOT, EXTRAS = "lenskit-interp", {"dev", "bench", "docs"}
 
 
 def closure() -> dict[str, str]:

@@ -27,7 +27,10 @@ NOT_YET_RUNNABLE = {
     "lenses.activation_export", "lenses.causal", "lenses.compare", "lenses.evaluation", "lenses.jacobian",
     "lenses.jacobian_fit", "lenses.logit", "lenses.metrics", "lenses.patchscope", "lenses.plots.diagnostics",
     "lenses.plots.export", "lenses.plots.lens", "lenses.spec", "lenses.training", "lenses.training.lock",
-    "lenses.training.step", "lenses.transfer", "lenses.tuned", 
+    "lenses.training.step", "lenses.transfer", "lenses.tuned", "lenses.features", "lenskit.saes.features",
+    "lenskit.saes.sae",
+    # install() must run before any real transformer_lens import, which this test process has already made
+    "lenskit.transformer_lens.registration",
 }
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..io.files import check_regular_file, read_json_object
+from ..observe.stream import POINTS
 from .sae import SAE, SAEConfig
 
 # SAEs that ship with lenskit: short name -> folder beside this module.
@@ -146,8 +147,8 @@ def write_saelens(sae: SAE, folder: str | os.PathLike, extra: dict[str, Any]) ->
 
 
 # --------------------------------------------------------------- Gemma Scope
-_GEMMA_SITES = {"res": "blocks.{}.hook_resid_post", "mlp": "blocks.{}.hook_mlp_out", "att": "blocks.{}.attn.hook_z",
-                "transcoders": ("blocks.{}.ln2.hook_normalized", "blocks.{}.hook_mlp_out")}
+_GEMMA_SITES = {"res": f"blocks.{{}}.{POINTS['resid_post']}", "mlp": f"blocks.{{}}.{POINTS['mlp_out']}",
+                "att": "blocks.{}.attn.hook_z", "transcoders": ("blocks.{}.ln2.hook_normalized", f"blocks.{{}}.{POINTS['mlp_out']}")}
 
 
 def gemma_scope_hook(repo: str | None, sub: str) -> str | tuple[str, str] | None:
@@ -180,7 +181,7 @@ def sparsify_hook(name: str) -> str | None:
     m = re.fullmatch(r"(?:model\.)?layers\.(\d+)(\.mlp)?", name)
     if not m:
         return None
-    return f"blocks.{m.group(1)}.hook_mlp_out" if m.group(2) else f"blocks.{m.group(1)}.hook_resid_post"
+    return f"blocks.{m.group(1)}.{POINTS['mlp_out'] if m.group(2) else POINTS['resid_post']}"
 
 
 def _sparsify(folder: Path, hook: Any) -> SAE:
@@ -202,7 +203,7 @@ def _sparsify(folder: Path, hook: Any) -> SAE:
     transcode = bool(cfg.get("transcode", False))
     if transcode and not isinstance(hook, (tuple, list)):
         raise SAEFileError(f"{folder} is a sparsify transcoder; pass hook=(input_hook, output_hook), e.g. "
-                           "('blocks.3.ln2.hook_normalized', 'blocks.3.hook_mlp_out')")
+                           f"('blocks.3.ln2.hook_normalized', 'blocks.3.{POINTS['mlp_out']}')")
     hook_in, hook_out = _pick_hook(hook, sparsify_hook(folder.name))
     weights = {"W_enc": raw["encoder.weight"].T, "b_enc": raw["encoder.bias"], "W_dec": raw["W_dec"], "b_dec": raw["b_dec"]}
     if "W_skip" in raw:
@@ -216,7 +217,7 @@ def _sparsify(folder: Path, hook: Any) -> SAE:
 def _circuit_tracer(path: Path, raw: dict[str, torch.Tensor], hook: Any) -> SAE:
     if not isinstance(hook, (tuple, list)):
         raise SAEFileError(f"{path} is a circuit-tracer transcoder, whose file names no hooks; pass "
-                           "hook=(input_hook, output_hook), e.g. ('blocks.3.ln2.hook_normalized', 'blocks.3.hook_mlp_out')")
+                           f"hook=(input_hook, output_hook), e.g. ('blocks.3.ln2.hook_normalized', 'blocks.3.{POINTS['mlp_out']}')")
     d_sae, d_in = raw["W_enc"].shape
     weights = {"W_enc": raw["W_enc"].T, "b_enc": raw["b_enc"], "W_dec": raw["W_dec"], "b_dec": raw["b_dec"]}
     arch, k = "relu", None
@@ -247,7 +248,7 @@ def _dictionary_learning(path: Path, hook: Any) -> SAE:
         trainer = read_json_object(config, "a dictionary_learning config.json").get("trainer", {})
         layer, submodule = trainer.get("layer"), trainer.get("submodule_name") or ""
         if isinstance(layer, int) and "resid" in submodule:
-            found = f"blocks.{layer}.hook_resid_post"
+            found = f"blocks.{layer}.{POINTS['resid_post']}"
     hook_in, hook_out = _pick_hook(hook, found)
     if {"encoder.weight", "encoder.bias", "decoder.weight", "bias"} <= set(raw):  # AutoEncoder: relu(enc(x - bias))
         weights = {"W_enc": raw["encoder.weight"].T, "b_enc": raw["encoder.bias"], "W_dec": raw["decoder.weight"].T,

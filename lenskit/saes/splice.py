@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..observe.stream import POINTS
 from .sae import SAE, SAE_POINTS
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def check_fits(model: HookedTransformer, sae: SAE) -> None:
         if name not in model.hook_dict:
             raise KeyError(f"SAE {sae.cfg.source} reads/writes {name!r}, a hook this model ({model.cfg.model_name or 'model'}) "
                            f"lacks; it was made for another model (model_name={sae.cfg.model_name!r}), or pass hook= to place it")
-    widths = {"hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out"}
+    widths = set(POINTS.values())  # the stream's points: d_model wide
     for name, width in ((sae.hook_name, sae.d_in), (sae.hook_name_out, sae.cfg.out_width)):
         if name.rsplit(".", 1)[-1] in widths and width != model.cfg.d_model:
             raise ValueError(f"SAE {sae.cfg.source} has width {width} at {name}, but this model's d_model is "

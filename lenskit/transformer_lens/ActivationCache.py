@@ -19,6 +19,7 @@ import torch
 
 from ..observe.cache import ActivationCache as LenskitActivationCache
 from ..observe.slices import apply_slice
+from ..observe.stream import Stream
 from .errors import asserts
 
 __all__ = ["ActivationCache"]
@@ -44,7 +45,7 @@ class ActivationCache(LenskitActivationCache):
     def _final_stream_as_remainder(self, return_labels: bool, pos_slice: Any, apply_ln: bool) -> Any:
         """TransformerLens's layer-0 stack: no heads or neurons, and the last block's output as the remainder
         [1, batch, pos, d_model]; `apply_ln` with block 0's ln1 scale, as TransformerLens applies it."""
-        final = self[f"blocks.{self.n_layers - 1}.hook_resid_post"]
+        final = self[Stream(self.n_layers).hook_name(self.n_layers)]
         stack = apply_slice(final, pos_slice, -2)[None]
         stack = self.apply_ln_to_stack(stack, 0, pos_slice=pos_slice) if apply_ln else stack
         return (stack, ["remainder"]) if return_labels else stack

@@ -1,7 +1,8 @@
 """`transformer_lens.head_detector`: how much each head's attention looks like a pattern, TransformerLens's scores.
 
 >>> from lenskit.transformer_lens.head_detector import detect_head
->>> detect_head(model, "one two three one two three", "induction_head")   # [layer, head]
+>>> detect_head(model, "one two three one two three", "induction_head").shape   # [layer, head]
+torch.Size([6, 6])
 
 A detection pattern is a lower-triangular [query_pos, key_pos] matrix. `"mul"` scores the share of a head's
 attention that lands on the pattern's ones, sum(pattern * detection) / sum(pattern); `"abs"` scores

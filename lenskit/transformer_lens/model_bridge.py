@@ -20,16 +20,17 @@ from typing import Any
 import torch
 
 from lenskit.config_names import note_prepend_bos
+from lenskit.observe.stream import POINTS
 
 from .HookedTransformer import HookedTransformer
 
 # TransformerLens 4's name inside block i -> lenskit's (the legacy name its compatibility mode aliases).
 BLOCK_NAMES = {
-    "hook_in": "hook_resid_pre", "ln2.hook_in": "hook_resid_mid", "hook_out": "hook_resid_post",
-    "attn.hook_in": "ln1.hook_normalized", "attn.hook_out": "hook_attn_out",
+    "hook_in": POINTS["resid_pre"], "ln2.hook_in": POINTS["resid_mid"], "hook_out": POINTS["resid_post"],
+    "attn.hook_in": "ln1.hook_normalized", "attn.hook_out": POINTS["attn_out"],
     "attn.q.hook_out": "attn.hook_q", "attn.k.hook_out": "attn.hook_k", "attn.v.hook_out": "attn.hook_v",
     "attn.o.hook_in": "attn.hook_z", "ln1.hook_out": "ln1.hook_normalized", "ln2.hook_out": "ln2.hook_normalized",
-    "mlp.hook_in": "ln2.hook_normalized", "mlp.hook_out": "hook_mlp_out",
+    "mlp.hook_in": "ln2.hook_normalized", "mlp.hook_out": POINTS["mlp_out"],
     "mlp.in.hook_out": "mlp.hook_pre", "mlp.out.hook_in": "mlp.hook_post",
 }
 TOP_NAMES = {"embed.hook_out": "hook_embed", "pos_embed.hook_out": "hook_pos_embed",

@@ -2,4 +2,6 @@
 (`import transformer_lens.utilities as utils`). The same functions as this namespace's `utils`, one home."""
 
 from .utils import *  # noqa: F401,F403
-from .utils import __all__  # noqa: F401
+from . import utils
+
+__all__ = utils.__all__

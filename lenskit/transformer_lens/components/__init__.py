@@ -6,7 +6,7 @@ A name is for checking, not building: calling one refuses, since lenskit builds 
 
 >>> from lenskit.transformer_lens import components
 >>> isinstance(model.blocks[0].mlp, components.MLP), isinstance(model.blocks[0].mlp, components.GatedMLP)
-(True, False)   # GPT-2's MLP
+(True, False)
 """
 
 from __future__ import annotations
