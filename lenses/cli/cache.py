@@ -84,5 +84,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}: {manifest['n_shards']} shards, {manifest['n_windows'] * manifest['ctx']:,} tokens "
               f"of {len(hooks)} hooks in {manifest['dtype']}")
     if world > 1:
-        torch.distributed.destroy_process_group()
+        from ..training import finish_distributed
+
+        finish_distributed()
     return 0

@@ -95,9 +95,9 @@ def run(args: argparse.Namespace) -> int:
     with folder_lock(card_folder) if card_folder is not None and rank == 0 else contextlib.nullcontext():
         code = evaluate(args, specs, card_folder, rank, device)
     if world > 1:
-        import torch
+        from ..training import finish_distributed
 
-        torch.distributed.destroy_process_group()
+        finish_distributed()
     return code
 
 

@@ -130,5 +130,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}: {lens.info.get('steps_done')} steps, {lens.info.get('tokens_seen', 0):,} tokens; "
               f"final KL per stream (nats): {' '.join(f'{x:.4f}' for x in last)}")
     if world > 1:
-        torch.distributed.destroy_process_group()
+        from ..training import finish_distributed
+
+        finish_distributed()
     return 0

@@ -99,6 +99,14 @@ def init_distributed() -> tuple[int, int, torch.device | None]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def finish_distributed() -> None:
+    """Leave the torchrun group, once every rank is done: a rank that tore its group down while rank 0 was still
+    writing its files could abort at exit in gloo's teardown ("terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------------------- checkpoints
 def save_checkpoint(path: Path, lens: TunedLens, opt: torch.optim.Optimizer, meta: dict) -> None:
     tensors = {f"lens.{k}": v.detach().cpu().contiguous() for k, v in lens.state_dict().items()}
