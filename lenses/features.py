@@ -98,10 +98,15 @@ def feature_lens(model: HookedTransformer, feature: Feature, lenses: Mapping[str
         else:
             single = Feature(sae, feature.index[0])
             readings = stream_logits(model, lens, single, tokens, [s for s in streams if lens.covers(s)], alpha)
-        for layer, logits in readings.items():
-            for kind, largest in (("promoted", True), ("suppressed", False)):
-                vals, ids = logits.topk(top_k, largest=largest)
-                for rank, (val, tid) in enumerate(zip(vals.tolist(), ids.tolist())):
+        if not readings:
+            continue
+        stacked = torch.stack(list(readings.values()))  # [layer, d_vocab]
+        # [layer, k] each, read back once per lens and kind rather than once per stream
+        tops = {kind: [t.tolist() for t in stacked.topk(top_k, dim=-1, largest=largest)]
+                for kind, largest in (("promoted", True), ("suppressed", False))}
+        for i, layer in enumerate(readings):
+            for kind, (vals, ids) in tops.items():
+                for rank, (val, tid) in enumerate(zip(vals[i], ids[i])):
                     token = model.to_string(torch.tensor([tid])) if model.tokenizer is not None else str(tid)
                     rows.append({"lens": name, "layer": layer, "kind": kind, "rank": rank, "token": token,
                                  "token_id": tid, "logit": val})
