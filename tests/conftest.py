@@ -182,3 +182,20 @@ from families import FAMILY_BUILDERS, family_model_of  # noqa: E402 - it builds 
 def family_model(request):
     """A tiny random model of each family in tests/families.py (its transformers twin in `.hf`)."""
     return family_model_of(request.param)
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Every model loaded while a test runs (the CLI's commands included): (dtype, device type) of its weights, in
+    order."""
+    import lenskit.io.loading
+
+    seen, original = [], lenskit.io.loading.load_pretrained
+
+    def spy(*args, **kwargs):
+        model = original(*args, **kwargs)
+        seen.append((model.embed.weight.dtype, model.embed.weight.device.type))
+        return model
+
+    monkeypatch.setattr(lenskit.io.loading, "load_pretrained", spy)
+    return seen

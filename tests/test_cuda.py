@@ -242,22 +242,6 @@ def test_activation_export_from_cuda_matches_the_cpu(tmp_path):
 
 
 # ------------------------------------------------------------------ the command line on the GPU
-@pytest.fixture
-def loads(monkeypatch):
-    """(dtype, device type) of every model the commands load."""
-    import lenskit.io.loading
-
-    seen, original = [], lenskit.io.loading.load_pretrained
-
-    def spy(*args, **kwargs):
-        model = original(*args, **kwargs)
-        seen.append((model.embed.weight.dtype, model.embed.weight.device.type))
-        return model
-
-    monkeypatch.setattr(lenskit.io.loading, "load_pretrained", spy)
-    return seen
-
-
 def cli_commands(folder, tmp_path) -> dict[str, list[str]]:
     model_dir, data_dir = map(str, folder)
     return {

@@ -27,21 +27,6 @@ def files(tmp_path_factory):
     return root
 
 
-@pytest.fixture
-def loads(monkeypatch):
-    """Every model the commands load: (dtype, device) of its weights, in order."""
-    seen = []
-    original = lenskit.io.loading.load_pretrained
-
-    def spy(*args, **kwargs):
-        model = original(*args, **kwargs)
-        seen.append((model.embed.weight.dtype, model.embed.weight.device.type))
-        return model
-
-    monkeypatch.setattr(lenskit.io.loading, "load_pretrained", spy)
-    return seen
-
-
 def commands(files, tmp_path) -> dict[str, list[str]]:
     """One cheap run of each command that runs a model."""
     model, text = str(files / "model"), str(files / "text")

@@ -13,24 +13,14 @@ import pytest
 import torch
 
 import lenskit.observe.names as names_module
-from conftest import make_hf_gpt2
 from families import family_model_of
 from lenses.activation_export import export_activations, rank_record
-from lenskit import HookedTransformer
 from lenskit.io import activations as acts_module
 from lenskit.io.activations import MANIFEST_FILE, ActivationDataset, file_checksum, read_manifest, resolve_hooks
 
+from test_activation_export import model, windows  # noqa: F401 - the same tiny GPT-2 and windows, one home
+
 HOOK = "blocks.1.hook_resid_post"
-
-
-@pytest.fixture(scope="module")
-def model() -> HookedTransformer:
-    return HookedTransformer.from_hf(make_hf_gpt2())
-
-
-@pytest.fixture(scope="module")
-def windows(model) -> torch.Tensor:
-    return torch.randint(0, model.cfg.d_vocab, (7, 12), generator=torch.Generator().manual_seed(0))
 
 
 def export(model, windows, out, hooks=HOOK, **kw):
