@@ -7,7 +7,7 @@ with one import changed,
 
 Nothing here computes anything of its own: each name is lenskit's (`lenskit.HookedTransformer`,
 `lenskit.ActivationCache`, `lenskit.patching` ...) with TransformerLens's defaults, names and argument orders.
-See the README, "Coming from TransformerLens", for what differs and what is not provided.
+See docs/howto/transformer_lens.md ("Coming from TransformerLens") for what differs and what is not provided.
 """
 
 from .ActivationCache import ActivationCache
