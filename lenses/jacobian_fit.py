@@ -20,7 +20,9 @@ other settings, tokens or model is refused. At the end the lens folder is saved 
 Distributed (torchrun, see `lenses.training.init_distributed`): rank r takes prompts r, r + world, ...; the sums
 and counts are all-reduced, so the lens is one process's up to float64 summation order; rank 0 writes the files.
 
->>> lens = fit(model, tokens, out="runs/jlens")     # tokens [n, pos]; Ctrl-C, then the same call resumes
+>>> lens = fit(model, windows[:2, :32], out="runs/jlens", progress=False)   # tokens [n, pos]; Ctrl-C, then the same call resumes
+>>> sorted(p.name for p in Path("runs/jlens").iterdir())
+['README.md', 'config.json', 'lens.safetensors']
 """
 
 from __future__ import annotations

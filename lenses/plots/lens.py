@@ -166,6 +166,8 @@ def lens_stack(data: Mapping[str, Any], color: str = "prob", *, title: str | Non
     `max_chars`, `clip`, `batch`); the colour range is the union of the panels' ranges, so one colour means
     one value in every panel. Stream cells a lens does not decode stay blank.
 
+    >>> logit_traj = Trajectory.from_prompt(LogitLens(model), "import os")
+    >>> tuned_traj = Trajectory.from_prompt(tuned, "import os")
     >>> fig = lens_stack({"logit": logit_traj, "tuned": tuned_traj}, color="kl")
     """
     from plotly.subplots import make_subplots
@@ -288,7 +290,9 @@ def layer_curves(data: pd.DataFrame, y: str = "kl_to_final", *, series: str | No
     With `log_y`, points whose mean is not positive (the final layer's KL to itself is exactly 0) are left
     out, and a band's lower edge stops at the line. `size`/`width`/`height` as for `logit_lens_heatmap`.
 
-    >>> layer_curves(pd.concat([logit_df, tuned_df]), "kl_to_final", series="lens", unit="prompt")
+    >>> logit_df = Trajectory.from_prompt(LogitLens(model), ["import os", "def f(x):"]).to_frame().assign(lens="logit")
+    >>> tuned_df = Trajectory.from_prompt(tuned, ["import os", "def f(x):"]).to_frame().assign(lens="tuned")
+    >>> fig = layer_curves(pd.concat([logit_df, tuned_df]), "kl_to_final", series="lens", unit="batch")  # one band per lens
     """
     keys = [series, x] if series else [x]
     summary = data if {"mean", "lo", "hi"} <= set(data.columns) else metrics.mean_ci(data, y, by=keys, unit=unit)

@@ -16,8 +16,10 @@ the learning rate of the remaining steps follows the schedule re-derived for the
 lens keeps no optimiser state (SGD momentum restarts from zero), so an extended run is NOT identical to a
 fresh run of that many steps.
 
->>> stream = lenskit.io.data.load_token_stream(["corpus/"], model.tokenizer)
->>> lens = train(TunedLens(model), stream, Recipe(steps=100), out="my_lens")
+>>> stream = lenskit.io.data.load_token_stream([lenskit.io.data.stdlib_root() / "copy.py"], model.tokenizer)
+>>> lens = train(TunedLens(model), stream, Recipe(steps=2, tokens_per_step=512, ctx=256), out="my_lens", progress=False)
+>>> lens = train(TunedLens(model), stream, Recipe(steps=2, tokens_per_step=512, ctx=256), out="my_lens", progress=False)
+my_lens: already trained (2 steps); nothing to do
 """
 
 from __future__ import annotations
