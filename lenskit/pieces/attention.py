@@ -13,7 +13,6 @@ hook_pattern are [batch, head, query_pos, key_pos]; hook_sink [batch, head, quer
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +23,7 @@ from ..observe.hooks import HookPoint
 from .linear import Linear
 from .qkv import make_qkv
 from .norms import UnitRMSNorm, make_norm
-from ..kv_cache import entry_of
-from .forward_state import keep_kv
+from .forward_state import ForwardState, needed
 from .rotary import Rotary
 from .weights import HeadCircuits
 
@@ -126,23 +124,27 @@ class Attention(HeadCircuits, nn.Module):
         self._softmax = self._softmax_with_sink if cfg.attn_sinks else _softmax
         self._fused = self._fused_with_sink if cfg.attn_sinks else self._fused_plain
         self._gate_z = self._output_gate if cfg.attn_output_gate else _ungated
+        self.layer = layer
         keeps = cfg.n_kv_shared_layers and layer in cfg.kv_source_layers  # a block whose keys later blocks read
-        self._keep_kv = partial(keep_kv, layer) if keeps else _keep_nothing
+        self._keep_kv = self._keep_for_sharing if keeps else _keep_nothing
         self._internals = tuple(internals)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.from_projections(*self.qkv(x))
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
+        """The block's write [batch, pos, d_model] from its normed stream x [batch, pos, d_model], with the forward's
+        `state` (lenskit.pieces.forward_state: its KV cache entry; None for a block alone, which has no cache)."""
+        return self.from_projections(*self.qkv(x), state=state)
 
-    def from_projections(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *gate: torch.Tensor) -> torch.Tensor:
+    def from_projections(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *gate: torch.Tensor,
+                         state: ForwardState | None = None) -> torch.Tensor:
         """The block's write [batch, pos, d_model] from the projections q [batch, pos, head, d_head], k, v [batch, pos,
         kv_head, d_head] (and the gate's logits, as q): where per-head inputs (lenskit.observe.switches) enter too."""
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        past = entry_of(self)  # lenskit.kv_cache: None unless this forward was given past_kv_cache
+        past = None if state is None else state.entry(self)  # lenskit.kv_cache: None unless given past_kv_cache
         q, k = self._rotate_qk(*self._norm_qk(q, k), 0 if past is None else past.n_pos)
         v = self._norm_v(v)
         if past is not None:
             k, v = past.extend(k, v)  # [batch, n_pos + pos, kv_head, d_head]: the cached keys, then these
-        self._keep_kv(k, v)  # where later blocks reuse this block's keys and values (Gemma 4: kv_sharing.py)
+        self._keep_kv(k, v, state)  # where later blocks reuse this block's keys and values (Gemma 4: kv_sharing.py)
         return self.attend(q, k, v, *gate)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *gate: torch.Tensor) -> torch.Tensor:
@@ -221,6 +223,9 @@ class Attention(HeadCircuits, nn.Module):
 
     def _output_gate(self, z: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return z * self.hook_gate(torch.sigmoid(gate))
+
+    def _keep_for_sharing(self, k: torch.Tensor, v: torch.Tensor, state: ForwardState | None) -> None:
+        needed(state, f"block {self.layer}'s keys for the blocks that share them").keep_kv(self.layer, k, v)
 
     def _softcap_scores(self, scores: torch.Tensor) -> torch.Tensor:
         return torch.tanh(scores / self.softcap) * self.softcap
@@ -317,7 +322,7 @@ def _ungated(z: torch.Tensor) -> torch.Tensor:
     return z
 
 
-def _keep_nothing(k: torch.Tensor, v: torch.Tensor) -> None:
+def _keep_nothing(k: torch.Tensor, v: torch.Tensor, state: ForwardState | None) -> None:
     return None
 
 

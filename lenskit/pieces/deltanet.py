@@ -22,7 +22,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
-from ..kv_cache import entry_of
+from .forward_state import ForwardState
 from .linear import Linear
 
 CHUNK = 64  # positions per chunk: transformers' and the fla kernels' size
@@ -159,9 +159,11 @@ class GatedDeltaNet(nn.Module):
         self.hook_state = HookPoint()  # [batch, v_head, d_k, d_v], float32, computed only when hooked
         self.hook_z = HookPoint()  # [batch, pos, v_head, d_v]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
+        """The block's write [batch, pos, d_model] from its normed stream x, with the forward's `state`
+        (lenskit.pieces.forward_state: its KV cache entry; None for a block alone, which has no cache)."""
         batch, pos, _ = x.shape
-        past = entry_of(self)  # lenskit.kv_cache: None unless this forward was given past_kv_cache
+        past = None if state is None else state.entry(self)  # lenskit.kv_cache: None unless given past_kv_cache
         mixed = self.in_qkv(x)  # [batch, pos, channel]
         q, k, v = causal_conv(mixed, self.conv_weight, None if past is None else past.conv).split(self.sizes, dim=-1)
         q = self.hook_q(q.view(batch, pos, self.n_k_heads, self.d_k))
