@@ -158,10 +158,20 @@ class Attention(HeadCircuits, nn.Module):
         else:
             z = self._fused(q, k, v)
         z = self.hook_z(self._gate_z(z, *gate))
-        if not self.hook_result.has_hooks():
-            return self.out(z.reshape(batch, pos, self.n_heads * self.d_head))
-        result = self.hook_result(torch.einsum("bphd,hdm->bphm", z, self.W_O))  # [batch, pos, head, d_model]
-        return result.sum(2) if self.out.bias is None else result.sum(2) + self.out.bias
+        flat = z.reshape(batch, pos, self.n_heads * self.d_head)
+        return self.out(flat) if not self.hook_result.has_hooks() else self._with_result(z, flat)
+
+    def _with_result(self, z: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """The write [batch, pos, d_model] with hook_result [batch, pos, head, d_model], each head's share of it. If
+        the hooks there only read (nothing returned or changed in place, no backward hook), the write is the output
+        projection's, as unhooked; else it is the sum of the hooked shares plus the bias, the same function rounded
+        differently (in bf16 by a few 1e-3 in the logits)."""
+        result = torch.einsum("bphd,hdm->bphm", z, self.W_O)
+        before = result.clone()  # to see an edit in place (inference tensors count no writes, so values are compared)
+        hooked = self.hook_result(result)
+        if hooked is result and torch.equal(result, before) and not self.hook_result.has_hooks("bwd"):
+            return self.out(flat)
+        return hooked.sum(2) if self.out.bias is None else hooked.sum(2) + self.out.bias
 
     # TransformerLens's views of the weights (`x @ W + b`, stacked over layers by lenskit.pieces.weights). Under GQA
     # W_K, W_V, b_K, b_V have one entry per query head, query head h reading kv head h // group, as

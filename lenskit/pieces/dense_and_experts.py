@@ -68,15 +68,20 @@ class GatedExperts(nn.Module):
         gate, up = linear(x, self.gate_up[e]).chunk(2, dim=-1)  # [token, d_expert] each
         return linear(self.act(gate) * up, self.down[e])
 
-    def mixed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """Σ_j weights_j · expert_{chosen_j}(x) [batch, pos, d_model]; weights, chosen [batch, pos, k]."""
+    def mixed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+              outputs: torch.Tensor | None = None) -> torch.Tensor:
+        """Σ_j weights_j · expert_{chosen_j}(x) [batch, pos, d_model]; weights, chosen [batch, pos, k]. With `outputs`
+        [batch, pos, k, d_model] (hook_expert_out's), those are the experts' outputs, summed in the one order used
+        without them, so that hooking them only to read leaves the numbers bit for bit as they were."""
         k = chosen.shape[-1]
         flat = x.reshape(-1, x.shape[-1])  # [token, d_model]
+        by_slot = None if outputs is None else outputs.reshape(-1, outputs.shape[-1])  # [token * k, d_model]
         w = weights.reshape(-1, 1)  # [token * k, 1]
         out = torch.zeros_like(flat)
         for e, slots in expert_groups(chosen, self.n_experts):
             token = slots // k
-            out.index_add_(0, token, self.expert(e, flat[token]) * w[slots])
+            y = self.expert(e, flat[token]) if by_slot is None else by_slot[slots]
+            out.index_add_(0, token, y * w[slots])
         return out.view_as(x)
 
     def outputs(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -130,7 +135,7 @@ class DenseAndExperts(SwiGLU):
         inputs = self.ln_experts(x)
         if self.hook_expert_out.has_hooks():
             out = self.hook_expert_out(self.experts.outputs(inputs, chosen))  # [batch, pos, k, d_model]
-            moe = (weights.unsqueeze(-1) * out).sum(dim=-2)
+            moe = self.experts.mixed(inputs, weights, chosen, out)
         else:
             moe = self.experts.mixed(inputs, weights, chosen)
         return dense + self.hook_moe_out(self.ln_experts_post(moe))
