@@ -44,7 +44,8 @@ class HookContext:
         return HookContext(**{**fields, **changes})
 
 
-HOOK_CONTEXT: ContextVar[HookContext] = ContextVar("lenskit_hook_context", default=HookContext())
+# The default is never edited (a change replaces the whole HookContext), so sharing it is safe.
+HOOK_CONTEXT: ContextVar[HookContext] = ContextVar("lenskit_hook_context", default=HookContext())  # noqa: B039
 
 
 @contextmanager
