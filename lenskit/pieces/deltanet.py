@@ -172,13 +172,13 @@ class GatedDeltaNet(nn.Module):
         beta = self.hook_beta(self.in_b(x).sigmoid())  # [batch, pos, v_head]
         g = self.hook_g(-self.A_log.float().exp() * F.softplus(self.in_a(x).float() + self.dt_bias))  # [batch, pos, v_head]
         if past is None or past.state is None:
-            out, state = self.rule(q, k, v, beta, g)  # [batch, pos, v_head, d_v], [batch, v_head, d_k, d_v]
+            out, recurrent = self.rule(q, k, v, beta, g)  # [batch, pos, v_head, d_v], [batch, v_head, d_k, d_v]
         else:  # on from the carried state, by the recurrence: a chunk would pad a one-position step to 64
-            out, state = recurrent_gated_delta_rule(q, k, v, beta, g, past.state)
+            out, recurrent = recurrent_gated_delta_rule(q, k, v, beta, g, past.state)
         if past is not None:
-            past.update(mixed, self.conv_weight.shape[-1], state)
+            past.update(mixed, self.conv_weight.shape[-1], recurrent)
         if self.hook_state.has_hooks():
-            self.hook_state(state)
+            self.hook_state(recurrent)
         gate = self.in_z(x).view(batch, pos, self.n_v_heads, self.d_v)
         z = self.hook_z(self.out_norm(out.to(x.dtype), gate))  # [batch, pos, v_head, d_v]
         return self.out_proj(z.reshape(batch, pos, -1))
