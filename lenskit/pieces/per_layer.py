@@ -45,11 +45,11 @@ class PerLayerInputs(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_layers, self.d_per_layer, self.d_model = cfg.n_layers, cfg.d_per_layer, cfg.d_model
-        width = cfg.n_layers * cfg.d_per_layer  # every block's input side by side, as the checkpoint packs them
-        self.embed = nn.Embedding(cfg.d_vocab_per_layer, width)
+        self.n_layers, self.d_per_layer, self.d_model = cfg.n_layers, cfg.block.d_per_layer, cfg.d_model
+        width = cfg.n_layers * cfg.block.d_per_layer  # every block's input side by side, as the checkpoint packs them
+        self.embed = nn.Embedding(cfg.block.d_vocab_per_layer, width)
         self.proj = Linear(cfg.d_model, width, bias=False)
-        self.proj_norm = make_norm(cfg, cfg.d_per_layer)
+        self.proj_norm = make_norm(cfg, cfg.block.d_per_layer)
         self.hook_token = HookPoint()  # [batch, pos, layer, d_per_layer]
         self.hook_proj = HookPoint()  # [batch, pos, layer, d_per_layer]
 
@@ -74,8 +74,8 @@ class PerLayerWrite(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.act = partial(F.gelu, approximate=cfg.gelu_approximate)
-        self.gate = Linear(cfg.d_model, cfg.d_per_layer, bias=False)
-        self.out = Linear(cfg.d_per_layer, cfg.d_model, bias=False)
+        self.gate = Linear(cfg.d_model, cfg.block.d_per_layer, bias=False)
+        self.out = Linear(cfg.block.d_per_layer, cfg.d_model, bias=False)
         self.ln_post = make_norm(cfg)
         self.hook_pre = HookPoint()  # [batch, pos, d_per_layer]
         self.hook_post = HookPoint()  # [batch, pos, d_per_layer]
@@ -89,9 +89,9 @@ class PerLayerWrite(nn.Module):
 def side_inputs(model: nn.Module, cfg: ModelConfig):
     """What the model's forward runs its blocks inside, chosen once from `cfg`: the per-layer inputs' state, a bare
     state for kv sharing alone, or nothing. Called as `side_inputs(tokens, embed)` -> a context manager."""
-    if cfg.d_per_layer is not None:
+    if cfg.block.d_per_layer is not None:
         return model.per_layer_inputs.state
-    return _bare_state if cfg.n_kv_shared_layers else _no_state
+    return _bare_state if cfg.block.n_kv_shared_layers else _no_state
 
 
 def _bare_state(tokens: torch.Tensor, embed: torch.Tensor) -> AbstractContextManager:
