@@ -108,3 +108,22 @@ def test_config_never_imports_the_families():
         if module != "config":
             assert "lenskit.config" not in imported, module
 
+
+# `cfg` in these is not a ModelConfig (TransformerLens's own config), so its flat names are its own fields.
+NOT_MODEL_CONFIGS = {"lenskit/transformer_lens/HookedTransformerConfig.py"}
+
+
+def test_lenskit_reads_grouped_settings_through_their_group():
+    """Inside lenskit/ and lenses/ a grouped setting is read as `cfg.rope.factor`, never by its flat alias
+    (config_rename.py rewrites such reads)."""
+    flat_reads = []
+    for path in sorted([*ROOT.joinpath("lenskit").rglob("*.py"), *ROOT.joinpath("lenses").rglob("*.py")]):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in NOT_MODEL_CONFIGS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in FLAT_NAMES:
+                receiver = ast.unparse(node.value)
+                if receiver == "cfg" or receiver.endswith(".cfg"):
+                    flat_reads.append(f"{rel}:{node.lineno} {receiver}.{node.attr}")
+    assert not flat_reads, flat_reads
