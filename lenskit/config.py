@@ -285,8 +285,8 @@ class ModelConfig(TransformerLensNames):
         return getattr(self.__dict__[group], key)
 
     def to_flat_dict(self) -> dict[str, Any]:
-        """Every setting by its flat name, in the order of today's flat signature's groups: `ModelConfig(**d)` is
-        this config again (as `ModelConfig(**dataclasses.asdict(cfg))` is, with the groups as nested dicts)."""
+        """Every setting by its flat name (the top-level fields, then each group's as `FLAT_NAMES` spells them):
+        `ModelConfig(**d)` is this config again, as `ModelConfig(**dataclasses.asdict(cfg))` is (groups nested)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in GROUPS}
         for flat, (group, name) in FLAT_NAMES.items():
             d[flat] = getattr(getattr(self, group), name)
@@ -334,7 +334,7 @@ class ModelConfig(TransformerLensNames):
         self._check()
 
     def _check(self) -> None:
-        """Refuse a value by its flat name (`ModelConfig.rope_factor must be ...`), what the user typed."""
+        """Refuse a bad value, naming it as the user typed it (`ModelConfig.rope_factor must be ...`)."""
         flat = self.to_flat_dict()
         for field in _INT_FIELDS:
             value = flat[field]
