@@ -11,7 +11,7 @@ import inspect
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from .suggest import did_you_mean
 from .config_checks import check_experts, check_full_heads, check_gemma4_extras, check_linear, kv_sources, shrunk_kv_sharing
@@ -276,13 +276,14 @@ class ModelConfig(TransformerLensNames):
                 object.__setattr__(self, key, kwargs.get(key, f.default))
         self.__post_init__()
 
-    def __getattr__(self, name: str) -> Any:
-        """A grouped setting by its flat name (`cfg.rope_factor` is `cfg.rope.factor`): the read-only alias that keeps
-        code written before the groups running. Only called where ordinary lookup fails."""
-        group, key = FLAT_NAMES.get(name, (None, None))
-        if group not in self.__dict__:  # not a flat name (or, while unpickling, no groups yet)
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(self.__dict__[group], key)
+    if not TYPE_CHECKING:  # a type checker sees no alias: it flags a flat read, and a misspelt name stays an error
+        def __getattr__(self, name: str) -> Any:
+            """A grouped setting by its flat name (`cfg.rope_factor` is `cfg.rope.factor`): the read-only alias that
+            keeps code written before the groups running. Only called where ordinary lookup fails."""
+            group, key = FLAT_NAMES.get(name, (None, None))
+            if group not in self.__dict__:  # not a flat name (or, while unpickling, no groups yet)
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            return getattr(self.__dict__[group], key)
 
     def to_flat_dict(self) -> dict[str, Any]:
         """Every setting by its flat name (the top-level fields, then each group's as `FLAT_NAMES` spells them):
