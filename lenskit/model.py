@@ -68,7 +68,7 @@ class HookedTransformer(RunMethods, TextMethods, WeightViews, ModelConveniences,
         self._stream_start = self._embed_learned if cfg.positional == "learned" else self._embed_tokens
         self._embed_scale = _embed_scaled if cfg.scale_embed else _embed_as_is
         self.dropout = nn.Dropout(dropout)
-        if cfg.d_per_layer is not None:  # Gemma 4 E2B/E4B: an input per block, from the tokens (lenskit.pieces.per_layer)
+        if cfg.block.d_per_layer is not None:  # Gemma 4 E2B/E4B: an input per block, from the tokens (lenskit.pieces.per_layer)
             self.per_layer_inputs = PerLayerInputs(cfg)
         self._side_inputs = side_inputs(self, cfg)  # chosen once: what the blocks read beside the stream, if anything
         self.blocks = nn.ModuleList(make_block(cfg, dropout, i) for i in range(cfg.n_layers))

@@ -105,7 +105,7 @@ def _refuse_where_not_applicable(model: nn.Module, kind: str) -> None:
     if sharing:
         raise ValueError(f"{name}: blocks {sharing} read an earlier block's keys and values (Gemma 4's kv sharing), so "
                          "they have no key or value input of their own; hook their attn.hook_q / hook_k / hook_v instead")
-    if model.cfg.attn_output_gate:
+    if model.cfg.attention.output_gate:
         raise ValueError(f"{name}: this model's query projection also gives each head an output gate (Qwen 3.5), "
                          "which a per-head query input would have to feed as well; hook attn.hook_q / attn.hook_gate instead")
     if kind == "attn_in":

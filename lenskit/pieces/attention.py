@@ -81,10 +81,10 @@ class Attention(HeadCircuits, nn.Module):
         self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, n_kv, d_head
         self.group = cfg.n_heads // n_kv
         self.qkv = make_qkv(cfg, layer)
-        self.out = Linear(cfg.n_heads * d_head, cfg.d_model, bias=cfg.out_bias)
+        self.out = Linear(cfg.n_heads * d_head, cfg.d_model, bias=cfg.attention.out_bias)
         self.mask = make_mask(cfg, layer)
-        self.scale = (d_head if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar) ** -0.5
-        self.softcap = cfg.attn_softcap
+        self.scale = (d_head if cfg.attention.query_pre_attn_scalar is None else cfg.attention.query_pre_attn_scalar) ** -0.5
+        self.softcap = cfg.attention.softcap
         self.hook_q = HookPoint()  # [batch, pos, head, d_head]
         self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
         self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
@@ -92,21 +92,21 @@ class Attention(HeadCircuits, nn.Module):
         self.hook_pattern = HookPoint()  # [batch, head, query_pos, key_pos]
         self.hook_z = HookPoint()  # [batch, pos, head, d_head]
         self.hook_result = HookPoint()  # [batch, pos, head, d_model], computed only when hooked
-        if cfg.attn_output_gate:  # hook_z is then each head's mix times its gate: what the output projection reads
+        if cfg.attention.output_gate:  # hook_z is then each head's mix times its gate: what the output projection reads
             self.hook_gate = HookPoint()  # [batch, pos, head, d_head], sigmoid of the gate, in (0, 1)
         internals = [self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern]
-        if cfg.qk_norm and cfg.qk_norm_per_head:
+        if cfg.attention.qk_norm and cfg.attention.qk_norm_per_head:
             self.q_norm = make_norm(cfg, d_head)  # over d_head, per head, before rotary
             self.k_norm = make_norm(cfg, d_head)
-        elif cfg.qk_norm:  # one norm over every head's features at once (OLMo 2); hooks see [batch, pos, head * d_head]
+        elif cfg.attention.qk_norm:  # one norm over every head's features at once (OLMo 2); hooks see [batch, pos, head * d_head]
             self.q_norm = make_norm(cfg, cfg.n_heads * d_head)
             self.k_norm = make_norm(cfg, n_kv * d_head)
-        if cfg.qk_norm:
+        if cfg.attention.qk_norm:
             internals += [self.q_norm.hook_scale, self.q_norm.hook_normalized, self.k_norm.hook_scale, self.k_norm.hook_normalized]
-        if cfg.v_norm:  # no gain, over d_head per value head (Gemma 4)
+        if cfg.attention.v_norm:  # no gain, over d_head per value head (Gemma 4)
             self.v_norm = UnitRMSNorm(cfg.norm_eps)
             internals += [self.v_norm.hook_scale, self.v_norm.hook_normalized]
-        if cfg.attn_sinks:
+        if cfg.attention.sinks:
             self.sinks = nn.Parameter(torch.zeros(cfg.n_heads))  # [head], a logit per head
             self.hook_sink = HookPoint()  # [batch, head, query_pos]
             internals.append(self.hook_sink)
@@ -116,16 +116,16 @@ class Attention(HeadCircuits, nn.Module):
             self.hook_rot_k = HookPoint()  # [batch, pos, kv_head, d_head]
             internals += [self.hook_rot_q, self.hook_rot_k]
         # Each optional step is chosen here, once; forward calls whichever was chosen.
-        self._norm_qk = (_unchanged if not cfg.qk_norm else self._apply_qk_norm if cfg.qk_norm_per_head
+        self._norm_qk = (_unchanged if not cfg.attention.qk_norm else self._apply_qk_norm if cfg.attention.qk_norm_per_head
                          else self._apply_flat_qk_norm)
-        self._norm_v = self.v_norm if cfg.v_norm else _ungated
+        self._norm_v = self.v_norm if cfg.attention.v_norm else _ungated
         self._cap = _unchanged_scores if self.softcap is None else self._softcap_scores
         self._rotate_qk = self._apply_rotary if cfg.rotates(layer) else _unrotated
-        self._softmax = self._softmax_with_sink if cfg.attn_sinks else _softmax
-        self._fused = self._fused_with_sink if cfg.attn_sinks else self._fused_plain
-        self._gate_z = self._output_gate if cfg.attn_output_gate else _ungated
+        self._softmax = self._softmax_with_sink if cfg.attention.sinks else _softmax
+        self._fused = self._fused_with_sink if cfg.attention.sinks else self._fused_plain
+        self._gate_z = self._output_gate if cfg.attention.output_gate else _ungated
         self.layer = layer
-        keeps = cfg.n_kv_shared_layers and layer in cfg.kv_source_layers  # a block whose keys later blocks read
+        keeps = cfg.block.n_kv_shared_layers and layer in cfg.kv_source_layers  # a block whose keys later blocks read
         self._keep_kv = self._keep_for_sharing if keeps else _keep_nothing
         self._internals = tuple(internals)
 

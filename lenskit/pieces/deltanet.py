@@ -139,14 +139,14 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_k_heads, self.n_v_heads = cfg.linear_n_k_heads, cfg.linear_n_v_heads
-        self.d_k, self.d_v = cfg.linear_d_k, cfg.linear_d_v
+        self.n_k_heads, self.n_v_heads = cfg.linear.n_k_heads, cfg.linear.n_v_heads
+        self.d_k, self.d_v = cfg.linear.d_k, cfg.linear.d_v
         self.sizes = (self.n_k_heads * self.d_k, self.n_k_heads * self.d_k, self.n_v_heads * self.d_v)
         self.in_qkv = Linear(cfg.d_model, sum(self.sizes), bias=False)
         self.in_z = Linear(cfg.d_model, self.n_v_heads * self.d_v, bias=False)
         self.in_b = Linear(cfg.d_model, self.n_v_heads, bias=False)
         self.in_a = Linear(cfg.d_model, self.n_v_heads, bias=False)
-        self.conv_weight = nn.Parameter(torch.zeros(sum(self.sizes), 1, cfg.linear_conv_width))  # [channel, 1, width]
+        self.conv_weight = nn.Parameter(torch.zeros(sum(self.sizes), 1, cfg.linear.conv_width))  # [channel, 1, width]
         self.A_log = nn.Parameter(torch.zeros(self.n_v_heads))  # [v_head]: the decay rate is exp(A_log)
         self.dt_bias = nn.Parameter(torch.ones(self.n_v_heads))  # [v_head]
         self.out_norm = GatedRMSNorm(self.d_v, cfg.norm_eps)

@@ -45,8 +45,8 @@ class Router(nn.Module):
         self.root = cfg.d_model ** -0.5
         self.norm = UnitRMSNorm(cfg.norm_eps)
         self.scale = nn.Parameter(torch.ones(cfg.d_model))  # [d_model]
-        self.proj = Linear(cfg.d_model, cfg.n_experts, bias=False)
-        self.per_expert_scale = nn.Parameter(torch.ones(cfg.n_experts))  # [expert]
+        self.proj = Linear(cfg.d_model, cfg.moe.n_experts, bias=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.moe.n_experts))  # [expert]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.norm(x) * self.scale * self.root)
@@ -58,10 +58,10 @@ class GatedExperts(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_experts, self.d_expert = cfg.n_experts, cfg.d_expert
+        self.n_experts, self.d_expert = cfg.moe.n_experts, cfg.moe.d_expert
         self.act = partial(F.gelu, approximate=cfg.gelu_approximate)
-        self.gate_up = nn.Parameter(torch.empty(cfg.n_experts, 2 * cfg.d_expert, cfg.d_model))
-        self.down = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model, cfg.d_expert))
+        self.gate_up = nn.Parameter(torch.empty(cfg.moe.n_experts, 2 * cfg.moe.d_expert, cfg.d_model))
+        self.down = nn.Parameter(torch.empty(cfg.moe.n_experts, cfg.d_model, cfg.moe.d_expert))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on x [token, d_model] -> [token, d_model]."""
@@ -118,7 +118,7 @@ class DenseAndExperts(SwiGLU):
         self.ln_experts = make_norm(cfg)
         self.experts = GatedExperts(cfg)
         self.ln_experts_post = make_norm(cfg)
-        self.k, self.route = cfg.n_experts_per_token, ROUTES[cfg.routing]
+        self.k, self.route = cfg.moe.n_experts_per_token, ROUTES[cfg.moe.routing]
         self.hook_dense_out = HookPoint()  # [batch, pos, d_model]
         self.hook_router_logits = HookPoint()  # [batch, pos, expert]
         self.hook_expert_indices = HookPoint(integer=True)  # [batch, pos, k], long

@@ -35,7 +35,7 @@ class SharedKVAttention(Attention):
                 delattr(self, name)
         gone = {id(h) for m in unused for h in m.modules()}
         self._internals = tuple(h for h in self._internals if id(h) not in gone)
-        self._norm_q = (_same if not cfg.qk_norm else self._q_norm if cfg.qk_norm_per_head else self._flat_q_norm)
+        self._norm_q = (_same if not cfg.attention.qk_norm else self._q_norm if cfg.attention.qk_norm_per_head else self._flat_q_norm)
         self._rotate_q = self._rotate if cfg.rotates(layer) else _unrotated
 
     def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:

@@ -157,7 +157,7 @@ MLP_CLASSES = {"gelu": GeluMLP, "swiglu": SwiGLU, "geglu": SwiGLU, "swiglu_fused
 def make_mlp(cfg: ModelConfig, layer: int = 0) -> MLP | MoE:
     """Block `layer`'s MLP: a mixture of experts where the config makes that block sparse, the dense MLP with experts
     beside it (Gemma 4 26B-A4B), else the dense MLP, `cfg.d_mlp_of(layer)` wide."""
-    if cfg.experts_beside_mlp:
+    if cfg.block.experts_beside_mlp:
         from .dense_and_experts import DenseAndExperts  # it builds on SwiGLU, so it imports this module
 
         return DenseAndExperts(cfg, cfg.d_mlp_of(layer))
@@ -246,15 +246,15 @@ class RescaledSandwichBlock(SandwichBlock):
     def __init__(self, cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> None:
         super().__init__(cfg, dropout, layer)
         self.register_buffer("layer_scalar", torch.ones(1))  # [1], the checkpoint's; a buffer there as here
-        if cfg.d_per_layer is not None:
+        if cfg.block.d_per_layer is not None:
             self.per_layer = PerLayerWrite(cfg)
             self.hook_per_layer_in = HookPoint()  # [batch, pos, d_per_layer]
             self.hook_per_layer_out = HookPoint()  # [batch, pos, d_model]
             self.layer = layer  # which slice of the forward's per-layer inputs it reads
         self.hook_rescale_out = HookPoint()  # [batch, pos, d_model]
         # Chosen once: what the MLP reads (with experts: the stream too), and whether a per-layer write follows it.
-        self._mlp = self._mlp_with_experts if cfg.experts_beside_mlp else self._mlp_alone
-        self._late = self._add_per_layer if cfg.d_per_layer is not None else _same_stream
+        self._mlp = self._mlp_with_experts if cfg.block.experts_beside_mlp else self._mlp_alone
+        self._late = self._add_per_layer if cfg.block.d_per_layer is not None else _same_stream
 
     def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
         x = self.hook_resid_pre(x)
@@ -301,5 +301,5 @@ BLOCK_CLASSES = {"pre": TransformerBlock, "sandwich": SandwichBlock, "post": Pos
 
 def make_block(cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> TransformerBlock:
     """Block `layer` (its index picks its mask and rotary base where the config alternates them)."""
-    cls = ParallelBlock if cfg.parallel_block else RescaledSandwichBlock if cfg.layer_scalar else BLOCK_CLASSES[cfg.norm_placement]
+    cls = ParallelBlock if cfg.parallel_block else RescaledSandwichBlock if cfg.block.layer_scalar else BLOCK_CLASSES[cfg.norm_placement]
     return cls(cfg, dropout, layer)

@@ -44,11 +44,11 @@ class PerLayerInputs(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_layers, self.d_per_layer, self.d_model = cfg.n_layers, cfg.d_per_layer, cfg.d_model
-        width = cfg.n_layers * cfg.d_per_layer  # every block's input side by side, as the checkpoint packs them
-        self.embed = nn.Embedding(cfg.d_vocab_per_layer, width)
+        self.n_layers, self.d_per_layer, self.d_model = cfg.n_layers, cfg.block.d_per_layer, cfg.d_model
+        width = cfg.n_layers * cfg.block.d_per_layer  # every block's input side by side, as the checkpoint packs them
+        self.embed = nn.Embedding(cfg.block.d_vocab_per_layer, width)
         self.proj = Linear(cfg.d_model, width, bias=False)
-        self.proj_norm = make_norm(cfg, cfg.d_per_layer)
+        self.proj_norm = make_norm(cfg, cfg.block.d_per_layer)
         self.hook_token = HookPoint()  # [batch, pos, layer, d_per_layer]
         self.hook_proj = HookPoint()  # [batch, pos, layer, d_per_layer]
 
@@ -69,8 +69,8 @@ class PerLayerWrite(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.act = partial(F.gelu, approximate=cfg.gelu_approximate)
-        self.gate = Linear(cfg.d_model, cfg.d_per_layer, bias=False)
-        self.out = Linear(cfg.d_per_layer, cfg.d_model, bias=False)
+        self.gate = Linear(cfg.d_model, cfg.block.d_per_layer, bias=False)
+        self.out = Linear(cfg.block.d_per_layer, cfg.d_model, bias=False)
         self.ln_post = make_norm(cfg)
         self.hook_pre = HookPoint()  # [batch, pos, d_per_layer]
         self.hook_post = HookPoint()  # [batch, pos, d_per_layer]
@@ -85,7 +85,7 @@ def side_inputs(model: nn.Module, cfg: ModelConfig) -> Callable[[torch.Tensor, t
     """What the model's forward computes before its blocks for them to read beside the stream, chosen once from
     `cfg`: `side_inputs(tokens, embed)` -> the per-layer inputs [batch, pos, layer, d_per_layer], or None where the
     model has none (its `ForwardState.per_layer`)."""
-    return model.per_layer_inputs.__call__ if cfg.d_per_layer is not None else _none
+    return model.per_layer_inputs.__call__ if cfg.block.d_per_layer is not None else _none
 
 
 def _none(tokens: torch.Tensor, embed: torch.Tensor) -> None:
