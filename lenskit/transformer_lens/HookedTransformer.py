@@ -34,6 +34,7 @@ import torch
 import lenskit
 from lenskit.config import ModelConfig
 from lenskit.config_names import note_prepend_bos
+from lenskit.observe.hook_context import HOOK_CONTEXT
 from lenskit.observe.hooks import HookedRootModule, HookPoint  # HookedRootModule: imported from here by SAELens
 from lenskit.pieces.attention import SlidingWindowMask
 from lenskit.pieces.embeddings import Unembed
@@ -177,12 +178,10 @@ class HookedTransformer(lenskit.HookedTransformer):
         block, as in TransformerLens (torch keeps a module's backward hooks with the graph a forward builds), so a
         `.backward()` after the block still calls it; forwards after the block do not see it. circuit-tracer runs
         its forward inside the block and its backward passes after."""
-        from lenskit.observe.backward import BACKWARD_HOOKS
-
         kept: list = []
         try:
             with super().hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts):
-                kept = [a for attached in (BACKWARD_HOOKS.get() or {}).values() for a in attached]
+                kept = [a for attached in (HOOK_CONTEXT.get().bwd or {}).values() for a in attached]
                 yield self
         finally:
             for attachment in kept:
