@@ -121,10 +121,29 @@ def test_hooked_transformer_config_builds_a_random_model():
     assert llama.cfg.mlp == "swiglu" and llama.cfg.n_kv_heads == 2 and llama.W_gate is not None
 
 
+def test_hooked_transformer_config_builds_a_relu_mlp():
+    cfg = transformer_lens.HookedTransformerConfig(n_layers=2, d_model=10, n_heads=2, d_head=5, d_mlp=8, n_ctx=20,
+                                                   d_vocab=50, act_fn="relu", seed=4)
+    model = transformer_lens.HookedTransformer(cfg)
+    assert model.cfg.act_fn == "relu" and model.cfg.mlp == "gelu"  # the plain MLP, with ReLU
+    tokens = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(tokens)
+    for layer in range(2):  # by hand: ln2's output -> W_in, b_in -> relu -> W_out, b_out
+        x = cache["normalized", layer, "ln2"]
+        pre = x @ model.W_in[layer] + model.b_in[layer]
+        assert torch.allclose(cache["pre", layer], pre, atol=1e-6) and (pre < 0).any()
+        assert torch.equal(cache["post", layer], torch.relu(cache["pre", layer]))
+        out = cache["post", layer] @ model.W_out[layer] + model.b_out[layer]
+        assert torch.allclose(cache["mlp_out", layer], out, atol=1e-6)
+    assert torch.allclose(logits, cache["ln_final.hook_normalized"] @ model.W_U + model.b_U, atol=1e-5)
+
+
 @pytest.mark.parametrize("bad, words", [
     (dict(attn_only=True), "always have an MLP"),
     (dict(normalization_type="LNPre"), "fold_ln"),
     (dict(act_fn="solu_ln"), "act_fn='solu_ln'"),
+    (dict(act_fn="relu", gated_mlp=True), "act_fn='relu' with gated_mlp=True"),
     (dict(positional_embedding_type="shortformer"), "'standard' and 'rotary'"),
     (dict(not_a_setting=1), "not_a_setting"),
 ])
