@@ -34,6 +34,10 @@ class LayerNorm(nn.Module):
         if not (self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()):
             # The fused kernel is what transformers runs; same maths, fewer passes over memory.
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        return self.written_out(x)
+
+    def written_out(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward step by step, through the hooks (the path a hooked run takes)."""
         x = x - x.mean(-1, keepdim=True)
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [batch, pos, 1]
         return self.hook_normalized(x / scale * self.weight + self.bias)
@@ -60,6 +64,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()):
             return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        return self.written_out(x)
+
+    def written_out(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward step by step, through the hooks (the path a hooked run takes)."""
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [batch, pos, 1]
         return self.hook_normalized(x / scale * self.weight)
 
