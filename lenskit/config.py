@@ -33,7 +33,9 @@ LAYER_TYPES = ("full", "sliding", "linear")  # linear: a Gated DeltaNet block (Q
 # then a softmax over them (gpt-oss).
 ROUTINGS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax")
 POSITIONALS = ("learned", "rotary")
-ACTIVATIONS = GELU_ACTIVATIONS
+# The activation by the name transformers' configs give it: a GELU form, or ReLU (a plain MLP's only: GPT-2 and
+# GPT-NeoX configs may name it, as TransformerLens's act_fn="relu" models do).
+ACTIVATIONS = (*GELU_ACTIVATIONS, "relu")
 _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
                 "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate", "router_bias", "attn_output_gate",
@@ -350,9 +352,12 @@ class ModelConfig(TransformerLensNames):
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(
-                f"ModelConfig.activation={self.activation!r} is not a GELU activation; "
+                f"ModelConfig.activation={self.activation!r} is not an activation lenskit builds; "
                 f"supported: {sorted(ACTIVATIONS)}"
             )
+        if self.activation not in GELU_ACTIVATIONS and self.mlp != "gelu":
+            raise ValueError(f"ModelConfig.activation={self.activation!r} is for the plain MLP (mlp='gelu'), got "
+                             f"mlp={self.mlp!r}; a gated MLP takes a GELU form ({', '.join(GELU_ACTIVATIONS)})")
         for field in _POSITIVE_OR_NONE:
             value = flat[field]
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")):
@@ -405,8 +410,8 @@ class ModelConfig(TransformerLensNames):
 
     @property
     def gelu_approximate(self) -> str:
-        """The `approximate` argument of `torch.nn.functional.gelu` for this activation."""
-        return ACTIVATIONS[self.activation]
+        """The `approximate` argument of `torch.nn.functional.gelu` for this activation (a GELU form)."""
+        return GELU_ACTIVATIONS[self.activation]
 
     def layer_type(self, layer: int) -> str:
         """"full" or "sliding" for block `layer`."""

@@ -63,7 +63,7 @@ def test_derived_fields():
         (dict(n_layers=0), "n_layers"),
         (dict(d_vocab=-1), "d_vocab"),
         (dict(n_ctx=2.5), "n_ctx"),
-        (dict(activation="relu"), "activation"),
+        (dict(activation="silu"), "activation"),
         (dict(norm="batchnorm"), "norm"),
         (dict(mlp="moe"), "mlp"),
     ],
@@ -109,7 +109,7 @@ def test_to_hf_dict_refuses_non_gpt2_architectures():
     "change, field",
     [
         ({"model_type": "bert"}, "model_type"),
-        ({"activation_function": "relu"}, "activation_function"),
+        ({"activation_function": "silu"}, "activation_function"),
         ({"add_cross_attention": True}, "add_cross_attention"),
         ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
         ({"reorder_and_upcast_attn": True}, "reorder_and_upcast_attn"),
@@ -152,7 +152,7 @@ def test_replace_recomputes_derived_fields():
     assert cfg.replace(d_model=128, n_heads=4, d_mlp=100).d_mlp == 100
     assert cfg.replace(n_layers=2).d_mlp == 3072  # fields not touched by the change stay
     with pytest.raises(ValueError, match="activation"):
-        cfg.replace(activation="relu")
+        cfg.replace(activation="silu")
 
 
 def _shrunk(name: str) -> ModelConfig:
@@ -245,7 +245,7 @@ def _family_dict(family: str) -> dict:
 
 # Every config value lenskit refuses, per family: the error names the field.
 REFUSED = [
-    ("gpt_neox", {"hidden_act": "relu"}, "hidden_act"),
+    ("gpt_neox", {"hidden_act": "silu"}, "hidden_act"),
     ("gpt_neox", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type"),

@@ -83,13 +83,13 @@ def _or_zeros(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 class GeluMLP(MLP):
-    """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> GELU (the config's form) -> d_model. Each MLP piece takes
-    its width, `d_mlp` (None: the config's), where a block's differs (`cfg.d_mlp_of`)."""
+    """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> the config's activation (a GELU form, or ReLU) -> d_model.
+    Each MLP piece takes its width, `d_mlp` (None: the config's), where a block's differs (`cfg.d_mlp_of`)."""
 
     def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
         super().__init__()
         d_mlp = cfg.d_mlp if d_mlp is None else d_mlp
-        self.approximate = cfg.gelu_approximate
+        self.act = F.relu if cfg.activation == "relu" else partial(F.gelu, approximate=cfg.gelu_approximate)
         self.fc_in = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
         self.fc_out = Linear(d_mlp, cfg.d_model, bias=cfg.mlp_bias)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
@@ -97,7 +97,7 @@ class GeluMLP(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.hook_pre(self.fc_in(x))
-        post = self.hook_post(F.gelu(pre, approximate=self.approximate))
+        post = self.hook_post(self.act(pre))
         return self.fc_out(post)
 
 

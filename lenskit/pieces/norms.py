@@ -43,6 +43,13 @@ class LayerNorm(nn.Module):
             return self.hook_normalized(F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps))
         return self.hook_normalized(centred / scale * self.weight + self.bias)
 
+    def written_out(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward step by step, through the hooks, whatever they do (TransformerLens's norms always run this
+        way; the namespace's model uses it so that caching a norm moves no number)."""
+        x = x - x.mean(-1, keepdim=True)
+        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [batch, pos, 1]
+        return self.hook_normalized(x / scale * self.weight + self.bias)
+
     @property
     def gain(self) -> torch.Tensor:
         """The per-feature multiplier applied after dividing by the scale."""
@@ -68,6 +75,11 @@ class RMSNorm(nn.Module):
         scale = _changed(self.hook_scale, (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [batch, pos, 1]
         if scale is None:
             return self.hook_normalized(F.rms_norm(x, x.shape[-1:], self.weight, self.eps))
+        return self.hook_normalized(x / scale * self.weight)
+
+    def written_out(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward step by step, through the hooks, whatever they do (see `LayerNorm.written_out`)."""
+        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [batch, pos, 1]
         return self.hook_normalized(x / scale * self.weight)
 
     @property
