@@ -273,3 +273,11 @@ def test_families_table_is_the_registry(page):
         family = FAMILIES[row[0].strip("`")]
         assert row[1] == family.models, f"{page_id(page)}'s {family.model_type} row names models {row[1]!r}, the registry {family.models!r}"
         assert f"`{family.hf_class}`" in row[-1], f"{page_id(page)}'s {family.model_type} row should claim parity with `{family.hf_class}`"
+
+
+def test_ci_runs_the_readme_test_command():
+    """The README's whole-suite command (its first pytest line) is the one `.ci/run` runs, word for word."""
+    suite = [" ".join(cmd) for cmd in shell_commands() if cmd[:3] == ["python3", "-m", "pytest"]]
+    assert suite, "README.md shows no `python3 -m pytest` command"
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+    assert suite[0] in ci, f"README's test command {suite[0]!r} is not a line of .ci/run"
