@@ -41,6 +41,7 @@ from lenskit.observe.hook_context import HOOK_CONTEXT
 from lenskit.observe.hooks import HookedRootModule, HookPoint  # HookedRootModule: imported from here by SAELens
 from lenskit.pieces.attention import SlidingWindowMask
 from lenskit.pieces.embeddings import Unembed
+from lenskit.pieces.forward_state import ForwardState
 from lenskit.pieces.norms import LayerNorm, RMSNorm
 from lenskit.pieces.readout import Readout
 
@@ -185,8 +186,9 @@ class HookedTransformer(lenskit.HookedTransformer):
             raise ValueError("this model's blocks read per-layer inputs from the token ids: pass tokens= with start_at_layer=")
         if return_type in ("loss", "both") and tokens is None:
             raise ValueError(f"return_type={return_type!r} needs the token ids: pass tokens= with start_at_layer=")
-        with self._side_inputs(tokens, input):
-            x = self.run_blocks(input, start_at_layer, stop_at_layer)
+        # The blocks' side inputs (Gemma 4's per-layer inputs) come from the tokens, as in lenskit's forward.
+        state = ForwardState(0, None, None if tokens is None else self._side_inputs(tokens, input))
+        x = self.run_blocks(input, start_at_layer, stop_at_layer, state)
         if stop_at_layer is not None:
             return x
         logits = self.readout(x)  # [batch, pos, d_vocab]
