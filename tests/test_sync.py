@@ -101,6 +101,7 @@ def test_a_jacobian_fit_reads_nothing_back_per_backward(model, monkeypatch):
     one (dim_batch 32): nothing per backward. What is left is the model's forward, once per prompt: its token
     check and, on the CPU only, the fused attention's finiteness check (a CUDA tensor skips it)."""
     from lenses import jacobian_fit
+    from lenses.jacobian import JacobianLens
 
     prompts = torch.randint(0, 101, (3, 10), generator=torch.Generator().manual_seed(2))
     seen: list[list[str]] = []

@@ -5,7 +5,7 @@
 Global hooks (`add_hook`, `add_perma_hook`) are seen by every thread until removed; permanent ones survive
 `reset_hooks()` unless it is passed `including_permanent=True`. `run_with_hooks` and `run_with_cache` here are the
 generic forms: they pass every positional and keyword argument to the module's forward. `lenskit.HookedTransformer`
-has its own richer ones (lenskit.observe.running), with the same hook semantics.
+has its own richer ones (lenskit.model), with the same hook semantics.
 
 >>> class Doubler(HookedRootModule):
 ...     def __init__(self):
