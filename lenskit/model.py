@@ -1,6 +1,5 @@
-"""HookedTransformer: a decoder-only transformer (GPT-2, Pythia, Llama, Mistral, Qwen 2/3, Gemma 2/3, OLMo 2,
-Phi-3, and the mixtures of experts Mixtral, Qwen3-MoE, OLMoE) whose every write to the residual stream passes a
-named hook point.
+"""HookedTransformer: a decoder-only transformer of any family lenskit reads (the list is `lenskit.families.FAMILIES`)
+whose every write to the residual stream passes a named hook point.
 
 The class reads top to bottom: construction, the forward, running with hooks, a cache or SAEs, text and tokens,
 TransformerLens's hook-point switches, the weight views, TransformerLens's small conveniences, generation, and
