@@ -35,18 +35,11 @@ import torch
 from lenskit import HookedTransformer, Stream
 
 from .base import BasisLens
-from .card import JACOBIAN_FORMAT as FORMAT
+from .card import JACOBIAN_FORMAT as FORMAT  # noqa: F401 - lenses.jacobian.FORMAT, read by lenses.spec
+from .jacobian_fit import CHECKPOINT_EVERY, DIM_BATCH, SKIP_FIRST_POSITIONS, fit  # noqa: F401 - re-exported
+from .jacobian_io import FORMAT_VERSION, WEIGHTS_FILE, folder_config, load, save_folder, save_reference  # noqa: F401
 from .tuned import model_fingerprint
 
-FORMAT_VERSION = 1
-WEIGHTS_FILE = "lens.safetensors"
-SKIP_FIRST_POSITIONS = 16  # the reference's: early positions (attention sinks) have atypical streams
-# Output dimensions per backward pass of the fit. On a 2-core CPU (the embedded 6-block d_model-192 GPT-2, 128-token
-# prompts) 4 and 8 are the fastest; from 16 up it is slower again (the replicated activations outgrow the caches, and
-# the forward runs dim_batch copies of the prompt). benchmarks/bench_jacobian.py --sweep 4,16 measures it. The CPU's;
-# on CUDA `lenses.jacobian_fit.dim_batch_for` sizes it from the device's memory.
-DIM_BATCH = 8
-CHECKPOINT_EVERY = 16  # prompts between checkpoints of a fit with out=FOLDER
 
 TokenLike = Union[int, str]
 HookList = list[tuple[str, Callable[[torch.Tensor, Any], torch.Tensor]]]
@@ -98,9 +91,7 @@ class JacobianLens(BasisLens):
         most `checkpoint_minutes` apart, and on a stop signal), resume from, and save the lens to. `provenance`: plain values
         saying where the tokens came from, saved as the lens's "data". See `lenses.jacobian_fit`.
         """
-        from .jacobian_fit import fit
-
-        return fit(model, tokens, skip_first_positions=skip_first_positions, streams=streams, exclude_last=exclude_last,
+        return fit(cls, model, tokens, skip_first_positions=skip_first_positions, streams=streams, exclude_last=exclude_last,
                    dim_batch=dim_batch, progress=progress, out=out, provenance=provenance, checkpoint_every=checkpoint_every,
                    checkpoint_minutes=checkpoint_minutes)
 
@@ -217,14 +208,10 @@ class JacobianLens(BasisLens):
     # ------------------------------------------------------------------- files
     def save(self, folder: str | os.PathLike) -> Path:
         """Write `lens.safetensors` (J.{stream}), `config.json` and a `README.md` card into folder, each atomically."""
-        from .jacobian_io import save_folder
-
         return save_folder(self, folder)
 
     def save_reference(self, path: str | os.PathLike, dtype: torch.dtype = torch.float16) -> Path:
         """Write the reference implementation's `.pt` dict (J keyed by layer = stream - 1; stream 0 is left out)."""
-        from .jacobian_io import save_reference
-
         return save_reference(self, path, dtype)
 
     @classmethod
@@ -232,13 +219,9 @@ class JacobianLens(BasisLens):
         """A lens folder (written by `save`), a reference `.pt` file, or a hub repo id (with `filename`, the `.pt`
         inside it; without, a lens folder repo), from the local Hugging Face cache first. Refused, in one line,
         when the lens belongs to another model."""
-        from .jacobian_io import load
-
-        return load(source, model, filename)
+        return load(cls, source, model, filename)
 
     def config(self) -> dict[str, Any]:
-        from .jacobian_io import folder_config
-
         return folder_config(self)
 
 

@@ -20,7 +20,7 @@ other settings, tokens or model is refused. At the end the lens folder is saved 
 Distributed (torchrun, see `lenses.training.init_distributed`): rank r takes prompts r, r + world, ...; the sums
 and counts are all-reduced, so the lens is one process's up to float64 summation order; rank 0 writes the files.
 
->>> lens = fit(model, windows[:2, :32], out="runs/jlens", progress=False)   # tokens [n, pos]; Ctrl-C, then the same call resumes
+>>> lens = fit(JacobianLens, model, windows[:2, :32], out="runs/jlens", progress=False)   # tokens [n, pos]; Ctrl-C, then the same call resumes
 >>> sorted(p.name for p in Path("runs/jlens").iterdir())
 ['README.md', 'config.json', 'lens.safetensors']
 """
@@ -33,7 +33,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -48,11 +48,23 @@ from lenskit.observe.stream import as_stream
 
 from .io import CONFIG_FILE, read_config, write_atomic
 from .chunks import device_budget
-from .jacobian import CHECKPOINT_EVERY, DIM_BATCH, FORMAT, SKIP_FIRST_POSITIONS, JacobianLens
+from .card import JACOBIAN_FORMAT as FORMAT
+from .jacobian_io import load_folder
 from .training import check_same_run, distributed
 from .training.lock import locks_out_folder
 from .stopping import SAVE_MINUTES, SaveClock, StopGuard
 from .tuned import model_fingerprint
+
+if TYPE_CHECKING:
+    from .jacobian import JacobianLens
+
+SKIP_FIRST_POSITIONS = 16  # the reference's: early positions (attention sinks) have atypical streams
+# Output dimensions per backward pass of the fit. On a 2-core CPU (the embedded 6-block d_model-192 GPT-2, 128-token
+# prompts) 4 and 8 are the fastest; from 16 up it is slower again (the replicated activations outgrow the caches, and
+# the forward runs dim_batch copies of the prompt). benchmarks/bench_jacobian.py --sweep 4,16 measures it. The CPU's;
+# on CUDA `dim_batch_for` sizes it from the device's memory.
+DIM_BATCH = 8
+CHECKPOINT_EVERY = 16  # prompts between checkpoints of a fit with out=FOLDER
 
 CHECKPOINT_FILE = "jacobian_checkpoint.safetensors"
 
@@ -164,7 +176,7 @@ def prompt_jacobians(model: HookedTransformer, prompt: torch.Tensor, est: Estima
 
 
 @locks_out_folder  # one fit per out folder (lenses/training/lock.py)
-def fit(model: HookedTransformer, tokens: torch.Tensor | Sequence[torch.Tensor], *,
+def fit(cls: type[JacobianLens], model: HookedTransformer, tokens: torch.Tensor | Sequence[torch.Tensor], *,
         skip_first_positions: int = SKIP_FIRST_POSITIONS, streams: Sequence[int | str | Stream] | None = None,
         exclude_last: bool = True, dim_batch: int | None = None, progress: bool = True, out: str | os.PathLike | None = None,
         provenance: dict | None = None, checkpoint_every: int = CHECKPOINT_EVERY,
@@ -193,7 +205,7 @@ def fit(model: HookedTransformer, tokens: torch.Tensor | Sequence[torch.Tensor],
                 "model_fingerprint": model_fingerprint(model), "model_dtype": str(model.unembed.weight.dtype)}
     out = Path(out) if out is not None else None
     if out is not None and (out / CONFIG_FILE).exists():
-        return finished_fit(out, model, identity, rank)
+        return finished_fit(cls, out, model, identity, rank)
     ckpt = out / CHECKPOINT_FILE if out is not None else None
     device, dtype = model.unembed.weight.device, accumulator_dtype(model)
     sums = [Sum((d, d), dtype, device) for _ in est.streams]
@@ -258,7 +270,7 @@ def fit(model: HookedTransformer, tokens: torch.Tensor | Sequence[torch.Tensor],
     info = {"estimator": {"skip_first_positions": est.skip_first_positions, "exclude_last": est.exclude_last,
                           "n_prompts": n_done, "n_tokens": n_tokens, "n_skipped": usable.count(False)},
             "data": provenance, "fit_identity": identity}
-    lens = JacobianLens(model, {s: (J / n_done).to(dtype) for s, J in zip(est.streams, sums)}, info)
+    lens = cls(model, {s: (J / n_done).to(dtype) for s, J in zip(est.streams, sums)}, info)
     if out is not None and rank == 0:
         lens.save(out)
         ckpt.unlink(missing_ok=True)  # the finished lens replaces it
@@ -362,10 +374,8 @@ def load_checkpoint(path: Path, identity: dict, n_streams: int, d_model: int) ->
     return next_index, sums, counts
 
 
-def finished_fit(out: Path, model: HookedTransformer, identity: dict, rank: int) -> JacobianLens:
+def finished_fit(cls: type[JacobianLens], out: Path, model: HookedTransformer, identity: dict, rank: int) -> JacobianLens:
     """The lens `out` already holds, when it is this fit's; refused (one line) when it is another's."""
-    from .jacobian_io import load_folder
-
     config = read_config(out)
     if config.get("format") != FORMAT:
         raise ValueError(f"{out} already holds a {config.get('format') or 'non-lens'} folder, not a Jacobian lens fit; "
@@ -373,4 +383,4 @@ def finished_fit(out: Path, model: HookedTransformer, identity: dict, rank: int)
     check_same_run(config.get("fit_identity", {}), identity, out / CONFIG_FILE)
     if rank == 0:
         print(f"{out}: already fitted ({config.get('estimator', {}).get('n_prompts')} prompts); nothing to do", flush=True)
-    return load_folder(out, model)
+    return load_folder(cls, out, model)

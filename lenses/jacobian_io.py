@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
@@ -30,8 +30,14 @@ from lenskit.io.torchfile import read_plain_torch_file
 
 from .card import CARD_FILE, check_eval, model_card
 from .io import CONFIG_FILE, read_config, write_atomic
-from .jacobian import FORMAT, FORMAT_VERSION, WEIGHTS_FILE, JacobianLens
+from .card import JACOBIAN_FORMAT as FORMAT
 from .tuned import FINGERPRINT, REDUCED_DTYPES, check_fingerprint, check_shape, model_fingerprint, read_weights
+
+if TYPE_CHECKING:
+    from .jacobian import JacobianLens
+
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "lens.safetensors"
 
 # config.json keys that describe the lens itself; the rest (estimator, data, fit_identity, ...) is `JacobianLens.info`.
 STRUCTURE_KEYS = ("format", "format_version", "model_fingerprint", "model_name", "family", "model_dtype",
@@ -77,7 +83,7 @@ def _write_folder(lens: JacobianLens, folder: Path) -> None:
     write_atomic(folder / CARD_FILE, lambda tmp: tmp.write_text(card, encoding="utf-8"))
 
 
-def load_folder(folder: Path, model: HookedTransformer) -> JacobianLens:
+def load_folder(cls: type[JacobianLens], folder: Path, model: HookedTransformer) -> JacobianLens:
     if not (folder / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"no {CONFIG_FILE} in {folder}; expected a Jacobian lens folder written by JacobianLens.save "
                                 "(for a reference .pt, pass the file, or filename=)")
@@ -98,7 +104,7 @@ def load_folder(folder: Path, model: HookedTransformer) -> JacobianLens:
         raise ValueError(f"{weights} does not match its config's streams: missing {missing[:4]}, unexpected {extra[:4]}; "
                          "save the lens again")
     matrices = {s: checked_matrix(state[f"J.{s}"], f"{weights}: J.{s}", model.cfg.d_model) for s in config["streams"]}
-    return JacobianLens(model, matrices, info={k: v for k, v in config.items() if k not in STRUCTURE_KEYS})
+    return cls(model, matrices, info={k: v for k, v in config.items() if k not in STRUCTURE_KEYS})
 
 
 def _is_int(v: object) -> bool:
@@ -167,7 +173,7 @@ def save_reference(lens: JacobianLens, path: str | os.PathLike, dtype: torch.dty
     return path
 
 
-def read_reference(path: Path, model: HookedTransformer) -> JacobianLens:
+def read_reference(cls: type[JacobianLens], path: Path, model: HookedTransformer) -> JacobianLens:
     """A reference `.pt` (lens or fit checkpoint) onto `model`; see the module docstring."""
     payload = read_plain_torch_file(path, what="a Jacobian lens .pt (torch.save of tensors and plain values)")
     check_plain(payload, str(path))
@@ -212,7 +218,7 @@ def read_reference(path: Path, model: HookedTransformer) -> JacobianLens:
         estimator = {**lenskit["estimator"], "n_prompts": count}
     imported = {"format": "jacobian-lens checkpoint" if checkpoint else "jacobian-lens", "file": path.as_posix(),
                 "metadata": {k: v for k, v in metadata.items() if k != "lenskit"}}
-    return JacobianLens(model, matrices, info={"estimator": estimator, "imported_from": imported})
+    return cls(model, matrices, info={"estimator": estimator, "imported_from": imported})
 
 
 PLAIN = (str, int, float, bool, type(None), torch.Tensor)
@@ -234,18 +240,18 @@ def check_plain(value: object, where: str) -> None:
 
 
 # ------------------------------------------------------------------ any source
-def load(source: str | os.PathLike, model: HookedTransformer, filename: str | None = None) -> JacobianLens:
+def load(cls: type[JacobianLens], source: str | os.PathLike, model: HookedTransformer, filename: str | None = None) -> JacobianLens:
     path = Path(source).expanduser()
     if path.is_file():
         if filename is not None:
             raise ValueError(f"{source} is a file; pass filename only with a folder or a hub repo id")
-        return read_reference(path, model)
+        return read_reference(cls, path, model)
     if path.is_dir():
         target = path / filename if filename is not None else path
-        return load_folder(target, model) if target.is_dir() else read_reference(target, model)
+        return load_folder(cls, target, model) if target.is_dir() else read_reference(cls, target, model)
     if filename is not None:
         target = resolve_hub_file(str(source), filename)
-        return load_folder(target.parent, model) if target.name == CONFIG_FILE else read_reference(target, model)
+        return load_folder(cls, target.parent, model) if target.name == CONFIG_FILE else read_reference(cls, target, model)
     try:
         folder = resolve_model_folder(source)
     except FileNotFoundError:
@@ -254,4 +260,4 @@ def load(source: str | os.PathLike, model: HookedTransformer, filename: str | No
     except OSError as e:
         raise OSError(f"{source!r} is not a local lens folder or file, and not a hub repo in the local Hugging Face cache "
                       f"({str(e).splitlines()[0][:160]}); pass a local path, or filename= for a .pt inside the repo") from None
-    return load_folder(folder, model)
+    return load_folder(cls, folder, model)

@@ -17,7 +17,7 @@ on it, slowly. The embeddings and the readout compute where they are placed.
 The residual stream moves to each block's device at the block boundary, so hooks see each tensor on its block's
 device; the readout moves its input to its own device, so every lens reads out there.
 
->>> plan_device_map(ModelConfig.from_name("llama-3.1-8b"), "auto", {0: "10GiB", 1: "10GiB", "cpu": "64GiB"})
+>>> plan_device_map(HookedTransformer, ModelConfig.from_name("llama-3.1-8b"), "auto", {0: "10GiB", 1: "10GiB", "cpu": "64GiB"})
 {'embed': device(type='cuda', index=0), 'blocks.0': ..., 'ln_final': ..., 'unembed': ...}
 """
 
@@ -183,21 +183,21 @@ def parse_max_memory(max_memory: Mapping[Any, Any] | str | None) -> dict[int | s
     return out
 
 
-def plan_device_map(cfg: "ModelConfig", device_map: str, max_memory: Mapping[Any, Any] | str | None = None,
+def plan_device_map(model_class: type[nn.Module], cfg: "ModelConfig", device_map: str,
+                    max_memory: Mapping[Any, Any] | str | None = None,
                     dtype: torch.dtype = torch.float32) -> dict[str, torch.device]:
-    """accelerate's plan for `cfg` (built on the meta device, nothing allocated): {module prefix: device}, blocks
-    whole. A budget in `max_memory` too small for one block is refused, naming the device and the block's size."""
-    from accelerate import infer_auto_device_map
+    """accelerate's plan for `model_class(cfg)` (`lenskit.HookedTransformer`, built on the meta device, nothing
+    allocated): {module prefix: device}, blocks whole. A budget in `max_memory` too small for one block is refused,
+    naming the device and the block's size. The class is passed in because the model's loading calls this."""
+    from accelerate import infer_auto_device_map  # an optional dependency, needed only for "auto"
     from accelerate.utils import get_balanced_memory
-
-    from .model import HookedTransformer
 
     if device_map not in AUTO:
         raise ValueError(f"device_map={device_map!r}: expected one of {AUTO} or a {{module prefix: device}} dict")
     # Planned untied: accelerate 1.x fails on an embedding tied to a module placed after it. The unembedding then
     # counts twice, which errs on the safe side, and is put back with the embedding below.
     with torch.device("meta"):
-        model = HookedTransformer(cfg.replace(tie_word_embeddings=False))
+        model = model_class(cfg.replace(tie_word_embeddings=False))
     budget = parse_max_memory(max_memory)
     block_bytes = sum(p.numel() for p in model.blocks[0].parameters()) * dtype.itemsize
     for device, size in (budget or {}).items():
@@ -228,15 +228,17 @@ def _bytes(size: int | str) -> int:
         raise ValueError(f"max_memory size {size!r}: expected bytes or a size such as '20GiB' or '500MB'") from None
 
 
-def resolve_placement(cfg: "ModelConfig", device: torch.device, device_map: str | Mapping[str, Any] | None,
-                      max_memory: Mapping[Any, Any] | str | None, dtype: torch.dtype) -> Placement:
-    """`from_pretrained`'s placement: all on `device`, or the map's (planned by accelerate for "auto")."""
+def resolve_placement(model_class: type[nn.Module], cfg: "ModelConfig", device: torch.device,
+                      device_map: str | Mapping[str, Any] | None, max_memory: Mapping[Any, Any] | str | None,
+                      dtype: torch.dtype) -> Placement:
+    """`from_pretrained`'s placement for `model_class(cfg)`: all on `device`, or the map's (planned by accelerate for
+    "auto")."""
     if device_map is None:
         if max_memory is not None:
             raise ValueError("max_memory is a budget for device_map='auto'; pass device_map too")
         return Placement.single(device, cfg.n_layers)
     if isinstance(device_map, str):
-        device_map = plan_device_map(cfg, device_map, max_memory, dtype)
+        device_map = plan_device_map(model_class, cfg, device_map, max_memory, dtype)
     placement = placement_from_map(device_map, cfg.n_layers)
     if cfg.tie_word_embeddings and placement.embed != placement.readout:
         raise ValueError(f"the embeddings are tied to the unembedding, so 'embed' and 'unembed' share one tensor, but "

@@ -18,10 +18,6 @@ MODULES = sorted(
 )
 # Modules whose examples do not run here yet, each with its reason; the list only shrinks.
 NOT_YET_RUNNABLE = {
-    # Being restructured under issue 35 (the classes branch moves its methods) while the others were made runnable;
-    # its examples are edited once that lands: they use a name from their context (`answer_tokens`) and a token the
-    # embedded tokenizer splits (" cat").
-    "lenskit.conveniences",
     # install() must run before any real transformer_lens import, which this test process has already made, and its
     # example imports sae_lens, which lives in the ecosystem venv (tests_ecosystem/ runs it there)
     "lenskit.transformer_lens.registration",

@@ -83,7 +83,7 @@ def test_the_plan_across_two_gpus_keeps_blocks_whole_in_order_and_loses_nothing(
                          ("llama-3.2-1b", {"cuda:0": "2GiB", "cuda:1": "512MiB", "cpu": "64GiB"}),  # tied embeddings
                          ("gemma-2-2b", "cuda:0=4GiB,cuda:1=1GiB,cpu=64GiB")):
         cfg = ModelConfig.from_name(name)
-        plan = plan_device_map(cfg, "auto", budget, dtype=torch.bfloat16)
+        plan = plan_device_map(HookedTransformer, cfg, "auto", budget, dtype=torch.bfloat16)
         placement = placement_from_map(plan, cfg.n_layers)
         order = {"cuda:0": 0, "cuda:1": 1, "cpu": 2}
         ranks = [order[str(d)] for d in placement.blocks]
@@ -123,9 +123,9 @@ def test_parts_of_one_unit_on_two_devices_and_other_misuse_are_refused():
     cfg = ModelConfig.from_name("llama-3.2-1b")  # tied: embed and unembed are one tensor
     from lenskit.placement import resolve_placement
     with pytest.raises(ValueError, match="tied to the unembedding.*cpu and meta"):
-        resolve_placement(cfg, CPU, {"": "cpu", "ln_final": "meta", "unembed": "meta"}, None, torch.float32)
+        resolve_placement(HookedTransformer, cfg, CPU, {"": "cpu", "ln_final": "meta", "unembed": "meta"}, None, torch.float32)
     with pytest.raises(ValueError, match="max_memory is a budget for device_map='auto'"):
-        resolve_placement(cfg, CPU, None, {"cpu": "1GiB"}, torch.float32)
+        resolve_placement(HookedTransformer, cfg, CPU, None, {"cpu": "1GiB"}, torch.float32)
 
 
 def test_device_and_device_map_together_are_refused(folder):
@@ -137,14 +137,14 @@ def test_device_and_device_map_together_are_refused(folder):
 def test_a_budget_too_small_for_one_block_says_so(budget, device):
     cfg = ModelConfig.from_name("llama-3.1-8b")  # one block: 218,112,000 params, 416 MiB in bf16
     with pytest.raises(ValueError) as err:
-        plan_device_map(cfg, "auto", budget, dtype=torch.bfloat16)
+        plan_device_map(HookedTransformer, cfg, "auto", budget, dtype=torch.bfloat16)
     assert f"max_memory {device}=" in str(err.value) and "cannot hold one block (416.0 MiB in bfloat16)" in str(err.value)
 
 
 @pytest.mark.parametrize("budget", ["cuda:0", "cuda:0=", "=5GiB", "cuda:0=lots"])
 def test_a_malformed_budget_is_refused(budget):
     with pytest.raises(ValueError, match="max_memory"):
-        plan_device_map(ModelConfig.from_name("gpt2"), "auto", budget)
+        plan_device_map(HookedTransformer, ModelConfig.from_name("gpt2"), "auto", budget)
 
 
 def run_info(*args: str) -> tuple[int, str, str]:

@@ -101,6 +101,7 @@ def test_a_jacobian_fit_reads_nothing_back_per_backward(model, monkeypatch):
     one (dim_batch 32): nothing per backward. What is left is the model's forward, once per prompt: its token
     check and, on the CPU only, the fused attention's finiteness check (a CUDA tensor skips it)."""
     from lenses import jacobian_fit
+    from lenses.jacobian import JacobianLens
 
     prompts = torch.randint(0, 101, (3, 10), generator=torch.Generator().manual_seed(2))
     seen: list[list[str]] = []
@@ -113,6 +114,6 @@ def test_a_jacobian_fit_reads_nothing_back_per_backward(model, monkeypatch):
 
     monkeypatch.setattr(jacobian_fit, "prompt_jacobians", counted)
     for dim_batch in (4, 32):
-        jacobian_fit.fit(model, prompts, skip_first_positions=2, dim_batch=dim_batch, progress=False)
+        jacobian_fit.fit(JacobianLens, model, prompts, skip_first_positions=2, dim_batch=dim_batch, progress=False)
     assert len(seen) == 6 and all(calls == seen[0] for calls in seen), seen
     assert len(seen[0]) <= 2 * (1 + model.cfg.n_layers), seen[0]  # `.item()` and its aten op, per check

@@ -90,7 +90,7 @@ def print_placement(cfg: ModelConfig, args: argparse.Namespace, folder: Path | N
         raise ValueError("--max-memory is a budget for --device-map; pass --device-map auto too")
     saved = checkpoint_dtype(read_json_object(folder / "config.json", what="a Hugging Face config.json")) if folder else None
     dtype = parse_dtype(args.dtype, auto=saved or BF16, name="--dtype")  # the plan is for accelerators
-    placement = placement_from_map(plan_device_map(cfg, args.device_map, args.max_memory, dtype), cfg.n_layers)
+    placement = placement_from_map(plan_device_map(lenskit.HookedTransformer, cfg, args.device_map, args.max_memory, dtype), cfg.n_layers)
     print(f"\nplacement: --device-map {args.device_map}" + (f" --max-memory {args.max_memory}" if args.max_memory else "")
           + f", {str(dtype).removeprefix('torch.')} weights")
     print(pd.DataFrame(placement.table(), columns=["part", "weights on", "computes on"]).to_string(index=False))

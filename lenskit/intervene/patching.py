@@ -20,7 +20,7 @@ v patch is kv head j, which query heads j * group .. (j + 1) * group - 1 read (g
 Linear-attention blocks (Qwen 3.5) have no head sites. `patching_hooks` also takes any `Stream`, e.g.
 `patching_hooks(model, cache, Stream(3, "resid_mid"))`.
 
-`attribution_patching` (from `.attribution`) estimates the same table from one forward and one backward pass.
+`lenskit.intervene.attribution.attribution_patching` (which builds on this module) estimates the same table from one forward and one backward pass.
 """
 
 from __future__ import annotations
@@ -297,7 +297,3 @@ def activation_patching(
     df.attrs.update(clean_metric=clean_m, corrupted_metric=corrupted_m, direction=direction,
                     metric=getattr(metric, "__name__", "metric"))
     return df
-
-
-# Its linear estimate, from one backward pass, lives next door (it imports the sites and metrics above).
-from .attribution import activations_and_gradients, attribution_patching  # noqa: E402

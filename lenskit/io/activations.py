@@ -44,6 +44,7 @@ from torch.utils.data import Dataset, Subset
 
 from ..observe.names import BLOCK_SHORT, HOOK_AXES, get_act_name, hook_layout, hook_name
 from ..observe.stream import POINTS, Stream
+from ..suggest import hook_hint
 from .files import check_regular_file, read_json_object
 
 if TYPE_CHECKING:
@@ -88,8 +89,6 @@ def resolve_hook(n_layers: int, hook_dict: dict, spec: str) -> str:
         except (KeyError, ValueError):
             name = spec
     if name not in hook_dict:
-        from ..suggest import hook_hint
-
         raise KeyError(f"unknown hook name {spec!r}{hook_hint(spec, hook_dict)}")
     layout = hook_layout(name)
     if layout != "per-token":

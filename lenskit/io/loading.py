@@ -23,6 +23,7 @@ from ..config import ModelConfig
 from ..devices import auto_dtype, is_auto, parse_device, parse_dtype  # noqa: F401 - parse_* re-exported for older imports
 from ..families import family_of
 from ..placement import Placement, resolve_placement
+from ..processing import process_weights
 from .files import check_output_file, check_regular_file, read_json_object
 # Where a model's folder is (embedded, local or the hub cache): lenskit.io.hub, re-exported for older imports.
 from .hub import EMBEDDED_MODELS, embedded_model_folder, model_label, resolve_hub_file, resolve_model_folder  # noqa: F401
@@ -259,7 +260,7 @@ def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathL
     cfg = ModelConfig.from_hf_config(config, name=model_label(name_or_path, folder), tensor_names=raw)
     if check_quantization_config(config):
         raw = dequantize_checkpoint(raw, dtype)
-    placement = resolve_placement(cfg, device, device_map, max_memory, dtype)
+    placement = resolve_placement(cls, cfg, device, device_map, max_memory, dtype)
     for used in {placement.embed, placement.readout, placement.main, *placement.blocks}:
         parse_device(str(used), "device_map")  # each device the map names can be used by this torch, before any weight moves
     model = _assemble(cls, cfg, raw, load_tokenizer(folder), dtype, placement, check_finite, copy=not mmap)
@@ -270,7 +271,6 @@ def load_pretrained(cls: type["HookedTransformer"], name_or_path: str | os.PathL
     else:
         files.close()  # every weight was copied (another dtype or device): the files no longer matter
     if processing:  # fold_ln=..., as TransformerLens (lenskit.processing); processed tensors are new, never the file's
-        from ..processing import process_weights
         model = process_weights(model, **processing, inplace=True)
     return model
 

@@ -1,6 +1,6 @@
 """Text and tokens in one place: is this text?, text to padded token ids with each row's length, one-token
-text to its id, a token shown as a reader should see it (`show_token`, `decode_token`), and the model's own text
-methods (`TextMethods`: `to_tokens`, `to_str_tokens`, `to_string`, ...)."""
+text to its id, a token shown as a reader should see it (`show_token`, `decode_token`), and the checks of token ids
+that the model's own text methods (`HookedTransformer.to_tokens`, `to_str_tokens`, `to_string`, ...) run."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from .tokenizer import tokenizer_failures
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-    from ..model import TokensLike
 
 
 def is_text(x: Any) -> bool:
@@ -140,127 +138,17 @@ def adds_bos(tokenizer: "PreTrainedTokenizerBase") -> bool:
     return bos is not None and tokenizer.encode("a", add_special_tokens=True)[:1] == [bos]
 
 
-class TextMethods:
-    """The model's text methods (TransformerLens's names): text to ids, ids to text. Mixed into
-    `HookedTransformer`, which gives them `tokenizer`, `cfg` and `embed`. `validate_tokens` is the forward's check of its input."""
-
-    def validate_tokens(self, tokens: "TokensLike", prepend_bos: bool | None = None,
-                        padding_side: str | None = None) -> torch.Tensor:
-        """Text becomes tokens (`to_tokens`); token tensors are checked for dtype, shape, vocabulary and context length."""
-        if is_text(tokens):
-            tokens = self.to_tokens(tokens, prepend_bos, padding_side)
-        if not isinstance(tokens, torch.Tensor):
-            raise TypeError(f"expected a LongTensor of token ids or text, got {type(tokens).__name__}")
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise TypeError(f"token ids must be an integer tensor, got dtype {tokens.dtype}")
-        if tokens.ndim == 1:
-            tokens = tokens.unsqueeze(0)
-        if tokens.ndim != 2 or tokens.shape[1] == 0:
-            raise ValueError(f"tokens must have shape [batch, pos] with pos >= 1, got {tuple(tokens.shape)}")
-        if tokens.shape[0] == 0:
-            raise ValueError(f"tokens hold no sequence (shape {tuple(tokens.shape)}); pass at least one, [batch >= 1, pos]")
-        if tokens.shape[1] > self.cfg.n_ctx:
-            raise ValueError(
-                f"the prompt has {tokens.shape[1]} tokens but the model's context is n_ctx={self.cfg.n_ctx}; "
-                f"truncate it (e.g. tokens[:, -{self.cfg.n_ctx}:]) or split it into windows"
-            )
-        return self._in_vocabulary(tokens).to(device=self.embed.weight.device)
-
-    def _in_vocabulary(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Integer ids of any shape as a LongTensor, each checked to lie in [0, d_vocab)."""
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise TypeError(f"token ids must be an integer tensor, got dtype {tokens.dtype}")
-        ids = tokens if tokens.dtype == torch.long else tokens.long()  # int8/uint8 would overflow `<`; uint16-64 lack it
-        bad = (ids < 0) | (ids >= self.cfg.d_vocab)
-        if bad.any():
-            at = tuple(int(i) for i in bad.nonzero()[0])
-            value = int(ids[at])
-            if tokens.dtype == torch.uint64 and value < 0:  # an id of 2**63 or more, wrapped by .long()
-                value = f"{value + 2 ** 64} (uint64)"
-            where = f"[batch {at[0]}, pos {at[1]}]" if len(at) == 2 else f"index {list(at)}"
-            raise ValueError(f"token id {value} at {where} is outside the vocabulary [0, {self.cfg.d_vocab})")
-        return ids
-
-    def _ids_to_read(self, tokens: Any, what: str) -> torch.Tensor:
-        """Token ids [pos] or [batch, pos] for turning into text (a lone id counts as [1]), checked like a forward's."""
-        try:
-            ids = torch.as_tensor(tokens)
-        except (TypeError, ValueError, RuntimeError, OverflowError):
-            raise TypeError(f"{what} takes text or token ids [pos] or [batch, pos], got {type(tokens).__name__} "
-                            f"{tokens!r:.60}") from None
-        if ids.ndim > 2:
-            raise ValueError(f"{what} takes token ids [pos] or [batch, pos], got a tensor of shape {tuple(ids.shape)}; "
-                             "pass one batch of it, e.g. tokens[0]")
-        return ids.long() if ids.numel() == 0 else self._in_vocabulary(ids.reshape(-1) if ids.ndim == 0 else ids)
-
-    def _need_tokenizer(self) -> "PreTrainedTokenizerBase":
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer; pass token ids, or load from a folder with tokenizer files")
-        return self.tokenizer
-
-    def to_tokens(self, text: str | Sequence[str], prepend_bos: bool | None = None, padding_side: str | None = None,
-                  move_to_device: bool = True, truncate: bool = False) -> torch.Tensor:
-        """Token ids [batch, pos]. Several texts are right-padded with the EOS id; causal attention keeps
-        the real positions exact, and positions past a text's end are padding.
-
-        `prepend_bos=None` does what `cfg.default_prepend_bos` says; lenskit's default there is None, which does
-        what the checkpoint's own tokenizer does: Llama 3 and Mistral tokenizers put BOS first, GPT-2, Pythia and
-        Qwen ones do not. True or False overrides that, as in TransformerLens (whose default is True).
-        `truncate` keeps the first n_ctx tokens (TransformerLens's default); without it a forward refuses a longer
-        prompt. `padding_side` may only be "right" (see README, "Coming from TransformerLens").
-
-        >>> model.to_tokens("Hello world")   # stdlib-gpt2's tokenizer; GPT-2's gives tensor([[15496, 995]])
-        tensor([[3876, 1245, 1127]])
-        """
-        tok = self._need_tokenizer()
-        texts = [text] if isinstance(text, str) else list(text)
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise ValueError(f"to_tokens needs a string or a non-empty list of strings; got no texts or non-strings: {text!r:.80}")
-        check_padding_side(padding_side)
-        tokens, _ = encode_texts(tok, texts, bos=self.bos_id(prepend_bos))
-        if truncate:
-            tokens = tokens[:, : self.cfg.n_ctx]
-        return tokens.to(self.embed.weight.device) if move_to_device else tokens
-
-    def bos_id(self, prepend_bos: bool | None = None) -> int | None:
-        """The id `to_tokens` puts first, or None: `prepend_bos=None` follows `cfg.default_prepend_bos`, and where
-        that is None too, the checkpoint's tokenizer."""
-        tok = self._need_tokenizer()
-        if prepend_bos is None:
-            prepend_bos = self.cfg.default_prepend_bos
-        if not isinstance(prepend_bos, (bool, type(None))):
-            raise TypeError(f"prepend_bos must be True, False or None, got {prepend_bos!r}")
-        if not (adds_bos(tok) if prepend_bos is None else prepend_bos):
-            return None
-        bos = tok.bos_token_id if tok.bos_token_id is not None else self.cfg.bos_token_id
-        if bos is None:
-            raise ValueError("prepend_bos=True but neither the tokenizer nor the config defines a BOS token")
-        return bos
-
-    def to_single_token(self, text: str) -> int:
-        """The id of text that is exactly one token (no BOS), or a ValueError naming its pieces."""
-        return single_token_id(self._need_tokenizer(), text)
-
-    def to_str_tokens(self, tokens: torch.Tensor | str | Sequence[str], prepend_bos: bool | None = None,
-                      padding_side: str | None = None) -> list[str] | list[list[str]]:
-        """Each token as its text: a list for one sequence, a list of lists for a batch. Text is tokenized as
-        `to_tokens(text, prepend_bos)` does; token ids are read as they are."""
-        tok = self._need_tokenizer()
-        if isinstance(tokens, str):
-            tokens = self.to_tokens(tokens, prepend_bos, padding_side)
-        elif is_text(tokens):
-            return [self.to_str_tokens(t, prepend_bos, padding_side) for t in tokens]
-        ids = self._ids_to_read(tokens, "to_str_tokens")
-        if ids.ndim == 2 and ids.shape[0] == 1:
-            ids = ids[0]
-        if ids.ndim == 2:
-            return [[tok.decode([t]) for t in row] for row in ids.tolist()]
-        return [tok.decode([t]) for t in ids.tolist()]
-
-    def to_string(self, tokens: torch.Tensor) -> str | list[str]:
-        """The text of token ids: one string for [pos], a list of strings for [batch, pos]."""
-        tok = self._need_tokenizer()
-        ids = self._ids_to_read(tokens, "to_string")
-        if ids.ndim == 2:
-            return [tok.decode(row) for row in ids.tolist()]
-        return tok.decode(ids.tolist())
+def check_vocabulary(tokens: torch.Tensor, d_vocab: int) -> torch.Tensor:
+    """Integer ids of any shape as a LongTensor, each checked to lie in [0, d_vocab)."""
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise TypeError(f"token ids must be an integer tensor, got dtype {tokens.dtype}")
+    ids = tokens if tokens.dtype == torch.long else tokens.long()  # int8/uint8 would overflow `<`; uint16-64 lack it
+    bad = (ids < 0) | (ids >= d_vocab)
+    if bad.any():
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        value = int(ids[at])
+        if tokens.dtype == torch.uint64 and value < 0:  # an id of 2**63 or more, wrapped by .long()
+            value = f"{value + 2 ** 64} (uint64)"
+        where = f"[batch {at[0]}, pos {at[1]}]" if len(at) == 2 else f"index {list(at)}"
+        raise ValueError(f"token id {value} at {where} is outside the vocabulary [0, {d_vocab})")
+    return ids

@@ -10,7 +10,7 @@
 - `set_use_hook_mlp_in(True)`: `blocks.L.hook_mlp_in` [batch, pos, d_model]: the stream the MLP reads, before
   ln2 (a copy: editing it changes the MLP's input, not the stream).
 
-A switch adds its hook points to the blocks (and `hook_dict`) and chooses, once, how each block reads its input;
+`HookedTransformer.set_use_*` turn them on and off through `switch`. A switch adds its hook points to the blocks (and `hook_dict`) and chooses, once, how each block reads its input;
 switched off, the points go and the blocks read as before, with the same numbers. With a switch on the outputs are
 unchanged up to rounding (a per-head projection sums in another order). A switch that cannot apply is refused
 before anything changes: per-head inputs need softmax-attention blocks whose heads' q, k and v are projections of
@@ -35,56 +35,30 @@ if TYPE_CHECKING:
 SPLIT_POINTS = ("hook_q_input", "hook_k_input", "hook_v_input")
 
 
-class SwitchMethods:
-    """Mixin for `HookedTransformer`: TransformerLens's `set_use_*` switches (lenskit.observe.switches)."""
+def switch(model: nn.Module, kind: str, on: bool) -> None:
+    """Turn `model`'s switch `kind` ("split_qkv", "attn_in", "mlp_in") on or off: the blocks' hook points and
+    reading change, then `hook_dict` is rebuilt. `HookedTransformer.set_use_*` call this."""
+    if not isinstance(on, bool):
+        raise TypeError(f"set_use_{SWITCH_NAMES[kind]} takes True or False, got {on!r}")
+    other = {"split_qkv": "attn_in", "attn_in": "split_qkv"}.get(kind)
+    if on and other is not None and any(getattr(b, "_input_switch", None) == other for b in model.blocks):
+        raise ValueError(f"set_use_{SWITCH_NAMES[kind]}(True): set_use_{SWITCH_NAMES[other]} is on, and a head's "
+                         f"input is one or the other; call set_use_{SWITCH_NAMES[other]}(False) first")
+    if on:
+        _refuse_where_not_applicable(model, kind)
+    for block in model.blocks:
+        (_switch_mlp_in if kind == "mlp_in" else _switch_attention)(block, kind if on else None)
+    model.setup_hooks()
+    note_switch(model.cfg, f"use_{SWITCH_NAMES[kind]}", on)
 
-    blocks: nn.ModuleList
-    ON_REQUEST: tuple[str, ...]
 
-    def set_use_attn_result(self, use_attn_result: bool) -> None:
-        """Cache each head's write `blocks.L.attn.hook_result` [batch, pos, head, d_model] by default (True) or only
-        when asked by name (False, the default). Either way the model computes the same function."""
-        on_request = tuple(type(self).ON_REQUEST)
-        if not isinstance(use_attn_result, bool):
-            raise TypeError(f"set_use_attn_result takes True or False, got {use_attn_result!r}")
-        self.ON_REQUEST = tuple(n for n in on_request if n != "attn.hook_result") if use_attn_result else on_request
-        note_switch(self.cfg, "use_attn_result", use_attn_result)
-
-    def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
-        """Give each head its own copy of the block's input for its query, key and value: `blocks.L.hook_q_input`
-        [batch, pos, head, d_model], `hook_k_input` and `hook_v_input` [batch, pos, kv_head, d_model]."""
-        self._switch("split_qkv", use_split_qkv_input)
-
-    def set_use_attn_in(self, use_attn_in: bool) -> None:
-        """Give each head one copy of the block's input, read by its query, key and value: `blocks.L.hook_attn_in`
-        [batch, pos, head, d_model]."""
-        self._switch("attn_in", use_attn_in)
-
-    def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
-        """Name the MLP's input before ln2, `blocks.L.hook_mlp_in` [batch, pos, d_model] (a copy of the stream)."""
-        self._switch("mlp_in", use_hook_mlp_in)
-
-    def _unknown(self, name: str) -> KeyError:
-        """An unknown hook name; one that a switch adds says which switch."""
-        for kind, points in SWITCHED_POINTS.items():
-            if name.rsplit(".", 1)[-1] in points and name.startswith("blocks."):
-                return KeyError(f"{name} exists only while model.set_use_{SWITCH_NAMES[kind]}(True) is on "
-                                "(TransformerLens's switch, off by default); turn it on first")
-        return super()._unknown(name)
-
-    def _switch(self, kind: str, on: bool) -> None:
-        if not isinstance(on, bool):
-            raise TypeError(f"set_use_{SWITCH_NAMES[kind]} takes True or False, got {on!r}")
-        other = {"split_qkv": "attn_in", "attn_in": "split_qkv"}.get(kind)
-        if on and other is not None and any(getattr(b, "_input_switch", None) == other for b in self.blocks):
-            raise ValueError(f"set_use_{SWITCH_NAMES[kind]}(True): set_use_{SWITCH_NAMES[other]} is on, and a head's "
-                             f"input is one or the other; call set_use_{SWITCH_NAMES[other]}(False) first")
-        if on:
-            _refuse_where_not_applicable(self, kind)
-        for block in self.blocks:
-            (_switch_mlp_in if kind == "mlp_in" else _switch_attention)(block, kind if on else None)
-        self.setup_hooks()
-        note_switch(self.cfg, f"use_{SWITCH_NAMES[kind]}", on)
+def switched_name_error(name: str) -> KeyError | None:
+    """The error for a hook name that exists only while a switch is on, naming the switch; None for other names."""
+    for kind, points in SWITCHED_POINTS.items():
+        if name.rsplit(".", 1)[-1] in points and name.startswith("blocks."):
+            return KeyError(f"{name} exists only while model.set_use_{SWITCH_NAMES[kind]}(True) is on "
+                            "(TransformerLens's switch, off by default); turn it on first")
+    return None
 
 
 SWITCH_NAMES = {"split_qkv": "split_qkv_input", "attn_in": "attn_in", "mlp_in": "hook_mlp_in"}

@@ -1,2 +1,2 @@
-"""The pieces a model is built from, each written once: attention, rotary positions, norms, MLPs and block
-forms (`layers`), the projection (`linear`), the readout, and TransformerLens's weight views (`weights`)."""
+"""The pieces a model is built from, each written once: attention, rotary positions, norms, the dense MLPs (`mlp`),
+block forms (`layers`), the projection (`linear`), the readout, and TransformerLens's weight views (`weights`)."""

@@ -31,8 +31,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
 from .linear import Linear, linear
+from .mlp import SwiGLU
 from .moe import ROUTES, expert_groups
-from .layers import SwiGLU  # layers.make_mlp imports this module on first use, after layers itself is loaded
 from .norms import UnitRMSNorm, make_norm
 
 

@@ -1,4 +1,4 @@
-"""TransformerLens's weight views on `HookedTransformer`: `W_E`, `W_U`, `W_Q` ... stacked over layers.
+"""TransformerLens's weight views, which `HookedTransformer` declares: `W_E`, `W_U`, `W_Q` ... stacked over layers.
 
 Shapes follow TransformerLens: `W_Q`, `W_K`, `W_V` [layer, head, d_model, d_head], `W_O` [layer, head,
 d_head, d_model], `W_in` / `W_gate` [layer, d_model, d_mlp], `W_out` [layer, d_mlp, d_model], `W_E`
@@ -26,15 +26,13 @@ that mixes MoE and dense blocks refuses to stack them (read them per block). Not
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 from torch import nn
 
 from ..factored import FactoredMatrix
 
 
-def _stacked(part: str, name: str, doc: str) -> property:
+def stacked_view(part: str, name: str, doc: str) -> property:
     """A view that each block's `part` (attn or mlp) owns, stacked over layers; None where the blocks have None."""
 
     def get(self) -> torch.Tensor | None:
@@ -74,85 +72,29 @@ class HeadCircuits:
     QK = property(lambda self: qk_circuit(self), doc="[head, d_model, d_model]: each head's QK circuit, factored")
 
 
-class WeightViews:
-    """Mixin for `HookedTransformer`: TransformerLens's named weight tensors, read from the modules."""
+def tl_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weight views under the names TransformerLens's `HookedTransformer` gives its parameters, e.g.
+    `blocks.0.attn.W_Q` [head, d_model, d_head], `blocks.0.ln1.w` [d_model], `unembed.W_U` [d_model, d_vocab].
 
-    cfg: object
-    blocks: nn.ModuleList
-
-    # ------------------------------------------------------------ embeddings
-    @property
-    def W_E(self) -> torch.Tensor:
-        """Token embedding [d_vocab, d_model] (the parameter itself)."""
-        return self.embed.weight
-
-    @property
-    def W_pos(self) -> torch.Tensor:
-        """Learned position embedding [n_ctx, d_model]; rotary families have none."""
-        return self.pos_embed.weight  # an AttributeError for rotary families, which have no pos_embed
-
-    @property
-    def W_U(self) -> torch.Tensor:
-        """Unembedding [d_model, d_vocab] (a transposed view of the parameter)."""
-        return self.unembed.weight.T
-
-    @property
-    def b_U(self) -> torch.Tensor:
-        """Unembedding bias [d_vocab]: zeros, since no supported family has one, unless `fold_ln` folded a
-        LayerNorm's bias into it (lenskit.processing)."""
-        bias = self.unembed.bias
-        return self.unembed.weight.new_zeros(self.cfg.d_vocab) if bias is None else bias
-
-    # ------------------------------------------- attention (lenskit.pieces.attention.Attention's views)
-    W_Q = _stacked("attn", "W_Q", "[layer, head, d_model, d_head]")
-    W_K = _stacked("attn", "W_K", "[layer, head, d_model, d_head], kv heads repeated")
-    W_V = _stacked("attn", "W_V", "[layer, head, d_model, d_head], kv heads repeated")
-    W_O = _stacked("attn", "W_O", "[layer, head, d_head, d_model]: head h's slice of the output projection")
-    b_Q = _stacked("attn", "b_Q", "[layer, head, d_head]")
-    b_K = _stacked("attn", "b_K", "[layer, head, d_head], kv heads repeated")
-    b_V = _stacked("attn", "b_V", "[layer, head, d_head], kv heads repeated")
-    b_O = _stacked("attn", "b_O", "[layer, d_model]")
-
-    # ------------------------------------------------------- MLP (lenskit.pieces.layers.MLP's views)
-    W_in = _stacked("mlp", "W_in", "[layer, d_model, d_mlp]; for a gated MLP, the linear (ungated) input, as in TransformerLens")
-    W_gate = _stacked("mlp", "W_gate", "[layer, d_model, d_mlp]: the gate of a gated MLP; None for a GELU MLP")
-    W_out = _stacked("mlp", "W_out", "[layer, d_mlp, d_model]")
-    b_in = _stacked("mlp", "b_in", "[layer, d_mlp]")
-    b_gate = _stacked("mlp", "b_gate", "[layer, d_mlp]: the gate's bias; None for a GELU MLP")
-    b_out = _stacked("mlp", "b_out", "[layer, d_model]")
-
-    # ------------------------------------------------------------ circuits
-    OV = property(lambda self: ov_circuit(self), doc="[layer, head, d_model, d_model]: each head's OV circuit, factored")
-    QK = property(lambda self: qk_circuit(self), doc="[layer, head, d_model, d_model]: each head's QK circuit, factored")
-
-    # ------------------------------------------------- TransformerLens's names
-    def tl_parameters(self) -> dict[str, torch.Tensor]:
-        """The weight views under the names TransformerLens's `HookedTransformer` gives its parameters, e.g.
-        `blocks.0.attn.W_Q` [head, d_model, d_head], `blocks.0.ln1.w` [d_model], `unembed.W_U` [d_model, d_vocab].
-
-        Norm gains are `w` (for Gemma's (1 + w) norms, the whole multiplier) and LayerNorm biases `b`; a block's
-        pieces without a view (a linear-attention block's heads) are left out, as are absent gates."""
-        out = {"embed.W_E": self.W_E}
-        if hasattr(self, "pos_embed"):
-            out["pos_embed.W_pos"] = self.W_pos
-        for l, block in enumerate(self.blocks):
-            for part, names in (("attn", ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")),
-                                ("mlp", ("W_in", "W_gate", "W_out", "b_in", "b_gate", "b_out"))):
-                piece = getattr(block, part)
-                for name in names:
-                    view = getattr(piece, name, None) if hasattr(type(piece), name) else None
-                    if view is not None:
-                        out[f"blocks.{l}.{part}.{name}"] = view
-            for norm in ("ln1", "ln2"):
-                if hasattr(block, norm):
-                    out.update(_norm_views(f"blocks.{l}.{norm}", getattr(block, norm)))
-        out.update(_norm_views("ln_final", self.ln_final))
-        out["unembed.W_U"], out["unembed.b_U"] = self.W_U, self.b_U
-        return out
-
-    def tl_named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """`tl_parameters()` as (name, tensor) pairs, in the same order."""
-        return iter(self.tl_parameters().items())
+    Norm gains are `w` (for Gemma's (1 + w) norms, the whole multiplier) and LayerNorm biases `b`; a block's
+    pieces without a view (a linear-attention block's heads) are left out, as are absent gates."""
+    out = {"embed.W_E": model.W_E}
+    if hasattr(model, "pos_embed"):
+        out["pos_embed.W_pos"] = model.W_pos
+    for l, block in enumerate(model.blocks):
+        for part, names in (("attn", ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")),
+                            ("mlp", ("W_in", "W_gate", "W_out", "b_in", "b_gate", "b_out"))):
+            piece = getattr(block, part)
+            for name in names:
+                view = getattr(piece, name, None) if hasattr(type(piece), name) else None
+                if view is not None:
+                    out[f"blocks.{l}.{part}.{name}"] = view
+        for norm in ("ln1", "ln2"):
+            if hasattr(block, norm):
+                out.update(_norm_views(f"blocks.{l}.{norm}", getattr(block, norm)))
+    out.update(_norm_views("ln_final", model.ln_final))
+    out["unembed.W_U"], out["unembed.b_U"] = model.W_U, model.b_U
+    return out
 
 
 def _norm_views(prefix: str, norm: nn.Module) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import torch
 
+from ..intervene.attribution import activations_and_gradients
 from .sae import SAE
 
 if TYPE_CHECKING:
@@ -117,8 +118,6 @@ def feature_attribution(model: HookedTransformer, clean: torch.Tensor, corrupted
     """Attribution patching per feature: (acts_clean - acts_corrupted) . d metric / d acts, the gradient taken on
     the corrupted run with every SAE spliced in with its error term. One row per (hook, feature[, position]),
     sorted by |attribution|, `top` rows at most: hook, feature, position, attribution."""
-    from ..intervene.attribution import activations_and_gradients
-
     with model.saes(saes, use_error_term=True):
         names = [f"{s.hook_name}.hook_sae_acts_post" for s in saes]
         with torch.no_grad():

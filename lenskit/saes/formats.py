@@ -18,14 +18,16 @@ import os
 import re
 import zipfile
 from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ..io.files import check_regular_file, read_json_object
+from ..io.hub import resolve_hub_file
+from ..io.torchfile import TorchFileError, read_plain_torch_file
 from ..observe.stream import POINTS
-from .sae import SAE, SAEConfig
 
 # SAEs that ship with lenskit: short name -> folder beside this module.
 EMBEDDED_SAES = {"stdlib-gpt2-sae-L3": "stdlib_gpt2_sae_L3"}
@@ -35,6 +37,46 @@ SAELENS_ARCH = {"standard": "relu", "topk": "topk", "jumprelu": "jumprelu", "gat
                 "jumprelu_skip_transcoder": "jumprelu", "topk_transcoder": "topk"}
 # SAELens normalisations that leave inference alone: "expected_average_only_in" is folded into the saved weights.
 INERT_NORMALISATION = (None, "none", "expected_average_only_in")
+
+if TYPE_CHECKING:
+    from .sae import SAE
+
+ARCHITECTURES = ("relu", "topk", "jumprelu", "gated")
+
+
+@dataclass(frozen=True)
+class SAEConfig:
+    """What a loaded SAE is: sizes, activation, where it reads and writes, and where it came from."""
+
+    d_in: int
+    d_sae: int
+    architecture: str  # one of ARCHITECTURES
+    hook_name: str | None = None
+    d_out: int | None = None  # None: d_in (an SAE); a transcoder's output width
+    hook_name_out: str | None = None  # None: hook_name (an SAE)
+    k: int | None = None  # topk only
+    apply_b_dec_to_input: bool = False
+    format: str = "lenskit"  # saelens | gemma_scope | sparsify | circuit_tracer | dictionary_learning
+    source: str = ""
+    model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"SAE architecture {self.architecture!r} is not one lenskit computes; expected one of {ARCHITECTURES}")
+        if self.architecture == "topk" and not (isinstance(self.k, int) and 0 < self.k <= self.d_sae):
+            raise ValueError(f"a topk SAE needs an integer k in 1..d_sae={self.d_sae}, got k={self.k!r} ({self.source})")
+
+    @property
+    def out_width(self) -> int:
+        return self.d_in if self.d_out is None else self.d_out
+
+    @property
+    def is_transcoder(self) -> bool:
+        return self.hook_name_out is not None and self.hook_name_out != self.hook_name
+
+
+# What each reader gives `SAE.load`: the SAE's config and its tensors by SAELens's names (W_enc, W_dec, b_dec ...).
+Loaded = tuple[SAEConfig, dict[str, torch.Tensor]]
 
 
 class SAEFileError(ValueError):
@@ -81,7 +123,7 @@ def _pick_hook(hook: str | tuple[str, str] | None, found: str | None) -> tuple[s
 
 
 # ------------------------------------------------------------------ SAELens
-def _saelens(folder: Path, hook: Any) -> SAE:
+def _saelens(folder: Path, hook: Any) -> Loaded:
     cfg = read_json_object(folder / "cfg.json", "an SAELens cfg.json")
     meta = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
 
@@ -116,7 +158,7 @@ def _saelens(folder: Path, hook: Any) -> SAE:
                    hook_name=hook_in, hook_name_out=hook_out, d_out=cfg.get("d_out"), k=k,
                    apply_b_dec_to_input=bool(cfg.get("apply_b_dec_to_input", False)), format="saelens",
                    source=str(folder), model_name=field("model_name"))
-    return SAE(sc, weights)
+    return (sc, weights)
 
 
 def _int(cfg: dict, key: str, where: Path) -> int:
@@ -126,7 +168,7 @@ def _int(cfg: dict, key: str, where: Path) -> int:
     return v
 
 
-def write_saelens(sae: SAE, folder: str | os.PathLike, extra: dict[str, Any]) -> None:
+def write_saelens(sae: "SAE", folder: str | os.PathLike, extra: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
     c = sae.cfg
@@ -162,7 +204,7 @@ def gemma_scope_hook(repo: str | None, sub: str) -> str | tuple[str, str] | None
     return (fmt[0].format(n), fmt[1].format(n)) if isinstance(fmt, tuple) else fmt.format(n)
 
 
-def _gemma_scope(path: Path, hook: Any, implied: Any) -> SAE:
+def _gemma_scope(path: Path, hook: Any, implied: Any) -> Loaded:
     weights = read_npz(path) if path.suffix == ".npz" else read_safetensors_file(path)
     missing = {"W_enc", "W_dec", "b_enc", "b_dec", "threshold"} - set(weights)
     if missing:
@@ -170,7 +212,7 @@ def _gemma_scope(path: Path, hook: Any, implied: Any) -> SAE:
     hook = hook if hook is not None else implied
     hook_in, hook_out = _pick_hook(hook, None)
     d_in, d_sae = weights["W_enc"].shape
-    return SAE(SAEConfig(d_in=d_in, d_sae=d_sae, architecture="jumprelu", hook_name=hook_in, hook_name_out=hook_out,
+    return (SAEConfig(d_in=d_in, d_sae=d_sae, architecture="jumprelu", hook_name=hook_in, hook_name_out=hook_out,
                          d_out=weights["W_dec"].shape[-1] if hook_out else None, format="gemma_scope",
                          source=str(path)), weights)
 
@@ -184,7 +226,7 @@ def sparsify_hook(name: str) -> str | None:
     return f"blocks.{m.group(1)}.{POINTS['mlp_out'] if m.group(2) else POINTS['resid_post']}"
 
 
-def _sparsify(folder: Path, hook: Any) -> SAE:
+def _sparsify(folder: Path, hook: Any) -> Loaded:
     cfg = read_json_object(folder / "cfg.json", "a sparsify cfg.json")
     if cfg.get("activation", "topk") != "topk":
         raise SAEFileError(f"{folder}/cfg.json: sparsify activation {cfg.get('activation')!r} is not supported (topk only)")
@@ -208,13 +250,13 @@ def _sparsify(folder: Path, hook: Any) -> SAE:
     weights = {"W_enc": raw["encoder.weight"].T, "b_enc": raw["encoder.bias"], "W_dec": raw["W_dec"], "b_dec": raw["b_dec"]}
     if "W_skip" in raw:
         weights["W_skip"] = raw["W_skip"]
-    return SAE(SAEConfig(d_in=d_in, d_sae=d_sae, architecture="topk", k=cfg.get("k"), hook_name=hook_in,
+    return (SAEConfig(d_in=d_in, d_sae=d_sae, architecture="topk", k=cfg.get("k"), hook_name=hook_in,
                          hook_name_out=hook_out, apply_b_dec_to_input=not transcode, format="sparsify",
                          source=str(folder)), weights)
 
 
 # -------------------------------------------------------------- circuit-tracer
-def _circuit_tracer(path: Path, raw: dict[str, torch.Tensor], hook: Any) -> SAE:
+def _circuit_tracer(path: Path, raw: dict[str, torch.Tensor], hook: Any) -> Loaded:
     if not isinstance(hook, (tuple, list)):
         raise SAEFileError(f"{path} is a circuit-tracer transcoder, whose file names no hooks; pass "
                            f"hook=(input_hook, output_hook), e.g. ('blocks.3.ln2.hook_normalized', 'blocks.3.{POINTS['mlp_out']}')")
@@ -228,14 +270,12 @@ def _circuit_tracer(path: Path, raw: dict[str, torch.Tensor], hook: Any) -> SAE:
     if "W_skip" in raw:
         weights["W_skip"] = raw["W_skip"]
     hook_in, hook_out = _pick_hook(hook, None)
-    return SAE(SAEConfig(d_in=d_in, d_sae=d_sae, architecture=arch, k=k, hook_name=hook_in, hook_name_out=hook_out,
+    return (SAEConfig(d_in=d_in, d_sae=d_sae, architecture=arch, k=k, hook_name=hook_in, hook_name_out=hook_out,
                          d_out=raw["W_dec"].shape[-1], format="circuit_tracer", source=str(path)), weights)
 
 
 # --------------------------------------------------------- dictionary_learning
-def _dictionary_learning(path: Path, hook: Any) -> SAE:
-    from ..io.torchfile import TorchFileError, read_plain_torch_file
-
+def _dictionary_learning(path: Path, hook: Any) -> Loaded:
     try:
         raw = read_plain_torch_file(path, "a dictionary_learning ae.pt (a state dict of tensors)")
     except TorchFileError as e:
@@ -265,12 +305,12 @@ def _dictionary_learning(path: Path, hook: Any) -> SAE:
     else:
         raise SAEFileError(f"{path}: not a dictionary_learning AutoEncoder, TopK or BatchTopK state dict (keys {sorted(raw)[:8]})")
     d_in, d_sae = weights["W_enc"].shape
-    return SAE(SAEConfig(d_in=d_in, d_sae=d_sae, architecture=arch, k=k, hook_name=hook_in, hook_name_out=hook_out,
+    return (SAEConfig(d_in=d_in, d_sae=d_sae, architecture=arch, k=k, hook_name=hook_in, hook_name_out=hook_out,
                          apply_b_dec_to_input=True, format="dictionary_learning", source=str(path)), weights)
 
 
 # ------------------------------------------------------------------ dispatch
-def _read_local(path: Path, hook: Any, implied: Any = None) -> SAE:
+def _read_local(path: Path, hook: Any, implied: Any = None) -> Loaded:
     if path.is_file():
         if path.suffix == ".npz":
             return _gemma_scope(path, hook, implied)
@@ -300,10 +340,8 @@ def _read_local(path: Path, hook: Any, implied: Any = None) -> SAE:
 _HUB_FILES = ("cfg.json", "sae_weights.safetensors", "sae.safetensors", "params.npz", "params.safetensors", "ae.pt", "config.json")
 
 
-def _from_hub(text: str, hook: Any) -> SAE:
+def _from_hub(text: str, hook: Any) -> Loaded:
     """`org/repo/sub/folder` through the local hub cache (lenskit.io.hub): the folder's files, then as local."""
-    from ..io.hub import resolve_hub_file
-
     parts = text.split("/")
     repo, sub = "/".join(parts[:2]), "/".join(parts[2:])
     got: dict[str, Path] = {}
@@ -327,7 +365,7 @@ def embedded_sae_folder(name: str) -> Path:
     return folder
 
 
-def read_sae(path_or_repo: str | os.PathLike, hook: Any = None) -> SAE:
+def read_sae(path_or_repo: str | os.PathLike, hook: Any = None) -> Loaded:
     text = str(path_or_repo)
     if text in EMBEDDED_SAES:
         return _read_local(embedded_sae_folder(text), hook)

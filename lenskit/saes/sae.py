@@ -18,48 +18,16 @@ dtype); results come back in the input's dtype, so a spliced SAE leaves a model'
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..observe.hooks import HookPoint
+from .formats import ARCHITECTURES, SAEConfig, read_sae, write_saelens  # noqa: F401 - SAEConfig, ARCHITECTURES re-exported
 
-ARCHITECTURES = ("relu", "topk", "jumprelu", "gated")
 # The hook points a spliced SAE adds, under "<hook_name>.<point>" (SAELens's names).
 SAE_POINTS = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_recons", "hook_sae_error")
-
-
-@dataclass(frozen=True)
-class SAEConfig:
-    """What a loaded SAE is: sizes, activation, where it reads and writes, and where it came from."""
-
-    d_in: int
-    d_sae: int
-    architecture: str  # one of ARCHITECTURES
-    hook_name: str | None = None
-    d_out: int | None = None  # None: d_in (an SAE); a transcoder's output width
-    hook_name_out: str | None = None  # None: hook_name (an SAE)
-    k: int | None = None  # topk only
-    apply_b_dec_to_input: bool = False
-    format: str = "lenskit"  # saelens | gemma_scope | sparsify | circuit_tracer | dictionary_learning
-    source: str = ""
-    model_name: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"SAE architecture {self.architecture!r} is not one lenskit computes; expected one of {ARCHITECTURES}")
-        if self.architecture == "topk" and not (isinstance(self.k, int) and 0 < self.k <= self.d_sae):
-            raise ValueError(f"a topk SAE needs an integer k in 1..d_sae={self.d_sae}, got k={self.k!r} ({self.source})")
-
-    @property
-    def out_width(self) -> int:
-        return self.d_in if self.d_out is None else self.d_out
-
-    @property
-    def is_transcoder(self) -> bool:
-        return self.hook_name_out is not None and self.hook_name_out != self.hook_name
 
 
 def _shapes(cfg: SAEConfig) -> dict[str, tuple[int, ...]]:
@@ -221,14 +189,10 @@ class SAE(nn.Module):
         >>> sae.hook_name                            # SAE.load("google/gemma-scope-2b-pt-res/layer_12/width_16k/average_l0_82")
         'blocks.3.hook_resid_pre'
         """
-        from .formats import read_sae
-
-        return read_sae(path_or_repo, hook)
+        return cls(*read_sae(path_or_repo, hook))
 
     def save(self, folder: str | os.PathLike, extra: dict[str, Any] | None = None) -> None:
         """Write SAELens 6's layout: `cfg.json` (metadata holds the hook) and `sae_weights.safetensors`."""
-        from .formats import write_saelens
-
         write_saelens(self, folder, extra or {})
 
     def extra_repr(self) -> str:

@@ -37,16 +37,22 @@ import torch
 import lenskit
 from lenskit.config import ModelConfig
 from lenskit.config_names import note_prepend_bos
+from lenskit.devices import parse_dtype
+from lenskit.io.hub import resolve_model_folder
+from lenskit.io.text import check_padding_side
 from lenskit.observe.hook_context import HOOK_CONTEXT
 from lenskit.observe.hooks import HookedRootModule, HookPoint  # HookedRootModule: imported from here by SAELens
+from lenskit.observe.slices import Slice
 from lenskit.pieces.attention import SlidingWindowMask
 from lenskit.pieces.embeddings import Unembed
+from lenskit.pieces.forward_state import ForwardState
 from lenskit.pieces.norms import LayerNorm, RMSNorm
 from lenskit.pieces.readout import Readout
 
 from .ActivationCache import ActivationCache
 from .errors import ValueAssertionError, asserts
 from .HookedTransformerConfig import HookedTransformerConfig, to_model_config
+from .loading_from_pretrained import tl_fields
 
 # TransformerLens's type names for what `forward` returns, imported from this module by code written for it.
 Loss = torch.Tensor  # a scalar, or [batch, pos - 1] per token
@@ -66,8 +72,6 @@ class HookedTransformer(lenskit.HookedTransformer):
 
     def __init__(self, cfg: ModelConfig | HookedTransformerConfig | dict, tokenizer: Any = None,
                  move_to_device: bool = True, default_padding_side: str = "right") -> None:
-        from lenskit.io.text import check_padding_side
-
         check_padding_side(default_padding_side)
         tl_cfg = cfg if isinstance(cfg, HookedTransformerConfig) else None
         if isinstance(cfg, dict):
@@ -119,8 +123,6 @@ class HookedTransformer(lenskit.HookedTransformer):
 
         `hf_model` converts a `transformers` model already in memory instead. `n_devices` spreads the blocks evenly
         over the first GPUs, as TransformerLens does (lenskit's `device_map` does more)."""
-        from lenskit.io.text import check_padding_side
-
         check_padding_side(default_padding_side)
         for name, value in (("checkpoint_index", checkpoint_index), ("checkpoint_value", checkpoint_value),
                             ("first_n_layers", first_n_layers)):
@@ -132,8 +134,6 @@ class HookedTransformer(lenskit.HookedTransformer):
         # TransformerLens's True means "where it applies to this family": lenskit's None says exactly that.
         processing = {k: (None if v is True and k != "refactor_factored_attn_matrices" else v) for k, v in options.items()}
         if hf_model is not None:
-            from lenskit.io.loading import parse_dtype
-
             model = cls.from_hf(hf_model, tokenizer=tokenizer)
             model = model.to(device=device or "cpu", dtype=parse_dtype(dtype))
             model = model.process_weights(**processing, inplace=True)
@@ -185,8 +185,9 @@ class HookedTransformer(lenskit.HookedTransformer):
             raise ValueError("this model's blocks read per-layer inputs from the token ids: pass tokens= with start_at_layer=")
         if return_type in ("loss", "both") and tokens is None:
             raise ValueError(f"return_type={return_type!r} needs the token ids: pass tokens= with start_at_layer=")
-        with self._side_inputs(tokens, input):
-            x = self.run_blocks(input, start_at_layer, stop_at_layer)
+        # The blocks' side inputs (Gemma 4's per-layer inputs) come from the tokens, as in lenskit's forward.
+        state = ForwardState(0, None, None if tokens is None else self._side_inputs(tokens, input))
+        x = self.run_blocks(input, start_at_layer, stop_at_layer, state)
         if stop_at_layer is not None:
             return x
         logits = self.readout(x)  # [batch, pos, d_vocab]
@@ -218,8 +219,6 @@ class HookedTransformer(lenskit.HookedTransformer):
         if remove_batch_dim:
             cache.remove_batch_dim()
         if pos_slice is not None:
-            from lenskit.observe.slices import Slice
-
             keep = Slice.unwrap(pos_slice)
             store = cache.cache_dict
             for name, tensor in store.items():
@@ -294,8 +293,6 @@ class NamespaceConfig(ModelConfig):
         object.__setattr__(self, "_softcap_override", float(value))
 
     def to_dict(self) -> dict[str, Any]:
-        from .loading_from_pretrained import tl_fields
-
         return {**tl_fields(self), "output_logits_soft_cap": self.output_logits_soft_cap,
                 "model_name": self.model_name, "tokenizer_name": self.model_name, "device": self.device,
                 "dtype": self.dtype}
@@ -347,8 +344,6 @@ def _query_axis(name: str, batched: bool) -> int:
 def _even_device_map(model_name: str | os.PathLike, n_devices: int) -> dict[str, str]:
     """TransformerLens's split: blocks in order, n_layers / n_devices to each GPU; embeddings on the first GPU, the
     readout on the last (on the first where it is tied to the embedding)."""
-    from lenskit.io.hub import resolve_model_folder
-
     if not isinstance(n_devices, int) or n_devices < 1:
         raise ValueError(f"n_devices must be an int >= 1, got {n_devices!r}")
     if n_devices > torch.cuda.device_count():

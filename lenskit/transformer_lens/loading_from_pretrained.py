@@ -20,14 +20,13 @@ import os
 from typing import Any
 
 from ..config import ModelConfig
+from ..families import PRESETS
+from ..io.hub import EMBEDDED_MODELS, resolve_model_folder
 from .errors import ValueAssertionError
 from .HookedTransformerConfig import HookedTransformerConfig
 
 
 def _official_names() -> list[str]:
-    from ..families import PRESETS
-    from ..io.hub import EMBEDDED_MODELS
-
     return [*EMBEDDED_MODELS, *PRESETS]
 
 
@@ -62,9 +61,6 @@ def get_official_model_name(model_name: str) -> str:
 
 
 def _model_config(name_or_path: str | os.PathLike) -> ModelConfig:
-    from ..families import PRESETS
-    from ..io.hub import resolve_model_folder
-
     text = str(name_or_path)
     known = make_model_alias_map().get(text.lower())
     if known in PRESETS:

@@ -1,0 +1,139 @@
+"""The dense MLPs, each a separate class chosen once from the config (`cfg.mlp`, `MLP_CLASSES`): GPT-2's GELU MLP,
+the gated SwiGLU / GeGLU, and Phi-3's with a fused gate and input projection. `lenskit.pieces.layers.make_mlp`
+picks one for each block (or a mixture of experts, lenskit.pieces.moe)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..observe.hooks import HookPoint
+from .linear import Linear
+
+
+class MLP(nn.Module):
+    """What every MLP piece shows of its weights, as TransformerLens does (`x @ W + b`, the views of
+    `model.blocks[l].mlp`): `W_in`, `W_gate` [d_model, d_mlp], `W_out` [d_mlp, d_model], `b_in`, `b_gate`
+    [d_mlp], `b_out` [d_model]. `W_in` is the linear (ungated) input; `W_gate` and `b_gate` are None for an
+    ungated MLP; an absent bias reads as zeros. The weights are views of the parameters, the zeros are new.
+
+    Each piece says where its input projections are (`_linear_in`, `_gate_in`); the views are written once, here.
+    """
+
+    fc_in: nn.Linear
+    fc_out: nn.Linear
+
+    def _linear_in(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The linear input's weight [d_mlp, d_model] and bias [d_mlp] or None."""
+        return self.fc_in.weight, self.fc_in.bias
+
+    def _gate_in(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The gate's weight [d_mlp, d_model] and bias [d_mlp] or None; None for an ungated MLP."""
+        return None
+
+    @property
+    def W_in(self) -> torch.Tensor:
+        return self._linear_in()[0].T
+
+    @property
+    def b_in(self) -> torch.Tensor:
+        return _or_zeros(*self._linear_in())
+
+    @property
+    def W_gate(self) -> torch.Tensor | None:
+        gate = self._gate_in()
+        return None if gate is None else gate[0].T
+
+    @property
+    def b_gate(self) -> torch.Tensor | None:
+        gate = self._gate_in()
+        return None if gate is None else _or_zeros(*gate)
+
+    @property
+    def W_out(self) -> torch.Tensor:
+        return self.fc_out.weight.T
+
+    @property
+    def b_out(self) -> torch.Tensor:
+        return _or_zeros(self.fc_out.weight, self.fc_out.bias)
+
+
+def _or_zeros(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`bias` [out], or zeros [out] for a layer without one (weight [out, in])."""
+    return weight.new_zeros(weight.shape[0]) if bias is None else bias
+
+
+class GeluMLP(MLP):
+    """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> the config's activation (a GELU form, or ReLU) -> d_model.
+    Each MLP piece takes its width, `d_mlp` (None: the config's), where a block's differs (`cfg.d_mlp_of`)."""
+
+    def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
+        super().__init__()
+        d_mlp = cfg.d_mlp if d_mlp is None else d_mlp
+        self.act = F.relu if cfg.activation == "relu" else partial(F.gelu, approximate=cfg.gelu_approximate)
+        self.fc_in = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
+        self.fc_out = Linear(d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
+        self.hook_post = HookPoint()  # [batch, pos, d_mlp]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pre = self.hook_pre(self.fc_in(x))
+        post = self.hook_post(self.act(pre))
+        return self.fc_out(post)
+
+
+class SwiGLU(MLP):
+    """Gated MLP: fc_out(act(gate(x)) * fc_in(x)), biases only where the config has them (Llama's `mlp_bias`).
+    act is SiLU, or for mlp="geglu" (Gemma) the config's GELU."""
+
+    def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
+        super().__init__()
+        d_mlp = cfg.d_mlp if d_mlp is None else d_mlp
+        self.act = F.silu if cfg.mlp.startswith("swiglu") else partial(F.gelu, approximate=cfg.gelu_approximate)
+        self.gate = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
+        self.fc_in = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
+        self.fc_out = Linear(d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        self.hook_pre = HookPoint()  # [batch, pos, d_mlp], the gate's pre-activation
+        self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]
+        self.hook_post = HookPoint()  # [batch, pos, d_mlp]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pre = self.hook_pre(self.gate(x))
+        linear = self.hook_pre_linear(self.fc_in(x))
+        return self.fc_out(self.hook_post(self.act(pre) * linear))
+
+    def _gate_in(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.gate.weight, self.gate.bias
+
+
+class FusedSwiGLU(SwiGLU):
+    """SwiGLU whose gate and up projections are one matrix `gate_up`, [gate rows | up rows] (Phi-3),
+    kept as the checkpoint stores it. Same hooks and weight views as SwiGLU (`W_gate`, `W_in` are its halves)."""
+
+    def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
+        super().__init__(cfg, d_mlp)
+        del self.gate, self.fc_in
+        self.gate_up = Linear(cfg.d_model, 2 * self.fc_out.in_features, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, linear = self.gate_up(x).chunk(2, dim=-1)
+        pre, linear = self.hook_pre(gate), self.hook_pre_linear(linear)
+        return self.fc_out(self.hook_post(self.act(pre) * linear))
+
+    def _linear_in(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._half(1)
+
+    def _gate_in(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._half(0)
+
+    def _half(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """gate_up's gate (0) or up (1) rows [d_mlp, d_model] and bias, as forward splits its output."""
+        bias = self.gate_up.bias
+        return self.gate_up.weight.chunk(2, dim=0)[i], None if bias is None else bias.chunk(2)[i]
+
+
+MLP_CLASSES = {"gelu": GeluMLP, "swiglu": SwiGLU, "geglu": SwiGLU, "swiglu_fused": FusedSwiGLU}
