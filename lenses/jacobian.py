@@ -30,7 +30,7 @@ import torch
 from lenskit import HookedTransformer, Stream
 
 from .base import BasisLens
-from .card import JACOBIAN_FORMAT as FORMAT
+from .card import JACOBIAN_FORMAT as FORMAT  # noqa: F401 - lenses.jacobian.FORMAT, read by jacobian_io, spec
 from .tuned import model_fingerprint
 
 FORMAT_VERSION = 1

@@ -296,4 +296,4 @@ def activation_patching(
 
 
 # Its linear estimate, from one backward pass, lives next door (it imports the sites and metrics above).
-from .attribution import activations_and_gradients, attribution_patching  # noqa: E402
+from .attribution import activations_and_gradients, attribution_patching  # noqa: E402, F401 - re-exported

@@ -326,8 +326,8 @@ class HookedRootModule(HookAdmin, nn.Module):
                     tokens.append((var, var.set(merged)))
             yield self
         finally:
-            for fns in attachments.values():
-                for a in fns:
+            for attached in attachments.values():
+                for a in attached:
                     a.live = False  # a later backward through this forward's graph calls nothing
             for var, token in reversed(tokens):
                 var.reset(token)

@@ -34,7 +34,7 @@ import torch
 import lenskit
 from lenskit.config import ModelConfig
 from lenskit.config_names import note_prepend_bos
-from lenskit.observe.hooks import HookedRootModule, HookPoint  # HookedRootModule: imported from here by SAELens
+from lenskit.observe.hooks import HookedRootModule, HookPoint  # noqa: F401 - HookedRootModule: imported from here by SAELens
 from lenskit.pieces.attention import SlidingWindowMask
 from lenskit.pieces.embeddings import Unembed
 from lenskit.pieces.readout import Readout
@@ -58,6 +58,8 @@ class HookedTransformer(lenskit.HookedTransformer):
     >>> model.to_str_tokens("def f")[0]   # BOS first, as TransformerLens does
     '<|endoftext|>'
     """
+
+    cfg: "NamespaceConfig"  # __setattr__ below makes every config one
 
     def __init__(self, cfg: ModelConfig | HookedTransformerConfig | dict, tokenizer: Any = None,
                  move_to_device: bool = True, default_padding_side: str = "right") -> None:
