@@ -83,7 +83,7 @@ def hf_config(preset: str) -> dict:
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_model // cfg.n_heads, "vocab_size": cfg.d_vocab,
-        "max_position_embeddings": cfg.n_ctx, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rotary_base,
+        "max_position_embeddings": cfg.n_ctx, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope.base,
         "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192},
         "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,

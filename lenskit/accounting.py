@@ -17,8 +17,8 @@ Conventions (the ones of Kaplan et al., 2020, "Scaling Laws for Neural Language 
   `n_keys = n_ctx` (the full score matrix, as dense kernels compute it). `causal=True` counts only the
   keys a query can see: `(n_ctx + 1) / 2` on average. Kaplan et al.'s own `2 n_layer n_ctx d_attn`
   counts one of the two matmuls; multiply ours by 1/2 to compare.
-- In a mixture of experts (`cfg.n_experts`), a MoE block's MLP holds its router (`d_model * n_experts`, plus a
-  bias per expert where `cfg.router_bias`) and every expert (with its biases, gpt-oss's); *active* parameters are
+- In a mixture of experts (`cfg.moe.n_experts`), a MoE block's MLP holds its router (`d_model * n_experts`, plus a
+  bias per expert where `cfg.moe.router_bias`) and every expert (with its biases, gpt-oss's); *active* parameters are
   those one token uses: the router and its k routed experts, so
   `active = total - (n_experts - k) * per_expert` summed over the MoE blocks. Attention sinks (gpt-oss, a logit
   per head) count as attention biases. MLP FLOPs count the active weights
@@ -81,12 +81,12 @@ def _d_attn(cfg: ModelConfig, layer: int = 0) -> int:
 # ---------------------------------------------------------------- parameters
 def _expert_weights(cfg: ModelConfig) -> int:
     """One expert's matrices: its gate, up and down projections."""
-    return 3 * cfg.d_model * cfg.d_expert
+    return 3 * cfg.d_model * cfg.moe.d_expert
 
 
 def _expert_biases(cfg: ModelConfig) -> int:
     """One expert's biases: gate, up and down (gpt-oss's experts), else none."""
-    return 2 * cfg.d_expert + cfg.d_model if cfg.mlp == "swiglu_clamped" else 0
+    return 2 * cfg.moe.d_expert + cfg.d_model if cfg.mlp == "swiglu_clamped" else 0
 
 
 def _per_expert(cfg: ModelConfig) -> int:
@@ -98,8 +98,8 @@ def _active_mlp(cfg: ModelConfig, layer: int) -> int:
     """The MLP weights of block `layer` that one token's forward multiplies: all of a dense MLP; a MoE block's
     router and its k routed experts (and the dense MLP beside them, Gemma 4's)."""
     if cfg.is_moe_layer(layer):
-        dense = 3 * cfg.d_model * cfg.d_mlp_of(layer) if cfg.experts_beside_mlp else 0
-        return dense + cfg.d_model * cfg.n_experts + cfg.n_experts_per_token * _expert_weights(cfg)
+        dense = 3 * cfg.d_model * cfg.d_mlp_of(layer) if cfg.block.experts_beside_mlp else 0
+        return dense + cfg.d_model * cfg.moe.n_experts + cfg.moe.n_experts_per_token * _expert_weights(cfg)
     return int(block_params(cfg, layer).loc["mlp", "weights"])
 
 
@@ -107,8 +107,8 @@ def _kinds(cfg: ModelConfig) -> dict[int, int]:
     """A representative block of each kind (MoE or dense) -> how many blocks are of that kind. Blocks of one kind
     are equal, so sums over the blocks are a few products, whatever n_layers is. In a hybrid model a block's kind
     is also its token mixer (linear or softmax attention)."""
-    shaped = cfg.full_d_head is not None or cfg.full_n_kv_heads is not None or cfg.full_k_is_v  # Gemma 4's full blocks
-    if cfg.layer_types is not None and ("linear" in cfg.layer_types or shaped or cfg.n_kv_shared_layers):
+    shaped = cfg.attention.full_d_head is not None or cfg.attention.full_n_kv_heads is not None or cfg.attention.full_k_is_v  # Gemma 4's full blocks
+    if cfg.layer_types is not None and ("linear" in cfg.layer_types or shaped or cfg.block.n_kv_shared_layers):
         first: dict[tuple, int] = {}
         counts: dict[int, int] = {}
         for i, kind in enumerate(cfg.layer_types):  # Gemma 4's kv-sharing blocks (and wider MLPs) are a kind of their own
@@ -116,12 +116,12 @@ def _kinds(cfg: ModelConfig) -> dict[int, int]:
             rep = first.setdefault(key, i)
             counts[rep] = counts.get(rep, 0) + 1
         return counts
-    if cfg.n_experts is None or not cfg.dense_layers:
+    if cfg.moe.n_experts is None or not cfg.moe.dense_layers:
         return {0: cfg.n_layers}
-    kinds = {cfg.dense_layers[0]: len(cfg.dense_layers)}
+    kinds = {cfg.moe.dense_layers[0]: len(cfg.moe.dense_layers)}
     moe = next((i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)), None)  # at most len(dense_layers) + 1 steps
     if moe is not None:
-        kinds[moe] = cfg.n_layers - len(cfg.dense_layers)
+        kinds[moe] = cfg.n_layers - len(cfg.moe.dense_layers)
     return kinds
 
 
@@ -141,34 +141,34 @@ def block_params(model_or_cfg: ConfigLike, layer: int = 0) -> pd.DataFrame:
     cfg = as_config(model_or_cfg)
     d, a, m, d_head = cfg.d_model, _d_attn(cfg, layer), cfg.d_mlp_of(layer), cfg.d_head_of(layer)
     kv = cfg.n_kv_heads_of(layer) * d_head  # each of k and v: smaller than d_attn under grouped-query attention
-    q = 2 * a if cfg.attn_output_gate else a  # gated attention: q's projection also gives the output gate
+    q = 2 * a if cfg.attention.output_gate else a  # gated attention: q's projection also gives the output gate
     shared = cfg.kv_source(layer) is not None  # Gemma 4's kv-sharing blocks: another block's keys and values
     n_kv = 0 if shared else 1 if cfg.k_is_v(layer) else 2  # Gemma 4's full blocks: the keys' projection gives the values too
     attn_w = d * (q + n_kv * kv) + a * d  # q, k, v, out
-    attn_b = (q + n_kv * kv if cfg.qkv_bias else 0) + (d if cfg.out_bias else 0) + (cfg.n_heads if cfg.attn_sinks else 0)
+    attn_b = (q + n_kv * kv if cfg.attention.qkv_bias else 0) + (d if cfg.attention.out_bias else 0) + (cfg.n_heads if cfg.attention.sinks else 0)
     linear = cfg.layer_type(layer) == "linear"
     if linear:  # Gated DeltaNet: in_qkv, in_z, in_b, in_a, the convolution, out_proj; A_log and dt_bias per value head
-        k_dim, v_dim, n_v = cfg.linear_n_k_heads * cfg.linear_d_k, cfg.linear_n_v_heads * cfg.linear_d_v, cfg.linear_n_v_heads
-        attn_w = d * (2 * k_dim + 2 * v_dim + 2 * n_v) + (2 * k_dim + v_dim) * cfg.linear_conv_width + v_dim * d
+        k_dim, v_dim, n_v = cfg.linear.n_k_heads * cfg.linear.d_k, cfg.linear.n_v_heads * cfg.linear.d_v, cfg.linear.n_v_heads
+        attn_w = d * (2 * k_dim + 2 * v_dim + 2 * n_v) + (2 * k_dim + v_dim) * cfg.linear.conv_width + v_dim * d
         attn_b = 2 * n_v
     if cfg.is_moe_layer(layer):  # router, experts (Gemma 4's: beside the dense MLP, its router with a gain and scales)
-        beside = 3 * d * m + d + cfg.n_experts if cfg.experts_beside_mlp else 0
-        mlp_w = beside + d * cfg.n_experts + cfg.n_experts * _expert_weights(cfg)
-        mlp_b = (cfg.n_experts if cfg.router_bias else 0) + cfg.n_experts * _expert_biases(cfg)
+        beside = 3 * d * m + d + cfg.moe.n_experts if cfg.block.experts_beside_mlp else 0
+        mlp_w = beside + d * cfg.moe.n_experts + cfg.moe.n_experts * _expert_weights(cfg)
+        mlp_b = (cfg.moe.n_experts if cfg.moe.router_bias else 0) + cfg.moe.n_experts * _expert_biases(cfg)
     elif cfg.mlp == "gelu":
         mlp_w, mlp_b = 2 * d * m, (m + d if cfg.mlp_bias else 0)  # fc_in, fc_out
     else:
         mlp_w, mlp_b = 3 * d * m, (2 * m + d if cfg.mlp_bias else 0)  # gate, fc_in, fc_out
     n_norms = 4 if cfg.norm_placement == "sandwich" else 2  # ln1, ln2 and/or ln1_post, ln2_post
-    n_norms += 3 * cfg.experts_beside_mlp + (cfg.d_per_layer is not None)  # Gemma 4's: the experts', the per-layer write's
-    qk = (2 * d_head if cfg.qk_norm_per_head else a + kv) if cfg.qk_norm else 0  # q/k norm gains: per head, or all heads
+    n_norms += 3 * cfg.block.experts_beside_mlp + (cfg.block.d_per_layer is not None)  # Gemma 4's: the experts', the per-layer write's
+    qk = (2 * d_head if cfg.attention.qk_norm_per_head else a + kv) if cfg.attention.qk_norm else 0  # q/k norm gains: per head, or all heads
     qk = qk // 2 if shared else qk  # no key norm where the keys are another block's (per-head norms: Gemma 4's)
-    qk = cfg.linear_d_v if linear else qk  # a linear-attention block's gated output norm instead
+    qk = cfg.linear.d_v if linear else qk  # a linear-attention block's gated output norm instead
     norm_w = n_norms * d + qk
     norm_b = n_norms * d if cfg.norm == "layernorm" else 0
     rows = {"attn": (attn_w, attn_b), "mlp": (mlp_w, mlp_b), "norms": (norm_w, norm_b)}
-    if cfg.d_per_layer is not None:  # Gemma 4 E2B/E4B: the gate and projection of the block's per-layer input
-        rows["per_layer"] = (2 * d * cfg.d_per_layer, 0)
+    if cfg.block.d_per_layer is not None:  # Gemma 4 E2B/E4B: the gate and projection of the block's per-layer input
+        rows["per_layer"] = (2 * d * cfg.block.d_per_layer, 0)
     frame = pd.DataFrame.from_dict(rows, orient="index", columns=["weights", "biases"])
     frame["params"] = frame["weights"] + frame["biases"]
     frame.index.name = "component"
@@ -196,11 +196,11 @@ def _table(cfg: ModelConfig, layers: Iterable[int]) -> pd.DataFrame:
              embedding=True, note="learned position embedding" if cfg.positional == "learned"
              else "none: rotary positions have no parameters"),
     ]
-    if cfg.d_per_layer is not None:  # Gemma 4 E2B/E4B's per-layer inputs: a table (an embedding) and a projection
-        width = cfg.n_layers * cfg.d_per_layer
-        rows += [dict(layer=None, component="per_layer_embed", weights=cfg.d_vocab_per_layer * width, biases=0,
+    if cfg.block.d_per_layer is not None:  # Gemma 4 E2B/E4B's per-layer inputs: a table (an embedding) and a projection
+        width = cfg.n_layers * cfg.block.d_per_layer
+        rows += [dict(layer=None, component="per_layer_embed", weights=cfg.block.d_vocab_per_layer * width, biases=0,
                       embedding=True, note="per-layer input embedding: d_vocab_per_layer x n_layers x d_per_layer"),
-                 dict(layer=None, component="per_layer_proj", weights=d * width + cfg.d_per_layer, biases=0,
+                 dict(layer=None, component="per_layer_proj", weights=d * width + cfg.block.d_per_layer, biases=0,
                       embedding=False, note="the token embedding's projection to the per-layer inputs, and its norm")]
     for layer in layers:
         for component, row in block_params(cfg, layer).iterrows():
@@ -248,37 +248,37 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
         "pos_embed": (int(by["pos_embed"]), "n_ctx * d_model" if cfg.positional == "learned" else "rotary: none"),
         "unembed": (int(by["unembed"]), "tied to embed, counted once" if cfg.tie_word_embeddings else "d_model * d_vocab"),
         **({"per_layer_embed": (int(by["per_layer_embed"]), "per-layer inputs' table (an embedding): d_vocab_per_layer "
-                                "x n_layers x d_per_layer")} if cfg.d_per_layer is not None else {}),
+                                "x n_layers x d_per_layer")} if cfg.block.d_per_layer is not None else {}),
         "non_embedding": (non_embedding, "blocks + final norm (Kaplan et al.'s N)"),
         "blocks": (blocks, "n_layers * per_block" if len(kinds) == 1 else "MoE blocks and dense blocks" if
-                   cfg.dense_layers else "linear- and full-attention blocks (per_block*: block 0's)" if
+                   cfg.moe.dense_layers else "linear- and full-attention blocks (per_block*: block 0's)" if
                    "linear" in cfg.layer_types else "blocks of several shapes (per_block*: block 0's)"),
         "per_block": (per_block, "12 d^2 + 13 d for GPT-2 shapes" if cfg.is_gpt2 and cfg.d_mlp == 4 * cfg.d_model else ""),
         "per_block_attn": (int(block.loc["attn", "params"]), "q, k, v and out projections" +
                            (f" (k, v: {cfg.n_kv_heads} of {cfg.n_heads} heads)" if cfg.n_kv_heads != cfg.n_heads else "")),
         "per_block_mlp": (int(block.loc["mlp", "params"]), ("dense MLP, and router and every expert beside it"
-                           if cfg.experts_beside_mlp else "router and every expert") if cfg.is_moe_layer(0) else
+                           if cfg.block.experts_beside_mlp else "router and every expert") if cfg.is_moe_layer(0) else
                            "fc_in and fc_out" if cfg.mlp == "gelu" else "gate, fc_in, fc_out (gated MLP)"),
         "per_block_norms": (int(block.loc["norms", "params"]), {"pre": "ln1 and ln2", "post": "ln1_post and ln2_post",
                                                                "sandwich": "ln1, ln2, ln1_post and ln2_post"}[cfg.norm_placement]
-                            + (", q/k norms" if cfg.qk_norm else "")),
+                            + (", q/k norms" if cfg.attention.qk_norm else "")),
         "weights": (total("weights"), "matrices, embeddings and norm gains"),
-        "biases": (total("biases"), "linear biases and norm shifts" + (", attention sinks" if cfg.attn_sinks else "")),
+        "biases": (total("biases"), "linear biases and norm shifts" + (", attention sinks" if cfg.attention.sinks else "")),
         "mlp_share_of_block": (float(block.loc["mlp", "params"] / per_block), "GPT-2: 2/3"),
         "attn_share_of_block": (float(block.loc["attn", "params"] / per_block), "GPT-2: 1/3"),
         "per_block_over_d2": (per_block / cfg.d_model**2, "GPT-2: 12 + 13/d"),
     }
-    if cfg.n_experts is not None:
+    if cfg.moe.n_experts is not None:
         n_moe = sum(n for layer, n in kinds.items() if cfg.is_moe_layer(layer))
-        unused = n_moe * (cfg.n_experts - cfg.n_experts_per_token) * _per_expert(cfg)
+        unused = n_moe * (cfg.moe.n_experts - cfg.moe.n_experts_per_token) * _per_expert(cfg)
         values.update({
-            "experts": (n_moe * cfg.n_experts * _per_expert(cfg),
-                        f"{cfg.n_experts} experts x 3 d_model d_expert{' + biases' if _expert_biases(cfg) else ''} in "
+            "experts": (n_moe * cfg.moe.n_experts * _per_expert(cfg),
+                        f"{cfg.moe.n_experts} experts x 3 d_model d_expert{' + biases' if _expert_biases(cfg) else ''} in "
                         f"each of {n_moe} MoE blocks"),
             "per_expert": (_per_expert(cfg), "gate, up and down projections" + (" and their biases" if
                                                                                   _expert_biases(cfg) else "")),
-            "active": (values["total"][0] - unused, f"what one token uses: the router and {cfg.n_experts_per_token} of "
-                       f"{cfg.n_experts} experts per MoE block, and everything else"),
+            "active": (values["total"][0] - unused, f"what one token uses: the router and {cfg.moe.n_experts_per_token} of "
+                       f"{cfg.moe.n_experts} experts per MoE block, and everything else"),
             "active_non_embedding": (non_embedding - unused, "active, less the embeddings"),
         })
     # object dtype keeps counts as exact ints beside the float shares
@@ -309,10 +309,10 @@ def flops_per_token(model_or_cfg: ConfigLike, n_ctx: int | None = None, causal: 
         "attn_proj": 2 * sum(int(block_params(cfg, layer).loc["attn", "weights"]) * n for layer, n in kinds.items()),
         "attn_core": 2 * 2 * n_keys * sum(n * _d_attn(cfg, layer) for layer, n in kinds.items()
                                            if cfg.layer_type(layer) != "linear"),
-        **({"linear_core": 6 * n_linear * cfg.linear_n_v_heads * cfg.linear_d_k * cfg.linear_d_v} if n_linear else {}),
+        **({"linear_core": 6 * n_linear * cfg.linear.n_v_heads * cfg.linear.d_k * cfg.linear.d_v} if n_linear else {}),
         "mlp": 2 * sum(_active_mlp(cfg, layer) * n for layer, n in _kinds(cfg).items()),  # routed experts only
         # Gemma 4 E2B/E4B: the projection to every block's per-layer input, and each block's gate and projection
-        **({"per_layer": 2 * 3 * cfg.d_model * cfg.n_layers * cfg.d_per_layer} if cfg.d_per_layer is not None else {}),
+        **({"per_layer": 2 * 3 * cfg.d_model * cfg.n_layers * cfg.block.d_per_layer} if cfg.block.d_per_layer is not None else {}),
         "unembed": 2 * cfg.d_model * cfg.d_vocab,
     }
     forward["total"] = sum(forward.values())

@@ -1,20 +1,22 @@
-"""Model configuration: a frozen dataclass and its conversion from and to HF `config.json`.
+"""Model configuration: a frozen dataclass, its grouped settings, and its conversion from and to HF `config.json`.
 
-The presets of published shapes live with their families in `lenskit.families` (`PRESETS` is re-exported here).
+The presets of published shapes live with their families in `lenskit.families`, which registers them here
+(`register_families`); `PRESETS` is re-exported.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from .suggest import did_you_mean
 from .config_checks import check_experts, check_full_heads, check_gemma4_extras, check_linear, kv_sources, shrunk_kv_sharing
 from .config_names import TransformerLensNames
-
+from .io.files import read_json_object
 # GPT-2's "gelu_new" and PyTorch's tanh GELU are the same function; "gelu" is the exact erf form.
 GELU_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 ROPE_TYPES = ("default", "llama3", "linear")  # what a rotary family reads unless it opts in to more
@@ -31,7 +33,9 @@ LAYER_TYPES = ("full", "sliding", "linear")  # linear: a Gated DeltaNet block (Q
 # then a softmax over them (gpt-oss).
 ROUTINGS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax")
 POSITIONALS = ("learned", "rotary")
-ACTIVATIONS = GELU_ACTIVATIONS
+# The activation by the name transformers' configs give it: a GELU form, or ReLU (a plain MLP's only: GPT-2 and
+# GPT-NeoX configs may name it, as TransformerLens's act_fn="relu" models do).
+ACTIVATIONS = (*GELU_ACTIVATIONS, "relu")
 _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
                 "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate", "router_bias", "attn_output_gate",
@@ -43,15 +47,176 @@ _POSITIVE = ("rotary_base", "rope_factor", "rope_low_freq_factor", "rope_high_fr
              "rope_beta_slow", "swiglu_alpha", "swiglu_limit")
 
 
+
+
+# ------------------------------------------------------------------ the groups
+# Each group is a frozen dataclass of one part of the model, read as `cfg.<group>.<name>`; ModelConfig checks their
+# values (naming the flat keyword, `ModelConfig.rope_factor`), so a group built alone is not validated until it is
+# put into a config.
 @dataclass(frozen=True)
+class RopeConfig:
+    """Rotary positions (`cfg.rope`), used where `positional == "rotary"`."""
+
+    dim: int | None = None  # rotary_dim; None means d_head when positional == "rotary"; fewer dims is partial rotary
+    base: float = 10000.0  # rotary_base
+    type: str = "default"  # "llama3", "linear", "yarn" or "proportional": frequencies rescaled by the fields below
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_n_ctx: int | None = None
+    beta_fast: float = 32.0  # yarn: dims turning more than this often over original_n_ctx keep their speed
+    beta_slow: float = 1.0  # yarn: dims turning less than this often are divided by factor
+    truncate: bool = True  # yarn: the ramp between them starts and ends on whole dims (gpt-oss: False)
+    attention_factor: float | None = None  # yarn: cos and sin times this; None: 0.1 ln(factor) + 1
+    local_base: float | None = None  # local_rotary_base: the base of the "sliding" blocks when it differs (Gemma 3)
+    proportion: float = 1.0  # type="proportional": the share of each head's dim pairs that turn at all (Gemma 4)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """The softmax-attention blocks' projections, norms and scores (`cfg.attention`)."""
+
+    fused_qkv: bool = True  # one projection `attn.qkv` (GPT-2, NeoX) or three, `attn.qkv.q/k/v`
+    qkv_bias: bool = True
+    out_bias: bool = True
+    qk_norm: bool = False  # an RMSNorm over d_head on each query and key head (Qwen 3)
+    qk_norm_per_head: bool = True  # False: the q/k norm spans all heads' features at once (OLMo 2)
+    query_pre_attn_scalar: float | None = None  # scores are scaled by this ** -0.5 (None: d_head ** -0.5)
+    softcap: float | None = None  # attn_softcap: scores -> c * tanh(scores / c) before the mask (Gemma 2)
+    sinks: bool = False  # attn_sinks: a learned logit per head joins each softmax's denominator (gpt-oss)
+    output_gate: bool = False  # attn_output_gate: q's projection also gives each head a sigmoid gate (Qwen 3.5)
+    v_norm: bool = False  # a weightless RMSNorm over each value head, like the q/k norms but with no gain (Gemma 4)
+    # Gemma 4's "full" blocks with their own head shapes and keys that are also values.
+    full_d_head: int | None = None  # d_head of the "full" blocks where it differs (global_head_dim); None: d_head
+    full_n_kv_heads: int | None = None  # kv heads of the "full" blocks where they differ; None: n_kv_heads
+    full_k_is_v: bool = False  # the "full" blocks' values are their keys' projection (attention_k_eq_v)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture of experts (`cfg.moe`, lenskit.pieces.moe); all None / () for a dense model."""
+
+    n_experts: int | None = None  # experts in each MoE block
+    n_experts_per_token: int | None = None  # k: the experts each token is routed to
+    d_expert: int | None = None  # each expert's hidden width; None means d_mlp (a MoE model's dense blocks use d_mlp)
+    routing: str = "softmax_topk"  # how router logits become k weights, see ROUTINGS
+    dense_layers: tuple[int, ...] = ()  # blocks of a MoE model whose MLP is the ordinary dense one (Qwen3-MoE)
+    router_bias: bool = False  # the router's logits have a learned bias per expert (gpt-oss)
+    swiglu_alpha: float = 1.702  # mlp="swiglu_clamped": the gain inside the sigmoid, gate * sigmoid(alpha * gate)
+    swiglu_limit: float = 7.0  # mlp="swiglu_clamped": the gate is clamped above at this, the up projection to +-this
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """The linear-attention blocks (`cfg.linear`; layer_types "linear", lenskit.pieces.deltanet); all None without them."""
+
+    n_k_heads: int | None = None  # q/k heads of the Gated DeltaNet
+    n_v_heads: int | None = None  # value heads (a multiple of the q/k heads, each k head serving a group)
+    d_k: int | None = None  # q/k head width
+    d_v: int | None = None  # value head width
+    conv_width: int | None = None  # the causal convolution's kernel width
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """What a block adds beside its attention and MLP (`cfg.block`): Gemma 4's per-layer inputs, kv sharing, rescaled
+    stream and experts beside the MLP (lenskit.pieces.per_layer, kv_sharing, dense_and_experts); off by default."""
+
+    layer_scalar: bool = False  # each block ends by multiplying the stream by a stored scalar (`hook_rescale_out`)
+    d_per_layer: int | None = None  # per-layer inputs: a d_per_layer-wide input per block from the tokens (E2B, E4B)
+    d_vocab_per_layer: int | None = None  # their vocabulary; None means d_vocab where there are per-layer inputs
+    n_kv_shared_layers: int = 0  # the last blocks reuse the keys and values of the last earlier block of their type
+    double_wide_mlp: bool = False  # those kv-sharing blocks' MLPs are 2 * d_mlp wide
+    experts_beside_mlp: bool = False  # each block's MLP has experts beside it, with norms of their own (26B-A4B)
+
+
+GROUPS: dict[str, type] = {"rope": RopeConfig, "attention": AttentionConfig, "moe": MoEConfig, "linear": LinearConfig,
+                           "block": BlockConfig}
+# Each grouped setting's flat keyword (the name ModelConfig(...), replace(...) and the error messages use) -> its group
+# and its name there. tools that rename reads (config_rename.py) parse this literal, so keep it one plain dict.
+FLAT_NAMES: dict[str, tuple[str, str]] = {
+    "rotary_dim": ("rope", "dim"), "rotary_base": ("rope", "base"), "rope_type": ("rope", "type"),
+    "rope_factor": ("rope", "factor"), "rope_low_freq_factor": ("rope", "low_freq_factor"),
+    "rope_high_freq_factor": ("rope", "high_freq_factor"), "rope_original_n_ctx": ("rope", "original_n_ctx"),
+    "rope_beta_fast": ("rope", "beta_fast"), "rope_beta_slow": ("rope", "beta_slow"), "rope_truncate": ("rope", "truncate"),
+    "rope_attention_factor": ("rope", "attention_factor"), "local_rotary_base": ("rope", "local_base"),
+    "rope_proportion": ("rope", "proportion"),
+    "fused_qkv": ("attention", "fused_qkv"), "qkv_bias": ("attention", "qkv_bias"), "out_bias": ("attention", "out_bias"),
+    "qk_norm": ("attention", "qk_norm"), "qk_norm_per_head": ("attention", "qk_norm_per_head"),
+    "query_pre_attn_scalar": ("attention", "query_pre_attn_scalar"), "attn_softcap": ("attention", "softcap"),
+    "attn_sinks": ("attention", "sinks"), "attn_output_gate": ("attention", "output_gate"),
+    "v_norm": ("attention", "v_norm"), "full_d_head": ("attention", "full_d_head"),
+    "full_n_kv_heads": ("attention", "full_n_kv_heads"), "full_k_is_v": ("attention", "full_k_is_v"),
+    "n_experts": ("moe", "n_experts"), "n_experts_per_token": ("moe", "n_experts_per_token"),
+    "d_expert": ("moe", "d_expert"), "routing": ("moe", "routing"), "dense_layers": ("moe", "dense_layers"),
+    "router_bias": ("moe", "router_bias"), "swiglu_alpha": ("moe", "swiglu_alpha"), "swiglu_limit": ("moe", "swiglu_limit"),
+    "linear_n_k_heads": ("linear", "n_k_heads"), "linear_n_v_heads": ("linear", "n_v_heads"),
+    "linear_d_k": ("linear", "d_k"), "linear_d_v": ("linear", "d_v"), "linear_conv_width": ("linear", "conv_width"),
+    "layer_scalar": ("block", "layer_scalar"), "d_per_layer": ("block", "d_per_layer"),
+    "d_vocab_per_layer": ("block", "d_vocab_per_layer"), "n_kv_shared_layers": ("block", "n_kv_shared_layers"),
+    "double_wide_mlp": ("block", "double_wide_mlp"), "experts_beside_mlp": ("block", "experts_beside_mlp"),
+}
+_GROUPED = {group: {name: flat for flat, (g, name) in FLAT_NAMES.items() if g == group} for group in GROUPS}
+
+# ------------------------------------------------------------------ the family registry
+# lenskit.families imports this module to build its presets, so this module never imports it: the families register
+# here instead (lenskit/__init__ imports lenskit.families, so the registry is full once `import lenskit` returns).
+_REGISTRY: dict[str, Any] = {}
+
+
+def register_families(*, presets: Mapping[str, "ModelConfig"], config_fields: Callable[..., dict[str, Any]],
+                      family_of: Callable[[Any], Any]) -> None:
+    """Called once by `lenskit.families`: its presets by short name, its config.json reader (HF dict -> ModelConfig
+    keywords) and its record lookup by `model_type` (a record with `hf_class` and `hf_config(cfg)`)."""
+    _REGISTRY.update(presets=presets, config_fields=config_fields, family_of=family_of)
+
+
+def _registered(what: str) -> Any:
+    if what not in _REGISTRY:
+        raise RuntimeError(f"no model families are registered (looking up {what}); import lenskit, which imports "
+                           "lenskit.families, before using ModelConfig's presets or config.json conversion")
+    return _REGISTRY[what]
+
+
+def _group_value(group: str, value: Any) -> Any:
+    """A group given to ModelConfig: its dataclass, or a mapping of its names (what `dataclasses.asdict` gives)."""
+    cls = GROUPS[group]
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(_GROUPED[group]))
+        if unknown:
+            raise TypeError(f"ModelConfig.{group} has no setting {unknown[0]!r}{did_you_mean(unknown[0], _GROUPED[group])}; "
+                            f"its settings: {sorted(_GROUPED[group])}")
+        return cls(**value)
+    raise TypeError(f"ModelConfig.{group} must be a {cls.__name__} or a mapping of its settings, got {value!r}")
+
+
+# Top-level fields that __init__ takes by position, in today's order (the first 19 of the flat signature).
+_POSITIONAL = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "norm_eps", "activation", "norm",
+               "mlp", "tie_word_embeddings", "initializer_range", "bos_token_id", "eos_token_id", "name", "family",
+               "n_kv_heads", "positional")
+
+
+@dataclass(frozen=True, init=False)
 class ModelConfig(TransformerLensNames):
     """Shape and numerics of a decoder-only transformer. Derived values live in `__post_init__` only.
 
     `family` is the Hugging Face `model_type` the weights come from; the other fields say which piece
     each part of the model is (see `lenskit.pieces.layers`), so nothing downstream branches on the family.
 
+    The settings of one part of the model are grouped in frozen sub-configs: `cfg.rope` (RopeConfig),
+    `cfg.attention` (AttentionConfig), `cfg.moe` (MoEConfig), `cfg.linear` (LinearConfig) and `cfg.block`
+    (BlockConfig). `FLAT_NAMES` maps each one's flat keyword (`rope_factor`, `attn_softcap`, `linear_d_k`, ...) to its
+    place (`cfg.rope.factor`); `ModelConfig(...)`, `replace(...)` and `dataclasses.replace` take the flat keywords and
+    the groups alike (a flat keyword wins over its group's value). A flat name also reads, as a read-only alias
+    resolved in one place (`__getattr__`), so code written before the groups keeps running; lenskit's own code reads
+    through the groups. `to_flat_dict()` gives every setting by its flat name.
+
     >>> ModelConfig.from_name("gpt2").d_head
     64
+    >>> ModelConfig.from_name("llama-3.2-1b").rope.factor
+    32.0
     """
 
     n_layers: int
@@ -73,67 +238,74 @@ class ModelConfig(TransformerLensNames):
     family: str = "gpt2"
     n_kv_heads: int | None = None  # None means n_heads (no grouped-query attention)
     positional: str = "learned"  # "learned": a pos_embed table added to the stream; "rotary": q and k are rotated
-    rotary_dim: int | None = None  # None means d_head when positional == "rotary"; fewer dims is partial rotary
-    rotary_base: float = 10000.0
-    rope_type: str = "default"  # "llama3", "linear" or "yarn": frequencies rescaled by the fields below
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_n_ctx: int | None = None
-    rope_beta_fast: float = 32.0  # yarn: dims turning more than this often over rope_original_n_ctx keep their speed
-    rope_beta_slow: float = 1.0  # yarn: dims turning less than this often are divided by rope_factor
-    rope_truncate: bool = True  # yarn: the ramp between them starts and ends on whole dims (gpt-oss: False)
-    rope_attention_factor: float | None = None  # yarn: cos and sin times this; None: 0.1 ln(rope_factor) + 1
     sliding_window: int | None = None  # a query sees itself and the sliding_window - 1 keys before it
     parallel_block: bool = False  # attention and MLP both read resid_pre (GPT-NeoX)
-    fused_qkv: bool = True  # one projection `attn.qkv` (GPT-2, NeoX) or three, `attn.qkv.q/k/v`
-    qkv_bias: bool = True
-    out_bias: bool = True
     mlp_bias: bool | None = None  # None means True for the GELU MLP, False for SwiGLU
-    qk_norm: bool = False  # an RMSNorm over d_head on each query and key head (Qwen 3)
-    qk_norm_per_head: bool = True  # False: the q/k norm spans all heads' features at once (OLMo 2)
     norm_placement: str = "pre"  # see NORM_PLACEMENTS; "sandwich" and "post" add ln1_post / ln2_post
     scale_embed: bool = False  # the embedding is multiplied by sqrt(d_model), in the model's dtype (Gemma)
-    query_pre_attn_scalar: float | None = None  # attention scores are scaled by this ** -0.5 (None: d_head ** -0.5)
-    attn_softcap: float | None = None  # scores -> c * tanh(scores / c) before the mask (Gemma 2)
-    attn_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
     final_softcap: float | None = None  # logits -> c * tanh(logits / c) at the end of the readout (Gemma 2)
-    layer_types: tuple[str, ...] | None = None  # per block, "full" or "sliding"; None: every block uses sliding_window
-    local_rotary_base: float | None = None  # rotary base of the "sliding" blocks when it differs (Gemma 3)
+    layer_types: tuple[str, ...] | None = None  # per block, "full", "sliding" or "linear"; None: every block uses sliding_window
     nope_layers: tuple[int, ...] = ()  # blocks whose attention has no rotary embedding at all ("NoPE", SmolLM3)
-    # Mixture of experts (lenskit.pieces.moe); all None / () for a dense model.
-    n_experts: int | None = None  # experts in each MoE block
-    n_experts_per_token: int | None = None  # k: the experts each token is routed to
-    d_expert: int | None = None  # each expert's hidden width; None means d_mlp (a MoE model's dense blocks use d_mlp)
-    routing: str = "softmax_topk"  # how router logits become k weights, see ROUTINGS
-    dense_layers: tuple[int, ...] = ()  # blocks of a MoE model whose MLP is the ordinary dense one (Qwen3-MoE)
-    router_bias: bool = False  # the router's logits have a learned bias per expert (gpt-oss)
-    swiglu_alpha: float = 1.702  # mlp="swiglu_clamped": the gain inside the sigmoid, gate * sigmoid(alpha * gate)
-    swiglu_limit: float = 7.0  # mlp="swiglu_clamped": the gate is clamped above at this, the up projection to +-this
-    attn_output_gate: bool = False  # q's projection also gives each head a sigmoid gate on its output (Qwen 3.5)
-    # Linear-attention blocks (layer_types "linear", lenskit.pieces.deltanet); all None without them.
-    linear_n_k_heads: int | None = None  # q/k heads of the Gated DeltaNet
-    linear_n_v_heads: int | None = None  # value heads (a multiple of the q/k heads, each k head serving a group)
-    linear_d_k: int | None = None  # q/k head width
-    linear_d_v: int | None = None  # value head width
-    linear_conv_width: int | None = None  # the causal convolution's kernel width
-    # Gemma 4: "full" blocks with their own head shapes, keys that are also values, value norms, a rescaled stream.
-    full_d_head: int | None = None  # d_head of the "full" blocks where it differs (global_head_dim); None: d_head
-    full_n_kv_heads: int | None = None  # kv heads of the "full" blocks where they differ; None: n_kv_heads
-    full_k_is_v: bool = False  # the "full" blocks' values are their keys' projection, no v of their own (attention_k_eq_v)
-    v_norm: bool = False  # a weightless RMSNorm over each value head, like the q/k norms but with no gain
-    layer_scalar: bool = False  # each block ends by multiplying the stream by a stored scalar (`hook_rescale_out`)
-    rope_proportion: float = 1.0  # rope_type="proportional": the share of each head's dim pairs that turn at all
-    # Gemma 4's smaller and sparse sizes (lenskit.pieces.per_layer, kv_sharing, dense_and_experts); off by default.
-    d_per_layer: int | None = None  # per-layer inputs: a d_per_layer-wide input per block from the tokens (E2B, E4B)
-    d_vocab_per_layer: int | None = None  # their vocabulary; None means d_vocab where there are per-layer inputs
-    n_kv_shared_layers: int = 0  # the last blocks reuse the keys and values of the last earlier block of their type
-    double_wide_mlp: bool = False  # those kv-sharing blocks' MLPs are 2 * d_mlp wide
-    experts_beside_mlp: bool = False  # each block's MLP has experts beside it, with norms of their own (26B-A4B)
+    rope: RopeConfig = RopeConfig()
+    attention: AttentionConfig = AttentionConfig()
+    moe: MoEConfig = MoEConfig()
+    linear: LinearConfig = LinearConfig()
+    block: BlockConfig = BlockConfig()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Take today's flat keywords (`rope_factor=8.0`), the groups (`rope=RopeConfig(...)` or a mapping), or both."""
+        if len(args) > len(_POSITIONAL):
+            raise TypeError(f"ModelConfig takes at most {len(_POSITIONAL)} positional arguments ({', '.join(_POSITIONAL)}), "
+                            f"got {len(args)}; pass the others by keyword")
+        for key, value in zip(_POSITIONAL, args):
+            if key in kwargs:
+                raise TypeError(f"ModelConfig got multiple values for argument {key!r}")
+            kwargs[key] = value
+        top = {f.name: f for f in dataclasses.fields(ModelConfig)}
+        unknown = [k for k in kwargs if k not in top and k not in FLAT_NAMES]
+        if unknown:
+            raise TypeError(f"ModelConfig got an unexpected keyword argument {unknown[0]!r}"
+                            f"{did_you_mean(unknown[0], [*top, *FLAT_NAMES])}")
+        missing = [k for k in _POSITIONAL[:5] if k not in kwargs]
+        if missing:
+            raise TypeError(f"ModelConfig is missing required argument(s): {', '.join(missing)}")
+        for key, f in top.items():
+            if key in GROUPS:
+                group = _group_value(key, kwargs.get(key, f.default))
+                flat = {name: kwargs[flat] for name, flat in _GROUPED[key].items() if flat in kwargs}
+                object.__setattr__(self, key, dataclasses.replace(group, **flat) if flat else group)
+            else:
+                object.__setattr__(self, key, kwargs.get(key, f.default))
+        self.__post_init__()
+
+    if not TYPE_CHECKING:  # a type checker sees no alias: it flags a flat read, and a misspelt name stays an error
+        def __getattr__(self, name: str) -> Any:
+            """A grouped setting by its flat name (`cfg.rope_factor` is `cfg.rope.factor`): the read-only alias that
+            keeps code written before the groups running. Only called where ordinary lookup fails."""
+            group, key = FLAT_NAMES.get(name, (None, None))
+            if group not in self.__dict__:  # not a flat name (or, while unpickling, no groups yet)
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            return getattr(self.__dict__[group], key)
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """Every setting by its flat name (the top-level fields, then each group's as `FLAT_NAMES` spells them):
+        `ModelConfig(**d)` is this config again, as `ModelConfig(**dataclasses.asdict(cfg))` is (groups nested)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in GROUPS}
+        for flat, (group, name) in FLAT_NAMES.items():
+            d[flat] = getattr(getattr(self, group), name)
+        return d
+
+    def _set(self, group: str | None, name: str, value: Any) -> None:
+        """Set one derived value during construction (the config is frozen afterwards)."""
+        if group is None:
+            object.__setattr__(self, name, value)
+        else:
+            object.__setattr__(self, group, dataclasses.replace(getattr(self, group), **{name: value}))
 
     def __post_init__(self) -> None:
+        # Derived values, all of them here: each None that means "as another field says" takes that value.
         if self.d_mlp is None:
-            object.__setattr__(self, "d_mlp", 4 * self.d_model)
+            self._set(None, "d_mlp", 4 * self.d_model)
         if self.d_head is None:
             if not isinstance(self.n_heads, int) or isinstance(self.n_heads, bool) or self.n_heads <= 0:
                 raise ValueError(f"ModelConfig.n_heads must be a positive int, got {self.n_heads!r}")
@@ -142,33 +314,52 @@ class ModelConfig(TransformerLensNames):
                     f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                     "pass d_head explicitly or choose a divisor"
                 )
-            object.__setattr__(self, "d_head", self.d_model // self.n_heads)
+            self._set(None, "d_head", self.d_model // self.n_heads)
         if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
+            self._set(None, "n_kv_heads", self.n_heads)
         if self.mlp_bias is None:
-            object.__setattr__(self, "mlp_bias", self.mlp == "gelu")
+            self._set(None, "mlp_bias", self.mlp == "gelu")
         if self.layer_types is not None:
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        if self.rotary_dim is None and self.positional == "rotary":
-            object.__setattr__(self, "rotary_dim", self.d_head)
+            self._set(None, "layer_types", tuple(self.layer_types))
+        self._set(None, "nope_layers", tuple(self.nope_layers))
+        if self.rope.dim is None and self.positional == "rotary":
+            self._set("rope", "dim", self.d_head)
+        if self.moe.n_experts is not None:
+            if self.moe.d_expert is None:
+                self._set("moe", "d_expert", self.d_mlp)
+            self._set("moe", "dense_layers", tuple(self.moe.dense_layers))
+        if self.attention.full_d_head == self.d_head:  # one way to say "the full blocks' heads are the others'": None
+            self._set("attention", "full_d_head", None)
+        if self.attention.full_n_kv_heads == self.n_kv_heads:
+            self._set("attention", "full_n_kv_heads", None)
+        if self.block.d_per_layer is not None and self.block.d_vocab_per_layer is None:
+            self._set("block", "d_vocab_per_layer", self.d_vocab)
+        self._check()
+
+    def _check(self) -> None:
+        """Refuse a bad value, naming it as the user typed it (`ModelConfig.rope_factor must be ...`)."""
+        flat = self.to_flat_dict()
         for field in _INT_FIELDS:
-            value = getattr(self, field)
+            value = flat[field]
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelConfig.{field} must be a positive int, got {value!r}")
         for field in _BOOL_FIELDS:
-            if not isinstance(getattr(self, field), bool):
-                raise ValueError(f"ModelConfig.{field} must be True or False, got {getattr(self, field)!r}")
+            if not isinstance(flat[field], bool):
+                raise ValueError(f"ModelConfig.{field} must be True or False, got {flat[field]!r}")
         if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not self.norm_eps > 0:
             raise ValueError(f"ModelConfig.norm_eps must be a positive number, got {self.norm_eps!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(
-                f"ModelConfig.activation={self.activation!r} is not a GELU activation; "
+                f"ModelConfig.activation={self.activation!r} is not an activation lenskit builds; "
                 f"supported: {sorted(ACTIVATIONS)}"
             )
+        if self.activation not in GELU_ACTIVATIONS and self.mlp != "gelu":
+            raise ValueError(f"ModelConfig.activation={self.activation!r} is for the plain MLP (mlp='gelu'), got "
+                             f"mlp={self.mlp!r}; a gated MLP takes a GELU form ({', '.join(GELU_ACTIVATIONS)})")
         for field in _POSITIVE_OR_NONE:
-            value = getattr(self, field)
+            value = flat[field]
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")):
                 raise ValueError(f"ModelConfig.{field} must be None or a positive number, got {value!r}")
         if self.layer_types is not None and (len(self.layer_types) != self.n_layers
@@ -177,31 +368,34 @@ class ModelConfig(TransformerLensNames):
                              f"got {self.layer_types!r}")
         if self.layer_types is not None and "sliding" in self.layer_types and self.sliding_window is None:
             raise ValueError("ModelConfig.layer_types has 'sliding' blocks but sliding_window is None; give the window")
-        for field, allowed in (("norm", NORMS), ("mlp", MLPS), ("positional", POSITIONALS), ("rope_type", ROPE_TYPES_IMPLEMENTED),
-                               ("norm_placement", NORM_PLACEMENTS)):
-            if getattr(self, field) not in allowed:
-                raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}; supported: {allowed}")
-        if self.positional == "rotary" and not (isinstance(self.rotary_dim, int) and 0 < self.rotary_dim <= self.d_head
-                                                and self.rotary_dim % 2 == 0):
-            raise ValueError(f"ModelConfig.rotary_dim={self.rotary_dim!r} must be an even int in (0, d_head={self.d_head}]")
+        choices = [("norm", NORMS), ("mlp", MLPS), ("positional", POSITIONALS), ("rope_type", ROPE_TYPES_IMPLEMENTED),
+                   ("norm_placement", NORM_PLACEMENTS)]
+        if self.moe.n_experts is not None:  # a dense model never routes
+            choices.append(("routing", ROUTINGS))
+        for field, allowed in choices:
+            if flat[field] not in allowed:
+                raise ValueError(f"ModelConfig.{field}={flat[field]!r}; supported: {allowed}")
+        rope = self.rope
+        if self.positional == "rotary" and not (isinstance(rope.dim, int) and 0 < rope.dim <= self.d_head
+                                                and rope.dim % 2 == 0):
+            raise ValueError(f"ModelConfig.rotary_dim={rope.dim!r} must be an even int in (0, d_head={self.d_head}]")
         for field in _POSITIVE:  # transformers computes NaN or inf frequencies from a base or factor <= 0
-            value = getattr(self, field)
+            value = flat[field]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"ModelConfig.{field} must be a positive finite number, got {value!r}")
-        if self.rope_type in ("llama3", "yarn") and (not isinstance(self.rope_original_n_ctx, int)
-                                                     or isinstance(self.rope_original_n_ctx, bool) or self.rope_original_n_ctx <= 0):
-            raise ValueError(f"ModelConfig.rope_original_n_ctx must be a positive int for rope_type={self.rope_type!r}, "
-                             f"got {self.rope_original_n_ctx!r}")
-        if self.rope_type == "yarn" and self.rope_beta_fast < self.rope_beta_slow:
-            raise ValueError(f"ModelConfig.rope_beta_fast={self.rope_beta_fast!r} must be >= rope_beta_slow="
-                             f"{self.rope_beta_slow!r}: the ramp runs from the fast dims to the slow ones")
-        if self.rope_type != "yarn" and self.rope_attention_factor is not None:
-            raise ValueError(f"ModelConfig.rope_attention_factor={self.rope_attention_factor!r} is a yarn setting; "
-                             f"rope_type={self.rope_type!r} does not scale cos and sin, so leave it None")
+        if rope.type in ("llama3", "yarn") and (not isinstance(rope.original_n_ctx, int)
+                                                 or isinstance(rope.original_n_ctx, bool) or rope.original_n_ctx <= 0):
+            raise ValueError(f"ModelConfig.rope_original_n_ctx must be a positive int for rope_type={rope.type!r}, "
+                             f"got {rope.original_n_ctx!r}")
+        if rope.type == "yarn" and rope.beta_fast < rope.beta_slow:
+            raise ValueError(f"ModelConfig.rope_beta_fast={rope.beta_fast!r} must be >= rope_beta_slow="
+                             f"{rope.beta_slow!r}: the ramp runs from the fast dims to the slow ones")
+        if rope.type != "yarn" and rope.attention_factor is not None:
+            raise ValueError(f"ModelConfig.rope_attention_factor={rope.attention_factor!r} is a yarn setting; "
+                             f"rope_type={rope.type!r} does not scale cos and sin, so leave it None")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool)
                                                 or self.sliding_window <= 0):
             raise ValueError(f"ModelConfig.sliding_window must be None or a positive int, got {self.sliding_window!r}")
-        object.__setattr__(self, "nope_layers", tuple(self.nope_layers))
         if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in self.nope_layers) \
                 or list(self.nope_layers) != sorted(set(self.nope_layers)):
             raise ValueError(f"ModelConfig.nope_layers={self.nope_layers!r} must be increasing block indices in "
@@ -211,17 +405,13 @@ class ModelConfig(TransformerLensNames):
                              f"{self.positional!r}; leave nope_layers empty")
         check_experts(self)
         check_linear(self)
-        if self.full_d_head == self.d_head:  # one way to say "the full blocks' heads are the others'": None
-            object.__setattr__(self, "full_d_head", None)
-        if self.full_n_kv_heads == self.n_kv_heads:
-            object.__setattr__(self, "full_n_kv_heads", None)
         check_full_heads(self)
         check_gemma4_extras(self)
 
     @property
     def gelu_approximate(self) -> str:
-        """The `approximate` argument of `torch.nn.functional.gelu` for this activation."""
-        return ACTIVATIONS[self.activation]
+        """The `approximate` argument of `torch.nn.functional.gelu` for this activation (a GELU form)."""
+        return GELU_ACTIVATIONS[self.activation]
 
     def layer_type(self, layer: int) -> str:
         """"full" or "sliding" for block `layer`."""
@@ -235,15 +425,15 @@ class ModelConfig(TransformerLensNames):
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer`'s MLP is a mixture of experts (lenskit.pieces.moe) rather than the dense MLP, or
-        has experts beside its dense MLP (`experts_beside_mlp`, lenskit.pieces.dense_and_experts)."""
-        return self.n_experts is not None and layer not in self.dense_layers
+        has experts beside its dense MLP (`block.experts_beside_mlp`, lenskit.pieces.dense_and_experts)."""
+        return self.moe.n_experts is not None and layer not in self.moe.dense_layers
 
     def kv_source(self, layer: int) -> int | None:
         """The block whose keys and values block `layer` reads, or None where it computes its own: each of the last
-        `n_kv_shared_layers` blocks reads the last block before them of its own layer type (Gemma 4 E2B, E4B)."""
-        if layer < self.n_layers - self.n_kv_shared_layers:
+        `block.n_kv_shared_layers` blocks reads the last block before them of its own layer type (Gemma 4 E2B, E4B)."""
+        if layer < self.n_layers - self.block.n_kv_shared_layers:
             return None
-        return kv_sources(self.n_layers, self.n_kv_shared_layers, self.layer_types)[layer]
+        return kv_sources(self.n_layers, self.block.n_kv_shared_layers, self.layer_types)[layer]
 
     @property
     def kv_source_layers(self) -> tuple[int | None, ...]:
@@ -252,20 +442,21 @@ class ModelConfig(TransformerLensNames):
 
     def d_mlp_of(self, layer: int) -> int:
         """Block `layer`'s dense MLP width: 2 * d_mlp for a kv-sharing block under `double_wide_mlp`, else d_mlp."""
-        return 2 * self.d_mlp if self.double_wide_mlp and self.kv_source(layer) is not None else self.d_mlp
+        return 2 * self.d_mlp if self.block.double_wide_mlp and self.kv_source(layer) is not None else self.d_mlp
 
     def d_head_of(self, layer: int) -> int:
-        """Block `layer`'s head width: `full_d_head` for a "full" block where it is set, else d_head."""
-        return self.full_d_head if self.full_d_head is not None and self.layer_type(layer) == "full" else self.d_head
+        """Block `layer`'s head width: `attention.full_d_head` for a "full" block where it is set, else d_head."""
+        full_d_head = self.attention.full_d_head
+        return full_d_head if full_d_head is not None and self.layer_type(layer) == "full" else self.d_head
 
     def n_kv_heads_of(self, layer: int) -> int:
-        """Block `layer`'s key/value heads: `full_n_kv_heads` for a "full" block where it is set, else n_kv_heads."""
-        full = self.full_n_kv_heads is not None and self.layer_type(layer) == "full"
-        return self.full_n_kv_heads if full else self.n_kv_heads
+        """Block `layer`'s key/value heads: `attention.full_n_kv_heads` for a "full" block where set, else n_kv_heads."""
+        full = self.attention.full_n_kv_heads is not None and self.layer_type(layer) == "full"
+        return self.attention.full_n_kv_heads if full else self.n_kv_heads
 
     def k_is_v(self, layer: int) -> bool:
-        """Whether block `layer`'s values are its keys' projection (a "full" block under `full_k_is_v`)."""
-        return self.full_k_is_v and self.layer_type(layer) == "full"
+        """Whether block `layer`'s values are its keys' projection (a "full" block under `attention.full_k_is_v`)."""
+        return self.attention.full_k_is_v and self.layer_type(layer) == "full"
 
     @property
     def is_gpt2(self) -> bool:
@@ -273,8 +464,15 @@ class ModelConfig(TransformerLensNames):
         return (self.family == "gpt2" and self.norm == "layernorm" and self.mlp == "gelu" and self.positional == "learned"
                 and self.d_head * self.n_heads == self.d_model and self.n_kv_heads == self.n_heads)
 
+    @property
+    def original_architecture(self) -> str:
+        """The transformers class of the family, e.g. "LlamaForCausalLM" (TransformerLens's name; the others are in
+        `lenskit.config_names`, this one here because it reads the family registry)."""
+        return _registered("family_of")(self.family).hf_class
+
     def replace(self, **changes: Any) -> "ModelConfig":
-        """A copy with some fields changed. A field derived from others follows them, unless it is given too:
+        """A copy with some fields changed, by flat name (`rope_factor=8.0`) or by group (`rope=RopeConfig(...)`, every
+        setting of the group given). A field derived from others follows them, unless it is given too:
 
         - d_head: d_model // n_heads when either changes (also where the preset's heads are wider, Qwen 3, Gemma);
         - n_kv_heads: keeps the group of query heads per kv head (MHA stays MHA); raises if the new n_heads
@@ -291,7 +489,7 @@ class ModelConfig(TransformerLensNames):
           (fewer where not), and double_wide_mlp goes when none is left; d_vocab_per_layer follows d_vocab if equal;
 
         >>> small = ModelConfig.from_name("pythia-70m").replace(n_layers=2, d_model=64, n_heads=4)
-        >>> small.d_head, small.rotary_dim, small.d_mlp
+        >>> small.d_head, small.rope.dim, small.d_mlp
         (16, 4, 256)
         """
         def usable(value: Any) -> bool:  # derive only from positive ints; __post_init__ refuses anything else
@@ -300,7 +498,13 @@ class ModelConfig(TransformerLensNames):
         def given(name: str) -> bool:
             return name in changes and usable(changes[name])
 
-        fields = dataclasses.asdict(self)
+        changes = dict(changes)
+        for group in GROUPS:  # a whole group given: each of its settings given by its flat name
+            if group in changes:
+                value = _group_value(group, changes.pop(group))
+                changes = {**{flat: getattr(value, name) for name, flat in _GROUPED[group].items()}, **changes}
+        fields = self.to_flat_dict()
+        old = dict(fields)  # this config's values, by flat name
         d_head = changes.get("d_head", self.d_head)
         if ("d_model" in changes or "n_heads" in changes) and "d_head" not in changes:
             fields["d_head"] = None  # __post_init__: d_model // n_heads, or the error saying why not
@@ -314,17 +518,17 @@ class ModelConfig(TransformerLensNames):
                     f"and n_heads={changes['n_heads']} is not a multiple of {group}; pass n_kv_heads as well"
                 )
             fields["n_kv_heads"] = changes["n_heads"] // group
-            if self.full_n_kv_heads is not None and "full_n_kv_heads" not in changes:  # Gemma 4's full blocks' group too
-                fields["full_n_kv_heads"] = max(1, changes["n_heads"] // (self.n_heads // self.full_n_kv_heads))
+            if old["full_n_kv_heads"] is not None and "full_n_kv_heads" not in changes:  # Gemma 4's full blocks' group too
+                fields["full_n_kv_heads"] = max(1, changes["n_heads"] // (self.n_heads // old["full_n_kv_heads"]))
         if given("d_model") and "d_mlp" not in changes:
             fields["d_mlp"] = max(1, round(changes["d_model"] * self.d_mlp / self.d_model))
         if usable(d_head) and d_head != self.d_head:
-            if "rotary_dim" not in changes and self.rotary_dim is not None:
-                fields["rotary_dim"] = max(2, d_head * self.rotary_dim // self.d_head // 2 * 2)
-            if "query_pre_attn_scalar" not in changes and self.query_pre_attn_scalar not in (None, 1.0):
-                fields["query_pre_attn_scalar"] = self.query_pre_attn_scalar * d_head / self.d_head
-            if "full_d_head" not in changes and self.full_d_head is not None:  # Gemma 4's wider full heads, in ratio
-                fields["full_d_head"] = max(2, d_head * self.full_d_head // self.d_head // 2 * 2)
+            if "rotary_dim" not in changes and old["rotary_dim"] is not None:
+                fields["rotary_dim"] = max(2, d_head * old["rotary_dim"] // self.d_head // 2 * 2)
+            if "query_pre_attn_scalar" not in changes and old["query_pre_attn_scalar"] not in (None, 1.0):
+                fields["query_pre_attn_scalar"] = old["query_pre_attn_scalar"] * d_head / self.d_head
+            if "full_d_head" not in changes and old["full_d_head"] is not None:  # Gemma 4's wider full heads, in ratio
+                fields["full_d_head"] = max(2, d_head * old["full_d_head"] // self.d_head // 2 * 2)
         if "mlp" in changes and "mlp_bias" not in changes and self.mlp_bias == (self.mlp == "gelu"):
             fields["mlp_bias"] = None  # __post_init__: the new MLP's default
         if given("n_layers") and "layer_types" not in changes and self.layer_types is not None:
@@ -332,14 +536,14 @@ class ModelConfig(TransformerLensNames):
             period = next(p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types)))
             fields["layer_types"] = tuple(types[i % period] for i in range(changes["n_layers"]))
         if given("n_layers") and "dense_layers" not in changes:  # dense blocks past the new depth are gone
-            fields["dense_layers"] = tuple(i for i in self.dense_layers if i < changes["n_layers"])
+            fields["dense_layers"] = tuple(i for i in old["dense_layers"] if i < changes["n_layers"])
         if given("n_layers") and "nope_layers" not in changes and self.nope_layers:  # as layer_types: the pattern goes on
             flags = [i in self.nope_layers for i in range(self.n_layers)]
             period = next(p for p in range(1, len(flags) + 1) if all(f == flags[i % p] for i, f in enumerate(flags)))
             fields["nope_layers"] = tuple(i for i in range(changes["n_layers"]) if flags[i % period])
-        if given("d_vocab") and "d_vocab_per_layer" not in changes and self.d_vocab_per_layer == self.d_vocab:
+        if given("d_vocab") and "d_vocab_per_layer" not in changes and old["d_vocab_per_layer"] == self.d_vocab:
             fields["d_vocab_per_layer"] = None  # __post_init__: d_vocab again (Gemma 4's per-layer inputs)
-        if given("n_layers") and "n_kv_shared_layers" not in changes and self.n_kv_shared_layers:  # Gemma 4's share
+        if given("n_layers") and "n_kv_shared_layers" not in changes and old["n_kv_shared_layers"]:  # Gemma 4's share
             fields.update(shrunk_kv_sharing(self, changes["n_layers"], changes.get("layer_types", fields["layer_types"])))
         fields.update(changes)
         return ModelConfig(**fields)
@@ -349,13 +553,12 @@ class ModelConfig(TransformerLensNames):
     def from_name(cls, name: str) -> "ModelConfig":
         """A preset by name (see `PRESETS`); an organisation prefix such as `openai-community/` is fine. A path
         (`../../gpt2`, `./gpt2`, `a/b/gpt2`) is not a preset's name, whatever it ends in."""
-        from .families import PRESETS  # families builds its presets from this module
-
+        presets = _registered("presets")
         org, slash, key = str(name).rpartition("/")
-        if key.lower() not in PRESETS or (slash and not _ORGANISATION.fullmatch(org)):
-            raise KeyError(f"no preset named {name!r}{did_you_mean(key.lower(), PRESETS)}; presets (a short name, optionally after an organisation "
-                           f"such as openai-community/): {sorted(PRESETS)}")
-        return PRESETS[key.lower()]
+        if key.lower() not in presets or (slash and not _ORGANISATION.fullmatch(org)):
+            raise KeyError(f"no preset named {name!r}{did_you_mean(key.lower(), presets)}; presets (a short name, optionally after an organisation "
+                           f"such as openai-community/): {sorted(presets)}")
+        return presets[key.lower()]
 
     # ------------------------------------------------------------ HF conversion
     @classmethod
@@ -366,32 +569,41 @@ class ModelConfig(TransformerLensNames):
         naming the field, rather than being silently ignored; an absent field takes transformers' default.
         `tensor_names`, the checkpoint's, if known: a layer count above the blocks they hold is refused before
         anything that scales with it is built."""
-        from .families import config_fields  # families imports this module
-
         d = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf)
-        return cls(**config_fields(d, tensor_names), name=name)
+        return cls(**_registered("config_fields")(d, tensor_names), name=name)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike, name: str = "custom",
                   tensor_names: Iterable[str] | None = None) -> "ModelConfig":
         """Read a Hugging Face `config.json` (`tensor_names`: see `from_hf_config`)."""
-        from .io.files import read_json_object  # bounded, FIFO-safe, one line naming the file
-
-        data = read_json_object(path, what="a Hugging Face config.json (a JSON object)")
+        data = read_json_object(path, what="a Hugging Face config.json (a JSON object)")  # bounded, FIFO-safe
         return cls.from_hf_config(data, name=name, tensor_names=tensor_names)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The `config.json` that transformers' class for this family (`Family.hf_class`) and lenskit both read as
         this config; one the family cannot express is refused, naming the fields."""
-        from .families import family_of  # families imports this module
+        return _registered("family_of")(self.family).hf_config(self)
 
-        return family_of(self.family).hf_config(self)
+
+def _flat_signature() -> inspect.Signature:
+    """ModelConfig(...)'s signature as help() and editors show it: the top-level fields, then every flat keyword."""
+    P = inspect.Parameter
+    params = [P("self", P.POSITIONAL_OR_KEYWORD)]
+    for f in dataclasses.fields(ModelConfig):
+        kind = P.POSITIONAL_OR_KEYWORD if f.name in _POSITIONAL else P.KEYWORD_ONLY
+        default = P.empty if f.default is dataclasses.MISSING else f.default
+        params.append(P(f.name, kind, default=default, annotation=f.type))
+    for flat, (group, name) in FLAT_NAMES.items():
+        group_field = next(g for g in dataclasses.fields(GROUPS[group]) if g.name == name)
+        params.append(P(flat, P.KEYWORD_ONLY, default=group_field.default, annotation=group_field.type))
+    return inspect.Signature(params)
+
+
+ModelConfig.__init__.__signature__ = _flat_signature()  # type: ignore[attr-defined]
 
 
 def __getattr__(name: str) -> Any:
-    """`PRESETS`, from `lenskit.families` on first use: families builds them from ModelConfig, so it imports this module."""
+    """`PRESETS`, as `lenskit.families` registered them (families builds them from ModelConfig, so it imports this module)."""
     if name == "PRESETS":
-        from .families import PRESETS
-
-        return PRESETS
+        return _registered("presets")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,33 +4,34 @@ blocks, Qwen 3.5's linear-attention blocks, and the mixtures of experts. Each re
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from .config import ModelConfig
+# lenskit.config imports this module, so `cfg` here is typed Any: always a ModelConfig in the middle of its checks.
+ModelConfig = Any
 
 
 def check_full_heads(cfg: "ModelConfig") -> None:
     """Gemma 4's fields: positive ints or None, whole heads turning where the full blocks' heads differ, a
     proportion in (0, 1]."""
-    for field in ("full_d_head", "full_n_kv_heads"):
-        value = getattr(cfg, field)
+    attention = cfg.attention
+    for field, value in (("full_d_head", attention.full_d_head), ("full_n_kv_heads", attention.full_n_kv_heads)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise ValueError(f"ModelConfig.{field} must be None or a positive int, got {value!r}")
-    if cfg.full_n_kv_heads is not None and cfg.n_heads % cfg.full_n_kv_heads:
-        raise ValueError(f"n_heads={cfg.n_heads} is not a multiple of full_n_kv_heads={cfg.full_n_kv_heads}")
-    if cfg.full_d_head is not None and (cfg.full_d_head % 2 or (cfg.positional == "rotary" and cfg.rotary_dim != cfg.d_head)):
-        raise ValueError(f"ModelConfig.full_d_head={cfg.full_d_head!r} needs an even width and whole heads turning "
-                         f"(rotary_dim={cfg.rotary_dim!r} == d_head={cfg.d_head}); lenskit implements no partial rotary there")
-    value = cfg.rope_proportion
+    if attention.full_n_kv_heads is not None and cfg.n_heads % attention.full_n_kv_heads:
+        raise ValueError(f"n_heads={cfg.n_heads} is not a multiple of full_n_kv_heads={attention.full_n_kv_heads}")
+    if attention.full_d_head is not None and (attention.full_d_head % 2
+                                              or (cfg.positional == "rotary" and cfg.rope.dim != cfg.d_head)):
+        raise ValueError(f"ModelConfig.full_d_head={attention.full_d_head!r} needs an even width and whole heads turning "
+                         f"(rotary_dim={cfg.rope.dim!r} == d_head={cfg.d_head}); lenskit implements no partial rotary there")
+    value = cfg.rope.proportion
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise ValueError(f"ModelConfig.rope_proportion must be in (0, 1], got {value!r}")
-    if cfg.layer_scalar and (cfg.norm_placement != "sandwich" or cfg.parallel_block):
+    if cfg.block.layer_scalar and (cfg.norm_placement != "sandwich" or cfg.parallel_block):
         raise ValueError("ModelConfig.layer_scalar is Gemma 4's sandwich block; it needs norm_placement='sandwich' "
                          "and parallel_block=False")
-    if cfg.rope_type != "proportional" and value != 1.0:
+    if cfg.rope.type != "proportional" and value != 1.0:
         raise ValueError(f"ModelConfig.rope_proportion={value!r} is a proportional-rotary setting; rope_type="
-                         f"{cfg.rope_type!r} turns every pair, so leave it 1.0")
+                         f"{cfg.rope.type!r} turns every pair, so leave it 1.0")
 
 @lru_cache(maxsize=32)
 def kv_sources(n_layers: int, n_shared: int, layer_types: tuple[str, ...] | None) -> tuple[int | None, ...]:
@@ -50,33 +51,30 @@ def shrunk_kv_sharing(cfg: "ModelConfig", n_layers: int, layer_types: tuple[str,
     types = None if layer_types is None else tuple(layer_types)
     if not isinstance(n_layers, int) or n_layers <= 0 or (types is not None and len(types) != n_layers):
         return {}  # __post_init__ refuses the depth or the types
-    shared = cfg.n_kv_shared_layers * n_layers // cfg.n_layers
+    shared = cfg.block.n_kv_shared_layers * n_layers // cfg.n_layers
     while shared and None in kv_sources(n_layers, shared, types)[n_layers - shared:]:
         shared -= 1
-    return {"n_kv_shared_layers": shared, "double_wide_mlp": cfg.double_wide_mlp and shared > 0}
+    return {"n_kv_shared_layers": shared, "double_wide_mlp": cfg.block.double_wide_mlp and shared > 0}
 
 
-def _positive_or_none(cfg: "ModelConfig", field: str) -> None:
-    value = getattr(cfg, field)
+def _positive_or_none(field: str, value: object) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
         raise ValueError(f"ModelConfig.{field} must be None or a positive int, got {value!r}")
 
 
 def check_gemma4_extras(cfg: "ModelConfig") -> None:
     """Gemma 4's per-layer inputs, kv sharing and experts beside the MLP: well-typed, each block able to find what it
-    reads, and each piece where Gemma 4's block (`layer_scalar`) puts it. `d_vocab_per_layer` defaults to d_vocab."""
-    for field in ("d_per_layer", "d_vocab_per_layer"):
-        _positive_or_none(cfg, field)
-    if cfg.d_per_layer is None and cfg.d_vocab_per_layer is not None:
-        raise ValueError(f"ModelConfig.d_vocab_per_layer={cfg.d_vocab_per_layer!r} is the per-layer inputs' vocabulary, "
+    reads, and each piece where Gemma 4's block (`layer_scalar`) puts it."""
+    block = cfg.block
+    _positive_or_none("d_per_layer", block.d_per_layer)
+    _positive_or_none("d_vocab_per_layer", block.d_vocab_per_layer)
+    if block.d_per_layer is None and block.d_vocab_per_layer is not None:
+        raise ValueError(f"ModelConfig.d_vocab_per_layer={block.d_vocab_per_layer!r} is the per-layer inputs' vocabulary, "
                          "but d_per_layer is None (there are none); leave it None")
-    if cfg.d_per_layer is not None:
-        if cfg.d_vocab_per_layer is None:
-            object.__setattr__(cfg, "d_vocab_per_layer", cfg.d_vocab)
-        if cfg.d_vocab_per_layer < cfg.d_vocab:
-            raise ValueError(f"ModelConfig.d_vocab_per_layer={cfg.d_vocab_per_layer} is below d_vocab={cfg.d_vocab}: "
-                             "a token past it would have no per-layer input; give at least d_vocab")
-    n = cfg.n_kv_shared_layers
+    if block.d_per_layer is not None and block.d_vocab_per_layer < cfg.d_vocab:
+        raise ValueError(f"ModelConfig.d_vocab_per_layer={block.d_vocab_per_layer} is below d_vocab={cfg.d_vocab}: "
+                         "a token past it would have no per-layer input; give at least d_vocab")
+    n = block.n_kv_shared_layers
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < cfg.n_layers:
         raise ValueError(f"ModelConfig.n_kv_shared_layers must be an int in [0, n_layers={cfg.n_layers}) (some earlier "
                          f"block must compute the keys the others read), got {n!r}")
@@ -90,16 +88,17 @@ def check_gemma4_extras(cfg: "ModelConfig") -> None:
             raise ValueError(f"ModelConfig.n_kv_shared_layers={n}: block {orphan} ({cfg.layer_type(orphan)!r}) reads the "
                              f"keys of the last earlier block of its type, but blocks 0..{cfg.n_layers - n - 1} have none "
                              "(transformers refuses it too); share fewer blocks or change layer_types")
-    if cfg.double_wide_mlp and not n:
+    if block.double_wide_mlp and not n:
         raise ValueError("ModelConfig.double_wide_mlp widens the kv-sharing blocks' MLPs, but n_kv_shared_layers=0; "
                          "leave it False")
-    gemma4 = cfg.layer_scalar and cfg.norm_placement == "sandwich"
-    for field, on in (("d_per_layer", cfg.d_per_layer is not None), ("experts_beside_mlp", cfg.experts_beside_mlp)):
+    gemma4 = block.layer_scalar and cfg.norm_placement == "sandwich"
+    for field, on in (("d_per_layer", block.d_per_layer is not None), ("experts_beside_mlp", block.experts_beside_mlp)):
         if on and not gemma4:
             raise ValueError(f"ModelConfig.{field} is a piece of Gemma 4's block; it needs layer_scalar=True and "
                              "norm_placement='sandwich'")
-    if cfg.experts_beside_mlp and (cfg.n_experts is None or cfg.dense_layers or cfg.router_bias or cfg.mlp != "geglu"
-                                   or cfg.routing != "softmax_topk_renorm"):
+    moe = cfg.moe
+    if block.experts_beside_mlp and (moe.n_experts is None or moe.dense_layers or moe.router_bias or cfg.mlp != "geglu"
+                                     or moe.routing != "softmax_topk_renorm"):
         raise ValueError("ModelConfig.experts_beside_mlp is Gemma 4's: it needs n_experts, mlp='geglu', "
                          "routing='softmax_topk_renorm', no dense_layers and no router_bias")
 
@@ -107,45 +106,40 @@ def check_gemma4_extras(cfg: "ModelConfig") -> None:
 def check_linear(cfg: "ModelConfig") -> None:
     """The linear-attention fields, where layer_types has a "linear" block: positive ints, v heads a multiple of
     k heads. (Without one they are unused; a one-block copy of a hybrid model keeps them.)"""
-    fields = ("linear_n_k_heads", "linear_n_v_heads", "linear_d_k", "linear_d_v", "linear_conv_width")
+    linear = cfg.linear
     if cfg.layer_types is None or "linear" not in cfg.layer_types:
         return
-    for field in fields:
-        value = getattr(cfg, field)
+    for field, value in (("linear_n_k_heads", linear.n_k_heads), ("linear_n_v_heads", linear.n_v_heads),
+                         ("linear_d_k", linear.d_k), ("linear_d_v", linear.d_v), ("linear_conv_width", linear.conv_width)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"ModelConfig.{field} must be a positive int for linear-attention blocks, got {value!r}")
-    if cfg.linear_n_v_heads % cfg.linear_n_k_heads:
-        raise ValueError(f"ModelConfig.linear_n_v_heads={cfg.linear_n_v_heads} is not a multiple of linear_n_k_heads="
-                         f"{cfg.linear_n_k_heads}: each q/k head serves a whole group of value heads")
+    if linear.n_v_heads % linear.n_k_heads:
+        raise ValueError(f"ModelConfig.linear_n_v_heads={linear.n_v_heads} is not a multiple of linear_n_k_heads="
+                         f"{linear.n_k_heads}: each q/k head serves a whole group of value heads")
 
 def check_experts(cfg: "ModelConfig") -> None:
-    """The MoE fields: all unset for a dense model; else n_experts >= k >= 1, a known routing rule, blocks in range."""
-    from .config import ROUTINGS
-    fields = ("n_experts", "n_experts_per_token", "d_expert")
-    if cfg.n_experts is None:
-        if cfg.n_experts_per_token is not None or cfg.d_expert is not None or cfg.dense_layers or cfg.router_bias:
+    """The MoE fields: all unset for a dense model; else n_experts >= k >= 1, blocks in range. (ModelConfig checks the
+    routing rule against ROUTINGS.)"""
+    moe = cfg.moe
+    if moe.n_experts is None:
+        if moe.n_experts_per_token is not None or moe.d_expert is not None or moe.dense_layers or moe.router_bias:
             raise ValueError("ModelConfig.n_experts is None (a dense model), so n_experts_per_token, d_expert, "
                              "dense_layers and router_bias must be unset; give n_experts for a mixture of experts")
         if cfg.mlp == "swiglu_clamped":
             raise ValueError("ModelConfig.mlp='swiglu_clamped' is an expert piece (gpt-oss); give n_experts, or "
                              "choose a dense MLP")
         return
-    if cfg.d_expert is None:
-        object.__setattr__(cfg, "d_expert", cfg.d_mlp)
-    object.__setattr__(cfg, "dense_layers", tuple(cfg.dense_layers))
-    for field in fields:
-        value = getattr(cfg, field)
+    for field, value in (("n_experts", moe.n_experts), ("n_experts_per_token", moe.n_experts_per_token),
+                         ("d_expert", moe.d_expert)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"ModelConfig.{field} must be a positive int for a mixture of experts, got {value!r}")
-    if cfg.n_experts_per_token > cfg.n_experts:
-        raise ValueError(f"ModelConfig.n_experts_per_token={cfg.n_experts_per_token} exceeds n_experts="
-                         f"{cfg.n_experts}: each token is routed to k of the experts; lower k")
-    if cfg.mlp == "swiglu_clamped" and cfg.dense_layers:
+    if moe.n_experts_per_token > moe.n_experts:
+        raise ValueError(f"ModelConfig.n_experts_per_token={moe.n_experts_per_token} exceeds n_experts="
+                         f"{moe.n_experts}: each token is routed to k of the experts; lower k")
+    if cfg.mlp == "swiglu_clamped" and moe.dense_layers:
         raise ValueError(f"ModelConfig.mlp='swiglu_clamped' is an expert piece only, but dense_layers="
-                         f"{cfg.dense_layers!r} asks for dense blocks; leave dense_layers empty")
-    if cfg.routing not in ROUTINGS:
-        raise ValueError(f"ModelConfig.routing={cfg.routing!r}; supported: {ROUTINGS}")
-    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.n_layers for i in cfg.dense_layers) \
-            or list(cfg.dense_layers) != sorted(set(cfg.dense_layers)):
-        raise ValueError(f"ModelConfig.dense_layers={cfg.dense_layers!r} must be increasing block indices in "
+                         f"{moe.dense_layers!r} asks for dense blocks; leave dense_layers empty")
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.n_layers for i in moe.dense_layers) \
+            or list(moe.dense_layers) != sorted(set(moe.dense_layers)):
+        raise ValueError(f"ModelConfig.dense_layers={moe.dense_layers!r} must be increasing block indices in "
                          f"[0, {cfg.n_layers})")

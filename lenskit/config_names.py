@@ -37,7 +37,8 @@ def note_prepend_bos(cfg: object, default: bool | None) -> None:
 
 
 class TransformerLensNames:
-    """Mixed into `ModelConfig`: each property reads the lenskit field it names."""
+    """Mixed into `ModelConfig`: each property reads the lenskit field it names. (`original_architecture`, which reads
+    the family registry, is ModelConfig's own.)"""
 
     @property
     def device(self) -> str:
@@ -95,10 +96,3 @@ class TransformerLensNames:
     def positional_embedding_type(self) -> str:
         """"standard" (a learned table) or "rotary"."""
         return "standard" if self.positional == "learned" else "rotary"
-
-    @property
-    def original_architecture(self) -> str:
-        """The transformers class of the family, e.g. "LlamaForCausalLM"."""
-        from .families import family_of
-
-        return family_of(self.family).hf_class

@@ -10,9 +10,10 @@ recurrent state. Hooks see the new positions only ([batch, new_pos, ...]; attent
 >>> logits = model(prompt, past_kv_cache=cache)            # [1, pos, d_vocab]; cache.n_pos == pos
 >>> step = model(logits[:, -1:].argmax(-1), past_kv_cache=cache)   # [1, 1, d_vocab], position pos
 
-Each block reads its entry through `entry_of(module)` during the forward that was given the cache (a context
-variable, so blocks keep their one-argument forward and other threads see nothing). A forward that fails leaves
-the cache as it was before that forward. A frozen cache is read but not extended (several continuations of one
+The forward hands the cache down to its blocks in its `ForwardState` (lenskit.pieces.forward_state), an argument
+of each block and token mixer, and each reads its own entry there (`state.entry(self)`): the cache is the caller's,
+never an attribute of the model, so threads with caches of their own never see each other's. A forward that fails
+leaves the cache as it was before that forward. A frozen cache is read but not extended (several continuations of one
 prefix).
 """
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -29,9 +29,7 @@ import torch.nn.functional as F
 from .config import ModelConfig
 
 if TYPE_CHECKING:
-    from torch import nn
-
-    from .model import HookedTransformer
+    from torch import nn  # the model is a HookedTransformer, named by its base class: lenskit.model imports this module
 
 
 class KeyValues:
@@ -133,7 +131,7 @@ class KVCache:
         layer = self._layer_of.get(module)
         return None if layer is None else self.entries[layer]
 
-    def _bind(self, model: "HookedTransformer", tokens: torch.Tensor, stop_at_layer: int | None) -> int:
+    def _bind(self, model: "nn.Module", tokens: torch.Tensor, stop_at_layer: int | None) -> int:
         """Check that this forward may use the cache; the position its tokens start at."""
         bound = None if self._model is None else self._model()
         if self._model is not None and bound is None:  # its keys are another model's, whatever this one's config
@@ -145,9 +143,9 @@ class KVCache:
         if tokens.shape[0] != self.batch_size:
             raise ValueError(f"past_kv_cache holds {self.batch_size} sequence(s) but the tokens have batch "
                              f"{tokens.shape[0]}; make a cache with batch_size={tokens.shape[0]}")
-        if self.n_pos + tokens.shape[1] > model.cfg.n_ctx:
+        if self.n_pos + tokens.shape[1] > self.cfg.n_ctx:  # self.cfg == model.cfg, checked above
             raise ValueError(f"past_kv_cache holds {self.n_pos} positions and {tokens.shape[1]} more would pass "
-                             f"n_ctx={model.cfg.n_ctx}; start a new cache from the last n_ctx tokens")
+                             f"n_ctx={self.cfg.n_ctx}; start a new cache from the last n_ctx tokens")
         if stop_at_layer is not None:
             raise ValueError("past_kv_cache with stop_at_layer would leave the later blocks' entries behind; "
                              "run the whole model, or no cache")
@@ -157,42 +155,25 @@ class KVCache:
         return self.n_pos
 
 
-_ACTIVE: ContextVar[KVCache | None] = ContextVar("lenskit_kv_cache", default=None)
-
-
-def forward_start() -> int | None:
-    """The absolute position where the running forward's tokens start: the cache's length in a forward given a
-    KVCache, None in a forward without one (its positions are its own, starting at 0)."""
-    cache = _ACTIVE.get()
-    return None if cache is None else cache.n_pos
-
-
-def entry_of(module: "nn.Module") -> KeyValues | DeltaNetState | None:
-    """`module`'s cache entry in the forward now running, or None when that forward was given no cache."""
-    cache = _ACTIVE.get()
-    return None if cache is None else cache.entry_of(module)
-
-
 @contextmanager
-def attending(cache: KVCache | None, new_pos: int) -> Iterator[None]:
-    """The blocks run inside see `cache` (None: no cache, also for a forward nested in a hook of a cached one).
-    On success the cache has grown by new_pos positions (unless frozen); on failure it is as it was."""
-    token = _ACTIVE.set(cache)
-    saved = None if cache is None else [entry._saved() for entry in cache.entries]
+def extending(cache: KVCache | None, new_pos: int) -> Iterator[None]:
+    """Around the blocks of a forward given `cache` (None: nothing to do). On success the cache has grown by new_pos
+    positions (unless frozen); on failure every entry is as it was."""
+    if cache is None:
+        yield
+        return
+    saved = [entry._saved() for entry in cache.entries]
     try:
         yield
     except BaseException:
-        if cache is not None:
-            for entry, s in zip(cache.entries, saved):
-                entry._restore(s)
+        for entry, s in zip(cache.entries, saved):
+            entry._restore(s)
         raise
-    finally:
-        _ACTIVE.reset(token)
-    if cache is not None and not cache.frozen:
+    if not cache.frozen:
         cache.n_pos += new_pos
 
 
-def start_position(cache: KVCache | None, model: "HookedTransformer", tokens: torch.Tensor,
+def start_position(cache: KVCache | None, model: "nn.Module", tokens: torch.Tensor,
                    stop_at_layer: int | None) -> int:
     """The position `tokens` [batch, new_pos] start at: 0 without a cache, else the cache's length (checked)."""
     if cache is None:

@@ -16,10 +16,12 @@ from .config import ModelConfig
 from .config_names import note_placement
 from .conveniences import ModelConveniences
 from .generation import generate
-from .kv_cache import KVCache, attending, start_position
+from .kv_cache import KVCache, extending, start_position
+from .observe.hook_context import positions_from
 from .observe.hooks import HookedRootModule, HookPoint
 from .observe.running import RunMethods
 from .observe.switches import SwitchMethods
+from .pieces.forward_state import ForwardState
 from .pieces.layers import make_block, make_norm
 from .pieces.embeddings import Embed, PosEmbed, Unembed
 from .pieces.per_layer import PerLayerInputs, side_inputs
@@ -67,7 +69,7 @@ class HookedTransformer(RunMethods, TextMethods, WeightViews, ModelConveniences,
         self._stream_start = self._embed_learned if cfg.positional == "learned" else self._embed_tokens
         self._embed_scale = _embed_scaled if cfg.scale_embed else _embed_as_is
         self.dropout = nn.Dropout(dropout)
-        if cfg.d_per_layer is not None:  # Gemma 4 E2B/E4B: an input per block, from the tokens (lenskit.pieces.per_layer)
+        if cfg.block.d_per_layer is not None:  # Gemma 4 E2B/E4B: an input per block, from the tokens (lenskit.pieces.per_layer)
             self.per_layer_inputs = PerLayerInputs(cfg)
         self._side_inputs = side_inputs(self, cfg)  # chosen once: what the blocks read beside the stream, if anything
         self.blocks = nn.ModuleList(make_block(cfg, dropout, i) for i in range(cfg.n_layers))
@@ -145,8 +147,11 @@ class HookedTransformer(RunMethods, TextMethods, WeightViews, ModelConveniences,
         tokens = self.validate_tokens(tokens, prepend_bos, padding_side)
         start = start_position(past_kv_cache, self, tokens, stop_at_layer)  # 0 without a cache
         x = self.dropout(self._stream_start(tokens, start))  # [batch, pos, d_model]
-        with attending(past_kv_cache, tokens.shape[1]), self._side_inputs(tokens, x):  # and Gemma 4's per-layer inputs
-            x = self.run_blocks(x, 0, stop_at_layer)
+        # What the blocks read beside the stream, handed down as an argument: the cache, Gemma 4's per-layer inputs.
+        state = ForwardState(start, past_kv_cache, self._side_inputs(tokens, x))
+        # The cache is put back on failure; hooks that name positions read where these tokens start.
+        with extending(past_kv_cache, tokens.shape[1]), positions_from(None if past_kv_cache is None else start):
+            x = self.run_blocks(x, 0, stop_at_layer, state)
         if stop_at_layer is not None:
             return x
         logits = self.readout(x)  # [batch, pos, d_vocab]
@@ -155,14 +160,17 @@ class HookedTransformer(RunMethods, TextMethods, WeightViews, ModelConveniences,
         loss = next_token_loss(logits, tokens, per_token=loss_per_token)  # loss_per_token: [batch, pos - 1]
         return loss if return_type == "loss" else (logits, loss)
 
-    def run_blocks(self, x: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """The stream [batch, pos, d_model] after blocks[start:stop], each on its device (`placement`)."""
+    def run_blocks(self, x: torch.Tensor, start: int = 0, stop: int | None = None,
+                   state: ForwardState | None = None) -> torch.Tensor:
+        """The stream [batch, pos, d_model] after blocks[start:stop], each on its device (`placement`). `state` is
+        the forward's (lenskit.pieces.forward_state); without one (resuming from a stream) no cache is used, and a
+        block that needs the forward's own inputs (Gemma 4's per-layer inputs or shared keys) is refused."""
         if self.placement is None:
             for block in self.blocks[start:stop]:
-                x = block(x)  # [batch, pos, d_model]
+                x = block(x, state)  # [batch, pos, d_model]
             return x
         for layer in range(*slice(start, stop).indices(len(self.blocks))):
-            x = self.placement.run(layer, self.blocks[layer], x)  # [batch, pos, d_model], on block layer's device
+            x = self.placement.run(layer, self.blocks[layer], x, state)  # [batch, pos, d_model], on block layer's device
         return x
 
     def _embed_learned(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:

@@ -34,6 +34,7 @@ from torch.func import functional_call
 
 if TYPE_CHECKING:
     from .config import ModelConfig
+    from .pieces.forward_state import ForwardState
 
 AUTO = ("auto", "balanced", "balanced_low_0", "sequential")
 _BLOCK = re.compile(r"blocks\.(\d+)")
@@ -63,15 +64,16 @@ class Placement:
     def compute_device(self, layer: int) -> torch.device:
         return self.main if layer in self.offloaded else self.blocks[layer]
 
-    def run(self, layer: int, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Block `layer`'s forward on its compute device: the stream [batch, pos, d_model] moves there first, and
-        an offloaded block's weights are copied there for this call only."""
+    def run(self, layer: int, block: nn.Module, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
+        """Block `layer`'s forward on its compute device, with the forward's `state` (lenskit.pieces.forward_state):
+        the stream [batch, pos, d_model] moves there first, and an offloaded block's weights are copied there for this
+        call only."""
         device = self.compute_device(layer)
         x = x.to(device, non_blocking=True)
         if layer not in self.offloaded:
-            return block(x)
+            return block(x, state)
         weights = {name: t.to(device, non_blocking=True) for name, t in chain(block.named_parameters(), block.named_buffers())}
-        return functional_call(block, weights, (x,), tie_weights=False)
+        return functional_call(block, weights, (x, state), tie_weights=False)
 
     @property
     def is_single(self) -> bool:

@@ -50,8 +50,8 @@ def refusal(cfg, option: str) -> tuple[str, bool] | None:
     if option == "refactor_factored_attn_matrices":
         for bad, why in ((cfg.positional == "rotary", "rotary positions make the QK matrix depend on the positions "
                           "(TransformerLens refuses it too)"), (cfg.n_kv_heads != cfg.n_heads, "grouped-query heads "
-                          "share k and v"), (cfg.qk_norm, "q/k norms sit between W_Q, W_K and the scores"),
-                         (cfg.attn_output_gate or linear, "its heads are gated or linear")):
+                          "share k and v"), (cfg.attention.qk_norm, "q/k norms sit between W_Q, W_K and the scores"),
+                         (cfg.attention.output_gate or linear, "its heads are gated or linear")):
             if bad:
                 return (f"refactor_factored_attn_matrices is not defined for {cfg.family}: {why}; pass "
                         "refactor_factored_attn_matrices=False", False)
@@ -72,7 +72,7 @@ def refusal(cfg, option: str) -> tuple[str, bool] | None:
         for flag, why in (("attn_sinks", "attention sinks make each pattern sum to less than 1"),
                           ("attn_output_gate", "each head's output gate scales its value bias per position"),
                           ("v_norm", "the value norm (Gemma 4's) normalises each value, its bias included")):
-            if flag == "v_norm" and not cfg.qkv_bias:
+            if flag == "v_norm" and not cfg.attention.qkv_bias:
                 continue  # no value bias to fold: nothing changes
             if getattr(cfg, flag):
                 return (f"fold_value_biases is not exact for {cfg.family}: {why}; pass fold_value_biases=False", False)
@@ -207,7 +207,7 @@ def _fold_value_biases(model: "HookedTransformer", recenter: bool) -> None:
             continue
         b_V = attn.b_V.float()  # [head, d_head], kv heads repeated
         b_O = _bias(attn.out)
-        if not model.cfg.out_bias:
+        if not model.cfg.attention.out_bias:
             model.cfg = model.cfg.replace(out_bias=True)
         folded = b_O.float() + torch.einsum("hd,hdm->m", b_V, attn.W_O.float())  # [d_model]
         _set(b_O, folded - folded.mean() if recenter else folded)
@@ -221,7 +221,7 @@ def _fold_value_biases(model: "HookedTransformer", recenter: bool) -> None:
 def _sync_biases(model: "HookedTransformer") -> None:
     """Say in the config that the q/k/v and MLP projections have biases where folding gave them some."""
     changes = {}
-    if not model.cfg.qkv_bias and any(l.bias is not None for b in model.blocks for l in _readers(b.attn)):
+    if not model.cfg.attention.qkv_bias and any(l.bias is not None for b in model.blocks for l in _readers(b.attn)):
         changes["qkv_bias"] = True
     dense = [b.mlp for b in model.blocks if not hasattr(b.mlp, "experts")]  # an expert's bias is the family's own
     if not model.cfg.mlp_bias and any(l.bias is not None for mlp in dense for l in _readers(mlp)):

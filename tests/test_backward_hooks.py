@@ -10,7 +10,7 @@ import torch
 import lenskit
 from conftest import make_hf_gpt2
 from families import every_family
-from lenskit.observe.backward import BACKWARD_HOOKS
+from lenskit.observe.hook_context import HOOK_CONTEXT
 from fixtures import random_tokens
 
 POINT = "blocks.1.hook_resid_post"
@@ -118,7 +118,7 @@ def test_a_backward_after_the_block_exits_calls_nothing(gpt2, tokens):
     calls = []
     with gpt2.hooks(bwd_hooks=[(POINT, lambda g, hook: calls.append(1))]):
         loss = gpt2(tokens, return_type="loss")
-    assert BACKWARD_HOOKS.get() is None and not gpt2.hook_dict[POINT].has_hooks()
+    assert HOOK_CONTEXT.get().bwd is None and not gpt2.hook_dict[POINT].has_hooks()
     loss.backward()
     assert calls == []
     with gpt2.hooks(bwd_hooks=[(POINT, lambda g, hook: calls.append(1))]):
@@ -137,7 +137,7 @@ def test_a_raising_forward_leaves_no_backward_hook(gpt2, tokens):
     with pytest.raises(RuntimeError, match="boom"):
         with gpt2.hooks(fwd_hooks=[("blocks.2.hook_resid_pre", boom)], bwd_hooks=[(POINT, lambda g, hook: calls.append(1))]):
             gpt2(tokens)
-    assert BACKWARD_HOOKS.get() is None
+    assert HOOK_CONTEXT.get().bwd is None
     assert not any(hp.has_hooks() for hp in gpt2.hook_dict.values())
     graph[0].sum().backward()  # through the graph the failed forward built, past POINT
     gpt2(tokens, return_type="loss").backward()

@@ -63,7 +63,7 @@ def test_derived_fields():
         (dict(n_layers=0), "n_layers"),
         (dict(d_vocab=-1), "d_vocab"),
         (dict(n_ctx=2.5), "n_ctx"),
-        (dict(activation="relu"), "activation"),
+        (dict(activation="silu"), "activation"),
         (dict(norm="batchnorm"), "norm"),
         (dict(mlp="moe"), "mlp"),
     ],
@@ -109,7 +109,7 @@ def test_to_hf_dict_refuses_non_gpt2_architectures():
     "change, field",
     [
         ({"model_type": "bert"}, "model_type"),
-        ({"activation_function": "relu"}, "activation_function"),
+        ({"activation_function": "silu"}, "activation_function"),
         ({"add_cross_attention": True}, "add_cross_attention"),
         ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
         ({"reorder_and_upcast_attn": True}, "reorder_and_upcast_attn"),
@@ -152,7 +152,7 @@ def test_replace_recomputes_derived_fields():
     assert cfg.replace(d_model=128, n_heads=4, d_mlp=100).d_mlp == 100
     assert cfg.replace(n_layers=2).d_mlp == 3072  # fields not touched by the change stay
     with pytest.raises(ValueError, match="activation"):
-        cfg.replace(activation="relu")
+        cfg.replace(activation="silu")
 
 
 def _shrunk(name: str) -> ModelConfig:
@@ -173,28 +173,29 @@ def test_every_preset_shrinks_and_runs(name):
     assert (small.n_layers, small.d_head, small.d_vocab) == (2, 16, 50)
     assert small.n_heads // small.n_kv_heads == preset.n_heads // preset.n_kv_heads  # the GQA group is kept
     assert small.d_mlp == round(small.d_model * preset.d_mlp / preset.d_model)  # and the MLP's width ratio
-    if preset.rotary_dim is not None:  # and the rotary fraction of d_head: Pythia's quarter, the others' whole
-        assert small.rotary_dim / small.d_head == preset.rotary_dim / preset.d_head
-    if preset.query_pre_attn_scalar == 1.0:  # Gemma 4's unscaled scores stay unscaled
-        assert small.query_pre_attn_scalar == 1.0
-    elif preset.query_pre_attn_scalar is not None:
-        assert small.query_pre_attn_scalar / small.d_head == preset.query_pre_attn_scalar / preset.d_head
-    if preset.full_d_head is not None:  # and Gemma 4's full blocks their wider heads, and their GQA group where it fits
-        assert small.full_d_head / small.d_head == preset.full_d_head / preset.d_head
-        assert small.full_n_kv_heads == (None if preset.full_n_kv_heads is None else
-                                         max(1, small.n_heads // (preset.n_heads // preset.full_n_kv_heads)))
+    if preset.rope.dim is not None:  # and the rotary fraction of d_head: Pythia's quarter, the others' whole
+        assert small.rope.dim / small.d_head == preset.rope.dim / preset.d_head
+    if preset.attention.query_pre_attn_scalar == 1.0:  # Gemma 4's unscaled scores stay unscaled
+        assert small.attention.query_pre_attn_scalar == 1.0
+    elif preset.attention.query_pre_attn_scalar is not None:
+        assert small.attention.query_pre_attn_scalar / small.d_head == preset.attention.query_pre_attn_scalar / preset.d_head
+    if preset.attention.full_d_head is not None:  # and Gemma 4's full blocks their wider heads, and their GQA group where it fits
+        assert small.attention.full_d_head / small.d_head == preset.attention.full_d_head / preset.d_head
+        assert small.attention.full_n_kv_heads == (None if preset.attention.full_n_kv_heads is None else
+                                         max(1, small.n_heads // (preset.n_heads // preset.attention.full_n_kv_heads)))
     # and Gemma 4's kv sharing its share of the blocks, where each sharing block has an earlier one of its type
-    assert small.n_kv_shared_layers == preset.n_kv_shared_layers * 2 // preset.n_layers
-    assert small.double_wide_mlp == (preset.double_wide_mlp and small.n_kv_shared_layers > 0)
-    assert small.d_vocab_per_layer == (None if preset.d_per_layer is None else 50)  # per-layer inputs' table shrinks too
+    assert small.block.n_kv_shared_layers == preset.block.n_kv_shared_layers * 2 // preset.n_layers
+    assert small.block.double_wide_mlp == (preset.block.double_wide_mlp and small.block.n_kv_shared_layers > 0)
+    assert small.block.d_vocab_per_layer == (None if preset.block.d_per_layer is None else 50)  # per-layer inputs' table shrinks too
     if preset.layer_types is not None:
         assert small.layer_types == preset.layer_types[:2]
     assert small.nope_layers == tuple(i for i in preset.nope_layers if i < 2)  # blocks without rotary (SmolLM3)
-    same = {f.name for f in dataclasses.fields(ModelConfig)} - {
+    ours, theirs = small.to_flat_dict(), preset.to_flat_dict()  # every setting by its flat name
+    same = set(theirs) - {
         "n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_head", "n_kv_heads", "d_mlp", "rotary_dim",
         "query_pre_attn_scalar", "layer_types", "nope_layers", "full_d_head", "full_n_kv_heads", "n_kv_shared_layers",
         "double_wide_mlp", "d_vocab_per_layer"}
-    assert all(getattr(small, f) == getattr(preset, f) for f in same)
+    assert all(ours[f] == theirs[f] for f in same)
     model = HookedTransformer(small).eval()
     with torch.no_grad():
         logits = model(torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(0)))
@@ -204,23 +205,23 @@ def test_every_preset_shrinks_and_runs(name):
 def test_replace_keeps_fields_given_explicitly():
     phi3 = PRESETS["phi-3-mini"]
     small = phi3.replace(d_model=64, n_heads=4)  # rotary_dim used to stay 96 > d_head and raise
-    assert (small.d_head, small.rotary_dim, small.n_kv_heads) == (16, 16, 4)
+    assert (small.d_head, small.rope.dim, small.n_kv_heads) == (16, 16, 4)
     given = dict(d_model=64, n_heads=4, n_kv_heads=2, d_head=32, d_mlp=100, rotary_dim=8)
     assert {f: getattr(phi3.replace(**given), f) for f in given} == given
     qwen3 = PRESETS["qwen3-0.6b"]  # d_head 128 is wider than d_model / n_heads: kept while neither changes
     assert qwen3.replace(n_layers=2).d_head == 128 and qwen3.replace(d_mlp=64).d_head == 128
     gemma = PRESETS["gemma-2-2b"]
-    assert gemma.replace(d_head=64, query_pre_attn_scalar=100.0).query_pre_attn_scalar == 100.0
+    assert gemma.replace(d_head=64, query_pre_attn_scalar=100.0).attention.query_pre_attn_scalar == 100.0
     assert gemma.replace(n_layers=3, layer_types=("full",) * 3).layer_types == ("full",) * 3
     assert PRESETS["gpt2"].replace(mlp="swiglu", mlp_bias=True).mlp_bias
 
 
 def test_replace_keeps_proportions():
     pythia = PRESETS["pythia-160m"]  # rotary over a quarter of each head
-    assert pythia.rotary_dim == pythia.d_head // 4
-    assert pythia.replace(d_model=256, n_heads=4).rotary_dim == 16  # d_head 64
-    assert pythia.replace(d_head=32).rotary_dim == 8
-    assert pythia.replace(d_head=4).rotary_dim == 2  # the least that rotates, rounded to even
+    assert pythia.rope.dim == pythia.d_head // 4
+    assert pythia.replace(d_model=256, n_heads=4).rope.dim == 16  # d_head 64
+    assert pythia.replace(d_head=32).rope.dim == 8
+    assert pythia.replace(d_head=4).rope.dim == 2  # the least that rotates, rounded to even
     llama = PRESETS["llama-3.1-8b"]  # 32 heads share 8 kv heads; d_mlp = 3.5 d_model
     assert llama.replace(n_heads=8, d_model=512).n_kv_heads == 2
     assert llama.replace(d_model=512, n_heads=8).d_mlp == 1792
@@ -244,7 +245,7 @@ def _family_dict(family: str) -> dict:
 
 # Every config value lenskit refuses, per family: the error names the field.
 REFUSED = [
-    ("gpt_neox", {"hidden_act": "relu"}, "hidden_act"),
+    ("gpt_neox", {"hidden_act": "silu"}, "hidden_act"),
     ("gpt_neox", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type"),
@@ -328,5 +329,5 @@ def test_direct_construction_is_typed_too():
 
 def test_family_presets_by_hub_name():
     assert ModelConfig.from_name("EleutherAI/pythia-160m").family == "gpt_neox"
-    assert ModelConfig.from_name("meta-llama/Llama-3.2-1B").rope_type == "llama3"
-    assert ModelConfig.from_name("Qwen/Qwen3-0.6B").qk_norm
+    assert ModelConfig.from_name("meta-llama/Llama-3.2-1B").rope.type == "llama3"
+    assert ModelConfig.from_name("Qwen/Qwen3-0.6B").attention.qk_norm

@@ -259,4 +259,4 @@ def test_a_path_is_never_read_as_the_preset_it_ends_in(name):
     with pytest.raises(KeyError, match="no preset named"):
         ModelConfig.from_name(name)
     assert ModelConfig.from_name("openai-community/gpt2") == ModelConfig.from_name("gpt2")
-    assert math.isfinite(ModelConfig.from_name("EleutherAI/pythia-160m").rotary_base)
+    assert math.isfinite(ModelConfig.from_name("EleutherAI/pythia-160m").rope.base)

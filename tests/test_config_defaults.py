@@ -186,8 +186,8 @@ def hf_inverse_frequencies(family: str, d: dict) -> dict[str, torch.Tensor]:
 
 
 def our_inverse_frequencies(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    if cfg.local_rotary_base is not None:
-        return {"full_attention": inverse_frequencies(cfg, dim=cfg.full_d_head),  # Gemma 4's full heads are wider
+    if cfg.rope.local_base is not None:
+        return {"full_attention": inverse_frequencies(cfg, dim=cfg.attention.full_d_head),  # Gemma 4's full heads are wider
                 "sliding_attention": inverse_frequencies(cfg, local=True)}
     return {"inv_freq": inverse_frequencies(cfg)}
 

@@ -21,7 +21,7 @@ NOT_YET_RUNNABLE = {
     "lenskit.accounting", "lenskit.conveniences", "lenskit.factored", "lenskit.generation", "lenskit.intervene.attribution",
     "lenskit.intervene.experts", "lenskit.intervene.interventions", "lenskit.intervene.patching", "lenskit.io.activations",
     "lenskit.io.data", "lenskit.io.files", "lenskit.io.mapped", "lenskit.io.tokenizer",
-    "lenskit.io.torchfile", "lenskit.kv_cache", "lenskit.losses", "lenskit.observe.hook_admin",
+    "lenskit.io.torchfile", "lenskit.kv_cache", "lenskit.losses",
     "lenskit.pieces.forward_state", "lenskit.pieces.readout", "lenskit.placement",
     "lenskit.transformer_lens.evals", "lenskit.transformer_lens.patching", "lenskit.transformer_lens.utils", "lenses",
     "lenses.activation_export", "lenses.causal", "lenses.compare", "lenses.evaluation", "lenses.jacobian",

@@ -73,7 +73,7 @@ def test_proportional_rotary_is_transformers(tokens):
         cfg = HookedTransformer.from_hf(hf).cfg
         rotary = hf.model.rotary_emb
         torch.testing.assert_close(inverse_frequencies(cfg, local=True), rotary.sliding_attention_inv_freq, rtol=1e-6, atol=0)
-        ours = inverse_frequencies(cfg, dim=cfg.full_d_head)
+        ours = inverse_frequencies(cfg, dim=cfg.attention.full_d_head)
         torch.testing.assert_close(ours, rotary.full_attention_inv_freq, rtol=1e-6, atol=0)
         turning = int(full.get("partial_rotary_factor", 1.0) * 24 // 2)
         assert ours.shape == (12,) and (ours[turning:] == 0).all() and (ours[:turning] > 0).all()
@@ -164,7 +164,7 @@ def test_the_refused_sharing_and_experts_fail_in_transformers_too(changes):
 def test_value_biases_do_not_fold_through_the_value_norm():
     """fold_value_biases moves b_V past the pattern, but Gemma 4's value norm sits between them: refused, by name."""
     model = HookedTransformer.from_hf(make_hf_family("gemma4_text", attention_bias=True))
-    assert model.cfg.qkv_bias and model.cfg.v_norm
+    assert model.cfg.attention.qkv_bias and model.cfg.attention.v_norm
     with pytest.raises(ValueError, match="fold_value_biases is not exact for gemma4_text: the value norm"):
         model.process_weights(fold_ln=False, center_unembed=False, fold_value_biases=True)
     folded = model.process_weights(fold_ln=True, center_writing_weights=False, center_unembed=False,
@@ -207,7 +207,7 @@ def test_the_published_config_reads_as_the_preset_in_both_libraries():
 def test_replace_keeps_the_scores_unscaled_and_the_full_blocks_own_heads():
     small = ModelConfig.from_name("gemma-4-31b").replace(n_layers=6, d_model=64, n_heads=4, n_kv_heads=2, d_head=16,
                                                           full_d_head=32, full_n_kv_heads=1, d_mlp=96, d_vocab=101)
-    assert small.query_pre_attn_scalar == 1.0 and small.layer_types == ("sliding",) * 5 + ("full",)
+    assert small.attention.query_pre_attn_scalar == 1.0 and small.layer_types == ("sliding",) * 5 + ("full",)
     assert (small.d_head_of(0), small.d_head_of(5), small.n_kv_heads_of(0), small.n_kv_heads_of(5)) == (16, 32, 2, 1)
     hf = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**small.to_hf_dict(), attn_implementation="eager"))
     ours = HookedTransformer.from_hf(hf.eval())

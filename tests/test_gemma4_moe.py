@@ -58,7 +58,7 @@ def pair():
 def test_golden(extra, tied, tokens):
     hf = moe(tie_word_embeddings=tied, **extra)
     model = HookedTransformer.from_hf(hf)
-    assert model.cfg.experts_beside_mlp and model.cfg.is_moe_layer(0) and isinstance(model.blocks[0].mlp, DenseAndExperts)
+    assert model.cfg.block.experts_beside_mlp and model.cfg.is_moe_layer(0) and isinstance(model.blocks[0].mlp, DenseAndExperts)
     assert model.cfg.kv_source_layers == ((None, None, 1) if extra else (None,) * 3)
     assert_golden(model, hf, tokens)
     assert_golden(model, hf, tokens, fwd_hooks=EAGER)
@@ -197,7 +197,7 @@ def test_counts_and_flops_are_the_real_models(pair):
     assert s["total"] == total == sum(p.numel() for p in model.parameters()) == accounting.param_table(cfg).params.sum()
     for i, block in enumerate(model.blocks):
         assert accounting.block_params(cfg, i).params.sum() == sum(p.numel() for p in block.parameters())
-    skipped = sum((cfg.n_experts - cfg.n_experts_per_token) * (layer.experts.gate_up_proj[0].numel()
+    skipped = sum((cfg.moe.n_experts - cfg.moe.n_experts_per_token) * (layer.experts.gate_up_proj[0].numel()
                                                                + layer.experts.down_proj[0].numel())
                   for layer in hf.model.layers)
     assert s["active"] == total - skipped and s["experts"] == sum(

@@ -77,7 +77,7 @@ def test_counts_are_transformers_own_models(name):
     assert s["total"] == TOTALS[name] == numel(hf) == accounting.param_table(cfg).params.sum()
     with torch.device("meta"):
         assert numel(HookedTransformer(cfg)) == TOTALS[name]  # and what lenskit builds
-    per_layer = hf.model.embed_tokens_per_layer.weight.numel() if cfg.d_per_layer else 0
+    per_layer = hf.model.embed_tokens_per_layer.weight.numel() if cfg.block.d_per_layer else 0
     assert s.get("per_layer_embed", 0) == per_layer
     assert s["non_embedding"] == TOTALS[name] - hf.model.embed_tokens.weight.numel() - per_layer  # tied: no head
     for layer, block in zip(range(cfg.n_layers), hf.model.layers):  # each block as transformers holds it
@@ -89,9 +89,9 @@ def test_the_mixture_counts_what_a_token_uses():
     cfg, hf = PRESETS["gemma-4-26b-a4b"], meta_model("gemma-4-26b-a4b")
     s = accounting.param_summary(cfg)["value"]
     experts = hf.model.layers[0].experts
-    per_expert = (experts.gate_up_proj.numel() + experts.down_proj.numel()) // cfg.n_experts
-    assert s["per_expert"] == per_expert and s["experts"] == cfg.n_layers * cfg.n_experts * per_expert
-    assert s["active"] == TOTALS["gemma-4-26b-a4b"] - cfg.n_layers * (cfg.n_experts - 8) * per_expert
+    per_expert = (experts.gate_up_proj.numel() + experts.down_proj.numel()) // cfg.moe.n_experts
+    assert s["per_expert"] == per_expert and s["experts"] == cfg.n_layers * cfg.moe.n_experts * per_expert
+    assert s["active"] == TOTALS["gemma-4-26b-a4b"] - cfg.n_layers * (cfg.moe.n_experts - 8) * per_expert
     assert 3.75e9 < s["active"] < 3.85e9
     flops = accounting.flops_per_token(cfg, n_ctx=1024)["forward"]
     d, block = cfg.d_model, accounting.block_params(cfg)
@@ -111,7 +111,7 @@ def shrunk(name: str) -> ModelConfig:
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_flops_are_torchs_on_a_shrunk_copy(name):
     cfg = shrunk(name)
-    assert cfg.n_kv_shared_layers == {"gemma-4-e2b": 5, "gemma-4-e4b": 5, "gemma-4-26b-a4b": 0}[name]
+    assert cfg.block.n_kv_shared_layers == {"gemma-4-e2b": 5, "gemma-4-e4b": 5, "gemma-4-26b-a4b": 0}[name]
     model = HookedTransformer(cfg).eval()
     assert numel(model) == accounting.param_summary(cfg).loc["total", "value"]
     tokens = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(0))

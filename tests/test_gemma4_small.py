@@ -55,8 +55,8 @@ def test_golden_each_piece_alone_and_together(name, tied, tokens):
     model = HookedTransformer.from_hf(hf)
     cfg = model.cfg
     assert cfg.tie_word_embeddings == tied and cfg.sliding_window == 5 < tokens.shape[1]
-    assert (cfg.d_per_layer is not None) == (name != "kv_sharing" and name != "kv_sharing_double_wide")
-    assert cfg.n_kv_shared_layers == CONFIGS[name]["num_kv_shared_layers"]
+    assert (cfg.block.d_per_layer is not None) == (name != "kv_sharing" and name != "kv_sharing_double_wide")
+    assert cfg.block.n_kv_shared_layers == CONFIGS[name]["num_kv_shared_layers"]
     assert_golden(model, hf, tokens)
     assert_golden(model, hf, tokens, fwd_hooks=EAGER)
 
@@ -65,7 +65,7 @@ def test_golden_with_keys_as_values_in_the_sharing_blocks(tokens):
     """31B's full blocks (their own kv heads, keys as values) as the source of a sharing full block."""
     hf = small("together", attention_k_eq_v=True, num_global_key_value_heads=1)
     model = HookedTransformer.from_hf(hf)
-    assert model.cfg.full_k_is_v and model.blocks[3].attn.kv_source == 1 and model.blocks[3].attn.n_kv_heads == 1
+    assert model.cfg.attention.full_k_is_v and model.blocks[3].attn.kv_source == 1 and model.blocks[3].attn.n_kv_heads == 1
     assert_golden(model, hf, tokens)
     assert_golden(model, hf, tokens, fwd_hooks=EAGER)
 
@@ -155,7 +155,7 @@ def test_per_layer_inputs_and_writes_are_transformers(tokens):
     model = HookedTransformer.from_hf(hf)
     inputs, writes = hf_per_layer(hf, tokens)
     _, cache = model.run_with_cache(tokens)
-    d = model.cfg.d_per_layer
+    d = model.cfg.block.d_per_layer
     assert cache["per_layer_inputs.hook_token"].shape == cache["per_layer_inputs.hook_proj"].shape == (3, 17, 4, d)
     for i in range(4):
         assert cache["per_layer_in", i].shape == (3, 17, d) and cache["per_layer_out", i].shape == (3, 17, 32)

@@ -65,7 +65,7 @@ def test_mlp_out_is_the_weighted_sum_of_transformers_experts(pair, tokens):
         experts = hf_blocks(hf)[i].mlp.experts
         x, chosen = cache[f"blocks.{i}.ln2.hook_normalized"], cache[f"blocks.{i}.mlp.hook_expert_indices"]
         e = chosen.flatten()  # [token * k]
-        flat = x.flatten(0, 1).repeat_interleave(model.cfg.n_experts_per_token, 0)  # [token * k, d_model]
+        flat = x.flatten(0, 1).repeat_interleave(model.cfg.moe.n_experts_per_token, 0)  # [token * k, d_model]
         with torch.no_grad():
             gate_up = torch.einsum("td,tdm->tm", flat, experts.gate_up_proj[e]) + experts.gate_up_proj_bias[e]
             want = torch.einsum("tm,tmd->td", experts._apply_gate(gate_up), experts.down_proj[e]) + experts.down_proj_bias[e]
@@ -134,7 +134,7 @@ def test_blocks_alternate_sliding_and_full_and_the_window_bites(tokens):
 def test_yarn_changes_the_model_and_matches(tokens):
     plain_hf = make_hf_family("gpt_oss", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     plain, yarn = HookedTransformer.from_hf(plain_hf), HookedTransformer.from_hf(make_hf_family("gpt_oss"))
-    assert plain.cfg.rope_type == "default" and yarn.cfg.rope_type == "yarn"
+    assert plain.cfg.rope.type == "default" and yarn.cfg.rope.type == "yarn"
     assert_golden(plain, plain_hf, tokens)
     with torch.no_grad():
         assert max_diff(plain(tokens), yarn(tokens)) > 1e-3

@@ -14,7 +14,7 @@ from lenskit.families.layouts import split_gate_up
 from lenskit.pieces.moe import clamped_swiglu as _clamped_swiglu
 from lenskit.pieces.moe import topk_softmax
 
-ALPHA, LIMIT = ModelConfig.swiglu_alpha, ModelConfig.swiglu_limit  # our defaults, which must be gpt-oss's
+ALPHA, LIMIT = ModelConfig.moe.swiglu_alpha, ModelConfig.moe.swiglu_limit  # our defaults, which must be gpt-oss's
 
 
 def clamped_swiglu(gate, up):

@@ -45,7 +45,7 @@ def test_router_hooks_are_transformers_routing(pair, tokens):
     hf, model = pair
     _, cache = model.run_with_cache(tokens, names_filter=EVERY_HOOK)
     batch, pos = tokens.shape
-    k, n = model.cfg.n_experts_per_token, model.cfg.n_experts
+    k, n = model.cfg.moe.n_experts_per_token, model.cfg.moe.n_experts
     theirs = hf_routing(hf, tokens)
     assert sorted(theirs) == moe_layers(model) and moe_layers(model)
     for i, (logits, weights, indices) in theirs.items():
@@ -116,7 +116,7 @@ def test_mixtral_sliding_window_bites(tokens):
 def test_norm_topk_prob_both_ways(family, norm, tokens):
     hf = make_hf_family(family, norm_topk_prob=norm, seed=7)
     model = HookedTransformer.from_hf(hf)
-    assert model.cfg.routing == ("softmax_topk_renorm" if norm else "softmax_topk")
+    assert model.cfg.moe.routing == ("softmax_topk_renorm" if norm else "softmax_topk")
     assert_golden(model, hf, tokens)
     _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_expert_weights"))
     sums = cache["blocks.0.mlp.hook_expert_weights"].sum(-1)
@@ -129,7 +129,7 @@ def test_norm_topk_prob_both_ways(family, norm, tokens):
 def test_qwen3_moe_dense_blocks(overrides, dense, tokens):
     hf = make_hf_family("qwen3_moe", num_hidden_layers=3, **overrides)
     model = HookedTransformer.from_hf(hf)
-    assert model.cfg.dense_layers == dense
+    assert model.cfg.moe.dense_layers == dense
     for i, block in enumerate(model.blocks):
         assert isinstance(block.mlp, MoE) != (i in dense)
         if i in dense:  # the ordinary MLP at intermediate_size, beside experts of moe_intermediate_size
@@ -142,7 +142,7 @@ def test_qwen3_moe_dense_blocks(overrides, dense, tokens):
 def test_olmoe_qk_norm_spans_the_whole_projection():
     model = HookedTransformer.from_hf(make_hf_family("olmoe"))
     c = model.cfg
-    assert c.qk_norm and not c.qk_norm_per_head and c.norm_placement == "pre"
+    assert c.attention.qk_norm and not c.attention.qk_norm_per_head and c.norm_placement == "pre"
     assert model.blocks[0].attn.q_norm.weight.shape == (c.n_heads * c.d_head,)
     assert model.blocks[0].attn.k_norm.weight.shape == (c.n_kv_heads * c.d_head,)
 
@@ -175,7 +175,7 @@ def test_both_expert_spellings_load_memory_mapped(family, tmp_path, tokens):
 
 def test_expert_weight_views_are_transformers_experts(pair, tokens):
     hf, model = pair
-    m, n = model.cfg.d_expert, model.cfg.n_experts
+    m, n = model.cfg.moe.d_expert, model.cfg.moe.n_experts
     _, cache = model.run_with_cache(tokens, names_filter=EVERY_HOOK)
     for i in moe_layers(model):
         experts, mlp = hf_blocks(hf)[i].mlp.experts, model.blocks[i].mlp
@@ -190,7 +190,7 @@ def test_expert_weight_views_are_transformers_experts(pair, tokens):
         by_views = torch.einsum("bpkm,bpkmd->bpkd", torch.nn.functional.silu(torch.einsum("bpd,bpkdm->bpkm", x, mlp.W_gate[chosen]))
                                 * torch.einsum("bpd,bpkdm->bpkm", x, mlp.W_in[chosen]), mlp.W_out[chosen])
         torch.testing.assert_close(by_views, cache[f"blocks.{i}.mlp.hook_expert_out"], atol=1e-5, rtol=0)
-    if model.cfg.dense_layers:
+    if model.cfg.moe.dense_layers:
         with pytest.raises(ValueError, match=r"model.W_in cannot stack the blocks' mlp.W_in: their shapes differ"):
             model.W_in  # noqa: B018 - a MoE block and a dense one
     else:

@@ -65,7 +65,7 @@ def test_zero_removes_exactly_the_experts_weighted_output(model, tokens, clean, 
 
 
 def test_reroute_is_the_routing_rule_without_the_expert(model, tokens, clean):
-    layer, gone, k = 0, 2, model.cfg.n_experts_per_token
+    layer, gone, k = 0, 2, model.cfg.moe.n_experts_per_token
     _, cache = model.run_with_cache(tokens, names_filter=EVERY_HOOK,
                                     fwd_hooks=expert_ablation_hooks(model, [Expert(layer, gone)], mode="reroute"))
     x, logits = clean[f"blocks.{layer}.ln2.hook_normalized"], clean[hook(layer, "router_logits")]
@@ -76,7 +76,7 @@ def test_reroute_is_the_routing_rule_without_the_expert(model, tokens, clean):
         for b in range(x.shape[0]):
             for p in range(x.shape[1]):
                 row = [float("-inf") if j == gone else v for j, v in enumerate(logits[b, p].tolist())]
-                order, weights = route_by_hand(row, k, model.cfg.routing)
+                order, weights = route_by_hand(row, k, model.cfg.moe.routing)
                 assert gone not in order
                 assert cache[hook(layer, "expert_indices")][b, p].tolist() == order
                 want[b, p] = sum(w * experts[j](x[b, p][None])[0] for j, w in zip(order, weights))
@@ -95,7 +95,7 @@ def test_positions_restrict_either_mode(model, tokens):
 
 
 def test_bad_expert_targets_are_refused_by_name(model):
-    n, k = model.cfg.n_experts, model.cfg.n_experts_per_token
+    n, k = model.cfg.moe.n_experts, model.cfg.moe.n_experts_per_token
     with pytest.raises(IndexError, match=f"expert {n} is out of range; block 0 has {n} experts"):
         expert_ablation_hooks(model, Expert(0, n))
     with pytest.raises(ValueError, match="unknown expert ablation mode 'mean'; expected one of zero, reroute"):
@@ -104,7 +104,7 @@ def test_bad_expert_targets_are_refused_by_name(model):
         expert_ablation_hooks(model, Expert(0, range(n - k + 1)), mode="reroute")
     with pytest.raises(TypeError, match="experts are ablated by lenskit.intervene.experts.expert_ablation_hooks"):
         ablation_hooks(model, [Expert(0, 1)])
-    if model.cfg.dense_layers:
+    if model.cfg.moe.dense_layers:
         with pytest.raises(ValueError, match="block 1 of .* has no experts \\(a dense block of this mixture of experts\\)"):
             expert_ablation_hooks(model, Expert(1, 0))
 

@@ -81,7 +81,7 @@ def test_a_nan_weight_gives_nan_on_both_paths_as_in_transformers(family, which, 
     for got in (fused_z, cache[z]):
         assert_same_values(got.flatten(2), want_z, "hook_z")
     assert want_z.isnan().any() and want_logits.isnan().all()
-    if cfg.qk_norm_per_head or not cfg.qk_norm:  # OLMo 2 normalises q (k) over all heads at once: every head is NaN
+    if cfg.attention.qk_norm_per_head or not cfg.attention.qk_norm:  # OLMo 2 normalises q (k) over all heads at once: every head is NaN
         assert not want_z.isnan().all()  # some heads stay finite, so the NaN pattern is compared, not just "all NaN"
 
 
@@ -114,7 +114,7 @@ def test_a_nan_key_spreads_as_transformers_spreads_it(family, tokens):
     assert_same_values(logits, want_logits, "logits")
     assert want_z[:, :pos].isnan().any()  # the earlier queries too: the case the mask's form decides
     cfg = pair.model.cfg
-    if cfg.qk_norm_per_head or not cfg.qk_norm:  # OLMo 2's k norm spans every head: all of them are NaN there
+    if cfg.attention.qk_norm_per_head or not cfg.attention.qk_norm:  # OLMo 2's k norm spans every head: all of them are NaN there
         assert not want_z.isnan().all()
 
 

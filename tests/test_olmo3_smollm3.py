@@ -65,7 +65,7 @@ def test_olmo3_published_spelling_loads_with_parity(tied, tmp_path, tokens):
     ours = HookedTransformer.from_pretrained(tmp_path)
     assert ours.cfg.layer_types == ("sliding", "sliding", "sliding", "full") == tuple(
         t.removesuffix("_attention") for t in theirs.config.layer_types)
-    assert (ours.cfg.rope_type, ours.cfg.rope_attention_factor, ours.cfg.local_rotary_base) == ("yarn", 1.2, 500000.0)
+    assert (ours.cfg.rope.type, ours.cfg.rope.attention_factor, ours.cfg.rope.local_base) == ("yarn", 1.2, 500000.0)
     assert_golden(ours, theirs, tokens)
 
 
@@ -107,7 +107,7 @@ def test_smollm3_yarn_rotary_has_parity(tokens):
     """SmolLM3's card extends its context with YaRN in rope_parameters."""
     hf = make_hf_family("smollm3", rope_parameters=dict(YARN, rope_theta=10000.0))
     model = HookedTransformer.from_hf(hf)
-    assert model.cfg.rope_type == "yarn"
+    assert model.cfg.rope.type == "yarn"
     assert_golden(model, hf, tokens)
 
 

@@ -27,7 +27,7 @@ def test_patching_every_position_of_the_first_stream_recovers_clean_logits(model
     _, cache = model.run_with_cache(clean)
     clean_logits = model(clean)  # a plain run: caching every hook point takes the unfused kernels
     hooks = patching_hooks(model, cache, "resid_pre", 0)
-    if getattr(model.cfg, "d_per_layer", None) is None:
+    if getattr(model.cfg.block, "d_per_layer", None) is None:
         assert torch.equal(model.run_with_hooks(corrupted, fwd_hooks=hooks), clean_logits)
     else:
         beside = held_beside_the_stream(model, clean)  # Gemma 4 E2B/E4B's blocks read the tokens beside the stream
@@ -69,14 +69,14 @@ def test_sweep_identities(model, pair):
     resid = df[df.site == "resid_pre"].set_index(["layer", "position"])["normalized"]
     # Only position 4 differs: at block 0's input, patching it alone restores the clean run (where the stream carries
     # the whole input), the rest is a no-op.
-    assert resid[(0, 4)] == 1.0 or getattr(model.cfg, "d_per_layer", None) is not None
+    assert resid[(0, 4)] == 1.0 or getattr(model.cfg.block, "d_per_layer", None) is not None
     assert (resid.drop((0, 4)).loc[0] == 0.0).all()
     # Positions before the corruption are untouched by it at every layer (causal attention): exactly, but for the
     # rounding of a batch whose rows differ (a MoE's experts see other rows, and some CPUs' kernels block by rows),
     # on both logits of the difference, in units of the clean-corrupted gap.
     gap = abs(df.attrs["clean_metric"] - df.attrs["corrupted_metric"])
     assert (df[df.position < 4]["normalized"].abs() <= 2 * rounding(model, clean) / gap).all()
-    if getattr(model.cfg, "d_per_layer", None) is not None:
+    if getattr(model.cfg.block, "d_per_layer", None) is not None:
         return  # the whole stream does not carry Gemma 4's per-layer inputs
     # The whole stream after any block carries everything: patched at all positions, the clean run comes back.
     whole = activation_patching(model, clean, corrupted, metric, sites=["resid_pre", "resid_post"],

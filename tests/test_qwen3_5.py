@@ -68,12 +68,12 @@ def test_linear_attention_hooks_and_the_state_on_request(pair, long_tokens):
     _, cache = model.run_with_cache(long_tokens)
     assert "blocks.0.attn.hook_state" not in cache  # computed on request only
     batch, pos = long_tokens.shape
-    assert cache["blocks.0.attn.hook_q"].shape == (batch, pos, c.linear_n_k_heads, c.linear_d_k)
-    assert cache["blocks.0.attn.hook_v"].shape == (batch, pos, c.linear_n_v_heads, c.linear_d_v)
-    assert cache["blocks.0.attn.hook_beta"].shape == cache["blocks.0.attn.hook_g"].shape == (batch, pos, c.linear_n_v_heads)
+    assert cache["blocks.0.attn.hook_q"].shape == (batch, pos, c.linear.n_k_heads, c.linear.d_k)
+    assert cache["blocks.0.attn.hook_v"].shape == (batch, pos, c.linear.n_v_heads, c.linear.d_v)
+    assert cache["blocks.0.attn.hook_beta"].shape == cache["blocks.0.attn.hook_g"].shape == (batch, pos, c.linear.n_v_heads)
     _, cache = model.run_with_cache(long_tokens, names_filter=lambda n: n.startswith("blocks.0.attn."))
     state = cache["blocks.0.attn.hook_state"]
-    assert state.shape == (batch, c.linear_n_v_heads, c.linear_d_k, c.linear_d_v)
+    assert state.shape == (batch, c.linear.n_v_heads, c.linear.d_k, c.linear.d_v)
     want = recurrent_gated_delta_rule(*(cache[f"blocks.0.attn.hook_{x}"] for x in ("q", "k", "v", "beta", "g")))[1]
     assert max_diff(state, want) <= 1e-5
 
@@ -152,7 +152,7 @@ def test_presets_count_what_transformers_builds(name):
     weights = sum(p.numel() for n, p in ours.blocks.named_parameters() if p.ndim >= 2)
     short, long = (accounting.flops_per_token(name, n)["forward"] for n in (1024, 4096))
     assert short["attn_proj"] + short["mlp"] == 2 * weights
-    per_token = 6 * cfg.linear_n_v_heads * cfg.linear_d_k * cfg.linear_d_v  # read k, update, read q: per block
+    per_token = 6 * cfg.linear.n_v_heads * cfg.linear.d_k * cfg.linear.d_v  # read k, update, read q: per block
     assert short["linear_core"] == long["linear_core"] == cfg.layer_types.count("linear") * per_token
     assert long["attn_core"] == 4 * short["attn_core"] > 0
 

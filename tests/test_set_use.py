@@ -22,7 +22,7 @@ def refusal(model, switch: str) -> str | None:
         return "layers, which have no per-head"
     if any(getattr(b.attn, "kv_source", None) is not None for b in model.blocks):
         return "kv sharing"
-    if model.cfg.attn_output_gate:
+    if model.cfg.attention.output_gate:
         return "output gate"
     if switch == "set_use_attn_in" and any(b.attn.n_kv_heads != b.attn.n_heads for b in model.blocks):
         return "key/value heads for"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import lenskit
 import lenskit.transformer_lens as transformer_lens
@@ -121,10 +122,74 @@ def test_hooked_transformer_config_builds_a_random_model():
     assert llama.cfg.mlp == "swiglu" and llama.cfg.n_kv_heads == 2 and llama.W_gate is not None
 
 
+def test_hooked_transformer_config_builds_a_relu_mlp():
+    cfg = transformer_lens.HookedTransformerConfig(n_layers=2, d_model=10, n_heads=2, d_head=5, d_mlp=8, n_ctx=20,
+                                                   d_vocab=50, act_fn="relu", seed=4)
+    model = transformer_lens.HookedTransformer(cfg)
+    assert model.cfg.act_fn == "relu" and model.cfg.mlp == "gelu"  # the plain MLP, with ReLU
+    tokens = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(tokens)
+    for layer in range(2):  # by hand: ln2's output -> W_in, b_in -> relu -> W_out, b_out
+        x = cache["normalized", layer, "ln2"]
+        pre = x @ model.W_in[layer] + model.b_in[layer]
+        assert torch.allclose(cache["pre", layer], pre, atol=1e-6) and (pre < 0).any()
+        assert torch.equal(cache["post", layer], torch.relu(cache["pre", layer]))
+        out = cache["post", layer] @ model.W_out[layer] + model.b_out[layer]
+        assert torch.allclose(cache["mlp_out", layer], out, atol=1e-6)
+    assert torch.allclose(logits, cache["ln_final.hook_normalized"] @ model.W_U + model.b_U, atol=1e-5)
+
+
+def test_start_at_layer_runs_the_later_blocks_on_a_given_stream():
+    model = transformer_lens.HookedTransformer(dict(n_layers=3, d_model=10, n_heads=2, d_head=5, d_mlp=8, n_ctx=20,
+                                                    d_vocab=50, act_fn="relu", seed=5))
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        embed, same_tokens, shortformer, mask = model.input_to_embed(tokens)
+        assert torch.equal(same_tokens, tokens) and shortformer is None and mask is None
+        assert torch.equal(model(embed, start_at_layer=0), model(tokens))
+        assert torch.equal(model(embed, start_at_layer=0, tokens=tokens, return_type="loss"),
+                           model(tokens, return_type="loss"))
+        logits, cache = model.run_with_cache(tokens)
+        for start in (1, -1):  # a negative start counts from the end, as a slice does
+            later, seen = model.run_with_cache(cache["resid_pre", start % 3], start_at_layer=start)
+            assert torch.equal(later, logits)  # the same hooks, so the same kernels: bit for bit
+            assert "hook_embed" not in seen and f"blocks.{start % 3 - 1}.hook_resid_post" not in seen
+        middle = model(model(tokens, stop_at_layer=1), start_at_layer=1, stop_at_layer=2)
+        assert torch.equal(middle, model(tokens, stop_at_layer=2))
+    for bad, words in ((dict(start_at_layer=3), "start_at_layer must be an int in \\[-3, 2\\]"),
+                       (dict(start_at_layer=1, return_type="loss"), "needs the token ids"),
+                       (dict(start_at_layer=0, shortformer_pos_embed=embed), "no shortformer positions"),
+                       (dict(start_at_layer=0, attention_mask=torch.zeros(2, 9)), "masked positions")):
+        with pytest.raises(ValueError, match=words):
+            model(embed, **bad)
+    with pytest.raises(ValueError, match=r"the residual stream \[batch, pos, 10\], got a torch.int64 tensor"):
+        model(tokens, start_at_layer=1)
+
+
+@pytest.mark.parametrize("norm", ["LN", "RMS"])
+def test_caching_the_norms_moves_no_number(norm):
+    """The namespace's norms are written out, as TransformerLens's are: a run caching their hooks gives the logits
+    and streams of a run that does not, bit for bit (lenskit's own fused norm differs from its hooked one by rounding)."""
+    model = transformer_lens.HookedTransformer(dict(n_layers=2, d_model=16, n_heads=2, d_head=8, n_ctx=20, d_vocab=50,
+                                                    normalization_type=norm, seed=6))
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(tokens)
+        assert torch.equal(logits, model(tokens)) and torch.equal(cache["resid_post", 0], model(tokens, stop_at_layer=1))
+        ln = model.blocks[1].ln2
+        x = cache["resid_mid", 1] - cache["resid_mid", 1].mean(-1, keepdim=True) if norm == "LN" else cache["resid_mid", 1]
+        scale = (x.pow(2).mean(-1, keepdim=True) + ln.eps).sqrt()
+        assert torch.allclose(cache["scale", 1, "ln2"], scale, atol=1e-6)
+        assert torch.allclose(ln(cache["resid_mid", 1]), F.layer_norm(cache["resid_mid", 1], (16,), ln.weight, ln.bias)
+                              if norm == "LN" else F.rms_norm(cache["resid_mid", 1], (16,), ln.weight, ln.eps), atol=1e-6)
+
+
 @pytest.mark.parametrize("bad, words", [
     (dict(attn_only=True), "always have an MLP"),
     (dict(normalization_type="LNPre"), "fold_ln"),
     (dict(act_fn="solu_ln"), "act_fn='solu_ln'"),
+    (dict(act_fn="relu", gated_mlp=True), "act_fn='relu' with gated_mlp=True"),
     (dict(positional_embedding_type="shortformer"), "'standard' and 'rotary'"),
     (dict(not_a_setting=1), "not_a_setting"),
 ])

@@ -36,7 +36,7 @@ def mlp_io(model: HookedTransformer, tokens: torch.Tensor) -> tuple[list[tuple[t
 
 def test_shapes(family_model):
     model = family_model.model
-    if model.cfg.n_experts is not None:
+    if model.cfg.moe.n_experts is not None:
         pytest.skip("a mixture of experts' MLP views are per expert: tests/test_moe.py checks them")
     c = model.cfg
     gated = c.mlp != "gelu"
@@ -65,12 +65,12 @@ def test_shapes(family_model):
         with pytest.raises(ValueError, match=rf"block {l} has no key or value weights: it reads block {c.kv_source(l)}'s"):
             model.blocks[l].attn.W_K
     headed = [l for l in headed if c.kv_source(l) is None]
-    if c.full_d_head is not None:  # Gemma 4's full blocks have wider heads: no stack, each block has its own views
+    if c.attention.full_d_head is not None:  # Gemma 4's full blocks have wider heads: no stack, each block has its own views
         with pytest.raises(ValueError, match=r"model.W_Q cannot stack .* their shapes differ"):
             model.W_Q
         headed = [l for l in headed if c.d_head_of(l) == c.d_head]
         wide = next(l for l in range(c.n_layers) if c.d_head_of(l) != c.d_head)
-        a, w = model.blocks[wide].attn, c.full_d_head
+        a, w = model.blocks[wide].attn, c.attention.full_d_head
         assert a.W_Q.shape == a.W_K.shape == a.W_V.shape == (c.n_heads, c.d_model, w) and a.W_O.shape == (c.n_heads, w, c.d_model)
     attn = {name: torch.stack([getattr(model.blocks[l].attn, name) for l in headed]) if len(headed) < c.n_layers
             else getattr(model, name) for name in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")}
@@ -93,7 +93,7 @@ def test_mlp_views_reproduce_the_mlp(family_model):
     """mlp(x) == act(x @ W_gate + b_gate) * (x @ W_in + b_in) @ W_out + b_out (gated), or
     act(x @ W_in + b_in) @ W_out + b_out (GELU), from the MLP's own input, and each hook in between."""
     model = family_model.model
-    if model.cfg.n_experts is not None:
+    if model.cfg.moe.n_experts is not None:
         pytest.skip("a mixture of experts' MLP views are per expert: tests/test_moe.py checks them")
     c = model.cfg
     seen, cache = mlp_io(model, TOKENS)
@@ -142,7 +142,7 @@ def test_attention_views_reproduce_q_k_v(family_model):
 def test_mlp_views_match_transformers_parameters(family_model):
     """W_in is the ungated input (up_proj, c_fc, dense_h_to_4h), W_gate the gate; Phi-3's are gate_up's halves."""
     family, hf, model = family_model.family, family_model.hf, family_model.model
-    if model.cfg.n_experts is not None:
+    if model.cfg.moe.n_experts is not None:
         pytest.skip("a mixture of experts' MLP views are per expert: tests/test_moe.py checks them")
     layers = hf.transformer.h if family == "gpt2" else hf.gpt_neox.layers if family == "gpt_neox" else hf.model.layers
     for l, layer in enumerate(layers):

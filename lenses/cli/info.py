@@ -123,30 +123,30 @@ def run(args: argparse.Namespace) -> int:
     print(f"  n_layers={cfg.n_layers} d_model={cfg.d_model} n_heads={cfg.n_heads} d_head={cfg.d_head} "
           f"d_mlp={cfg.d_mlp} d_vocab={cfg.d_vocab} n_ctx={cfg.n_ctx} norm={cfg.norm} mlp={cfg.mlp}")
     print(f"  family={cfg.family} n_kv_heads={cfg.n_kv_heads} positions={cfg.positional}"
-          + (f" rotary_dim={cfg.rotary_dim} base={cfg.rotary_base:g} rope_type={cfg.rope_type}" if cfg.positional == "rotary" else "")
+          + (f" rotary_dim={cfg.rope.dim} base={cfg.rope.base:g} rope_type={cfg.rope.type}" if cfg.positional == "rotary" else "")
           + (f" sliding_window={cfg.sliding_window}" if cfg.sliding_window else "")
-          + (" parallel_block" if cfg.parallel_block else "") + (" qk_norm" if cfg.qk_norm else ""))
+          + (" parallel_block" if cfg.parallel_block else "") + (" qk_norm" if cfg.attention.qk_norm else ""))
     extras = [f"norm_placement={cfg.norm_placement}" if cfg.norm_placement != "pre" else "",
               "scale_embed" if cfg.scale_embed else "",
-              f"query_pre_attn_scalar={cfg.query_pre_attn_scalar:g}" if cfg.query_pre_attn_scalar else "",
-              f"attn_softcap={cfg.attn_softcap:g}" if cfg.attn_softcap else "",
+              f"query_pre_attn_scalar={cfg.attention.query_pre_attn_scalar:g}" if cfg.attention.query_pre_attn_scalar else "",
+              f"attn_softcap={cfg.attention.softcap:g}" if cfg.attention.softcap else "",
               f"final_softcap={cfg.final_softcap:g}" if cfg.final_softcap else "",
               f"sliding_blocks={cfg.layer_types.count('sliding')}/{cfg.n_layers}" if cfg.layer_types and "sliding" in
               cfg.layer_types else "",
-              f"local_rotary_base={cfg.local_rotary_base:g}" if cfg.local_rotary_base else "",
+              f"local_rotary_base={cfg.rope.local_base:g}" if cfg.rope.local_base else "",
               f"no_rotary_blocks={list(cfg.nope_layers)}" if cfg.nope_layers else "",
-              f"experts={cfg.n_experts} top_k={cfg.n_experts_per_token} d_expert={cfg.d_expert} routing={cfg.routing}"
-              if cfg.n_experts else "",
-              f"dense_blocks={list(cfg.dense_layers)}" if cfg.dense_layers else "",
+              f"experts={cfg.moe.n_experts} top_k={cfg.moe.n_experts_per_token} d_expert={cfg.moe.d_expert} routing={cfg.moe.routing}"
+              if cfg.moe.n_experts else "",
+              f"dense_blocks={list(cfg.moe.dense_layers)}" if cfg.moe.dense_layers else "",
               f"linear_attention_blocks={cfg.layer_types.count('linear')}/{cfg.n_layers} (Gated DeltaNet: "
-              f"{cfg.linear_n_k_heads} q/k heads of {cfg.linear_d_k}, {cfg.linear_n_v_heads} value heads of {cfg.linear_d_v}, "
-              f"conv width {cfg.linear_conv_width})" if cfg.layer_types and "linear" in cfg.layer_types else "",
-              "attn_output_gate" if cfg.attn_output_gate else "",
-              f"per_layer_inputs={cfg.d_per_layer} (vocabulary {cfg.d_vocab_per_layer})" if cfg.d_per_layer else "",
-              f"kv_shared_blocks={cfg.n_kv_shared_layers} (blocks {cfg.n_layers - cfg.n_kv_shared_layers}.."
+              f"{cfg.linear.n_k_heads} q/k heads of {cfg.linear.d_k}, {cfg.linear.n_v_heads} value heads of {cfg.linear.d_v}, "
+              f"conv width {cfg.linear.conv_width})" if cfg.layer_types and "linear" in cfg.layer_types else "",
+              "attn_output_gate" if cfg.attention.output_gate else "",
+              f"per_layer_inputs={cfg.block.d_per_layer} (vocabulary {cfg.block.d_vocab_per_layer})" if cfg.block.d_per_layer else "",
+              f"kv_shared_blocks={cfg.block.n_kv_shared_layers} (blocks {cfg.n_layers - cfg.block.n_kv_shared_layers}.."
               f"{cfg.n_layers - 1} read the keys of blocks {sorted({s for s in cfg.kv_source_layers if s is not None})})"
-              + (" double_wide_mlp" if cfg.double_wide_mlp else "") if cfg.n_kv_shared_layers else "",
-              "experts_beside_mlp" if cfg.experts_beside_mlp else ""]
+              + (" double_wide_mlp" if cfg.block.double_wide_mlp else "") if cfg.block.n_kv_shared_layers else "",
+              "experts_beside_mlp" if cfg.block.experts_beside_mlp else ""]
     if any(extras):
         print("  " + " ".join(e for e in extras if e))
 
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nper block (block 0, a {cfg.layer_type(0)}-attention block; the model mixes linear- and full-attention blocks)"
           if hybrid else f"\nper block (x{cfg.n_layers})" if shapes == 1 else
           f"\nper block (block 0, a {cfg.layer_type(0)}-attention block; the blocks have {shapes} shapes)"
-          if not cfg.dense_layers else
+          if not cfg.moe.dense_layers else
           f"\nper block (block 0, a {'MoE' if cfg.is_moe_layer(0) else 'dense'} block; the model mixes MoE and dense blocks)")
     per_block = pd.concat([block, block.sum().to_frame("total").T])
     per_block["share"] = per_block["params"] / block["params"].sum()

@@ -13,12 +13,11 @@ reader in `readers.py` and a writer in `writers.py` (plus a layout in `layouts.p
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from . import readers, readers_hybrid, readers_moe, writers
-from ..config import ModelConfig
+from ..config import ModelConfig, register_families
 from .layouts import GEMMA, GPT2, GPT_NEOX, GPT_OSS, LLAMA, MIXTRAL, MOE, OLMO2, PHI3, QWEN3_5, Layout
 from .layouts_gemma4 import GEMMA4
 from .presets import GEMMA2_FIELDS, GEMMA3_FIELDS, LLAMA3_FIELDS, OLMO2_FIELDS, OLMOE_FIELDS, QWEN3_MOE_FIELDS, gemma_preset, gemma4_preset, gpt2_preset, gpt_oss_preset, llama_preset, named_presets, olmo3_preset, pythia_preset, qwen3_5_preset
@@ -53,8 +52,8 @@ class Family:
             back = ModelConfig(**readers.read_config(written, self.model_type, self.read), name=cfg.name)
         except ValueError as e:
             raise ValueError(f"this config cannot be saved as model_type={self.model_type!r}: {e}") from e
-        lost = [f"{f.name}={getattr(cfg, f.name)!r} (would read back as {getattr(back, f.name)!r})"
-                for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(back, f.name)]
+        ours, theirs = cfg.to_flat_dict(), back.to_flat_dict()  # by flat name: the field that would not come back
+        lost = [f"{k}={v!r} (would read back as {theirs[k]!r})" for k, v in ours.items() if v != theirs[k]]
         if lost:
             raise ValueError(f"a model_type={self.model_type!r} config.json cannot express {'; '.join(lost)}; "
                              "saving in the Hugging Face layout needs the family's own architecture")
@@ -288,3 +287,6 @@ def config_fields(d: Mapping[str, Any], tensor_names: Iterable[str] | None = Non
         raise ValueError(f"config field {e}") from None
     n_blocks = None if tensor_names is None else family.layout.block_count(tensor_names)
     return readers.read_config(d, family.model_type, family.read, n_blocks)
+
+
+register_families(presets=PRESETS, config_fields=config_fields, family_of=family_of)  # ModelConfig looks them up there

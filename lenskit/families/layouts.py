@@ -127,13 +127,13 @@ class FusedExperts:
 
     def shapes(self, cfg) -> tuple[tuple[int, ...], ...]:
         """The stored shapes of `gate_up` and `down` (then of `biases`, where there are any) for `cfg`."""
-        return (cfg.n_experts, 2 * cfg.d_expert, cfg.d_model), (cfg.n_experts, cfg.d_model, cfg.d_expert)
+        return (cfg.moe.n_experts, 2 * cfg.moe.d_expert, cfg.d_model), (cfg.moe.n_experts, cfg.d_model, cfg.moe.d_expert)
 
     def parts(self, gate_up: torch.Tensor, down: torch.Tensor, cfg) -> Iterator[tuple[int, str, torch.Tensor]]:
         """(expert, our projection, its weight [out, in]) for every expert: views, not copies. Another storage order
         (transposed, or gate and up rows interleaved) is a subclass that overrides this and `shapes`."""
-        m = cfg.d_expert
-        for e in range(cfg.n_experts):
+        m = cfg.moe.d_expert
+        for e in range(cfg.moe.n_experts):
             yield e, "gate", gate_up[e, :m]
             yield e, "fc_in", gate_up[e, m:]
             yield e, "fc_out", down[e]
@@ -170,25 +170,25 @@ class GptOssExperts(FusedExperts):
     only: bool = True
 
     def shapes(self, cfg) -> tuple[tuple[int, ...], ...]:
-        n, d, m = cfg.n_experts, cfg.d_model, cfg.d_expert
+        n, d, m = cfg.moe.n_experts, cfg.d_model, cfg.moe.d_expert
         return (n, d, 2 * m), (n, m, d), (n, 2 * m), (n, d)
 
     def parts(self, gate_up: torch.Tensor, down: torch.Tensor, cfg) -> Iterator[tuple[int, str, torch.Tensor]]:
-        for e in range(cfg.n_experts):
+        for e in range(cfg.moe.n_experts):
             gate, up = split_gate_up(gate_up[e])  # [d_model, d_expert] each
             yield e, "gate", gate.T
             yield e, "fc_in", up.T
             yield e, "fc_out", down[e].T
 
     def bias_parts(self, gate_up: torch.Tensor, down: torch.Tensor, cfg) -> Iterator[tuple[int, str, torch.Tensor]]:
-        for e in range(cfg.n_experts):
+        for e in range(cfg.moe.n_experts):
             gate, up = split_gate_up(gate_up[e])  # [d_expert] each
             yield e, "gate", gate
             yield e, "fc_in", up
             yield e, "fc_out", down[e]
 
     def fuse(self, expert: Callable[[int, str, str], torch.Tensor], cfg) -> dict[str, torch.Tensor]:
-        experts = range(cfg.n_experts)
+        experts = range(cfg.moe.n_experts)
         gate_up_bias, down_bias = self.biases
         return {
             self.gate_up: torch.stack([_interleave(expert(e, "gate", "weight").T, expert(e, "fc_in", "weight").T)
@@ -264,7 +264,7 @@ class Layout:
         this layout's per-expert names, as views of the fused tensors (a memory-mapped file stays mapped). A fused
         tensor of the wrong shape, or one without its partners, is refused by name; where the fused spelling is the
         family's only one, so is a MoE block without it."""
-        if self.fused is None or cfg.n_experts is None:
+        if self.fused is None or cfg.moe.n_experts is None:
             return dict(tensors)
         fused, out = self.fused, dict(tensors)
         if fused.only:
@@ -283,7 +283,7 @@ class Layout:
             for tensor, key, want in zip(stored, keys, fused.shapes(cfg)):
                 if tuple(tensor.shape) != want:
                     raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, but config.json implies {want} "
-                                     f"([expert, ...] for {cfg.n_experts} experts of width {cfg.d_expert}); fix the "
+                                     f"([expert, ...] for {cfg.moe.n_experts} experts of width {cfg.moe.d_expert}); fix the "
                                      "config or the checkpoint")
             split = [(fused.parts(stored[0], stored[1], cfg), "weight")]
             if fused.biases:
@@ -306,7 +306,7 @@ class Layout:
     def join_fused(self, tensors: Mapping[str, torch.Tensor], cfg, prefix: str = "") -> dict[str, torch.Tensor]:
         """The inverse of `split_fused` for saving, where the fused spelling is the family's only one: `tensors`
         (names with `prefix`) with each MoE block's per-expert tensors replaced by the fused ones."""
-        if self.fused is None or not self.fused.only or cfg.n_experts is None:
+        if self.fused is None or not self.fused.only or cfg.moe.n_experts is None:
             return dict(tensors)
         out = dict(tensors)
         for i in (i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)):

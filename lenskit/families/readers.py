@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from ..config import GELU_ACTIVATIONS, ROPE_TYPES
+from ..config import ACTIVATIONS, GELU_ACTIVATIONS, ROPE_TYPES
 from ..io.mxfp4 import check_family_quantization
 from .fields import HF_LAYER_TYPES, REFUSED, ConfigReader
 from .readers_gemma4 import gemma4_extras
@@ -66,8 +66,8 @@ def read_gpt2(r: ConfigReader) -> dict[str, Any]:
     for field, supported in refuse.items():
         r.require(field, (supported,), supported)
     act = r.d.get("activation_function", "gelu_new")
-    if act not in GELU_ACTIVATIONS:
-        raise ValueError(f"config field activation_function={act!r} is not a GPT-2 activation; supported: {sorted(GELU_ACTIVATIONS)}")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"config field activation_function={act!r} is not an activation lenskit builds; supported: {sorted(ACTIVATIONS)}")
     n_layers = r.n_layers("n_layer")
     d_model, n_heads = _heads(r, "n_embd", "n_head", must_divide=True)
     return {
@@ -80,7 +80,7 @@ def read_gpt2(r: ConfigReader) -> dict[str, Any]:
 
 
 def read_gpt_neox(r: ConfigReader) -> dict[str, Any]:
-    act = r.require("hidden_act", tuple(GELU_ACTIVATIONS), "gelu")
+    act = r.require("hidden_act", ACTIVATIONS, "gelu")
     n_layers = r.n_layers("num_hidden_layers")
     d_model, n_heads = _heads(r, "hidden_size", "num_attention_heads", must_divide=True)
     bias = r.bool("attention_bias", True)

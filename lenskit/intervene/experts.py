@@ -52,14 +52,14 @@ def _checked(model, target: Expert) -> tuple[int, tuple[int, ...]]:
     except (TypeError, IndexError) as e:
         raise type(e)(f"{target!r}: {e}") from None
     if not cfg.is_moe_layer(layer):
-        what = "a dense model" if cfg.n_experts is None else "a dense block of this mixture of experts"
+        what = "a dense model" if cfg.moe.n_experts is None else "a dense block of this mixture of experts"
         raise ValueError(f"{target!r}: block {layer} of {cfg.name} has no experts ({what}); name a MoE block")
     if not target.experts:
         raise ValueError(f"{target!r}: no experts given; name at least one")
-    bad = [e for e in target.experts if not 0 <= e < cfg.n_experts]
+    bad = [e for e in target.experts if not 0 <= e < cfg.moe.n_experts]
     if bad:
-        raise IndexError(f"{target!r}: expert {bad[0]} is out of range; block {layer} has {cfg.n_experts} experts "
-                         f"(0..{cfg.n_experts - 1})")
+        raise IndexError(f"{target!r}: expert {bad[0]} is out of range; block {layer} has {cfg.moe.n_experts} experts "
+                         f"(0..{cfg.moe.n_experts - 1})")
     return layer, tuple(sorted(set(target.experts)))
 
 
@@ -109,8 +109,8 @@ def expert_ablation_hooks(model, targets: Expert | Sequence[Expert], mode: str =
         positions = indices(positions, "positions")
     hooks = []
     for layer, experts in sorted(by_layer.items()):
-        if mode == "reroute" and model.cfg.n_experts - len(experts) < model.cfg.n_experts_per_token:
-            raise ValueError(f"rerouting around {len(experts)} of block {layer}'s {model.cfg.n_experts} experts leaves "
-                             f"fewer than the {model.cfg.n_experts_per_token} each token needs; remove fewer, or use mode 'zero'")
+        if mode == "reroute" and model.cfg.moe.n_experts - len(experts) < model.cfg.moe.n_experts_per_token:
+            raise ValueError(f"rerouting around {len(experts)} of block {layer}'s {model.cfg.moe.n_experts} experts leaves "
+                             f"fewer than the {model.cfg.moe.n_experts_per_token} each token needs; remove fewer, or use mode 'zero'")
         hooks += (_zero if mode == "zero" else _reroute)(layer, tuple(sorted(experts)), positions)
     return hooks

@@ -12,7 +12,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from ..kv_cache import forward_start
+from ..observe.hook_context import forward_start
 
 
 def indices(values: int | Iterable[int] | torch.Tensor, what: str) -> tuple[int, ...]:

@@ -55,7 +55,7 @@ def expected_shapes(cls: type["HookedTransformer"], cfg: ModelConfig) -> dict[st
     """Every parameter shape of `cls(cfg)`, from one-block models on the meta device: blocks of one kind (a
     mixture of experts or a dense MLP) have equal shapes, so a config claiming thousands of layers is checked
     against the files before anything large is built."""
-    if cfg.d_per_layer is not None or cfg.n_kv_shared_layers:  # Gemma 4's: shapes that one block cannot show, e.g.
+    if cfg.block.d_per_layer is not None or cfg.block.n_kv_shared_layers:  # Gemma 4's: shapes that one block cannot show, e.g.
         with torch.device("meta"):  # a sharing block needs its source; n_layers was checked against the files
             return model_shapes(cls(cfg))
 
@@ -64,7 +64,7 @@ def expected_shapes(cls: type["HookedTransformer"], cfg: ModelConfig) -> dict[st
 
     blocks: dict[tuple[bool, str], dict[str, tuple[int, ...]]] = {}  # kind -> one block's shapes
     for moe, mixer in {kind(i) for i in range(cfg.n_layers)}:
-        one_block = cfg.replace(n_layers=1, dense_layers=() if moe or cfg.n_experts is None else (0,),
+        one_block = cfg.replace(n_layers=1, dense_layers=() if moe or cfg.moe.n_experts is None else (0,),
                                 layer_types=None if cfg.layer_types is None else (mixer,))
         with torch.device("meta"):
             one = model_shapes(cls(one_block))

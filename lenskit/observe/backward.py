@@ -16,15 +16,10 @@ tensor hook runs the later point's hooks first, as the gradient meets them going
 
 from __future__ import annotations
 
-from contextvars import ContextVar
-from typing import TYPE_CHECKING, Callable, Union
-
 import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from .hooks import HookPoint
-
-HookFn = Callable[[torch.Tensor, "HookPoint"], Union[torch.Tensor, None]]
+from .hook_context import HookFn  # hook points appear as nn.Module: lenskit.observe.hooks imports this module
 
 
 class Attachment:
@@ -37,13 +32,10 @@ class Attachment:
         self.live = True
 
 
-# The calling context's backward hooks: hook point -> its attachments, in attachment order; None when there are none.
-BACKWARD_HOOKS: ContextVar["dict[HookPoint, tuple[Attachment, ...]] | None"] = ContextVar("lenskit_bwd_hooks", default=None)
-
-
-def attach_backward(hp: "HookPoint", x: torch.Tensor, global_hooks: list[Attachment]) -> torch.Tensor:
-    """Register the backward hooks of `hp` (its global ones, then the context's) on its output `x`; returns x."""
-    local = BACKWARD_HOOKS.get()
+def attach_backward(hp: nn.Module, x: torch.Tensor, global_hooks: list[Attachment],
+                    local: dict[nn.Module, tuple[Attachment, ...]] | None) -> torch.Tensor:
+    """Register the backward hooks of `hp` (its global ones, then the calling context's, `local`:
+    lenskit.observe.hook_context) on its output `x`; returns x."""
     attached = (*global_hooks, *(local.get(hp, ()) if local else ()))
     if not attached or not x.requires_grad:
         return x  # no gradient will arrive here
@@ -56,7 +48,7 @@ def attach_backward(hp: "HookPoint", x: torch.Tensor, global_hooks: list[Attachm
     return x
 
 
-def _run(chain: list[tuple["HookPoint", tuple[Attachment, ...]]], grad: torch.Tensor) -> torch.Tensor:
+def _run(chain: list[tuple[nn.Module, tuple[Attachment, ...]]], grad: torch.Tensor) -> torch.Tensor:
     for hp, attached in chain:
         for a in attached:
             if a.live:
@@ -66,7 +58,7 @@ def _run(chain: list[tuple["HookPoint", tuple[Attachment, ...]]], grad: torch.Te
     return grad
 
 
-def _checked(hp: "HookPoint", fn: HookFn, out: object, grad: torch.Tensor) -> torch.Tensor:
+def _checked(hp: nn.Module, fn: HookFn, out: object, grad: torch.Tensor) -> torch.Tensor:
     if isinstance(out, tuple) and len(out) == 1:
         out = out[0]  # torch's module backward hooks return a tuple of gradients, and TransformerLens's hooks are those
     if not isinstance(out, torch.Tensor) or out.shape != grad.shape:

@@ -9,33 +9,42 @@ hook instead, seen by every thread until it is removed or `reset_hooks()` runs; 
 stays through `reset_hooks()` too, unless that is called with `including_permanent=True`, as in TransformerLens.
 
 Backward hooks (`bwd_hooks=`, `dir="bwd"`) see the gradient reaching a hook point; see `lenskit.observe.backward`.
-`CacheRecording` (lenskit.observe.recording) is what `run_with_cache` attaches; TransformerLens's administration
-methods for any subclass are in lenskit.observe.hook_admin.
+`CacheRecording` (lenskit.observe.recording) is what `run_with_cache` attaches. The calling context's hooks live in
+lenskit's one context variable (lenskit.observe.hook_context).
+
+`HookedRootModule` is whole here, with TransformerLens's administration (`add_hook`, `run_with_hooks`,
+`run_with_cache`, `reset_hooks` ...), so code written against `transformer_lens.hook_points.HookedRootModule` (an SAE
+that builds HookPoints, calls `self.setup()`, then `run_with_hooks` / `run_with_cache`) runs on lenskit's.
+`lenskit.HookedTransformer` has its own richer `run_with_hooks` / `run_with_cache`, with the same hook semantics.
+
+>>> class Doubler(HookedRootModule):
+...     def __init__(self):
+...         super().__init__()
+...         self.hook_in = HookPoint()    # [batch, d]
+...         self.setup()
+...     def forward(self, x):
+...         return 2 * self.hook_in(x)
+>>> out, cache = Doubler().run_with_cache(torch.ones(1, 3))   # cache: {"hook_in": tensor [1, 3]}
 """
 
 from __future__ import annotations
 
 import re
 from contextlib import contextmanager
-from contextvars import ContextVar
-from typing import Callable, Iterable, Iterator, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 from torch import nn
 
-from .backward import BACKWARD_HOOKS, Attachment, attach_backward, check_gradients_possible
+from .backward import Attachment, attach_backward, backward_from, check_gradients_possible
 from ..suggest import hook_hint
-from .hook_admin import HookAdmin
-from .recording import RECORDING, CacheRecording  # noqa: F401  (CacheRecording: imported from here too)
+from .hook_context import HOOK_CONTEXT
+from .recording import CacheRecording  # noqa: F401  (CacheRecording: imported from here too)
 
 HookFn = Callable[[torch.Tensor, "HookPoint"], Union[torch.Tensor, None]]
 NameOrPredicate = Union[str, Callable[[str], bool]]
 NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
-
-
-# The hooks of the current thread/context: hook point -> its functions, in attachment order.
-# Copied on write, so a context's dict is never changed under another reader; None when there are none.
-_CONTEXT_HOOKS: ContextVar["dict[HookPoint, tuple[HookFn, ...]] | None"] = ContextVar("lenskit_hooks", default=None)
+HookPairs = Iterable["tuple[NameOrPredicate, HookFn]"]
 
 
 def _fn_name(fn: HookFn) -> str:
@@ -92,14 +101,14 @@ class HookPoint(nn.Module):
     def fwd_hooks(self) -> list[LensHandle]:
         """The forward hooks that run here for the calling context, in running order: the global ones, then those of
         the calling context's `hooks()` blocks (whose handles `hooks()` removes on exit)."""
-        local = _CONTEXT_HOOKS.get()
+        local = HOOK_CONTEXT.get().fwd
         mine = local.get(self, ()) if local is not None else ()
         return [*self._fwd_handles, *(LensHandle(self, fn, "fwd", False, None, scoped=True) for fn in mine)]
 
     @property
     def bwd_hooks(self) -> list[LensHandle]:
         """The backward hooks for the calling context: the global ones, then those of its `hooks()` blocks."""
-        local = BACKWARD_HOOKS.get()
+        local = HOOK_CONTEXT.get().bwd
         mine = [a for a in (local.get(self, ()) if local is not None else ()) if a.live]
         return [*self._bwd_handles, *(LensHandle(self, a.fn, "bwd", False, None, scoped=True) for a in mine)]
 
@@ -165,30 +174,33 @@ class HookPoint(nn.Module):
         if dir == "both" and including_permanent and level is None:  # the forward's question: kept cheap
             if self._fns or self._bwd:
                 return True
-            local, bwd = _CONTEXT_HOOKS.get(), BACKWARD_HOOKS.get()
+            context = HOOK_CONTEXT.get()
+            local, bwd = context.fwd, context.bwd
             return (local is not None and self in local) or (bwd is not None and self in bwd)
         dirs = _directions(dir)
         if any(h.dir in dirs and h.matches(including_permanent, level) for h in [*self._fwd_handles, *self._bwd_handles]):
             return True
-        contexts = [var.get() for d, var in (("fwd", _CONTEXT_HOOKS), ("bwd", BACKWARD_HOOKS)) if d in dirs]
+        context = HOOK_CONTEXT.get()
+        contexts = [local for d, local in (("fwd", context.fwd), ("bwd", context.bwd)) if d in dirs]
         return level is None and any(local is not None and self in local for local in contexts)
 
     def hook_fns(self) -> list[HookFn]:
         """The hooks that run here for the calling context: global ones, then the context's."""
-        local = _CONTEXT_HOOKS.get()
+        local = HOOK_CONTEXT.get().fwd
         return [*self._fns, *local.get(self, ())] if local else list(self._fns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = _CONTEXT_HOOKS.get()
+        context = HOOK_CONTEXT.get()
+        local = context.fwd
         mine = local.get(self, ()) if local is not None else ()
         if self._fns or mine:
-            x = self._run(x, (*self._fns, *mine) if self._fns else mine)
-        if self._bwd or BACKWARD_HOOKS.get() is not None:  # without hooks: two context lookups, and x as it came
-            x = attach_backward(self, x, self._bwd)  # on the value the forward hooks left
+            x = self._run(x, (*self._fns, *mine) if self._fns else mine, context.recording)
+        if self._bwd or context.bwd is not None:  # without hooks: one context lookup, and x as it came
+            x = attach_backward(self, x, self._bwd, context.bwd)  # on the value the forward hooks left
         return x
 
-    def _run(self, x: torch.Tensor, fns: tuple[HookFn, ...]) -> torch.Tensor:
-        writer, recording = RECORDING.get() or (None, None)
+    def _run(self, x: torch.Tensor, fns: tuple[HookFn, ...], recorder: tuple | None) -> torch.Tensor:
+        writer, recording = recorder or (None, None)
         for fn in fns:
             if fn is not writer and recording is not None and recording.holds(x):
                 x = x.clone()  # the cache holds x as an earlier point's value: an edit in place here must not reach it
@@ -222,10 +234,10 @@ class HookPoint(nn.Module):
         return f"name={self.name!r}, hooks={len(self.hook_fns())}"
 
 
-class HookedRootModule(HookAdmin, nn.Module):
+class HookedRootModule(nn.Module):
     """A module whose `HookPoint`s are named by their place in the tree. Call `setup()` (or its other name,
-    `setup_hooks()`) last in `__init__`, and again after adding hook points. TransformerLens's administration
-    (`add_hook`, `run_with_hooks`, `run_with_cache` ... for any subclass) is in `lenskit.observe.hook_admin`."""
+    `setup_hooks()`) last in `__init__`, and again after adding hook points. With TransformerLens's administration
+    (`add_hook`, `run_with_hooks`, `run_with_cache` ...) for any subclass."""
 
     # Hook points computed only when something is attached to them (they cost extra work).
     ON_REQUEST: tuple[str, ...] = ()
@@ -309,7 +321,7 @@ class HookedRootModule(HookAdmin, nn.Module):
         if added_bwd:
             check_gradients_possible("a backward hook")
         self.context_level += 1
-        tokens, attachments = [], {}
+        token, attachments = None, {}
         try:
             if not reset_hooks_end:
                 for dir, new in (("fwd", added), ("bwd", added_bwd)):
@@ -318,19 +330,17 @@ class HookedRootModule(HookAdmin, nn.Module):
                             hp.add_hook(fn, dir=dir, level=self.context_level)
                 added, added_bwd = {}, {}
             attachments = {hp: tuple(map(Attachment, fns)) for hp, fns in added_bwd.items()}
-            for var, new in ((_CONTEXT_HOOKS, added), (BACKWARD_HOOKS, attachments)):
-                if new:
-                    merged = dict(var.get() or {})
-                    for hp, fns in new.items():
-                        merged[hp] = (*merged.get(hp, ()), *fns)
-                    tokens.append((var, var.set(merged)))
+            if added or attachments:  # the calling context's hooks, with these after those already there
+                context = HOOK_CONTEXT.get()
+                token = HOOK_CONTEXT.set(context.replace(fwd=_merged(context.fwd, added),
+                                                         bwd=_merged(context.bwd, attachments)))
             yield self
         finally:
             for attached in attachments.values():
                 for a in attached:
                     a.live = False  # a later backward through this forward's graph calls nothing
-            for var, token in reversed(tokens):
-                var.reset(token)
+            if token is not None:
+                HOOK_CONTEXT.reset(token)
             self.context_level -= 1
             if clear_contexts:
                 self.clear_contexts()
@@ -364,14 +374,15 @@ class HookedRootModule(HookAdmin, nn.Module):
         if level is not None:
             return
         mine = set(self.hook_dict.values())
+        context = HOOK_CONTEXT.get()
         if "bwd" in dirs:
-            for attachments in (v for hp, v in (BACKWARD_HOOKS.get() or {}).items() if hp in mine):
+            for attachments in (v for hp, v in (context.bwd or {}).items() if hp in mine):
                 for a in attachments:
                     a.live = False
-        for d, var in (("fwd", _CONTEXT_HOOKS), ("bwd", BACKWARD_HOOKS)):
-            local = var.get()
-            if d in dirs and local:
-                var.set({hp: fns for hp, fns in local.items() if hp not in mine} or None)
+        kept = {d: {hp: fns for hp, fns in (local or {}).items() if hp not in mine} or None if d in dirs else local
+                for d, local in (("fwd", context.fwd), ("bwd", context.bwd))}
+        if kept["fwd"] is not context.fwd or kept["bwd"] is not context.bwd:
+            HOOK_CONTEXT.set(context.replace(**kept))  # until the `hooks()` block that set them exits
 
     def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False,
                     level: int | None = None) -> None:
@@ -386,6 +397,84 @@ class HookedRootModule(HookAdmin, nn.Module):
         """Empty every hook point's `ctx`."""
         for hp in self.hook_dict.values():
             hp.clear_context()
+
+    # ------------------------------------------- TransformerLens's administration
+    def hook_points(self) -> Iterable[HookPoint]:
+        """Every hook point, in module order."""
+        return self.hook_dict.values()
+
+    def add_hook(self, name: NameOrPredicate, hook: HookFn, dir: str = "fwd", is_permanent: bool = False,
+                 level: int | None = None, prepend: bool = False) -> None:
+        """Attach `hook` to a hook point (or every point a predicate on names selects) GLOBALLY: every thread and
+        every later call sees it until `reset_hooks()` (or, with `is_permanent`, `reset_hooks(including_permanent=True)`).
+        `dir="bwd"` attaches a backward hook (`lenskit.observe.backward`); `prepend` runs it before the hooks already
+        there. Prefer `hooks(...)` / `run_with_hooks`, which are temporary and belong to the calling thread."""
+        if not callable(hook):
+            raise TypeError(f"hook for {name!r} is not callable: {hook!r}")
+        if dir not in ("fwd", "bwd"):
+            raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
+        points = self._resolve(name)
+        if dir == "bwd" and not isinstance(name, str):  # a predicate passes over integer points (no gradient there)
+            points = [hp for hp in points if not hp.integer]
+        for hp in points:
+            hp.add_hook(hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend)
+
+    def add_perma_hook(self, name: NameOrPredicate, hook: HookFn, dir: str = "fwd") -> None:
+        """`add_hook(name, hook, dir, is_permanent=True)`."""
+        self.add_hook(name, hook, dir=dir, is_permanent=True)
+
+    def run_with_hooks(self, *model_args: Any, fwd_hooks: HookPairs = (), bwd_hooks: HookPairs = (),
+                       reset_hooks_end: bool = True, clear_contexts: bool = False, **model_kwargs: Any) -> Any:
+        """The forward on `model_args` / `model_kwargs` with the hooks attached for this call (with
+        `reset_hooks_end=False`, attached globally and left there, which backward hooks need: they run only when
+        `.backward()` is called after the forward)."""
+        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end=reset_hooks_end, clear_contexts=clear_contexts):
+            return self(*model_args, **model_kwargs)
+
+    def run_with_cache(self, *model_args: Any, names_filter: NamesFilter = None, device: str | torch.device | None = None,
+                       remove_batch_dim: bool = False, incl_bwd: bool = False, reset_hooks_end: bool = True,
+                       clear_contexts: bool = False, **model_kwargs: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+        """(the forward's output, {hook name: activation}) for the points `names_filter` selects (None: all; a name;
+        a list of names; a predicate). Activations are detached, moved to `device` where given, and with
+        `remove_batch_dim` lose a leading axis of size 1. `incl_bwd=True` calls `.backward()` on the output (a scalar)
+        and keeps the gradient reaching each point under `<name>_grad`."""
+        if remove_batch_dim and model_args and isinstance(model_args[0], torch.Tensor) and model_args[0].ndim > 0 \
+                and model_args[0].shape[0] != 1:
+            raise ValueError(f"remove_batch_dim=True needs a batch of 1; the input's first axis is "
+                             f"{model_args[0].shape[0]}: run one example, or drop remove_batch_dim")
+        cache, fwd, bwd = self.get_caching_hooks(names_filter, incl_bwd, device, remove_batch_dim)
+        with self.hooks(fwd, bwd, reset_hooks_end=reset_hooks_end, clear_contexts=clear_contexts):
+            out = self(*model_args, **model_kwargs)
+            if incl_bwd:
+                backward_from(out)
+        return out, cache
+
+    def get_caching_hooks(self, names_filter: NamesFilter = None, incl_bwd: bool = False,
+                          device: str | torch.device | None = None, remove_batch_dim: bool = False,
+                          cache: dict | None = None) -> tuple[dict, list, list]:
+        """(cache, fwd_hooks, bwd_hooks): hooks that write into `cache` (a new dict unless given), not attached."""
+        cache = {} if cache is None else cache
+
+        def keeper(suffix: str) -> Callable[[torch.Tensor, HookPoint], None]:
+            def keep(x: torch.Tensor, hook: HookPoint) -> None:
+                x = x.detach().to(device)
+                cache[hook.name + suffix] = x.squeeze(0) if remove_batch_dim and x.ndim > 0 and x.shape[0] == 1 else x
+            return keep
+
+        names = self.hook_names(names_filter)
+        fwd = [(name, keeper("")) for name in names]
+        bwd = [(name, keeper("_grad")) for name in names] if incl_bwd else []
+        return cache, fwd, bwd
+
+
+def _merged(local: dict | None, new: dict) -> dict | None:
+    """A context's hook point -> hooks with `new`'s after its own: a new dict (a context's is never edited)."""
+    if not new:
+        return local
+    merged = dict(local or {})
+    for hp, fns in new.items():
+        merged[hp] = (*merged.get(hp, ()), *fns)
+    return merged
 
 
 def _directions(direction: str) -> tuple[str, ...]:

@@ -8,20 +8,13 @@ are written (offload).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from contextvars import ContextVar
 from itertools import islice
-from typing import TYPE_CHECKING, Callable, Iterator, Union
+from typing import Iterator
 
 import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from .hooks import HookPoint
-
-HookFn = Callable[[torch.Tensor, "HookPoint"], Union[torch.Tensor, None]]
-
-# The calling context's running CacheRecording, as (its hook, itself), or None.
-RECORDING: ContextVar["tuple[HookFn, CacheRecording] | None"] = ContextVar("lenskit_recording", default=None)
-
+from .hook_context import HookFn, hook_context  # hook points appear as nn.Module: lenskit.observe.hooks imports this
 
 class CacheRecording:
     """The hook `run_with_cache` attaches to every point it caches, and the activations it kept (`store`).
@@ -49,10 +42,10 @@ class CacheRecording:
         store, in_flight = self.store, self._in_flight
         to_host = device is not None and torch.device(device).type == "cpu"
         if device is None and dtype is None:
-            def record(x: torch.Tensor, hook: "HookPoint") -> None:
+            def record(x: torch.Tensor, hook: nn.Module) -> None:
                 store[hook.name] = x.detach()
         else:
-            def record(x: torch.Tensor, hook: "HookPoint") -> None:  # integer entries (expert indices) keep their dtype
+            def record(x: torch.Tensor, hook: nn.Module) -> None:  # integer entries (expert indices) keep their dtype
                 x = x.detach().to(dtype=dtype if x.is_floating_point() else None)
                 if to_host and x.is_cuda:
                     # Offload: a queued copy into pinned host memory, after any cast on the accelerator (only the
@@ -87,11 +80,8 @@ class CacheRecording:
     @contextmanager
     def recording(self) -> Iterator["CacheRecording"]:
         """Hand other hooks copies of the tensors kept here, for the body of a `with` block."""
-        token = RECORDING.set((self.hook, self))
-        try:
+        with hook_context(recording=(self.hook, self)):  # lenskit.observe.hook_context
             yield self
-        finally:
-            RECORDING.reset(token)
 
     def check_unchanged(self) -> None:
         """Refuse if an entry was edited in place after it was kept, so the cache never holds a later value."""

@@ -1,6 +1,6 @@
 """Running a hooked model: with hooks for one call (`run_with_hooks`), with a cache of activations
 (`run_with_cache`), with SAEs spliced in (`saes`, `run_with_saes`; lenskit.saes.splice). Mixed into `lenskit.HookedTransformer`, which gives them `cfg`, `blocks`, `hook_dict` and its
-forward; `add_hook` and the rest of TransformerLens's hook administration are in lenskit.observe.hook_admin."""
+forward; `add_hook` and the rest of TransformerLens's hook administration are in lenskit.observe.hooks (HookedRootModule)."""
 
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ from ..config_names import note_switch
 from .hooks import HookPoint
 
 if TYPE_CHECKING:
+    from ..pieces.forward_state import ForwardState
     from ..pieces.layers import TransformerBlock
 
 SPLIT_POINTS = ("hook_q_input", "hook_k_input", "hook_v_input")
@@ -104,7 +105,7 @@ def _refuse_where_not_applicable(model: nn.Module, kind: str) -> None:
     if sharing:
         raise ValueError(f"{name}: blocks {sharing} read an earlier block's keys and values (Gemma 4's kv sharing), so "
                          "they have no key or value input of their own; hook their attn.hook_q / hook_k / hook_v instead")
-    if model.cfg.attn_output_gate:
+    if model.cfg.attention.output_gate:
         raise ValueError(f"{name}: this model's query projection also gives each head an output gate (Qwen 3.5), "
                          "which a per-head query input would have to feed as well; hook attn.hook_q / attn.hook_gate instead")
     if kind == "attn_in":
@@ -132,20 +133,22 @@ def _switch_attention(block: "TransformerBlock", kind: str | None) -> None:
     block.read_attn = partial(_read_split if kind == "split_qkv" else _read_attn_in, block, norm)
 
 
-def _read_split(block: "TransformerBlock", norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _read_split(block: "TransformerBlock", norm: nn.Module, x: torch.Tensor,
+                state: "ForwardState | None" = None) -> torch.Tensor:
     """The attention's write from the stream x [batch, pos, d_model], each head's q, k and v read from its own copy."""
     attn = block.attn
     q_in = block.hook_q_input(_per_head(x, attn.n_heads))  # [batch, pos, head, d_model]
     k_in = block.hook_k_input(_per_head(x, attn.n_kv_heads))  # [batch, pos, kv_head, d_model]
     v_in = block.hook_v_input(_per_head(x, attn.n_kv_heads))
-    return attn.from_projections(*_project_per_head(attn, norm(q_in), norm(k_in), norm(v_in)))
+    return attn.from_projections(*_project_per_head(attn, norm(q_in), norm(k_in), norm(v_in)), state=state)
 
 
-def _read_attn_in(block: "TransformerBlock", norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _read_attn_in(block: "TransformerBlock", norm: nn.Module, x: torch.Tensor,
+                  state: "ForwardState | None" = None) -> torch.Tensor:
     """The attention's write from x [batch, pos, d_model], each head's q, k and v read from one copy per head."""
     attn = block.attn
     per_head = norm(block.hook_attn_in(_per_head(x, attn.n_heads)))  # [batch, pos, head, d_model]
-    return attn.from_projections(*_project_per_head(attn, per_head, per_head, per_head))
+    return attn.from_projections(*_project_per_head(attn, per_head, per_head, per_head), state=state)
 
 
 def _per_head(x: torch.Tensor, n: int) -> torch.Tensor:

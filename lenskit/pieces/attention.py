@@ -13,7 +13,6 @@ hook_pattern are [batch, head, query_pos, key_pos]; hook_sink [batch, head, quer
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +23,7 @@ from ..observe.hooks import HookPoint
 from .linear import Linear
 from .qkv import make_qkv
 from .norms import UnitRMSNorm, make_norm
-from ..kv_cache import entry_of
-from .forward_state import keep_kv
+from .forward_state import ForwardState, needed
 from .rotary import Rotary
 from .weights import HeadCircuits
 
@@ -83,10 +81,10 @@ class Attention(HeadCircuits, nn.Module):
         self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, n_kv, d_head
         self.group = cfg.n_heads // n_kv
         self.qkv = make_qkv(cfg, layer)
-        self.out = Linear(cfg.n_heads * d_head, cfg.d_model, bias=cfg.out_bias)
+        self.out = Linear(cfg.n_heads * d_head, cfg.d_model, bias=cfg.attention.out_bias)
         self.mask = make_mask(cfg, layer)
-        self.scale = (d_head if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar) ** -0.5
-        self.softcap = cfg.attn_softcap
+        self.scale = (d_head if cfg.attention.query_pre_attn_scalar is None else cfg.attention.query_pre_attn_scalar) ** -0.5
+        self.softcap = cfg.attention.softcap
         self.hook_q = HookPoint()  # [batch, pos, head, d_head]
         self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
         self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
@@ -94,21 +92,21 @@ class Attention(HeadCircuits, nn.Module):
         self.hook_pattern = HookPoint()  # [batch, head, query_pos, key_pos]
         self.hook_z = HookPoint()  # [batch, pos, head, d_head]
         self.hook_result = HookPoint()  # [batch, pos, head, d_model], computed only when hooked
-        if cfg.attn_output_gate:  # hook_z is then each head's mix times its gate: what the output projection reads
+        if cfg.attention.output_gate:  # hook_z is then each head's mix times its gate: what the output projection reads
             self.hook_gate = HookPoint()  # [batch, pos, head, d_head], sigmoid of the gate, in (0, 1)
         internals = [self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern]
-        if cfg.qk_norm and cfg.qk_norm_per_head:
+        if cfg.attention.qk_norm and cfg.attention.qk_norm_per_head:
             self.q_norm = make_norm(cfg, d_head)  # over d_head, per head, before rotary
             self.k_norm = make_norm(cfg, d_head)
-        elif cfg.qk_norm:  # one norm over every head's features at once (OLMo 2); hooks see [batch, pos, head * d_head]
+        elif cfg.attention.qk_norm:  # one norm over every head's features at once (OLMo 2); hooks see [batch, pos, head * d_head]
             self.q_norm = make_norm(cfg, cfg.n_heads * d_head)
             self.k_norm = make_norm(cfg, n_kv * d_head)
-        if cfg.qk_norm:
+        if cfg.attention.qk_norm:
             internals += [self.q_norm.hook_scale, self.q_norm.hook_normalized, self.k_norm.hook_scale, self.k_norm.hook_normalized]
-        if cfg.v_norm:  # no gain, over d_head per value head (Gemma 4)
+        if cfg.attention.v_norm:  # no gain, over d_head per value head (Gemma 4)
             self.v_norm = UnitRMSNorm(cfg.norm_eps)
             internals += [self.v_norm.hook_scale, self.v_norm.hook_normalized]
-        if cfg.attn_sinks:
+        if cfg.attention.sinks:
             self.sinks = nn.Parameter(torch.zeros(cfg.n_heads))  # [head], a logit per head
             self.hook_sink = HookPoint()  # [batch, head, query_pos]
             internals.append(self.hook_sink)
@@ -118,31 +116,35 @@ class Attention(HeadCircuits, nn.Module):
             self.hook_rot_k = HookPoint()  # [batch, pos, kv_head, d_head]
             internals += [self.hook_rot_q, self.hook_rot_k]
         # Each optional step is chosen here, once; forward calls whichever was chosen.
-        self._norm_qk = (_unchanged if not cfg.qk_norm else self._apply_qk_norm if cfg.qk_norm_per_head
+        self._norm_qk = (_unchanged if not cfg.attention.qk_norm else self._apply_qk_norm if cfg.attention.qk_norm_per_head
                          else self._apply_flat_qk_norm)
-        self._norm_v = self.v_norm if cfg.v_norm else _ungated
+        self._norm_v = self.v_norm if cfg.attention.v_norm else _ungated
         self._cap = _unchanged_scores if self.softcap is None else self._softcap_scores
         self._rotate_qk = self._apply_rotary if cfg.rotates(layer) else _unrotated
-        self._softmax = self._softmax_with_sink if cfg.attn_sinks else _softmax
-        self._fused = self._fused_with_sink if cfg.attn_sinks else self._fused_plain
-        self._gate_z = self._output_gate if cfg.attn_output_gate else _ungated
-        keeps = cfg.n_kv_shared_layers and layer in cfg.kv_source_layers  # a block whose keys later blocks read
-        self._keep_kv = partial(keep_kv, layer) if keeps else _keep_nothing
+        self._softmax = self._softmax_with_sink if cfg.attention.sinks else _softmax
+        self._fused = self._fused_with_sink if cfg.attention.sinks else self._fused_plain
+        self._gate_z = self._output_gate if cfg.attention.output_gate else _ungated
+        self.layer = layer
+        keeps = cfg.block.n_kv_shared_layers and layer in cfg.kv_source_layers  # a block whose keys later blocks read
+        self._keep_kv = self._keep_for_sharing if keeps else _keep_nothing
         self._internals = tuple(internals)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.from_projections(*self.qkv(x))
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
+        """The block's write [batch, pos, d_model] from its normed stream x [batch, pos, d_model], with the forward's
+        `state` (lenskit.pieces.forward_state: its KV cache entry; None for a block alone, which has no cache)."""
+        return self.from_projections(*self.qkv(x), state=state)
 
-    def from_projections(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *gate: torch.Tensor) -> torch.Tensor:
+    def from_projections(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *gate: torch.Tensor,
+                         state: ForwardState | None = None) -> torch.Tensor:
         """The block's write [batch, pos, d_model] from the projections q [batch, pos, head, d_head], k, v [batch, pos,
         kv_head, d_head] (and the gate's logits, as q): where per-head inputs (lenskit.observe.switches) enter too."""
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        past = entry_of(self)  # lenskit.kv_cache: None unless this forward was given past_kv_cache
+        past = None if state is None else state.entry(self)  # lenskit.kv_cache: None unless given past_kv_cache
         q, k = self._rotate_qk(*self._norm_qk(q, k), 0 if past is None else past.n_pos)
         v = self._norm_v(v)
         if past is not None:
             k, v = past.extend(k, v)  # [batch, n_pos + pos, kv_head, d_head]: the cached keys, then these
-        self._keep_kv(k, v)  # where later blocks reuse this block's keys and values (Gemma 4: kv_sharing.py)
+        self._keep_kv(k, v, state)  # where later blocks reuse this block's keys and values (Gemma 4: kv_sharing.py)
         return self.attend(q, k, v, *gate)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *gate: torch.Tensor) -> torch.Tensor:
@@ -156,10 +158,20 @@ class Attention(HeadCircuits, nn.Module):
         else:
             z = self._fused(q, k, v)
         z = self.hook_z(self._gate_z(z, *gate))
-        if not self.hook_result.has_hooks():
-            return self.out(z.reshape(batch, pos, self.n_heads * self.d_head))
-        result = self.hook_result(torch.einsum("bphd,hdm->bphm", z, self.W_O))  # [batch, pos, head, d_model]
-        return result.sum(2) if self.out.bias is None else result.sum(2) + self.out.bias
+        flat = z.reshape(batch, pos, self.n_heads * self.d_head)
+        return self.out(flat) if not self.hook_result.has_hooks() else self._with_result(z, flat)
+
+    def _with_result(self, z: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """The write [batch, pos, d_model] with hook_result [batch, pos, head, d_model], each head's share of it. If
+        the hooks there only read (nothing returned or changed in place, no backward hook), the write is the output
+        projection's, as unhooked; else it is the sum of the hooked shares plus the bias, the same function rounded
+        differently (in bf16 by a few 1e-3 in the logits)."""
+        result = torch.einsum("bphd,hdm->bphm", z, self.W_O)
+        before = result.clone()  # to see an edit in place (inference tensors count no writes, so values are compared)
+        hooked = self.hook_result(result)
+        if hooked is result and torch.equal(result, before) and not self.hook_result.has_hooks("bwd"):
+            return self.out(flat)
+        return hooked.sum(2) if self.out.bias is None else hooked.sum(2) + self.out.bias
 
     # TransformerLens's views of the weights (`x @ W + b`, stacked over layers by lenskit.pieces.weights). Under GQA
     # W_K, W_V, b_K, b_V have one entry per query head, query head h reading kv head h // group, as
@@ -221,6 +233,9 @@ class Attention(HeadCircuits, nn.Module):
 
     def _output_gate(self, z: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return z * self.hook_gate(torch.sigmoid(gate))
+
+    def _keep_for_sharing(self, k: torch.Tensor, v: torch.Tensor, state: ForwardState | None) -> None:
+        needed(state, f"block {self.layer}'s keys for the blocks that share them").keep_kv(self.layer, k, v)
 
     def _softcap_scores(self, scores: torch.Tensor) -> torch.Tensor:
         return torch.tanh(scores / self.softcap) * self.softcap
@@ -317,7 +332,7 @@ def _ungated(z: torch.Tensor) -> torch.Tensor:
     return z
 
 
-def _keep_nothing(k: torch.Tensor, v: torch.Tensor) -> None:
+def _keep_nothing(k: torch.Tensor, v: torch.Tensor, state: ForwardState | None) -> None:
     return None
 
 

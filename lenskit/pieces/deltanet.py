@@ -22,7 +22,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
-from ..kv_cache import entry_of
+from .forward_state import ForwardState
 from .linear import Linear
 
 CHUNK = 64  # positions per chunk: transformers' and the fla kernels' size
@@ -139,14 +139,14 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_k_heads, self.n_v_heads = cfg.linear_n_k_heads, cfg.linear_n_v_heads
-        self.d_k, self.d_v = cfg.linear_d_k, cfg.linear_d_v
+        self.n_k_heads, self.n_v_heads = cfg.linear.n_k_heads, cfg.linear.n_v_heads
+        self.d_k, self.d_v = cfg.linear.d_k, cfg.linear.d_v
         self.sizes = (self.n_k_heads * self.d_k, self.n_k_heads * self.d_k, self.n_v_heads * self.d_v)
         self.in_qkv = Linear(cfg.d_model, sum(self.sizes), bias=False)
         self.in_z = Linear(cfg.d_model, self.n_v_heads * self.d_v, bias=False)
         self.in_b = Linear(cfg.d_model, self.n_v_heads, bias=False)
         self.in_a = Linear(cfg.d_model, self.n_v_heads, bias=False)
-        self.conv_weight = nn.Parameter(torch.zeros(sum(self.sizes), 1, cfg.linear_conv_width))  # [channel, 1, width]
+        self.conv_weight = nn.Parameter(torch.zeros(sum(self.sizes), 1, cfg.linear.conv_width))  # [channel, 1, width]
         self.A_log = nn.Parameter(torch.zeros(self.n_v_heads))  # [v_head]: the decay rate is exp(A_log)
         self.dt_bias = nn.Parameter(torch.ones(self.n_v_heads))  # [v_head]
         self.out_norm = GatedRMSNorm(self.d_v, cfg.norm_eps)
@@ -159,9 +159,11 @@ class GatedDeltaNet(nn.Module):
         self.hook_state = HookPoint()  # [batch, v_head, d_k, d_v], float32, computed only when hooked
         self.hook_z = HookPoint()  # [batch, pos, v_head, d_v]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
+        """The block's write [batch, pos, d_model] from its normed stream x, with the forward's `state`
+        (lenskit.pieces.forward_state: its KV cache entry; None for a block alone, which has no cache)."""
         batch, pos, _ = x.shape
-        past = entry_of(self)  # lenskit.kv_cache: None unless this forward was given past_kv_cache
+        past = None if state is None else state.entry(self)  # lenskit.kv_cache: None unless given past_kv_cache
         mixed = self.in_qkv(x)  # [batch, pos, channel]
         q, k, v = causal_conv(mixed, self.conv_weight, None if past is None else past.conv).split(self.sizes, dim=-1)
         q = self.hook_q(q.view(batch, pos, self.n_k_heads, self.d_k))
@@ -170,13 +172,13 @@ class GatedDeltaNet(nn.Module):
         beta = self.hook_beta(self.in_b(x).sigmoid())  # [batch, pos, v_head]
         g = self.hook_g(-self.A_log.float().exp() * F.softplus(self.in_a(x).float() + self.dt_bias))  # [batch, pos, v_head]
         if past is None or past.state is None:
-            out, state = self.rule(q, k, v, beta, g)  # [batch, pos, v_head, d_v], [batch, v_head, d_k, d_v]
+            out, recurrent = self.rule(q, k, v, beta, g)  # [batch, pos, v_head, d_v], [batch, v_head, d_k, d_v]
         else:  # on from the carried state, by the recurrence: a chunk would pad a one-position step to 64
-            out, state = recurrent_gated_delta_rule(q, k, v, beta, g, past.state)
+            out, recurrent = recurrent_gated_delta_rule(q, k, v, beta, g, past.state)
         if past is not None:
-            past.update(mixed, self.conv_weight.shape[-1], state)
+            past.update(mixed, self.conv_weight.shape[-1], recurrent)
         if self.hook_state.has_hooks():
-            self.hook_state(state)
+            self.hook_state(recurrent)
         gate = self.in_z(x).view(batch, pos, self.n_v_heads, self.d_v)
         z = self.hook_z(self.out_norm(out.to(x.dtype), gate))  # [batch, pos, v_head, d_v]
         return self.out_proj(z.reshape(batch, pos, -1))

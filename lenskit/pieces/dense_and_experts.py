@@ -45,8 +45,8 @@ class Router(nn.Module):
         self.root = cfg.d_model ** -0.5
         self.norm = UnitRMSNorm(cfg.norm_eps)
         self.scale = nn.Parameter(torch.ones(cfg.d_model))  # [d_model]
-        self.proj = Linear(cfg.d_model, cfg.n_experts, bias=False)
-        self.per_expert_scale = nn.Parameter(torch.ones(cfg.n_experts))  # [expert]
+        self.proj = Linear(cfg.d_model, cfg.moe.n_experts, bias=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.moe.n_experts))  # [expert]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.norm(x) * self.scale * self.root)
@@ -58,25 +58,30 @@ class GatedExperts(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_experts, self.d_expert = cfg.n_experts, cfg.d_expert
+        self.n_experts, self.d_expert = cfg.moe.n_experts, cfg.moe.d_expert
         self.act = partial(F.gelu, approximate=cfg.gelu_approximate)
-        self.gate_up = nn.Parameter(torch.empty(cfg.n_experts, 2 * cfg.d_expert, cfg.d_model))
-        self.down = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model, cfg.d_expert))
+        self.gate_up = nn.Parameter(torch.empty(cfg.moe.n_experts, 2 * cfg.moe.d_expert, cfg.d_model))
+        self.down = nn.Parameter(torch.empty(cfg.moe.n_experts, cfg.d_model, cfg.moe.d_expert))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on x [token, d_model] -> [token, d_model]."""
         gate, up = linear(x, self.gate_up[e]).chunk(2, dim=-1)  # [token, d_expert] each
         return linear(self.act(gate) * up, self.down[e])
 
-    def mixed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """Σ_j weights_j · expert_{chosen_j}(x) [batch, pos, d_model]; weights, chosen [batch, pos, k]."""
+    def mixed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+              outputs: torch.Tensor | None = None) -> torch.Tensor:
+        """Σ_j weights_j · expert_{chosen_j}(x) [batch, pos, d_model]; weights, chosen [batch, pos, k]. With `outputs`
+        [batch, pos, k, d_model] (hook_expert_out's), those are the experts' outputs, summed in the one order used
+        without them, so that hooking them only to read leaves the numbers bit for bit as they were."""
         k = chosen.shape[-1]
         flat = x.reshape(-1, x.shape[-1])  # [token, d_model]
+        by_slot = None if outputs is None else outputs.reshape(-1, outputs.shape[-1])  # [token * k, d_model]
         w = weights.reshape(-1, 1)  # [token * k, 1]
         out = torch.zeros_like(flat)
         for e, slots in expert_groups(chosen, self.n_experts):
             token = slots // k
-            out.index_add_(0, token, self.expert(e, flat[token]) * w[slots])
+            y = self.expert(e, flat[token]) if by_slot is None else by_slot[slots]
+            out.index_add_(0, token, y * w[slots])
         return out.view_as(x)
 
     def outputs(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -113,7 +118,7 @@ class DenseAndExperts(SwiGLU):
         self.ln_experts = make_norm(cfg)
         self.experts = GatedExperts(cfg)
         self.ln_experts_post = make_norm(cfg)
-        self.k, self.route = cfg.n_experts_per_token, ROUTES[cfg.routing]
+        self.k, self.route = cfg.moe.n_experts_per_token, ROUTES[cfg.moe.routing]
         self.hook_dense_out = HookPoint()  # [batch, pos, d_model]
         self.hook_router_logits = HookPoint()  # [batch, pos, expert]
         self.hook_expert_indices = HookPoint(integer=True)  # [batch, pos, k], long
@@ -130,7 +135,7 @@ class DenseAndExperts(SwiGLU):
         inputs = self.ln_experts(x)
         if self.hook_expert_out.has_hooks():
             out = self.hook_expert_out(self.experts.outputs(inputs, chosen))  # [batch, pos, k, d_model]
-            moe = (weights.unsqueeze(-1) * out).sum(dim=-2)
+            moe = self.experts.mixed(inputs, weights, chosen, out)
         else:
             moe = self.experts.mixed(inputs, weights, chosen)
         return dense + self.hook_moe_out(self.ln_experts_post(moe))

@@ -1,74 +1,82 @@
-"""What one forward pass hands its blocks beside the stream: Gemma 4's per-layer inputs (E2B, E4B; computed from the
-tokens before the first block, `lenskit.pieces.per_layer`) and the keys and values that kv-sharing blocks read from an
-earlier block (`lenskit.pieces.kv_sharing`).
+"""What one forward pass hands its blocks beside the stream, as an argument: `ForwardState`.
 
-The state lives in a `contextvars` context variable, set by the model's forward for its own duration and reset in a
-`finally`, never on a module: two threads running one model each see their own forward's, as they see their own hooks
-(`lenskit.observe.hooks`). A block that needs the state outside a forward (a block called alone, or `run_blocks`
-resuming from a stream) is refused, naming what it needs.
+`HookedTransformer.forward` makes one per call and passes it down by hand, `run_blocks(x, state=state)` ->
+`block(x, state)` -> `block.attn(x, state)`, as gpt-fast passes its caches. It holds:
 
->>> with forward_state(per_layer=inputs):   # what HookedTransformer.forward does around its blocks
-...     x = model.run_blocks(x)
+- `cache`, the `KVCache` given as `past_kv_cache` (lenskit.kv_cache), and `start`, the position the tokens start at
+  (its length; 0 without one): each attention block extends its own entry, `state.entry(self)`;
+- Gemma 4's per-layer inputs (E2B, E4B; computed from the tokens before the first block, lenskit.pieces.per_layer);
+- the keys and values that kv-sharing blocks read from an earlier block in this forward (lenskit.pieces.kv_sharing).
+
+The state is a local of the call, never an attribute of a module, and the cache's entries belong to the cache the
+caller passed: two threads running one model, each with its own cache, share nothing but the weights. (A cache held
+on each attention module, as gpt-fast does, would be one cache per model, which two threads would overwrite.) Hooks
+are the one thing that reaches the blocks through context (lenskit.observe.hook_context), since a `with
+model.hooks(...)` block wraps calls whose signatures have no room for them.
+
+A block called alone (`model.blocks[3](x)`, or `run_blocks` resuming from a stream) gets no state: it runs as in a
+forward without a cache, and a block that needs the forward's own inputs (Gemma 4's per-layer inputs, shared keys) is
+refused, naming what it needs.
+
+>>> state = ForwardState(per_layer=model.per_layer_inputs(tokens, x))   # what HookedTransformer.forward does
+>>> x = model.run_blocks(x, state=state)
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..kv_cache import DeltaNetState, KeyValues, KVCache
 
 
 @dataclass
 class ForwardState:
-    """One forward's side inputs: the per-layer inputs [batch, pos, layer, d_per_layer] (None where the model has
-    none) and the keys and values each source block kept for the blocks that reuse them, by block index."""
+    """One forward's side inputs: the KV cache it extends (None: none) and the position its tokens start at, the
+    per-layer inputs [batch, pos, layer, d_per_layer] (None where the model has none), and the keys and values each
+    source block kept for the blocks that reuse them, by block index."""
 
+    start: int = 0
+    cache: "KVCache | None" = None
     per_layer: torch.Tensor | None = None
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
+    def entry(self, module: "nn.Module") -> "KeyValues | DeltaNetState | None":
+        """`module`'s entry in this forward's KV cache (the block whose token mixer it is), or None without a cache."""
+        return None if self.cache is None else self.cache.entry_of(module)
 
-_STATE: ContextVar[ForwardState | None] = ContextVar("lenskit_forward_state", default=None)
+    def per_layer_input(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+        """Block `layer`'s per-layer input [batch, pos, d_per_layer], on the device of `like` (the block's stream)."""
+        if self.per_layer is None:
+            raise _alone(f"block {layer}'s per-layer input")
+        return self.per_layer[:, :, layer].to(like.device)
+
+    def keep_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Block `layer`'s keys and values [batch, pos, kv_head, d_head], as its attention reads them, kept for this
+        forward's kv-sharing blocks."""
+        self.kv[layer] = (k, v)
+
+    def shared_kv(self, source: int, reader: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values block `source` kept in this forward, for block `reader`, on the device of `like`."""
+        if source not in self.kv:
+            raise RuntimeError(f"block {reader} reads block {source}'s keys and values, but block {source} has not run "
+                               "in this forward; run the model from its first block")
+        k, v = self.kv[source]
+        return k.to(like.device), v.to(like.device)
 
 
-@contextmanager
-def forward_state(per_layer: torch.Tensor | None = None) -> Iterator[ForwardState]:
-    """A fresh `ForwardState` for the blocks run inside the `with`, in the calling context only."""
-    state = ForwardState(per_layer)
-    token = _STATE.set(state)
-    try:
-        yield state
-    finally:
-        _STATE.reset(token)
-
-
-def current_state(what: str) -> ForwardState:
-    """The running forward's state; outside a forward, a one-line error saying that `what` needs one."""
-    state = _STATE.get()
+def needed(state: ForwardState | None, what: str) -> ForwardState:
+    """`state`, or, for a block called without one, a one-line error saying that `what` needs the model's forward."""
     if state is None:
-        raise RuntimeError(f"{what} is computed by the model's forward from the tokens; run model(tokens) (or "
-                           "run_with_cache / run_with_hooks), not a block or run_blocks on its own")
+        raise _alone(what)
     return state
 
 
-def per_layer_input(layer: int, like: torch.Tensor) -> torch.Tensor:
-    """Block `layer`'s per-layer input [batch, pos, d_per_layer], on the device of `like` (the block's stream)."""
-    return current_state(f"block {layer}'s per-layer input").per_layer[:, :, layer].to(like.device)
-
-
-def keep_kv(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Block `layer`'s keys and values [batch, pos, kv_head, d_head], as its attention reads them, kept for this
-    forward's kv-sharing blocks."""
-    current_state(f"block {layer}'s keys for the blocks that share them").kv[layer] = (k, v)
-
-
-def shared_kv(source: int, reader: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values block `source` kept in this forward, for block `reader`, on the device of `like`."""
-    state = current_state(f"block {reader}'s keys and values (block {source}'s)")
-    if source not in state.kv:
-        raise RuntimeError(f"block {reader} reads block {source}'s keys and values, but block {source} has not run in "
-                           f"this forward; run the model from its first block")
-    k, v = state.kv[source]
-    return k.to(like.device), v.to(like.device)
+def _alone(what: str) -> RuntimeError:
+    return RuntimeError(f"{what} is computed by the model's forward from the tokens; run model(tokens) (or "
+                        "run_with_cache / run_with_hooks), not a block or run_blocks on its own")

@@ -20,7 +20,7 @@ import torch
 
 from ..config import ModelConfig
 from .attention import Attention
-from .forward_state import shared_kv
+from .forward_state import ForwardState, needed
 
 
 class SharedKVAttention(Attention):
@@ -28,19 +28,20 @@ class SharedKVAttention(Attention):
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__(cfg, layer)  # its qkv is q only (qkv.QueryOnly): make_qkv reads cfg.kv_source
-        self.layer, self.kv_source = layer, cfg.kv_source(layer)
+        self.kv_source = cfg.kv_source(layer)
         unused = [getattr(self, name) for name in ("k_norm", "v_norm", "hook_rot_k") if hasattr(self, name)]
         for name in ("k_norm", "v_norm", "hook_rot_k"):
             if hasattr(self, name):
                 delattr(self, name)
         gone = {id(h) for m in unused for h in m.modules()}
         self._internals = tuple(h for h in self._internals if id(h) not in gone)
-        self._norm_q = (_same if not cfg.qk_norm else self._q_norm if cfg.qk_norm_per_head else self._flat_q_norm)
+        self._norm_q = (_same if not cfg.attention.qk_norm else self._q_norm if cfg.attention.qk_norm_per_head else self._flat_q_norm)
         self._rotate_q = self._rotate if cfg.rotates(layer) else _unrotated
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
         q = self.hook_q(self.qkv(x))  # [batch, pos, head, d_head]
-        k, v = shared_kv(self.kv_source, self.layer, q)  # [batch, key_pos, kv_head, d_head], as the source read them
+        state = needed(state, f"block {self.layer}'s keys and values (block {self.kv_source}'s)")
+        k, v = state.shared_kv(self.kv_source, self.layer, q)  # [batch, key_pos, kv_head, d_head], as the source read them
         k, v = self.hook_k(k), self.hook_v(v)
         q = self._rotate_q(self._norm_q(q), k.shape[1] - q.shape[1])  # the queries follow any cached positions
         return self.attend(q, k, v)

@@ -18,7 +18,7 @@ from torch import nn
 from ..config import ModelConfig
 from .attention import Attention
 from .deltanet import GatedDeltaNet
-from .forward_state import per_layer_input
+from .forward_state import ForwardState, needed
 from .kv_sharing import SharedKVAttention
 from ..observe.hooks import HookPoint
 from .linear import Linear
@@ -83,13 +83,13 @@ def _or_zeros(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 class GeluMLP(MLP):
-    """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> GELU (the config's form) -> d_model. Each MLP piece takes
-    its width, `d_mlp` (None: the config's), where a block's differs (`cfg.d_mlp_of`)."""
+    """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> the config's activation (a GELU form, or ReLU) -> d_model.
+    Each MLP piece takes its width, `d_mlp` (None: the config's), where a block's differs (`cfg.d_mlp_of`)."""
 
     def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
         super().__init__()
         d_mlp = cfg.d_mlp if d_mlp is None else d_mlp
-        self.approximate = cfg.gelu_approximate
+        self.act = F.relu if cfg.activation == "relu" else partial(F.gelu, approximate=cfg.gelu_approximate)
         self.fc_in = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
         self.fc_out = Linear(d_mlp, cfg.d_model, bias=cfg.mlp_bias)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
@@ -97,7 +97,7 @@ class GeluMLP(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.hook_pre(self.fc_in(x))
-        post = self.hook_post(F.gelu(pre, approximate=self.approximate))
+        post = self.hook_post(self.act(pre))
         return self.fc_out(post)
 
 
@@ -157,7 +157,7 @@ MLP_CLASSES = {"gelu": GeluMLP, "swiglu": SwiGLU, "geglu": SwiGLU, "swiglu_fused
 def make_mlp(cfg: ModelConfig, layer: int = 0) -> MLP | MoE:
     """Block `layer`'s MLP: a mixture of experts where the config makes that block sparse, the dense MLP with experts
     beside it (Gemma 4 26B-A4B), else the dense MLP, `cfg.d_mlp_of(layer)` wide."""
-    if cfg.experts_beside_mlp:
+    if cfg.block.experts_beside_mlp:
         from .dense_and_experts import DenseAndExperts  # it builds on SwiGLU, so it imports this module
 
         return DenseAndExperts(cfg, cfg.d_mlp_of(layer))
@@ -194,16 +194,18 @@ class TransformerBlock(nn.Module):
         self.hook_mlp_out = HookPoint()  # [batch, pos, d_model]
         self.hook_resid_post = HookPoint()  # [batch, pos, d_model]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
+        """The stream after this block [batch, pos, d_model] from x, the stream before it, with the forward's `state`
+        (lenskit.pieces.forward_state: the KV cache and what else the forward hands down; None for a block alone)."""
         x = self.hook_resid_pre(x)
-        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.read_attn(x))))
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.read_attn(x, state))))
         x = self.hook_resid_post(x + self.hook_mlp_out(self.dropout(self.mlp(self.ln2(x)))))
         return x
 
-    def read_attn(self, x: torch.Tensor) -> torch.Tensor:
+    def read_attn(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
         """The attention's write [batch, pos, d_model] from the stream: attn(ln1(x)). TransformerLens's per-head input
         switches (lenskit.observe.switches) replace this reading, once, on the block itself."""
-        return self.attn(self.ln1(x))
+        return self.attn(self.ln1(x), state)
 
 
 class ParallelBlock(TransformerBlock):
@@ -211,9 +213,9 @@ class ParallelBlock(TransformerBlock):
     own norm. resid_mid is still defined by the identity resid_mid = resid_pre + attn_out, so
     resid_post = resid_mid + mlp_out holds as for a sequential block, but the MLP never sees resid_mid."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
         x = self.hook_resid_pre(x)
-        attn_out = self.hook_attn_out(self.dropout(self.read_attn(x)))
+        attn_out = self.hook_attn_out(self.dropout(self.read_attn(x, state)))
         mlp_out = self.hook_mlp_out(self.dropout(self.mlp(self.ln2(x))))
         return self.hook_resid_post(self.hook_resid_mid(x + attn_out) + mlp_out)
 
@@ -225,9 +227,9 @@ class SandwichBlock(TransformerBlock):
 
     POST_NORMS = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
         x = self.hook_resid_pre(x)
-        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.ln1_post(self.read_attn(x)))))
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.ln1_post(self.read_attn(x, state)))))
         x = self.hook_resid_post(x + self.hook_mlp_out(self.dropout(self.ln2_post(self.mlp(self.ln2(x))))))
         return x
 
@@ -244,20 +246,20 @@ class RescaledSandwichBlock(SandwichBlock):
     def __init__(self, cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> None:
         super().__init__(cfg, dropout, layer)
         self.register_buffer("layer_scalar", torch.ones(1))  # [1], the checkpoint's; a buffer there as here
-        if cfg.d_per_layer is not None:
+        if cfg.block.d_per_layer is not None:
             self.per_layer = PerLayerWrite(cfg)
             self.hook_per_layer_in = HookPoint()  # [batch, pos, d_per_layer]
             self.hook_per_layer_out = HookPoint()  # [batch, pos, d_model]
-            self._per_layer_input = partial(per_layer_input, layer)
+            self.layer = layer  # which slice of the forward's per-layer inputs it reads
         self.hook_rescale_out = HookPoint()  # [batch, pos, d_model]
         # Chosen once: what the MLP reads (with experts: the stream too), and whether a per-layer write follows it.
-        self._mlp = self._mlp_with_experts if cfg.experts_beside_mlp else self._mlp_alone
-        self._late = self._add_per_layer if cfg.d_per_layer is not None else _same_stream
+        self._mlp = self._mlp_with_experts if cfg.block.experts_beside_mlp else self._mlp_alone
+        self._late = self._add_per_layer if cfg.block.d_per_layer is not None else _same_stream
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
         x = self.hook_resid_pre(x)
-        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.ln1_post(self.read_attn(x)))))
-        x = self._late(x + self.hook_mlp_out(self.dropout(self.ln2_post(self._mlp(x)))))
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.ln1_post(self.read_attn(x, state)))))
+        x = self._late(x + self.hook_mlp_out(self.dropout(self.ln2_post(self._mlp(x)))), state)
         return self.hook_resid_post(x + self.hook_rescale_out(x * (self.layer_scalar - 1)))
 
     def _mlp_alone(self, x: torch.Tensor) -> torch.Tensor:
@@ -266,13 +268,14 @@ class RescaledSandwichBlock(SandwichBlock):
     def _mlp_with_experts(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln2(x), x)
 
-    def _add_per_layer(self, x: torch.Tensor) -> torch.Tensor:
+    def _add_per_layer(self, x: torch.Tensor, state: ForwardState | None) -> torch.Tensor:
         """x + the per-layer write, x the stream after the MLP's write [batch, pos, d_model]."""
-        per_layer_in = self.hook_per_layer_in(self._per_layer_input(x))  # [batch, pos, d_per_layer]
+        what = f"block {self.layer}'s per-layer input"
+        per_layer_in = self.hook_per_layer_in(needed(state, what).per_layer_input(self.layer, x))  # [batch, pos, d_per_layer]
         return x + self.hook_per_layer_out(self.dropout(self.per_layer(x, per_layer_in)))
 
 
-def _same_stream(x: torch.Tensor) -> torch.Tensor:
+def _same_stream(x: torch.Tensor, state: ForwardState | None) -> torch.Tensor:
     return x
 
 
@@ -283,14 +286,14 @@ class PostNormBlock(TransformerBlock):
 
     PRE_NORMS, POST_NORMS = False, True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
         x = self.hook_resid_pre(x)
-        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.ln1_post(self.read_attn(x)))))
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.ln1_post(self.read_attn(x, state)))))
         x = self.hook_resid_post(x + self.hook_mlp_out(self.dropout(self.ln2_post(self.mlp(x)))))
         return x
 
-    def read_attn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attn(x)  # no norm before the sublayer
+    def read_attn(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
+        return self.attn(x, state)  # no norm before the sublayer
 
 
 BLOCK_CLASSES = {"pre": TransformerBlock, "sandwich": SandwichBlock, "post": PostNormBlock}
@@ -298,5 +301,5 @@ BLOCK_CLASSES = {"pre": TransformerBlock, "sandwich": SandwichBlock, "post": Pos
 
 def make_block(cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> TransformerBlock:
     """Block `layer` (its index picks its mask and rotary base where the config alternates them)."""
-    cls = ParallelBlock if cfg.parallel_block else RescaledSandwichBlock if cfg.layer_scalar else BLOCK_CLASSES[cfg.norm_placement]
+    cls = ParallelBlock if cfg.parallel_block else RescaledSandwichBlock if cfg.block.layer_scalar else BLOCK_CLASSES[cfg.norm_placement]
     return cls(cfg, dropout, layer)

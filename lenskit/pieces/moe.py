@@ -5,7 +5,7 @@ block's write is their weighted sum.
     weights, experts  = route(logits, k)                       [batch, pos, k] each
     mlp_out           = Σ_j weights_j · expert_{experts_j}(x)  [batch, pos, d_model]
 
-`route` is one of `ROUTES`, chosen once from `cfg.routing`: a softmax over every expert then the top k, the same
+`route` is one of `ROUTES`, chosen once from `cfg.moe.routing`: a softmax over every expert then the top k, the same
 renormalised over those k, or the top k logits then a softmax over them. Each softmax runs in the dtype transformers
 runs it in: float32 after a softmax over every expert, the logits' own dtype for gpt-oss's top k. Experts run grouped by expert: the (token, slot) pairs are sorted by the
 expert they go to, and each expert that has tokens runs once on all of them, never a loop over tokens nor a dense
@@ -18,7 +18,7 @@ ON_REQUEST list). `mlp_out = Σ_j weights_j · expert_out_j` either way, summed 
 reads expert_out leaves the numbers as they were.
 
 The kind of expert is `EXPERTS[cfg.mlp]`: the SwiGLU expert, or gpt-oss's biased one with the clamped SwiGLU
-(`ClampedSwiGLUExpert`); the router has a bias where `cfg.router_bias` says so (gpt-oss).
+(`ClampedSwiGLUExpert`); the router has a bias where `cfg.moe.router_bias` says so (gpt-oss).
 """
 
 from __future__ import annotations
@@ -89,9 +89,9 @@ class SwiGLUExpert(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate = Linear(cfg.d_model, cfg.d_expert, bias=self.BIAS)
-        self.fc_in = Linear(cfg.d_model, cfg.d_expert, bias=self.BIAS)
-        self.fc_out = Linear(cfg.d_expert, cfg.d_model, bias=self.BIAS)
+        self.gate = Linear(cfg.d_model, cfg.moe.d_expert, bias=self.BIAS)
+        self.fc_in = Linear(cfg.d_model, cfg.moe.d_expert, bias=self.BIAS)
+        self.fc_out = Linear(cfg.moe.d_expert, cfg.d_model, bias=self.BIAS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [token, d_model] -> [token, d_model]
         return self.fc_out(F.silu(self.gate(x)) * self.fc_in(x))
@@ -114,7 +114,7 @@ class ClampedSwiGLUExpert(SwiGLUExpert):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        self.alpha, self.limit = cfg.moe.swiglu_alpha, cfg.moe.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [token, d_model] -> [token, d_model]
         return self.fc_out(clamped_swiglu(self.gate(x), self.fc_in(x), self.alpha, self.limit))
@@ -138,10 +138,10 @@ class MoE(nn.Module):
         if cfg.mlp not in EXPERTS:
             raise ValueError(f"ModelConfig.mlp={cfg.mlp!r} has no expert piece for a mixture of experts; "
                              f"lenskit implements experts of kind {sorted(EXPERTS)}")
-        self.k = cfg.n_experts_per_token
-        self.route = ROUTES[cfg.routing]
-        self.router = Linear(cfg.d_model, cfg.n_experts, bias=cfg.router_bias)
-        self.experts = nn.ModuleList(EXPERTS[cfg.mlp](cfg) for _ in range(cfg.n_experts))
+        self.k = cfg.moe.n_experts_per_token
+        self.route = ROUTES[cfg.moe.routing]
+        self.router = Linear(cfg.d_model, cfg.moe.n_experts, bias=cfg.moe.router_bias)
+        self.experts = nn.ModuleList(EXPERTS[cfg.mlp](cfg) for _ in range(cfg.moe.n_experts))
         self.hook_router_logits = HookPoint()  # [batch, pos, expert]
         self.hook_expert_indices = HookPoint(integer=True)  # [batch, pos, k], long
         self.hook_expert_weights = HookPoint()  # [batch, pos, k], the model's dtype

@@ -1,8 +1,11 @@
 """Normalisation pieces: LayerNorm, RMSNorm and Gemma's (1 + w) RMSNorm, each written out, chosen once by `make_norm`;
 and Gemma 4's value norm, an RMSNorm with no gain (`UnitRMSNorm`).
 
-Both expose `hook_scale` ([..., 1], the divisor) and `hook_normalized` (the output), and run the fused
-kernel when neither hook is in use; the two paths compute the same function. After `fold_ln`
+Both expose `hook_scale` ([..., 1], the divisor) and `hook_normalized` (the output). The output is the fused kernel's
+unless a hook on `hook_scale` changes the scale (returns a tensor, edits it in place) or is a backward hook, which
+needs the scale in the graph: then it is computed from the hooked scale, the same function rounded differently (in
+bf16 by up to a few 1e-3). So hooks that only read, on either point, leave every number as an unhooked run gives it,
+and `hook_normalized` always sees exactly what flows on. After `fold_ln`
 (lenskit.processing) a norm's weight is at its identity and LayerNorm's bias is zero, so `hook_normalized` is the
 pure normalisation, TransformerLens's meaning: (x - mean) / scale for LayerNorm, x / scale for RMSNorm.
 """
@@ -34,6 +37,15 @@ class LayerNorm(nn.Module):
         if not (self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()):
             # The fused kernel is what transformers runs; same maths, fewer passes over memory.
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        centred = x - x.mean(-1, keepdim=True)
+        scale = _changed(self.hook_scale, (centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [batch, pos, 1]
+        if scale is None:  # the hooks on it only read: the kernel's numbers stand
+            return self.hook_normalized(F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps))
+        return self.hook_normalized(centred / scale * self.weight + self.bias)
+
+    def written_out(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward step by step, through the hooks, whatever they do (TransformerLens's norms always run this
+        way; the namespace's model uses it so that caching a norm moves no number)."""
         x = x - x.mean(-1, keepdim=True)
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [batch, pos, 1]
         return self.hook_normalized(x / scale * self.weight + self.bias)
@@ -60,6 +72,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()):
             return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        scale = _changed(self.hook_scale, (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [batch, pos, 1]
+        if scale is None:
+            return self.hook_normalized(F.rms_norm(x, x.shape[-1:], self.weight, self.eps))
+        return self.hook_normalized(x / scale * self.weight)
+
+    def written_out(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward step by step, through the hooks, whatever they do (see `LayerNorm.written_out`)."""
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [batch, pos, 1]
         return self.hook_normalized(x / scale * self.weight)
 
@@ -78,9 +97,14 @@ class OffsetRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         if not (self.hook_scale.has_hooks() or self.hook_normalized.has_hooks()):
-            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).type_as(x)
-        scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [batch, pos, 1]
+            return self._fused(xf).type_as(x)
+        scale = _changed(self.hook_scale, (xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [batch, pos, 1]
+        if scale is None:
+            return self.hook_normalized(self._fused(xf).type_as(x))
         return self.hook_normalized((xf / scale * (1.0 + self.weight.float())).type_as(x))
+
+    def _fused(self, xf: torch.Tensor) -> torch.Tensor:
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())
 
     @property
     def gain(self) -> torch.Tensor:
@@ -101,6 +125,18 @@ class UnitRMSNorm(nn.Module):
         xf = x.float()
         scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # [..., 1]
         return self.hook_normalized((xf / scale).type_as(x))
+
+
+def _changed(hook_scale: HookPoint, scale: torch.Tensor) -> torch.Tensor | None:
+    """`scale` [..., 1] through the hooks on `hook_scale`: what they left there, or None where they only read it
+    (returned nothing, changed no value in place, no backward hook), so that the fused kernel's output stands."""
+    if not hook_scale.has_hooks():
+        return None
+    before = scale.clone()  # to see an edit in place (inference tensors count no writes, so values are compared)
+    hooked = hook_scale(scale)
+    if hooked is scale and torch.equal(scale, before) and not hook_scale.has_hooks("bwd"):
+        return None
+    return hooked
 
 
 NORM_CLASSES = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "rmsnorm_offset": OffsetRMSNorm}

@@ -20,14 +20,14 @@ a term of `decompose_resid`), and inside `per_layer`, `hook_pre` (the gate's pre
 `embed_tokens_per_layer`, `per_layer_model_projection`, `per_layer_projection_norm`, and in each layer
 `per_layer_input_gate`, `per_layer_projection`, `post_per_layer_input_norm` (lenskit.families.layouts_gemma4).
 
-The inputs reach the blocks through the forward's state (lenskit.pieces.forward_state), not as an argument, so a
-block's forward is still `block(x)`.
+The inputs reach the blocks in the forward's state (lenskit.pieces.forward_state), the argument each block is run
+with (`block(x, state)`), and each block takes its own slice there.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,6 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
-from .forward_state import forward_state
 from .linear import Linear
 from .norms import make_norm
 
@@ -45,11 +44,11 @@ class PerLayerInputs(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_layers, self.d_per_layer, self.d_model = cfg.n_layers, cfg.d_per_layer, cfg.d_model
-        width = cfg.n_layers * cfg.d_per_layer  # every block's input side by side, as the checkpoint packs them
-        self.embed = nn.Embedding(cfg.d_vocab_per_layer, width)
+        self.n_layers, self.d_per_layer, self.d_model = cfg.n_layers, cfg.block.d_per_layer, cfg.d_model
+        width = cfg.n_layers * cfg.block.d_per_layer  # every block's input side by side, as the checkpoint packs them
+        self.embed = nn.Embedding(cfg.block.d_vocab_per_layer, width)
         self.proj = Linear(cfg.d_model, width, bias=False)
-        self.proj_norm = make_norm(cfg, cfg.d_per_layer)
+        self.proj_norm = make_norm(cfg, cfg.block.d_per_layer)
         self.hook_token = HookPoint()  # [batch, pos, layer, d_per_layer]
         self.hook_proj = HookPoint()  # [batch, pos, layer, d_per_layer]
 
@@ -63,10 +62,6 @@ class PerLayerInputs(nn.Module):
         proj = self.hook_proj(self.proj_norm((self.proj(embed) * self.d_model ** -0.5).view(shape)))
         return (proj + token) * 2 ** -0.5
 
-    def state(self, tokens: torch.Tensor, embed: torch.Tensor) -> AbstractContextManager:
-        """The forward's state (lenskit.pieces.forward_state) holding these inputs, for the blocks run inside it."""
-        return forward_state(self(tokens, embed))
-
 
 class PerLayerWrite(nn.Module):
     """A block's write from its per-layer input: ln_post(out(act(gate(x)) * input)), x the stream after the MLP."""
@@ -74,8 +69,8 @@ class PerLayerWrite(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.act = partial(F.gelu, approximate=cfg.gelu_approximate)
-        self.gate = Linear(cfg.d_model, cfg.d_per_layer, bias=False)
-        self.out = Linear(cfg.d_per_layer, cfg.d_model, bias=False)
+        self.gate = Linear(cfg.d_model, cfg.block.d_per_layer, bias=False)
+        self.out = Linear(cfg.block.d_per_layer, cfg.d_model, bias=False)
         self.ln_post = make_norm(cfg)
         self.hook_pre = HookPoint()  # [batch, pos, d_per_layer]
         self.hook_post = HookPoint()  # [batch, pos, d_per_layer]
@@ -86,17 +81,12 @@ class PerLayerWrite(nn.Module):
         return self.ln_post(self.out(post))
 
 
-def side_inputs(model: nn.Module, cfg: ModelConfig):
-    """What the model's forward runs its blocks inside, chosen once from `cfg`: the per-layer inputs' state, a bare
-    state for kv sharing alone, or nothing. Called as `side_inputs(tokens, embed)` -> a context manager."""
-    if cfg.d_per_layer is not None:
-        return model.per_layer_inputs.state
-    return _bare_state if cfg.n_kv_shared_layers else _no_state
+def side_inputs(model: nn.Module, cfg: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+    """What the model's forward computes before its blocks for them to read beside the stream, chosen once from
+    `cfg`: `side_inputs(tokens, embed)` -> the per-layer inputs [batch, pos, layer, d_per_layer], or None where the
+    model has none (its `ForwardState.per_layer`)."""
+    return model.per_layer_inputs.__call__ if cfg.block.d_per_layer is not None else _none
 
 
-def _bare_state(tokens: torch.Tensor, embed: torch.Tensor) -> AbstractContextManager:
-    return forward_state()
-
-
-def _no_state(tokens: torch.Tensor, embed: torch.Tensor) -> AbstractContextManager:
-    return nullcontext()
+def _none(tokens: torch.Tensor, embed: torch.Tensor) -> None:
+    return None

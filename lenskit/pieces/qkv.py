@@ -17,7 +17,7 @@ class FusedQKV(Linear):
     """One projection to [q heads | k heads | v heads] (GPT-2; NeoX after its per-head layout is unpacked)."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
-        super().__init__(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
+        super().__init__(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=cfg.attention.qkv_bias)
         self.sizes = (cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head)
         self.d_head = cfg.d_head
 
@@ -40,9 +40,9 @@ class SplitQKV(nn.Module):
         super().__init__()
         self.d_head = d_head = cfg.d_head_of(layer)  # block `layer`'s heads (Gemma 4's full blocks have their own)
         n_kv = cfg.n_kv_heads_of(layer)
-        self.q = Linear(cfg.d_model, cfg.n_heads * d_head, bias=cfg.qkv_bias)
-        self.k = Linear(cfg.d_model, n_kv * d_head, bias=cfg.qkv_bias)
-        self.v = Linear(cfg.d_model, n_kv * d_head, bias=cfg.qkv_bias)
+        self.q = Linear(cfg.d_model, cfg.n_heads * d_head, bias=cfg.attention.qkv_bias)
+        self.k = Linear(cfg.d_model, n_kv * d_head, bias=cfg.attention.qkv_bias)
+        self.v = Linear(cfg.d_model, n_kv * d_head, bias=cfg.attention.qkv_bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, pos, _ = x.shape
@@ -60,7 +60,7 @@ class GatedSplitQKV(SplitQKV):
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__(cfg, layer)
-        self.q = Linear(cfg.d_model, 2 * cfg.n_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.q = Linear(cfg.d_model, 2 * cfg.n_heads * cfg.d_head, bias=cfg.attention.qkv_bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, pos, _ = x.shape
@@ -99,7 +99,7 @@ class QueryOnly(Linear):
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         self.d_head = cfg.d_head_of(layer)
-        super().__init__(cfg.d_model, cfg.n_heads * self.d_head, bias=cfg.qkv_bias)
+        super().__init__(cfg.d_model, cfg.n_heads * self.d_head, bias=cfg.attention.qkv_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x).view(*x.shape[:2], -1, self.d_head)  # [batch, pos, head, d_head]
@@ -114,8 +114,8 @@ def make_qkv(cfg: ModelConfig, layer: int = 0) -> nn.Module:
     reads an earlier block's keys and values (`cfg.kv_source`)."""
     if cfg.kv_source(layer) is not None:
         return QueryOnly(cfg, layer)
-    if cfg.fused_qkv:
+    if cfg.attention.fused_qkv:
         return FusedQKV(cfg, layer)
-    if cfg.attn_output_gate:
+    if cfg.attention.output_gate:
         return GatedSplitQKV(cfg, layer)
     return KeyValueQK(cfg, layer) if cfg.k_is_v(layer) else SplitQKV(cfg, layer)

@@ -20,45 +20,45 @@ def inverse_frequencies(cfg: ModelConfig, local: bool = False, dim: int | None =
     """[rotary_dim / 2] angular speeds in fp32, computed as transformers computes them. `local`: for a
     sliding-window block of a model whose local blocks have their own, unscaled base (Gemma 3). `dim`: the rotated
     width where a block's heads are not d_head wide (Gemma 4's full blocks); None: rotary_dim."""
-    dim = cfg.rotary_dim if dim is None else dim
-    own_base = local and cfg.local_rotary_base is not None
-    base = cfg.local_rotary_base if own_base else cfg.rotary_base
+    dim = cfg.rope.dim if dim is None else dim
+    own_base = local and cfg.rope.local_base is not None
+    base = cfg.rope.local_base if own_base else cfg.rope.base
     powers = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # [rotary_dim / 2]
     inv_freq = 1.0 / powers
     if own_base:
         return inv_freq
-    if cfg.rope_type == "llama3":
+    if cfg.rope.type == "llama3":
         inv_freq = _llama3_rescale(inv_freq, cfg)
-    elif cfg.rope_type == "linear":  # positions divided by the factor, i.e. every frequency is
-        inv_freq = inv_freq / cfg.rope_factor
-    elif cfg.rope_type == "yarn":
+    elif cfg.rope.type == "linear":  # positions divided by the factor, i.e. every frequency is
+        inv_freq = inv_freq / cfg.rope.factor
+    elif cfg.rope.type == "yarn":
         inv_freq = _yarn_rescale(powers, cfg)
-    elif cfg.rope_type == "proportional":  # the first share of pairs turn at their usual speed, the rest stand still
-        turning = int(cfg.rope_proportion * dim // 2)
-        inv_freq = torch.cat([inv_freq[:turning], inv_freq.new_zeros(dim // 2 - turning)]) / cfg.rope_factor
+    elif cfg.rope.type == "proportional":  # the first share of pairs turn at their usual speed, the rest stand still
+        turning = int(cfg.rope.proportion * dim // 2)
+        inv_freq = torch.cat([inv_freq[:turning], inv_freq.new_zeros(dim // 2 - turning)]) / cfg.rope.factor
     return inv_freq
 
 
 def attention_factor(cfg: ModelConfig, local: bool = False) -> float:
     """What cos and sin are multiplied by: YaRN's `rope_attention_factor`, by default 0.1 ln(factor) + 1 (the
     paper's sqrt(1/t)), so every score grows by its square; 1 for the other rotary types and for local blocks."""
-    if cfg.rope_type != "yarn" or (local and cfg.local_rotary_base is not None):
+    if cfg.rope.type != "yarn" or (local and cfg.rope.local_base is not None):
         return 1.0
-    if cfg.rope_attention_factor is not None:
-        return cfg.rope_attention_factor
-    return 1.0 if cfg.rope_factor <= 1 else 0.1 * math.log(cfg.rope_factor) + 1.0
+    if cfg.rope.attention_factor is not None:
+        return cfg.rope.attention_factor
+    return 1.0 if cfg.rope.factor <= 1 else 0.1 * math.log(cfg.rope.factor) + 1.0
 
 
 def _llama3_rescale(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """Llama 3.1's long-context scaling: slow (long-wavelength) frequencies are divided by `rope_factor`,
     fast ones kept, and the band between interpolated smoothly."""
-    old_len = cfg.rope_original_n_ctx
-    low_wavelen = old_len / cfg.rope_low_freq_factor
-    high_wavelen = old_len / cfg.rope_high_freq_factor
+    old_len = cfg.rope.original_n_ctx
+    low_wavelen = old_len / cfg.rope.low_freq_factor
+    high_wavelen = old_len / cfg.rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / cfg.rope_factor, inv_freq)
-    smooth = (old_len / wavelen - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
-    smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / cfg.rope.factor, inv_freq)
+    smooth = (old_len / wavelen - cfg.rope.low_freq_factor) / (cfg.rope.high_freq_factor - cfg.rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / cfg.rope.factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
 
@@ -67,20 +67,20 @@ def _yarn_rescale(powers: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """YaRN's "NTK-by-parts": a pair of dims that turns more than `rope_beta_fast` times over the pre-training
     length keeps its speed, one that turns fewer than `rope_beta_slow` times is slowed by `rope_factor`, and the
     dims between are blended along a linear ramp over the dim index (whole dims at its ends with `rope_truncate`)."""
-    dim, base, old_len = cfg.rotary_dim, cfg.rotary_base, cfg.rope_original_n_ctx
+    dim, base, old_len = cfg.rope.dim, cfg.rope.base, cfg.rope.original_n_ctx
 
     def dim_turning(turns: float) -> float:  # the dim index whose pair turns `turns` times over old_len positions
         return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))
 
-    low, high = dim_turning(cfg.rope_beta_fast), dim_turning(cfg.rope_beta_slow)
-    if cfg.rope_truncate:
+    low, high = dim_turning(cfg.rope.beta_fast), dim_turning(cfg.rope.beta_slow)
+    if cfg.rope.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # a step instead of a ramp, as transformers takes it
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [rotary_dim / 2]: 0 fast, 1 slow
     kept = 1 - ramp  # the share of each dim's own speed; written so the rounding is transformers'
-    return 1.0 / (cfg.rope_factor * powers) * (1 - kept) + 1.0 / powers * kept
+    return 1.0 / (cfg.rope.factor * powers) * (1 - kept) + 1.0 / powers * kept
 
 
 class Rotary(nn.Module):
@@ -95,7 +95,7 @@ class Rotary(nn.Module):
         self.cfg, self.local = cfg, local
         # a block whose heads are wider than d_head (Gemma 4's full blocks) turns them whole (ModelConfig checks it)
         d_head = cfg.d_head if d_head is None else d_head
-        self.rotary_dim = cfg.rotary_dim if d_head == cfg.d_head else d_head
+        self.rotary_dim = cfg.rope.dim if d_head == cfg.d_head else d_head
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self.attention_factor = attention_factor(cfg, local)
         # Chosen once: full rotary needs no split and re-join of the passed-through dims.
@@ -134,6 +134,6 @@ class Rotary(nn.Module):
         return torch.cat([self._rotate_all(rot, cos, sin), rest], dim=-1)
 
     def extra_repr(self) -> str:
-        if self.local and self.cfg.local_rotary_base is not None:
-            return f"rotary_dim={self.rotary_dim}, base={self.cfg.local_rotary_base}, rope_type='default' (local)"
-        return f"rotary_dim={self.rotary_dim}, base={self.cfg.rotary_base}, rope_type={self.cfg.rope_type!r}"
+        if self.local and self.cfg.rope.local_base is not None:
+            return f"rotary_dim={self.rotary_dim}, base={self.cfg.rope.local_base}, rope_type='default' (local)"
+        return f"rotary_dim={self.rotary_dim}, base={self.cfg.rope.base}, rope_type={self.cfg.rope.type!r}"

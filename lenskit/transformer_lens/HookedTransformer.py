@@ -20,7 +20,10 @@ The computation is `lenskit.HookedTransformer`'s. This class only sets what Tran
 - a backward hook from `hooks(bwd_hooks=...)` / `run_with_hooks` stays on the graphs of the forwards run in the
   block, as TransformerLens's do, so a backward after the block calls it (lenskit's own turn off on exit);
 - `to_tokens` truncates to n_ctx, and `generate` samples, shows a progress bar and gives text for text, as
-  TransformerLens's do.
+  TransformerLens's do;
+- the forward takes `start_at_layer=` (a stream entering that block, as `input_to_embed` gives one);
+- the norms are always written out, as TransformerLens's are, so caching their hooks moves no number (lenskit's own
+  run the fused kernel when no norm hook is on, equal to rounding).
 """
 
 from __future__ import annotations
@@ -34,9 +37,12 @@ import torch
 import lenskit
 from lenskit.config import ModelConfig
 from lenskit.config_names import note_prepend_bos
+from lenskit.observe.hook_context import HOOK_CONTEXT
 from lenskit.observe.hooks import HookedRootModule, HookPoint  # noqa: F401 - HookedRootModule: imported from here by SAELens
 from lenskit.pieces.attention import SlidingWindowMask
 from lenskit.pieces.embeddings import Unembed
+from lenskit.pieces.forward_state import ForwardState
+from lenskit.pieces.norms import LayerNorm, RMSNorm
 from lenskit.pieces.readout import Readout
 
 from .ActivationCache import ActivationCache
@@ -80,6 +86,9 @@ class HookedTransformer(lenskit.HookedTransformer):
         self.unembed.hook_in, self.unembed.hook_out = HookPoint(), HookPoint()
         self.setup_hooks()
         self.readout = LiveReadout(self)
+        for module in self.modules():  # TransformerLens's norms are written out, so caching one moves no number
+            if type(module) in WRITTEN_OUT:
+                module.__class__ = WRITTEN_OUT[type(module)]
         for block in self.blocks:  # TransformerLens's name for the kind of mask a layer's attention applies
             mask = getattr(getattr(block, "attn", None), "mask", None)
             if mask is not None:
@@ -153,6 +162,55 @@ class HookedTransformer(lenskit.HookedTransformer):
                                    default_prepend_bos=default_prepend_bos, default_padding_side=default_padding_side,
                                    **kwargs)
 
+    def forward(self, input: Any, return_type: str | None = "logits", *, start_at_layer: int | None = None,
+                tokens: torch.Tensor | None = None, shortformer_pos_embed: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, stop_at_layer: int | None = None, **kwargs: Any) -> Any:
+        """lenskit's forward, and TransformerLens's `start_at_layer=l`: `input` is then the residual stream
+        [batch, pos, d_model] entering block l (as `input_to_embed` gives it), which runs blocks[l:stop_at_layer]
+        (a negative l counts from the end, as a slice does); `tokens` are needed only for return_type="loss"."""
+        _refuse_masks(shortformer_pos_embed, attention_mask)
+        if start_at_layer is None:
+            return super().forward(input, return_type, stop_at_layer=stop_at_layer, **kwargs)
+        n = self.cfg.n_layers
+        if not (isinstance(start_at_layer, int) and not isinstance(start_at_layer, bool) and -n <= start_at_layer < n):
+            raise ValueError(f"start_at_layer must be an int in [-{n}, {n - 1}] (the block the stream enters), "
+                             f"got {start_at_layer!r}")
+        if return_type not in ("logits", "loss", "both", None):
+            raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
+        if kwargs:
+            raise ValueError(f"start_at_layer= starts from a residual stream, so {sorted(kwargs)} (options of token "
+                             "input) do not apply; drop them")
+        if not (isinstance(input, torch.Tensor) and input.is_floating_point() and input.ndim == 3
+                and input.shape[-1] == self.cfg.d_model):
+            raise ValueError(f"with start_at_layer= the input is the residual stream [batch, pos, {self.cfg.d_model}], "
+                             f"got {_described(input)}; input_to_embed(tokens)[0] gives it")
+        if self.cfg.block.d_per_layer is not None and tokens is None:
+            raise ValueError("this model's blocks read per-layer inputs from the token ids: pass tokens= with start_at_layer=")
+        if return_type in ("loss", "both") and tokens is None:
+            raise ValueError(f"return_type={return_type!r} needs the token ids: pass tokens= with start_at_layer=")
+        # Gemma 4's per-layer inputs, from the tokens (a ForwardState, as the model's own forward hands down).
+        state = None if tokens is None else ForwardState(0, None, self._side_inputs(tokens, input))
+        x = self.run_blocks(input, start_at_layer, stop_at_layer, state)
+        if stop_at_layer is not None:
+            return x
+        logits = self.readout(x)  # [batch, pos, d_vocab]
+        if return_type in ("logits", None):
+            return logits if return_type else None
+        loss = self.loss_fn(logits, tokens)
+        return loss if return_type == "loss" else (logits, loss)
+
+    def input_to_embed(self, input: Any, prepend_bos: bool | None = None, padding_side: str | None = None,
+                       attention_mask: torch.Tensor | None = None, past_kv_cache: Any = None) -> tuple:
+        """TransformerLens's (residual [batch, pos, d_model], tokens [batch, pos], shortformer_pos_embed, attention_mask):
+        the stream entering block 0, to pass back with `start_at_layer=0`. lenskit builds no shortformer positions,
+        so that entry is None; attention_mask is returned as given."""
+        _refuse_masks(None, attention_mask)
+        if past_kv_cache is not None:
+            raise ValueError("input_to_embed(past_kv_cache=...) is not supported: run the tokens with "
+                             "model(tokens, past_kv_cache=...) instead")
+        tokens = self.validate_tokens(input, prepend_bos, padding_side)
+        return self._stream_start(tokens, 0), tokens, None, attention_mask
+
     def run_with_cache(self, *model_args: Any, pos_slice: Any = None, remove_batch_dim: bool = False,
                        return_cache_object: bool = True, **kwargs: Any) -> tuple[Any, Any]:
         """`lenskit.HookedTransformer.run_with_cache` giving the namespace's `ActivationCache`, and TransformerLens's
@@ -179,12 +237,10 @@ class HookedTransformer(lenskit.HookedTransformer):
         block, as in TransformerLens (torch keeps a module's backward hooks with the graph a forward builds), so a
         `.backward()` after the block still calls it; forwards after the block do not see it. circuit-tracer runs
         its forward inside the block and its backward passes after."""
-        from lenskit.observe.backward import BACKWARD_HOOKS
-
         kept: list = []
         try:
             with super().hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts):
-                kept = [a for attached in (BACKWARD_HOOKS.get() or {}).values() for a in attached]
+                kept = [a for attached in (HOOK_CONTEXT.get().bwd or {}).values() for a in attached]
                 yield self
         finally:
             for attachment in kept:
@@ -306,3 +362,35 @@ def _even_device_map(model_name: str | os.PathLike, n_devices: int) -> dict[str,
     readout = "cuda:0" if cfg.tie_word_embeddings else f"cuda:{n_devices - 1}"
     return {"embed": "cuda:0", "pos_embed": "cuda:0", "ln_final": readout, "unembed": readout,
             **{f"blocks.{i}": f"cuda:{i // per}" for i in range(cfg.n_layers)}}
+
+
+def _refuse_masks(shortformer_pos_embed: Any, attention_mask: Any) -> None:
+    """TransformerLens's forward arguments that lenskit has no counterpart for, refused unless they change nothing."""
+    if shortformer_pos_embed is not None:
+        raise ValueError("shortformer_pos_embed: lenskit builds no shortformer positions; pass None")
+    if attention_mask is not None and not bool(torch.as_tensor(attention_mask).all()):
+        raise ValueError("attention_mask with masked positions: lenskit's forward reads every position; run "
+                         "unpadded windows (or each text alone) instead, or pass None")
+
+
+def _described(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+class WrittenOutLayerNorm(LayerNorm):
+    """lenskit's LayerNorm, always step by step as a hooked run computes it (TransformerLens's LayerNorm is), so
+    that a run caching its hooks gives the numbers of a run that does not, bit for bit (the fused kernel rounds
+    differently, by about 1e-7 of the output)."""
+
+    forward = LayerNorm.written_out
+
+
+class WrittenOutRMSNorm(RMSNorm):
+    """RMSNorm's counterpart of WrittenOutLayerNorm."""
+
+    forward = RMSNorm.written_out
+
+
+WRITTEN_OUT = {LayerNorm: WrittenOutLayerNorm, RMSNorm: WrittenOutRMSNorm}

@@ -3,8 +3,8 @@ lenskit's `ModelConfig` (`to_model_config`), so that `HookedTransformer(HookedTr
 random model of that shape.
 
 Only what lenskit's pieces compute exactly is accepted. Each other setting, when not at its default, is refused by
-name with the reason: attention-only models, LNPre / RMSPre (what `fold_ln` leaves, not a model to train), SoLU and
-ReLU MLPs, shortformer positions, local attention.
+name with the reason: attention-only models, LNPre / RMSPre (what `fold_ln` leaves, not a model to train), SoLU
+MLPs, shortformer positions, local attention.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lenskit.config import GELU_ACTIVATIONS, ModelConfig
+from lenskit.config import ACTIVATIONS, ModelConfig
 
 # TransformerLens's settings that lenskit does not build, each with the value that means "off" and the reason.
 UNSUPPORTED = {
@@ -127,11 +127,11 @@ def to_model_config(cfg: HookedTransformerConfig | dict, tokenizer: Any = None) 
         mlp, activation = "swiglu", "gelu_new"
     elif cfg.gated_mlp and act in ("gelu_new", "gelu_pytorch_tanh"):
         mlp, activation = "geglu", "gelu_pytorch_tanh"
-    elif not cfg.gated_mlp and act in GELU_ACTIVATIONS:
+    elif not cfg.gated_mlp and act in ACTIVATIONS:
         mlp, activation = "gelu", act
     else:
-        raise ValueError(f"act_fn={act!r} with gated_mlp={cfg.gated_mlp}: lenskit builds GELU MLPs "
-                         f"({', '.join(GELU_ACTIVATIONS)}), SwiGLU (silu, gated) and GeGLU (gelu_new, gated)")
+        raise ValueError(f"act_fn={act!r} with gated_mlp={cfg.gated_mlp}: lenskit builds plain MLPs "
+                         f"({', '.join(ACTIVATIONS)}), SwiGLU (silu, gated) and GeGLU (gelu_new, gated)")
     family = "gpt2" if positional == "learned" else ("gpt_neox" if cfg.parallel_attn_mlp else "llama")
     bias = family != "llama"
     model_cfg = ModelConfig(

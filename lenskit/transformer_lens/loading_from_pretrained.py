@@ -86,11 +86,11 @@ def tl_fields(cfg: ModelConfig) -> dict[str, Any]:
         "act_fn": "silu" if cfg.mlp.startswith("swiglu") else cfg.activation,
         "normalization_type": "LN" if cfg.norm == "layernorm" else "RMS",
         "positional_embedding_type": "standard" if cfg.positional == "learned" else "rotary",
-        "rotary_dim": cfg.rotary_dim, "rotary_base": cfg.rotary_base, "n_key_value_heads": cfg.n_kv_heads,
+        "rotary_dim": cfg.rope.dim, "rotary_base": cfg.rope.base, "n_key_value_heads": cfg.n_kv_heads,
         "gated_mlp": gated, "parallel_attn_mlp": cfg.parallel_block, "tie_word_embeddings": cfg.tie_word_embeddings,
         "original_architecture": cfg.family, "output_logits_soft_cap": cfg.final_softcap or -1.0,
-        "attn_scores_soft_cap": cfg.attn_softcap or -1.0, "num_experts": cfg.n_experts,
-        "experts_per_token": cfg.n_experts_per_token,
+        "attn_scores_soft_cap": cfg.attention.softcap or -1.0, "num_experts": cfg.moe.n_experts,
+        "experts_per_token": cfg.moe.n_experts_per_token,
     }
 
 
