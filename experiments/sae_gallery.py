@@ -103,7 +103,7 @@ def main() -> None:
         ctx = " · ".join(f"`…{show_token(c)[-20:]}`**`{show_token(tok, 10)}`**".replace("|", "\\|")
                          for c, tok in zip(t.context.head(2), t.token.head(2)))
         r = readings[(readings.feature == i) & (readings.kind == "promoted")]
-        at = lambda lens, layer, r=r: cell(r[(r.lens == lens) & (r.layer == layer)].token, 3)
+        at = lambda lens, layer, r=r: cell(r[(r.lens == lens) & (r.layer == layer)].token, 3)  # noqa: E731
         lines.append(f"| {i} | {t['rate'].iloc[0]:.2%} | {ctx} | {at('logit', 3)} | {at('tuned', 3)} / {at('tuned', last)} "
                      f"| {at('jacobian', 3)} / {at('jacobian', last)} |")
     (out / "sae_gallery.md").write_text("\n".join(lines) + "\n")

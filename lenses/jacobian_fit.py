@@ -264,13 +264,13 @@ def fit(cls: type[JacobianLens], model: HookedTransformer, tokens: torch.Tensor 
             p.requires_grad_(True)
         model.train(was_training)
 
-    sums, counts = all_reduced([J.value() for J in sums], torch.tensor(counts, device=device), world)
-    n_done, n_tokens = (int(c) for c in counts.tolist())  # once, after the loop
+    total_sums, total_counts = all_reduced([J.value() for J in sums], torch.tensor(counts, device=device), world)
+    n_done, n_tokens = (int(c) for c in total_counts.tolist())  # once, after the loop
     dtype = torch.float64 if model.unembed.weight.dtype == torch.float64 else torch.float32
     info = {"estimator": {"skip_first_positions": est.skip_first_positions, "exclude_last": est.exclude_last,
                           "n_prompts": n_done, "n_tokens": n_tokens, "n_skipped": usable.count(False)},
             "data": provenance, "fit_identity": identity}
-    lens = cls(model, {s: (J / n_done).to(dtype) for s, J in zip(est.streams, sums)}, info)
+    lens = cls(model, {s: (J / n_done).to(dtype) for s, J in zip(est.streams, total_sums)}, info)
     if out is not None and rank == 0:
         lens.save(out)
         ckpt.unlink(missing_ok=True)  # the finished lens replaces it

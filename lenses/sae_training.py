@@ -98,7 +98,7 @@ class _Trainer:
             for i, p in enumerate(params.values()):
                 opt.state[p] = {"step": state["adam_step"].clone(), "exp_avg": state[f"m{i}"], "exp_avg_sq": state[f"v{i}"]}
         scale, last_fired = float(state["scale"]), state["last_fired"]
-        bw, ctx = self.r.batch_windows, self.rows.ctx
+        bw = self.r.batch_windows
         t0, step = time.time(), meta["step"]
         while step < self.steps:
             x, _ = _windows(self.rows, self.order[step * bw : (step + 1) * bw])

@@ -7,7 +7,7 @@ from pathlib import Path
 # kernel without ipywidgets. lenskit's own progress bars are plain tqdm and never need the widget.
 warnings.filterwarnings("ignore", message="IProgress not found")
 
-from . import families  # registers the model families into lenskit.config (presets, config.json conversion)
+from . import families  # noqa: F401 - registers the model families into lenskit.config (presets, config.json conversion)
 from . import accounting
 from .io import data
 from .intervene import interventions, patching

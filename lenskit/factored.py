@@ -201,7 +201,7 @@ class FactoredMatrix:
             raise IndexError(f"too many indices ({len(idx)}) for a FactoredMatrix of shape {tuple(self.shape)}")
         idx = idx + (slice(None),) * (self.ndim - len(idx))  # [*lead, rows, cols]
         lead, rows, cols = idx[:-2], _keep_axis(idx[-2]), _keep_axis(idx[-1])
-        return FactoredMatrix(self.A[(*lead, rows, slice(None))], self.B[(*lead, slice(None), cols)])
+        return FactoredMatrix(self.A[lead + (rows, slice(None))], self.B[lead + (slice(None), cols)])
 
     def __repr__(self) -> str:
         return f"FactoredMatrix: Shape({self.shape}), Hidden Dim({self.mdim})"

@@ -143,9 +143,9 @@ class KVCache:
         if tokens.shape[0] != self.batch_size:
             raise ValueError(f"past_kv_cache holds {self.batch_size} sequence(s) but the tokens have batch "
                              f"{tokens.shape[0]}; make a cache with batch_size={tokens.shape[0]}")
-        if self.n_pos + tokens.shape[1] > model.cfg.n_ctx:
+        if self.n_pos + tokens.shape[1] > self.cfg.n_ctx:  # self.cfg == model.cfg, checked above
             raise ValueError(f"past_kv_cache holds {self.n_pos} positions and {tokens.shape[1]} more would pass "
-                             f"n_ctx={model.cfg.n_ctx}; start a new cache from the last n_ctx tokens")
+                             f"n_ctx={self.cfg.n_ctx}; start a new cache from the last n_ctx tokens")
         if stop_at_layer is not None:
             raise ValueError("past_kv_cache with stop_at_layer would leave the later blocks' entries behind; "
                              "run the whole model, or no cache")

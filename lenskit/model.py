@@ -62,6 +62,7 @@ class HookedTransformer(HookedRootModule):
     """
 
     ON_REQUEST = ("attn.hook_result", "mlp.hook_expert_out", "attn.hook_state")
+    cfg: ModelConfig  # declared here too: the mixins' `cfg: object` would otherwise be its type for mypy
     # The files from_pretrained left the weights memory-mapped from (lenskit.io.mapped), checked before each forward.
     weight_files = None
     # Where each block computes (lenskit.placement); None: all on the weights' one device, as `.to()` put them.

@@ -182,7 +182,7 @@ def _fold_norm(norm: nn.Module, readers: list[nn.Linear], center: bool) -> None:
 def _fold_ln(model: "HookedTransformer") -> None:
     center = model.cfg.norm == "layernorm"  # TransformerLens centres the readers of a LayerNorm only
     for block in model.blocks:
-        if type(block).PRE_NORMS:  # OLMo 2's post-norm blocks have nothing before their sublayers
+        if type(block).PRE_NORMS:  # type: ignore[attr-defined]  # a ModuleList item is a Module to mypy. OLMo 2's post-norm blocks have nothing before their sublayers
             _fold_norm(block.ln1, _readers(block.attn), center)
             _fold_norm(block.ln2, _readers(block.mlp), center)
     _fold_norm(model.ln_final, [model.unembed], center)  # LayerNorm's bias becomes an unembedding bias, b_U

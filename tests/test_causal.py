@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import lenskit
 from conftest import make_hf_gpt2
 from lens_fixtures import random_tuned
-from lenses import LogitLens, TunedLens, metrics
+from lenses import LogitLens, metrics
 from lenses.causal import (ablate_subspace, causal_fidelity, extract_causal_bases, influence_windows, lens_influence,
                            mean_ablate, stream_hiddens)
 

@@ -60,7 +60,7 @@ def test_an_index_that_is_not_an_integer_is_refused_not_rounded(bad):
     }
     calls["expert positions"] = lambda: expert_ablation_hooks(model, Expert(0, 1), positions=[bad])
     calls["patch heads"] = lambda: patching_hooks(model, {}, "head", 0, heads=bad)
-    for what, call in calls.items():
+    for call in calls.values():
         with pytest.raises(TypeError) as err:
             call()
         one_line(err, "must be integers, got")

@@ -41,10 +41,10 @@ def test_direction_through_logit_and_tuned(model, sae_folder):
     assert sorted(frame.layer.unique()) == list(range(3, model.cfg.n_layers + 1)) and first_stream(model, HOOK) == 3
     v = sae.W_dec[5]
     ln = model.ln_final
-    by_hand = lambda u: ((u - u.mean()) * ln.gain) @ model.unembed.weight.T
+    by_hand = lambda u: ((u - u.mean()) * ln.gain) @ model.unembed.weight.T  # noqa: E731
     want = by_hand(v).topk(4)
     logit = frame.query("lens == 'logit' and kind == 'promoted'")
-    for layer, rows in logit.groupby("layer"):  # the raw unembedding: the same at every stream
+    for _, rows in logit.groupby("layer"):  # the raw unembedding: the same at every stream
         assert rows.token_id.tolist() == want.indices.tolist()
         torch.testing.assert_close(torch.tensor(rows.logit.tolist()), want.values.float(), rtol=1e-5, atol=1e-5)
     A = tuned.translator(4)

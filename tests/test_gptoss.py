@@ -13,7 +13,6 @@ import json
 
 import pytest
 import torch
-import transformers
 from conftest import make_hf_family
 from golden import assert_golden, hf_blocks, hf_module_outputs, max_diff
 from safetensors.torch import load_file, save_file

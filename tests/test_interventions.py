@@ -104,7 +104,7 @@ def test_sublayer_zero_matches_zeroing_hf_sublayer_output(model, hf_model, token
 
 
 def test_block_zero_skips_the_block(model, hf_model, tokens):
-    skip = lambda module, args, output: args[0]  # the block's output is its input
+    skip = lambda module, args, output: args[0]  # noqa: E731 - the block's output is its input
     expected = hf_logits(hf_model, tokens, [(hf_model.transformer.h[1], "out", skip)])
     logits, cache = model.run_with_cache(tokens, fwd_hooks=ablation_hooks(model, Block(1)))
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
@@ -204,7 +204,7 @@ def test_resample_matches_hf_with_the_drawn_rows(model, hf_model, tokens):
 @every_family
 def test_resample_is_deterministic_by_seed(model, tokens):
     reference = torch.randint(0, 101, (8, 20), generator=torch.Generator().manual_seed(5))
-    run = lambda seed: model.run_with_hooks(
+    run = lambda seed: model.run_with_hooks(  # noqa: E731
         tokens, fwd_hooks=ablation_hooks(model, Attn(1), mode="resample", reference=reference, seed=seed))
     assert torch.equal(run(0), run(0))
     assert torch.equal(resample_indices(8, 3, 0), resample_indices(8, 3, 0))

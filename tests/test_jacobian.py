@@ -72,7 +72,7 @@ def test_the_identity_is_the_logit_lens_exactly(model, tokens):
 
 
 def test_transform_is_h_times_J_transposed_and_keeps_the_streams_dtype(model, tokens):
-    n, d = model.cfg.n_layers, model.cfg.d_model
+    d = model.cfg.d_model
     g = torch.Generator().manual_seed(2)
     J = torch.randn(d, d, generator=g) / d ** 0.5
     lens = JacobianLens(model, {1: J})

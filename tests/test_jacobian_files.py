@@ -16,7 +16,6 @@ import lenskit
 from conftest import make_hf_family, make_hf_gpt2
 from families import family_model_of
 from lens_fixtures import write_tiny_model
-from lenskit import Stream
 from lenses import JacobianLens
 from lenses.jacobian_fit import CHECKPOINT_FILE
 from lenses.tuned import model_fingerprint

@@ -107,9 +107,12 @@ def _hf_patched_metric(hf_model, clean, corrupted, metric, module, kind, edit):
     def record_out(m, args, out):
         seen["x"] = (out[0] if isinstance(out, tuple) else out).clone()
     def patch_pre(m, args):
-        x = args[0].clone(); edit(x, seen["x"]); return (x, *args[1:])  # keep the mask hf passes positionally
+        x = args[0].clone()
+        edit(x, seen["x"])
+        return (x, *args[1:])  # keep the mask hf passes positionally
     def patch_out(m, args, out):
-        x = (out[0] if isinstance(out, tuple) else out).clone(); edit(x, seen["x"])
+        x = (out[0] if isinstance(out, tuple) else out).clone()
+        edit(x, seen["x"])
         return (x, *out[1:]) if isinstance(out, tuple) else x
     with torch.no_grad():
         h = module.register_forward_pre_hook(record_pre) if kind == "pre" else module.register_forward_hook(record_out)

@@ -50,7 +50,7 @@ def test_one_path_by_hand(setting):
     # Head (1, 3)'s query from block 1's corrupted input plus head (0, 2)'s clean-minus-corrupted write, through
     # ln1 computed here (mean and standard deviation of the shifted input, not read from the cache).
     W_O, W_Q, b_Q = model.blocks[0].attn.W_O[2], model.blocks[1].attn.W_Q[3], model.blocks[1].attn.b_Q[3]
-    write = lambda cache: cache["blocks.0.attn.hook_z"][:, :, 2] @ W_O
+    write = lambda cache: cache["blocks.0.attn.hook_z"][:, :, 2] @ W_O  # noqa: E731
     x = corrupted_cache["blocks.1.hook_resid_pre"]
     shifted = x + write(clean_cache) - write(corrupted_cache)
     std = (shifted.var(-1, unbiased=False, keepdim=True) + model.cfg.eps).sqrt()

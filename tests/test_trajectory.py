@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lenses import LogitLens, Trajectory
-from lenses.base import BasisLens, Lens
+from lenses.base import BasisLens
 from tiny_tokenizer import make_model_with_tokenizer
 from families import every_family
 from fixtures import random_tokens

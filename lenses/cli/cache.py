@@ -41,8 +41,6 @@ def add_parser(subparsers, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from lenskit.io.activations import resolve_hooks
     from lenskit.io.data import load_token_stream
 

@@ -16,6 +16,10 @@ import argparse
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 TOKEN_FILE_SUFFIX = ".safetensors"
 DEFAULT_PROMPTS = 100
@@ -75,7 +79,7 @@ def read_token_file(path: Path):
     return tokens.long()
 
 
-def choose_prompts(args: argparse.Namespace, model) -> tuple[object, dict]:
+def choose_prompts(args: argparse.Namespace, model) -> tuple["torch.Tensor", dict]:
     """The prompts [n, T] the lens is fitted on, and the provenance that says how they were chosen."""
     import hashlib
 

@@ -20,8 +20,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 import lenskit
 from lenses.training.recipe import DEFAULT_STEPS, MIN_TOKENS_PER_STEP, Recipe
 

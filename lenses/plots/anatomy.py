@@ -67,7 +67,7 @@ def growth_curves(frame: pd.DataFrame, y: str = "rms", *, group: str = "n_layers
     summary = metrics.mean_ci(frame, y, by=[style, group, x], unit=unit)
     fig = go.Figure()
     dashes = {s: d for s, d in zip(summary[style].unique(), ["solid", "dash", "dot", "dashdot"])}
-    for i, ((s, g), part) in enumerate(summary.groupby([style, group], sort=False)):
+    for (s, g), part in summary.groupby([style, group], sort=False):
         c = COLORS[list(summary[group].unique()).index(g) % len(COLORS)]
         band = part.dropna(subset=["lo", "hi"])
         if len(band):

@@ -15,7 +15,7 @@ import json
 import os
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import pandas as pd
 
@@ -70,7 +70,7 @@ class View:
         import torch
 
         from lenses import LogitLens
-        from lenses.trajectory import Trajectory, tokens_and_lengths
+        from lenses.trajectory import Trajectory
 
         lenses = dict(lenses or {"logit": LogitLens(model)})
         with torch.no_grad():

@@ -13,7 +13,6 @@ reader in `readers.py` and a writer in `writers.py` (plus a layout in `layouts.p
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 

@@ -7,6 +7,7 @@ are known, is refused before anything is built per layer.
 
 from __future__ import annotations
 
+import builtins
 import math
 from typing import Any, Mapping
 
@@ -77,7 +78,7 @@ class ConfigReader:
             raise self._bad(key, want)
         return value
 
-    def token_id(self, key: str, default: int | None) -> int | None:
+    def token_id(self, key: str, default: builtins.int | None) -> builtins.int | None:  # `int` here is the method
         """A special token id; absent: the family's default, null: none."""
         value = self.d.get(key, default)
         if isinstance(value, list):  # several EOS ids: the first is the one text generation stops on
@@ -98,7 +99,7 @@ class ConfigReader:
             )
         return value
 
-    def n_layers(self, key: str) -> int:
+    def n_layers(self, key: str) -> builtins.int:
         """The layer count, at most MAX_LAYERS. When the checkpoint's blocks are known, a count above them is refused
         here, before anything is built per layer. (A count below them is cheap to check later, naming the extra tensors.)"""
         n = self.int(key)

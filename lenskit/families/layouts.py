@@ -285,9 +285,9 @@ class Layout:
                     raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, but config.json implies {want} "
                                      f"([expert, ...] for {cfg.moe.n_experts} experts of width {cfg.moe.d_expert}); fix the "
                                      "config or the checkpoint")
-            split = [(fused.parts(*stored[:2], cfg), "weight")]
+            split = [(fused.parts(stored[0], stored[1], cfg), "weight")]
             if fused.biases:
-                split.append((fused.bias_parts(*stored[2:], cfg), "bias"))
+                split.append((fused.bias_parts(stored[2], stored[3], cfg), "bias"))
             for parts, kind in split:
                 for e, ours, part in parts:
                     name = block + self.block[f"mlp.experts.{{e}}.{ours}.{kind}"].format(e=e)

@@ -7,7 +7,6 @@ from typing import Any
 
 from .fields import ConfigReader
 from .readers import llama_like, no_qwen_sliding, sliding_windows
-from .rope import rope
 
 
 _SHARED_EXPERT_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")

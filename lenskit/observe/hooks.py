@@ -338,8 +338,8 @@ class HookedRootModule(nn.Module):
                                                          bwd=_merged(context.bwd, attachments)))
             yield self
         finally:
-            for fns in attachments.values():
-                for a in fns:
+            for attached in attachments.values():
+                for a in attached:
                     a.live = False  # a later backward through this forward's graph calls nothing
             if token is not None:
                 HOOK_CONTEXT.reset(token)

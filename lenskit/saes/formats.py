@@ -189,7 +189,7 @@ def write_saelens(sae: "SAE", folder: str | os.PathLike, extra: dict[str, Any]) 
 
 
 # --------------------------------------------------------------- Gemma Scope
-_GEMMA_SITES = {"res": f"blocks.{{}}.{POINTS['resid_post']}", "mlp": f"blocks.{{}}.{POINTS['mlp_out']}",
+_GEMMA_SITES: dict[str, str | tuple[str, str]] = {"res": f"blocks.{{}}.{POINTS['resid_post']}", "mlp": f"blocks.{{}}.{POINTS['mlp_out']}",
                 "att": "blocks.{}.attn.hook_z", "transcoders": ("blocks.{}.ln2.hook_normalized", f"blocks.{{}}.{POINTS['mlp_out']}")}
 
 

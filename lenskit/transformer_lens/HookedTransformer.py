@@ -41,7 +41,7 @@ from lenskit.devices import parse_dtype
 from lenskit.io.hub import resolve_model_folder
 from lenskit.io.text import check_padding_side
 from lenskit.observe.hook_context import HOOK_CONTEXT
-from lenskit.observe.hooks import HookedRootModule, HookPoint  # HookedRootModule: imported from here by SAELens
+from lenskit.observe.hooks import HookedRootModule, HookPoint  # noqa: F401 - HookedRootModule: imported from here by SAELens
 from lenskit.observe.slices import Slice
 from lenskit.pieces.attention import SlidingWindowMask
 from lenskit.pieces.embeddings import Unembed
@@ -69,6 +69,8 @@ class HookedTransformer(lenskit.HookedTransformer):
     >>> model.to_str_tokens("def f")[0]   # BOS first, as TransformerLens does
     '<|endoftext|>'
     """
+
+    cfg: "NamespaceConfig"  # __setattr__ below makes every config one
 
     def __init__(self, cfg: ModelConfig | HookedTransformerConfig | dict, tokenizer: Any = None,
                  move_to_device: bool = True, default_padding_side: str = "right") -> None:

@@ -204,7 +204,7 @@ def test_prompt(prompt: str, answer: str | Sequence[str], model: Any, prepend_sp
     print("Ranks of the answer tokens:", ranks if several else [r[0] for r in ranks])
 
 
-test_prompt.__test__ = False  # not a test, for pytest, in a test module that imports it by name
+test_prompt.__test__ = False  # type: ignore[attr-defined]  # not a test, for pytest, in a test module that imports it by name
 
 
 def get_tokens_with_bos_removed(tokenizer: "PreTrainedTokenizerBase", tokens: torch.Tensor) -> torch.Tensor:
