@@ -34,8 +34,8 @@ def reader_names() -> dict:
     import pandas as pd
     import torch
 
-    import lenskit
     import lenses
+    import lenskit
     from lenses import JacobianLens, LogitLens, Trajectory, TunedLens, plots
     from lenses.evaluation import heldout_windows
     from lenskit import Stream
