@@ -108,7 +108,7 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
 
 class ClampedSwiGLUExpert(SwiGLUExpert):
     """gpt-oss's expert: biased projections, fc_out(clamped_swiglu(gate(x), fc_in(x))) with the config's
-    `swiglu_alpha` and `swiglu_limit`. Its checkpoints fuse gate and fc_in, interleaved (`layouts.GptOssExperts`)."""
+    `swiglu_alpha` and `swiglu_limit`. Its checkpoints fuse gate and fc_in, interleaved (`lenskit.families.gpt_oss.GptOssExperts`)."""
 
     BIAS = True
 

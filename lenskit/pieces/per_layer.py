@@ -18,7 +18,7 @@ slice of `inputs`: edit it to change what one block reads) and `hook_per_layer_o
 a term of `decompose_resid`), and inside `per_layer`, `hook_pre` (the gate's pre-activation) and `hook_post`
 (act(gate) * input), both [batch, pos, d_per_layer]. Names follow transformers' `Gemma4TextModel`:
 `embed_tokens_per_layer`, `per_layer_model_projection`, `per_layer_projection_norm`, and in each layer
-`per_layer_input_gate`, `per_layer_projection`, `post_per_layer_input_norm` (lenskit.families.layouts_gemma4).
+`per_layer_input_gate`, `per_layer_projection`, `post_per_layer_input_norm` (lenskit.families.gemma4_text).
 
 The inputs reach the blocks through the forward's state (lenskit.pieces.forward_state), not as an argument, so a
 block's forward is still `block(x)`.
