@@ -1,8 +1,11 @@
 """Parameter and FLOP accounting for a model config of any supported family, from the shapes alone.
 
 Everything here is arithmetic on a `ModelConfig` (a model, a config, or a preset name), so
-`accounting.param_summary("gpt2-xl")` costs nothing and needs no weights. The tests check each count
-against `sum(p.numel())` of a real `HookedTransformer` and the GPT-2 numbers against hand arithmetic.
+`accounting.param_summary("gpt2-xl")` costs nothing and needs no weights. Each piece counts itself: a block's
+rows are what its block form, token mixer and MLP (the classes `lenskit.pieces.layers` chooses from the config)
+return from `params`, the attention core's FLOPs are the mixer's `core_flops`, the MLP's are its `active_weights`;
+this module sums them over the blocks. The tests check each count against `sum(p.numel())` of a real
+`HookedTransformer` and the GPT-2 numbers against hand arithmetic.
 
 Conventions (the ones of Kaplan et al., 2020, "Scaling Laws for Neural Language Models"):
 
@@ -55,6 +58,8 @@ from typing import Any, Iterable, Mapping, Union
 import pandas as pd
 
 from .config import ModelConfig
+from .pieces.layers import attention_class, block_class, mlp_class, summed_counts
+from .pieces.moe import MoE
 
 ConfigLike = Union[ModelConfig, str, Any]  # a ModelConfig, a preset name, or anything with a .cfg
 
@@ -74,33 +79,16 @@ def as_config(model_or_cfg: ConfigLike) -> ModelConfig:
     )
 
 
-def _d_attn(cfg: ModelConfig, layer: int = 0) -> int:
-    return cfg.n_heads * cfg.d_head_of(layer)
-
-
 # ---------------------------------------------------------------- parameters
-def _expert_weights(cfg: ModelConfig) -> int:
-    """One expert's matrices: its gate, up and down projections."""
-    return 3 * cfg.d_model * cfg.d_expert
-
-
-def _expert_biases(cfg: ModelConfig) -> int:
-    """One expert's biases: gate, up and down (gpt-oss's experts), else none."""
-    return 2 * cfg.d_expert + cfg.d_model if cfg.mlp == "swiglu_clamped" else 0
+def _experts(cfg: ModelConfig) -> tuple[int, int]:
+    """One expert's (weights, biases), as the model's MoE piece counts it."""
+    moe = next((i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)), None)  # at most len(dense_layers) + 1 steps
+    return (MoE if moe is None else mlp_class(cfg, moe)).expert_params(cfg)
 
 
 def _per_expert(cfg: ModelConfig) -> int:
     """One expert's parameters."""
-    return _expert_weights(cfg) + _expert_biases(cfg)
-
-
-def _active_mlp(cfg: ModelConfig, layer: int) -> int:
-    """The MLP weights of block `layer` that one token's forward multiplies: all of a dense MLP; a MoE block's
-    router and its k routed experts (and the dense MLP beside them, Gemma 4's)."""
-    if cfg.is_moe_layer(layer):
-        dense = 3 * cfg.d_model * cfg.d_mlp_of(layer) if cfg.experts_beside_mlp else 0
-        return dense + cfg.d_model * cfg.n_experts + cfg.n_experts_per_token * _expert_weights(cfg)
-    return int(block_params(cfg, layer).loc["mlp", "weights"])
+    return sum(_experts(cfg))
 
 
 def _kinds(cfg: ModelConfig) -> dict[int, int]:
@@ -139,36 +127,9 @@ def block_params(model_or_cfg: ConfigLike, layer: int = 0) -> pd.DataFrame:
     expert (see `param_summary`'s `active` for what one token uses).
     """
     cfg = as_config(model_or_cfg)
-    d, a, m, d_head = cfg.d_model, _d_attn(cfg, layer), cfg.d_mlp_of(layer), cfg.d_head_of(layer)
-    kv = cfg.n_kv_heads_of(layer) * d_head  # each of k and v: smaller than d_attn under grouped-query attention
-    q = 2 * a if cfg.attn_output_gate else a  # gated attention: q's projection also gives the output gate
-    shared = cfg.kv_source(layer) is not None  # Gemma 4's kv-sharing blocks: another block's keys and values
-    n_kv = 0 if shared else 1 if cfg.k_is_v(layer) else 2  # Gemma 4's full blocks: the keys' projection gives the values too
-    attn_w = d * (q + n_kv * kv) + a * d  # q, k, v, out
-    attn_b = (q + n_kv * kv if cfg.qkv_bias else 0) + (d if cfg.out_bias else 0) + (cfg.n_heads if cfg.attn_sinks else 0)
-    linear = cfg.layer_type(layer) == "linear"
-    if linear:  # Gated DeltaNet: in_qkv, in_z, in_b, in_a, the convolution, out_proj; A_log and dt_bias per value head
-        k_dim, v_dim, n_v = cfg.linear_n_k_heads * cfg.linear_d_k, cfg.linear_n_v_heads * cfg.linear_d_v, cfg.linear_n_v_heads
-        attn_w = d * (2 * k_dim + 2 * v_dim + 2 * n_v) + (2 * k_dim + v_dim) * cfg.linear_conv_width + v_dim * d
-        attn_b = 2 * n_v
-    if cfg.is_moe_layer(layer):  # router, experts (Gemma 4's: beside the dense MLP, its router with a gain and scales)
-        beside = 3 * d * m + d + cfg.n_experts if cfg.experts_beside_mlp else 0
-        mlp_w = beside + d * cfg.n_experts + cfg.n_experts * _expert_weights(cfg)
-        mlp_b = (cfg.n_experts if cfg.router_bias else 0) + cfg.n_experts * _expert_biases(cfg)
-    elif cfg.mlp == "gelu":
-        mlp_w, mlp_b = 2 * d * m, (m + d if cfg.mlp_bias else 0)  # fc_in, fc_out
-    else:
-        mlp_w, mlp_b = 3 * d * m, (2 * m + d if cfg.mlp_bias else 0)  # gate, fc_in, fc_out
-    n_norms = 4 if cfg.norm_placement == "sandwich" else 2  # ln1, ln2 and/or ln1_post, ln2_post
-    n_norms += 3 * cfg.experts_beside_mlp + (cfg.d_per_layer is not None)  # Gemma 4's: the experts', the per-layer write's
-    qk = (2 * d_head if cfg.qk_norm_per_head else a + kv) if cfg.qk_norm else 0  # q/k norm gains: per head, or all heads
-    qk = qk // 2 if shared else qk  # no key norm where the keys are another block's (per-head norms: Gemma 4's)
-    qk = cfg.linear_d_v if linear else qk  # a linear-attention block's gated output norm instead
-    norm_w = n_norms * d + qk
-    norm_b = n_norms * d if cfg.norm == "layernorm" else 0
-    rows = {"attn": (attn_w, attn_b), "mlp": (mlp_w, mlp_b), "norms": (norm_w, norm_b)}
-    if cfg.d_per_layer is not None:  # Gemma 4 E2B/E4B: the gate and projection of the block's per-layer input
-        rows["per_layer"] = (2 * d * cfg.d_per_layer, 0)
+    counts = block_class(cfg).params(cfg, layer)  # each piece of the block counts itself
+    rows = {row: counts.get(row, (0, 0)) for row in ("attn", "mlp", "norms")}
+    rows.update({row: count for row, count in counts.items() if row not in rows})  # per_layer (Gemma 4 E2B/E4B)
     frame = pd.DataFrame.from_dict(rows, orient="index", columns=["weights", "biases"])
     frame["params"] = frame["weights"] + frame["biases"]
     frame.index.name = "component"
@@ -273,10 +234,10 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
         unused = n_moe * (cfg.n_experts - cfg.n_experts_per_token) * _per_expert(cfg)
         values.update({
             "experts": (n_moe * cfg.n_experts * _per_expert(cfg),
-                        f"{cfg.n_experts} experts x 3 d_model d_expert{' + biases' if _expert_biases(cfg) else ''} in "
+                        f"{cfg.n_experts} experts x 3 d_model d_expert{' + biases' if _experts(cfg)[1] else ''} in "
                         f"each of {n_moe} MoE blocks"),
             "per_expert": (_per_expert(cfg), "gate, up and down projections" + (" and their biases" if
-                                                                                  _expert_biases(cfg) else "")),
+                                                                                  _experts(cfg)[1] else "")),
             "active": (values["total"][0] - unused, f"what one token uses: the router and {cfg.n_experts_per_token} of "
                        f"{cfg.n_experts} experts per MoE block, and everything else"),
             "active_non_embedding": (non_embedding - unused, "active, less the embeddings"),
@@ -304,13 +265,14 @@ def flops_per_token(model_or_cfg: ConfigLike, n_ctx: int | None = None, causal: 
         raise ValueError(f"n_ctx must be a positive int (tokens of context), got {n_ctx!r}")
     n_keys = (n_ctx + 1) / 2 if causal else n_ctx  # mean number of keys a query attends to
     kinds = _kinds(cfg)
-    n_linear = sum(n for layer, n in kinds.items() if cfg.layer_type(layer) == "linear")
+    # each token mixer's own core: softmax attention's grows with the keys, linear attention's does not
+    cores = {"attn_core": 0, **summed_counts(*({row: (n * flops, 0) for row, flops in
+                                                attention_class(cfg, layer).core_flops(cfg, layer, n_keys).items()}
+                                               for layer, n in kinds.items()))}
     forward = {
         "attn_proj": 2 * sum(int(block_params(cfg, layer).loc["attn", "weights"]) * n for layer, n in kinds.items()),
-        "attn_core": 2 * 2 * n_keys * sum(n * _d_attn(cfg, layer) for layer, n in kinds.items()
-                                           if cfg.layer_type(layer) != "linear"),
-        **({"linear_core": 6 * n_linear * cfg.linear_n_v_heads * cfg.linear_d_k * cfg.linear_d_v} if n_linear else {}),
-        "mlp": 2 * sum(_active_mlp(cfg, layer) * n for layer, n in _kinds(cfg).items()),  # routed experts only
+        **{row: flops for row, (flops, _) in cores.items()},
+        "mlp": 2 * sum(mlp_class(cfg, layer).active_weights(cfg, layer) * n for layer, n in kinds.items()),  # routed experts only
         # Gemma 4 E2B/E4B: the projection to every block's per-layer input, and each block's gate and projection
         **({"per_layer": 2 * 3 * cfg.d_model * cfg.n_layers * cfg.d_per_layer} if cfg.d_per_layer is not None else {}),
         "unembed": 2 * cfg.d_model * cfg.d_vocab,

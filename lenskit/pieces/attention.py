@@ -77,6 +77,29 @@ class Attention(HeadCircuits, nn.Module):
     nothing); edit hook_pattern instead.
     """
 
+    OWN_KV = True  # whether the block projects its own keys and values (not: kv_sharing.SharedKVAttention)
+
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """Block `layer`'s attention parameters by accounting row (lenskit.accounting), as (weights, biases): q, k, v
+        and out under `attn` (gated attention's q also gives the gate; where the keys' projection gives the values,
+        Gemma 4's full blocks, no v), attention sinks as biases; its q/k norm gains under `norms`."""
+        d, d_head = cfg.d_model, cfg.d_head_of(layer)
+        a, kv = cfg.n_heads * d_head, cfg.n_kv_heads_of(layer) * d_head  # under GQA, kv is smaller than a
+        q = 2 * a if cfg.attn_output_gate else a
+        n_kv = 0 if not cls.OWN_KV else 1 if cfg.k_is_v(layer) else 2
+        weights = d * (q + n_kv * kv) + a * d
+        biases = (q + n_kv * kv if cfg.qkv_bias else 0) + (d if cfg.out_bias else 0) + (cfg.n_heads if cfg.attn_sinks else 0)
+        qk = (2 * d_head if cfg.qk_norm_per_head else a + kv) if cfg.qk_norm else 0  # per head, or over all heads
+        qk = qk if cls.OWN_KV else qk // 2  # no key norm where the keys are another block's
+        return {"attn": (weights, biases), "norms": (qk, 0)}
+
+    @classmethod
+    def core_flops(cls, cfg: ModelConfig, layer: int, n_keys: float) -> dict[str, float]:
+        """FLOPs per token of the two matmuls that mix positions, scores `Q K^T` and `pattern V`, against `n_keys`
+        keys: 2 * n_keys * d_attn each."""
+        return {"attn_core": 2 * 2 * n_keys * cfg.n_heads * cfg.d_head_of(layer)}
+
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         d_head, n_kv = cfg.d_head_of(layer), cfg.n_kv_heads_of(layer)  # Gemma 4's full blocks have their own

@@ -23,7 +23,7 @@ from .kv_sharing import SharedKVAttention
 from ..observe.hooks import HookPoint
 from .linear import Linear
 from .moe import MoE
-from .norms import LayerNorm, RMSNorm, make_norm
+from .norms import LayerNorm, RMSNorm, make_norm, norm_params
 from .per_layer import PerLayerWrite
 
 __all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "MoE", "ParallelBlock", "PostNormBlock", "RMSNorm", "RescaledSandwichBlock", "SandwichBlock",
@@ -41,6 +41,16 @@ class MLP(nn.Module):
 
     fc_in: nn.Linear
     fc_out: nn.Linear
+
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """Block `layer`'s MLP parameters by accounting row (lenskit.accounting), as (weights, biases)."""
+        raise NotImplementedError
+
+    @classmethod
+    def active_weights(cls, cfg: ModelConfig, layer: int = 0) -> int:
+        """The weights one token's forward multiplies: all of a dense MLP's."""
+        return cls.params(cfg, layer)["mlp"][0]
 
     def _linear_in(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The linear input's weight [d_mlp, d_model] and bias [d_mlp] or None."""
@@ -86,6 +96,11 @@ class GeluMLP(MLP):
     """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> GELU (the config's form) -> d_model. Each MLP piece takes
     its width, `d_mlp` (None: the config's), where a block's differs (`cfg.d_mlp_of`)."""
 
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        m, d = cfg.d_mlp_of(layer), cfg.d_model
+        return {"mlp": (2 * d * m, m + d if cfg.mlp_bias else 0)}  # fc_in, fc_out
+
     def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
         super().__init__()
         d_mlp = cfg.d_mlp if d_mlp is None else d_mlp
@@ -104,6 +119,11 @@ class GeluMLP(MLP):
 class SwiGLU(MLP):
     """Gated MLP: fc_out(act(gate(x)) * fc_in(x)), biases only where the config has them (Llama's `mlp_bias`).
     act is SiLU, or for mlp="geglu" (Gemma) the config's GELU."""
+
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        m, d = cfg.d_mlp_of(layer), cfg.d_model
+        return {"mlp": (3 * d * m, 2 * m + d if cfg.mlp_bias else 0)}  # gate, fc_in, fc_out
 
     def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
         super().__init__()
@@ -154,28 +174,59 @@ class FusedSwiGLU(SwiGLU):
 MLP_CLASSES = {"gelu": GeluMLP, "swiglu": SwiGLU, "geglu": SwiGLU, "swiglu_fused": FusedSwiGLU}
 
 
-def make_mlp(cfg: ModelConfig, layer: int = 0) -> MLP | MoE:
-    """Block `layer`'s MLP: a mixture of experts where the config makes that block sparse, the dense MLP with experts
-    beside it (Gemma 4 26B-A4B), else the dense MLP, `cfg.d_mlp_of(layer)` wide."""
+def mlp_class(cfg: ModelConfig, layer: int = 0) -> type[MLP] | type[MoE]:
+    """The piece of block `layer`'s MLP: a mixture of experts where the config makes that block sparse, the dense MLP
+    with experts beside it (Gemma 4 26B-A4B), else the dense MLP."""
     if cfg.experts_beside_mlp:
         from .dense_and_experts import DenseAndExperts  # it builds on SwiGLU, so it imports this module
 
-        return DenseAndExperts(cfg, cfg.d_mlp_of(layer))
-    return MoE(cfg) if cfg.is_moe_layer(layer) else MLP_CLASSES[cfg.mlp](cfg, cfg.d_mlp_of(layer))
+        return DenseAndExperts
+    return MoE if cfg.is_moe_layer(layer) else MLP_CLASSES[cfg.mlp]
+
+
+def make_mlp(cfg: ModelConfig, layer: int = 0) -> MLP | MoE:
+    """Block `layer`'s MLP (`mlp_class`), a dense one `cfg.d_mlp_of(layer)` wide."""
+    cls = mlp_class(cfg, layer)
+    return cls(cfg) if cls is MoE else cls(cfg, cfg.d_mlp_of(layer))
+
+
+def attention_class(cfg: ModelConfig, layer: int = 0) -> type[Attention] | type[GatedDeltaNet]:
+    """The piece of block `layer`'s token mixer: softmax attention (with an earlier block's keys and values where it
+    shares them, `cfg.kv_source`), or linear attention where the config makes that block linear."""
+    if cfg.layer_type(layer) == "linear":
+        return GatedDeltaNet
+    return SharedKVAttention if cfg.kv_source(layer) is not None else Attention
 
 
 def make_attention(cfg: ModelConfig, layer: int = 0) -> Attention | GatedDeltaNet:
-    """Block `layer`'s token mixer: softmax attention (with an earlier block's keys and values where it shares them,
-    `cfg.kv_source`), or linear attention where the config makes that block linear."""
-    if cfg.layer_type(layer) == "linear":
-        return GatedDeltaNet(cfg)
-    return SharedKVAttention(cfg, layer) if cfg.kv_source(layer) is not None else Attention(cfg, layer)
+    """Block `layer`'s token mixer (`attention_class`)."""
+    cls = attention_class(cfg, layer)
+    return cls(cfg) if cls is GatedDeltaNet else cls(cfg, layer)
+
+
+def summed_counts(*counts: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """Pieces' counts by accounting row, added row by row: (weights, biases) each."""
+    out: dict[str, tuple[int, int]] = {}
+    for count in counts:
+        for row, (weights, biases) in count.items():
+            w, b = out.get(row, (0, 0))
+            out[row] = (w + weights, b + biases)
+    return out
 
 
 class TransformerBlock(nn.Module):
     """Pre-LN block: each sublayer reads a normalised copy of the stream and adds its write back."""
 
     PRE_NORMS, POST_NORMS = True, False  # which of ln1/ln2 (before) and ln1_post/ln2_post (after) exist
+
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """Block `layer`'s parameters by accounting row (lenskit.accounting), as (weights, biases): its own norms, and
+        what its pieces count (the token mixer's `attn`, the MLP's `mlp`, their norms)."""
+        norm_w, norm_b = norm_params(cfg)
+        n = 2 * cls.PRE_NORMS + 2 * cls.POST_NORMS
+        return summed_counts({"norms": (n * norm_w, n * norm_b)}, attention_class(cfg, layer).params(cfg, layer),
+                             mlp_class(cfg, layer).params(cfg, layer))
 
     def __init__(self, cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> None:
         super().__init__()
@@ -241,6 +292,12 @@ class RescaledSandwichBlock(SandwichBlock):
     hook_per_layer_out, read from hook_per_layer_in, so resid_post = resid_mid + mlp_out + per_layer_out + rescale_out.
     In 26B-A4B the MLP has experts beside it (lenskit.pieces.dense_and_experts), which read the stream itself."""
 
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """The sandwich block's, and its per-layer write's where there is one; `layer_scalar` is a buffer."""
+        own = super().params(cfg, layer)
+        return own if cfg.d_per_layer is None else summed_counts(own, PerLayerWrite.params(cfg))
+
     def __init__(self, cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> None:
         super().__init__(cfg, dropout, layer)
         self.register_buffer("layer_scalar", torch.ones(1))  # [1], the checkpoint's; a buffer there as here
@@ -296,7 +353,11 @@ class PostNormBlock(TransformerBlock):
 BLOCK_CLASSES = {"pre": TransformerBlock, "sandwich": SandwichBlock, "post": PostNormBlock}
 
 
+def block_class(cfg: ModelConfig) -> type[TransformerBlock]:
+    """The block form the config chooses."""
+    return ParallelBlock if cfg.parallel_block else RescaledSandwichBlock if cfg.layer_scalar else BLOCK_CLASSES[cfg.norm_placement]
+
+
 def make_block(cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> TransformerBlock:
     """Block `layer` (its index picks its mask and rotary base where the config alternates them)."""
-    cls = ParallelBlock if cfg.parallel_block else RescaledSandwichBlock if cfg.layer_scalar else BLOCK_CLASSES[cfg.norm_placement]
-    return cls(cfg, dropout, layer)
+    return block_class(cfg)(cfg, dropout, layer)

@@ -87,6 +87,12 @@ class SwiGLUExpert(nn.Module):
 
     BIAS = False  # expert projections with biases (gpt-oss) set this in a subclass
 
+    @classmethod
+    def params(cls, cfg: ModelConfig) -> tuple[int, int]:
+        """One expert's (weights, biases): its gate, up and down projections."""
+        d, m = cfg.d_model, cfg.d_expert
+        return 3 * d * m, (2 * m + d if cls.BIAS else 0)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate = Linear(cfg.d_model, cfg.d_expert, bias=self.BIAS)
@@ -132,6 +138,24 @@ class MoE(nn.Module):
     [expert, d_model] (zeros where the experts have none), `W_router` [d_model, expert], `b_router` [expert] (zeros
     without a router bias). They are copies.
     """
+
+    @classmethod
+    def expert_params(cls, cfg: ModelConfig) -> tuple[int, int]:
+        """One expert's (weights, biases)."""
+        return EXPERTS[cfg.mlp].params(cfg)
+
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """Its parameters by accounting row (lenskit.accounting), as (weights, biases): the router (and its bias) and
+        every expert under `mlp`."""
+        weights, biases = cls.expert_params(cfg)
+        return {"mlp": (cfg.d_model * cfg.n_experts + cfg.n_experts * weights,
+                        (cfg.n_experts if cfg.router_bias else 0) + cfg.n_experts * biases)}
+
+    @classmethod
+    def active_weights(cls, cfg: ModelConfig, layer: int = 0) -> int:
+        """The weights one token's forward multiplies: the router and its k routed experts."""
+        return cfg.d_model * cfg.n_experts + cfg.n_experts_per_token * cls.expert_params(cfg)[0]
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -106,6 +106,13 @@ class UnitRMSNorm(nn.Module):
 NORM_CLASSES = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "rmsnorm_offset": OffsetRMSNorm}
 
 
+def norm_params(cfg: ModelConfig, size: int | None = None) -> tuple[int, int]:
+    """One of the family's norms over `size` features (d_model unless given), as (weights, biases): its gain, and its
+    shift where it is a LayerNorm (lenskit.accounting counts gains as weights, shifts as biases)."""
+    n = cfg.d_model if size is None else size
+    return n, n if NORM_CLASSES[cfg.norm] is LayerNorm else 0
+
+
 def make_norm(cfg: ModelConfig, size: int | None = None) -> nn.Module:
     """The family's norm over `size` features (d_model unless given, e.g. d_head for q/k norms)."""
     return NORM_CLASSES[cfg.norm](cfg.d_model if size is None else size, cfg.norm_eps)

@@ -37,7 +37,7 @@ from ..config import ModelConfig
 from ..observe.hooks import HookPoint
 from .forward_state import forward_state
 from .linear import Linear
-from .norms import make_norm
+from .norms import make_norm, norm_params
 
 
 class PerLayerInputs(nn.Module):
@@ -70,6 +70,12 @@ class PerLayerInputs(nn.Module):
 
 class PerLayerWrite(nn.Module):
     """A block's write from its per-layer input: ln_post(out(act(gate(x)) * input)), x the stream after the MLP."""
+
+    @classmethod
+    def params(cls, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+        """Its parameters by accounting row (lenskit.accounting), as (weights, biases): the gate and projection of the
+        block's per-layer input under `per_layer`, its norm under `norms`."""
+        return {"per_layer": (2 * cfg.d_model * cfg.d_per_layer, 0), "norms": norm_params(cfg)}
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
