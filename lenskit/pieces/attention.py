@@ -95,6 +95,34 @@ class Attention(HeadCircuits, nn.Module):
         return {"attn": (weights, biases), "norms": (qk, 0)}
 
     @classmethod
+    def processing_refusal(cls, cfg: ModelConfig, option: str) -> tuple[str, bool] | None:
+        """Why weight processing's `option` cannot be applied exactly to these heads (lenskit.processing), and whether
+        TransformerLens itself skips it there; None when it applies."""
+        if option == "refactor_factored_attn_matrices":
+            for bad, why in ((cfg.n_kv_heads != cfg.n_heads, "grouped-query heads share k and v"),
+                             (cfg.qk_norm, "q/k norms sit between W_Q, W_K and the scores"),
+                             (cfg.attn_output_gate, "its heads are gated or linear")):
+                if bad:
+                    return (f"refactor_factored_attn_matrices is not defined for {cfg.family}: {why}; pass "
+                            "refactor_factored_attn_matrices=False", False)
+        if option == "fold_value_biases":
+            for bad, why in ((cfg.attn_sinks, "attention sinks make each pattern sum to less than 1"),
+                             (cfg.attn_output_gate, "each head's output gate scales its value bias per position"),
+                             (cfg.v_norm and cfg.qkv_bias,  # without a value bias there is nothing to fold
+                              "the value norm (Gemma 4's) normalises each value, its bias included")):
+                if bad:
+                    return f"fold_value_biases is not exact for {cfg.family}: {why}; pass fold_value_biases=False", False
+        return None
+
+    def norm_readers(self) -> list[nn.Linear]:
+        """The projections that read the normalised stream, into which fold_ln folds the norm before attention
+        (lenskit.processing): the fused q/k/v projection, or each of q, k and v it has (Gemma 4's full blocks have no
+        v: their keys are the values; a kv-sharing block has q only)."""
+        if isinstance(self.qkv, nn.Linear):
+            return [self.qkv]
+        return [getattr(self.qkv, name) for name in ("q", "k", "v") if isinstance(getattr(self.qkv, name, None), nn.Linear)]
+
+    @classmethod
     def core_flops(cls, cfg: ModelConfig, layer: int, n_keys: float) -> dict[str, float]:
         """FLOPs per token of the two matmuls that mix positions, scores `Q K^T` and `pattern V`, against `n_keys`
         keys: 2 * n_keys * d_attn each."""

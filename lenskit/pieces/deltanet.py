@@ -148,6 +148,19 @@ class GatedDeltaNet(nn.Module):
         return {"attn": (weights, 2 * n_v), "norms": (cfg.linear_d_v, 0)}
 
     @classmethod
+    def processing_refusal(cls, cfg: ModelConfig, option: str) -> tuple[str, bool] | None:
+        """Why weight processing's `option` cannot be applied to linear-attention blocks (lenskit.processing)."""
+        if option == "refactor_factored_attn_matrices":
+            return (f"refactor_factored_attn_matrices is not defined for {cfg.family}: its heads are gated or linear; "
+                    "pass refactor_factored_attn_matrices=False", False)
+        if option == "fold_ln":
+            return f"fold_ln is not implemented for {cfg.family}'s linear-attention blocks; pass fold_ln=False", False
+        if option == "fold_value_biases":
+            return (f"fold_value_biases is not defined for {cfg.family}'s linear-attention blocks; "
+                    "pass fold_value_biases=False", False)
+        return None
+
+    @classmethod
     def core_flops(cls, cfg: ModelConfig, layer: int, n_keys: float) -> dict[str, float]:
         """The delta rule's FLOPs per token, whatever the context: per value head the state's read of k, its rank-one
         update and its read of q, 6 d_k d_v."""

@@ -52,6 +52,11 @@ class MLP(nn.Module):
         """The weights one token's forward multiplies: all of a dense MLP's."""
         return cls.params(cfg, layer)["mlp"][0]
 
+    def norm_readers(self) -> list[nn.Linear]:
+        """The projections that read the normalised stream, into which weight processing's fold_ln folds the norm
+        before the MLP (lenskit.processing): its input (and gate) projections."""
+        raise NotImplementedError
+
     def _linear_in(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The linear input's weight [d_mlp, d_model] and bias [d_mlp] or None."""
         return self.fc_in.weight, self.fc_in.bias
@@ -110,6 +115,9 @@ class GeluMLP(MLP):
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
 
+    def norm_readers(self) -> list[nn.Linear]:
+        return [self.fc_in]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.hook_pre(self.fc_in(x))
         post = self.hook_post(F.gelu(pre, approximate=self.approximate))
@@ -136,6 +144,9 @@ class SwiGLU(MLP):
         self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
 
+    def norm_readers(self) -> list[nn.Linear]:
+        return [self.gate, self.fc_in]  # with experts beside it (DenseAndExperts), they read the stream itself
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.hook_pre(self.gate(x))
         linear = self.hook_pre_linear(self.fc_in(x))
@@ -153,6 +164,9 @@ class FusedSwiGLU(SwiGLU):
         super().__init__(cfg, d_mlp)
         del self.gate, self.fc_in
         self.gate_up = Linear(cfg.d_model, 2 * self.fc_out.in_features, bias=cfg.mlp_bias)
+
+    def norm_readers(self) -> list[nn.Linear]:
+        return [self.gate_up]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, linear = self.gate_up(x).chunk(2, dim=-1)
@@ -218,6 +232,11 @@ class TransformerBlock(nn.Module):
     """Pre-LN block: each sublayer reads a normalised copy of the stream and adds its write back."""
 
     PRE_NORMS, POST_NORMS = True, False  # which of ln1/ln2 (before) and ln1_post/ln2_post (after) exist
+
+    @classmethod
+    def processing_refusal(cls, cfg: ModelConfig, option: str) -> tuple[str, bool] | None:
+        """Why weight processing's `option` cannot be applied to this block form (lenskit.processing); None here."""
+        return None
 
     @classmethod
     def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
@@ -339,6 +358,14 @@ class PostNormBlock(TransformerBlock):
     hook_mlp_out are the normalised writes, exactly what is added to the stream."""
 
     PRE_NORMS, POST_NORMS = False, True
+
+    @classmethod
+    def processing_refusal(cls, cfg: ModelConfig, option: str) -> tuple[str, bool] | None:
+        """fold_ln has nothing to fold here (lenskit.processing); TransformerLens skips it, final norm included."""
+        if option == "fold_ln":
+            return (f"fold_ln is not defined for {cfg.family}'s post-norm blocks: no norm sits before a sublayer "
+                    "(TransformerLens skips it there, final norm included); pass fold_ln=False", True)
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.hook_resid_pre(x)

@@ -99,6 +99,10 @@ class SwiGLUExpert(nn.Module):
         self.fc_in = Linear(cfg.d_model, cfg.d_expert, bias=self.BIAS)
         self.fc_out = Linear(cfg.d_expert, cfg.d_model, bias=self.BIAS)
 
+    def norm_readers(self) -> list[nn.Linear]:
+        """Its projections that read the normalised stream: gate and input."""
+        return [self.gate, self.fc_in]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [token, d_model] -> [token, d_model]
         return self.fc_out(F.silu(self.gate(x)) * self.fc_in(x))
 
@@ -170,6 +174,11 @@ class MoE(nn.Module):
         self.hook_expert_indices = HookPoint(integer=True)  # [batch, pos, k], long
         self.hook_expert_weights = HookPoint()  # [batch, pos, k], the model's dtype
         self.hook_expert_out = HookPoint()  # [batch, pos, k, d_model], unweighted; computed only when hooked
+
+    def norm_readers(self) -> list[nn.Linear]:
+        """The projections that read the normalised stream, into which fold_ln folds the norm before the MLP
+        (lenskit.processing): the router and every expert's gate and input, as TransformerLens folds them."""
+        return [self.router, *(layer for expert in self.experts for layer in expert.norm_readers())]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch, pos, d_model]
         logits = self.hook_router_logits(self.router(x))  # [batch, pos, expert]
