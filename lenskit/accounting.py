@@ -92,15 +92,16 @@ def _per_expert(cfg: ModelConfig) -> int:
 
 
 def _kinds(cfg: ModelConfig) -> dict[int, int]:
-    """A representative block of each kind (MoE or dense) -> how many blocks are of that kind. Blocks of one kind
-    are equal, so sums over the blocks are a few products, whatever n_layers is. In a hybrid model a block's kind
-    is also its token mixer (linear or softmax attention)."""
-    shaped = cfg.full_d_head is not None or cfg.full_n_kv_heads is not None or cfg.full_k_is_v  # Gemma 4's full blocks
-    if cfg.layer_types is not None and ("linear" in cfg.layer_types or shaped or cfg.n_kv_shared_layers):
+    """A representative block of each kind -> how many blocks are of that kind. Blocks of one kind are equal (their
+    pieces, and what each piece counts, are the same), so sums over the blocks are a few products, whatever n_layers
+    is: without per-layer types, the blocks are MoE or dense (a config claiming 10**9 layers is summed at once)."""
+    if cfg.layer_types is not None:  # blocks may differ (their mixer, heads, MLP): as many as layer_types lists
         first: dict[tuple, int] = {}
         counts: dict[int, int] = {}
-        for i, kind in enumerate(cfg.layer_types):  # Gemma 4's kv-sharing blocks (and wider MLPs) are a kind of their own
-            key = (kind == "linear", cfg.is_moe_layer(i), shaped and kind == "full", cfg.kv_source(i) is not None)
+        for i in range(cfg.n_layers):  # a block's kind is what its pieces count
+            mixer, mlp = attention_class(cfg, i), mlp_class(cfg, i)
+            key = (mixer, mlp, tuple(block_class(cfg).params(cfg, i).items()),
+                   tuple(mixer.core_flops(cfg, i, 1).items()), mlp.active_weights(cfg, i))
             rep = first.setdefault(key, i)
             counts[rep] = counts.get(rep, 0) + 1
         return counts
