@@ -60,6 +60,8 @@ import pandas as pd
 from .config import ModelConfig
 from .pieces.layers import attention_class, block_class, mlp_class, summed_counts
 from .pieces.moe import MoE
+from .pieces.norms import norm_params
+from .pieces.per_layer import PerLayerInputs
 
 ConfigLike = Union[ModelConfig, str, Any]  # a ModelConfig, a preset name, or anything with a .cfg
 
@@ -159,17 +161,19 @@ def _table(cfg: ModelConfig, layers: Iterable[int]) -> pd.DataFrame:
              else "none: rotary positions have no parameters"),
     ]
     if cfg.d_per_layer is not None:  # Gemma 4 E2B/E4B's per-layer inputs: a table (an embedding) and a projection
-        width = cfg.n_layers * cfg.d_per_layer
-        rows += [dict(layer=None, component="per_layer_embed", weights=cfg.d_vocab_per_layer * width, biases=0,
-                      embedding=True, note="per-layer input embedding: d_vocab_per_layer x n_layers x d_per_layer"),
-                 dict(layer=None, component="per_layer_proj", weights=d * width + cfg.d_per_layer, biases=0,
-                      embedding=False, note="the token embedding's projection to the per-layer inputs, and its norm")]
+        counts = PerLayerInputs.params(cfg)
+        rows += [dict(layer=None, component="per_layer_embed", weights=counts["per_layer_embed"][0],
+                      biases=counts["per_layer_embed"][1], embedding=True,
+                      note="per-layer input embedding: d_vocab_per_layer x n_layers x d_per_layer"),
+                 dict(layer=None, component="per_layer_proj", weights=counts["per_layer_proj"][0],
+                      biases=counts["per_layer_proj"][1], embedding=False,
+                      note="the token embedding's projection to the per-layer inputs, and its norm")]
     for layer in layers:
         for component, row in block_params(cfg, layer).iterrows():
             rows.append(dict(layer=layer, component=component, weights=int(row.weights), biases=int(row.biases),
                              embedding=False, note=""))
-    rows.append(dict(layer=None, component="ln_final", weights=d, biases=d if cfg.norm == "layernorm" else 0,
-                     embedding=False, note="final norm"))
+    final_w, final_b = norm_params(cfg)
+    rows.append(dict(layer=None, component="ln_final", weights=final_w, biases=final_b, embedding=False, note="final norm"))
     if cfg.tie_word_embeddings:
         rows.append(dict(layer=None, component="unembed", weights=0, biases=0, embedding=True,
                          note=f"tied to embed: its {v * d:,} weights are counted once, in the embed row"))
@@ -274,8 +278,11 @@ def flops_per_token(model_or_cfg: ConfigLike, n_ctx: int | None = None, causal: 
         "attn_proj": 2 * sum(int(block_params(cfg, layer).loc["attn", "weights"]) * n for layer, n in kinds.items()),
         **{row: flops for row, (flops, _) in cores.items()},
         "mlp": 2 * sum(mlp_class(cfg, layer).active_weights(cfg, layer) * n for layer, n in kinds.items()),  # routed experts only
-        # Gemma 4 E2B/E4B: the projection to every block's per-layer input, and each block's gate and projection
-        **({"per_layer": 2 * 3 * cfg.d_model * cfg.n_layers * cfg.d_per_layer} if cfg.d_per_layer is not None else {}),
+        # Gemma 4 E2B/E4B: the projection to every block's per-layer input (less its norm), and each block's gate and
+        # projection of its input
+        **({"per_layer": 2 * (cfg.d_model * cfg.n_layers * cfg.d_per_layer + sum(
+            n * int(block_params(cfg, layer).loc["per_layer", "weights"]) for layer, n in kinds.items()))}
+           if cfg.d_per_layer is not None else {}),
         "unembed": 2 * cfg.d_model * cfg.d_vocab,
     }
     forward["total"] = sum(forward.values())

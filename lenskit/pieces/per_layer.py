@@ -43,6 +43,15 @@ from .norms import make_norm, norm_params
 class PerLayerInputs(nn.Module):
     """Every block's per-layer input, from the tokens and the scaled token embedding (see the module docstring)."""
 
+    @classmethod
+    def params(cls, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+        """Its parameters by accounting row (lenskit.accounting), as (weights, biases): the table (an embedding,
+        d_vocab_per_layer x n_layers x d_per_layer) under `per_layer_embed`; the projection of the token embedding
+        to the inputs, and its norm's gain, under `per_layer_proj`."""
+        width = cfg.n_layers * cfg.d_per_layer
+        return {"per_layer_embed": (cfg.d_vocab_per_layer * width, 0),
+                "per_layer_proj": (cfg.d_model * width + cfg.d_per_layer, 0)}
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_layers, self.d_per_layer, self.d_model = cfg.n_layers, cfg.d_per_layer, cfg.d_model
