@@ -1,8 +1,11 @@
 """Parameter and FLOP accounting for a model config of any supported family, from the shapes alone.
 
 Everything here is arithmetic on a `ModelConfig` (a model, a config, or a preset name), so
-`accounting.param_summary("gpt2-xl")` costs nothing and needs no weights. The tests check each count
-against `sum(p.numel())` of a real `HookedTransformer` and the GPT-2 numbers against hand arithmetic.
+`accounting.param_summary("gpt2-xl")` costs nothing and needs no weights. Each piece counts itself: a block's
+rows are what its block form, token mixer and MLP (the classes `lenskit.pieces.layers` chooses from the config)
+return from `params`, the attention core's FLOPs are the mixer's `core_flops`, the MLP's are its `active_weights`;
+this module sums them over the blocks. The tests check each count against `sum(p.numel())` of a real
+`HookedTransformer` and the GPT-2 numbers against hand arithmetic.
 
 Conventions (the ones of Kaplan et al., 2020, "Scaling Laws for Neural Language Models"):
 
@@ -56,6 +59,10 @@ from typing import Any, Iterable, Mapping, Union
 import pandas as pd
 
 from .config import ModelConfig
+from .pieces.layers import attention_class, block_class, mlp_class, summed_counts
+from .pieces.moe import MoE
+from .pieces.norms import norm_params
+from .pieces.per_layer import PerLayerInputs
 
 ConfigLike = Union[ModelConfig, str, Any]  # a ModelConfig, a preset name, or anything with a .cfg
 
@@ -75,45 +82,29 @@ def as_config(model_or_cfg: ConfigLike) -> ModelConfig:
     )
 
 
-def _d_attn(cfg: ModelConfig, layer: int = 0) -> int:
-    return cfg.n_heads * cfg.d_head_of(layer)
-
-
 # ---------------------------------------------------------------- parameters
-def _expert_weights(cfg: ModelConfig) -> int:
-    """One expert's matrices: its gate, up and down projections."""
-    return 3 * cfg.d_model * cfg.moe.d_expert
-
-
-def _expert_biases(cfg: ModelConfig) -> int:
-    """One expert's biases: gate, up and down (gpt-oss's experts), else none."""
-    return 2 * cfg.moe.d_expert + cfg.d_model if cfg.mlp == "swiglu_clamped" else 0
+def _experts(cfg: ModelConfig) -> tuple[int, int]:
+    """One expert's (weights, biases), as the model's MoE piece counts it."""
+    moe = next((i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)), None)  # at most len(dense_layers) + 1 steps
+    return (MoE if moe is None else mlp_class(cfg, moe)).expert_params(cfg)
 
 
 def _per_expert(cfg: ModelConfig) -> int:
     """One expert's parameters."""
-    return _expert_weights(cfg) + _expert_biases(cfg)
-
-
-def _active_mlp(cfg: ModelConfig, layer: int) -> int:
-    """The MLP weights of block `layer` that one token's forward multiplies: all of a dense MLP; a MoE block's
-    router and its k routed experts (and the dense MLP beside them, Gemma 4's)."""
-    if cfg.is_moe_layer(layer):
-        dense = 3 * cfg.d_model * cfg.d_mlp_of(layer) if cfg.block.experts_beside_mlp else 0
-        return dense + cfg.d_model * cfg.moe.n_experts + cfg.moe.n_experts_per_token * _expert_weights(cfg)
-    return int(block_params(cfg, layer).loc["mlp", "weights"])
+    return sum(_experts(cfg))
 
 
 def _kinds(cfg: ModelConfig) -> dict[int, int]:
-    """A representative block of each kind (MoE or dense) -> how many blocks are of that kind. Blocks of one kind
-    are equal, so sums over the blocks are a few products, whatever n_layers is. In a hybrid model a block's kind
-    is also its token mixer (linear or softmax attention)."""
-    shaped = cfg.attention.full_d_head is not None or cfg.attention.full_n_kv_heads is not None or cfg.attention.full_k_is_v  # Gemma 4's full blocks
-    if cfg.layer_types is not None and ("linear" in cfg.layer_types or shaped or cfg.block.n_kv_shared_layers):
+    """A representative block of each kind -> how many blocks are of that kind. Blocks of one kind are equal (their
+    pieces, and what each piece counts, are the same), so sums over the blocks are a few products, whatever n_layers
+    is: without per-layer types, the blocks are MoE or dense (a config claiming 10**9 layers is summed at once)."""
+    if cfg.layer_types is not None:  # blocks may differ (their mixer, heads, MLP): as many as layer_types lists
         first: dict[tuple, int] = {}
         counts: dict[int, int] = {}
-        for i, kind in enumerate(cfg.layer_types):  # Gemma 4's kv-sharing blocks (and wider MLPs) are a kind of their own
-            key = (kind == "linear", cfg.is_moe_layer(i), shaped and kind == "full", cfg.kv_source(i) is not None)
+        for i in range(cfg.n_layers):  # a block's kind is what its pieces count
+            mixer, mlp = attention_class(cfg, i), mlp_class(cfg, i)
+            key = (mixer, mlp, tuple(block_class(cfg).params(cfg, i).items()),
+                   tuple(mixer.core_flops(cfg, i, 1).items()), mlp.active_weights(cfg, i))
             rep = first.setdefault(key, i)
             counts[rep] = counts.get(rep, 0) + 1
         return counts
@@ -140,36 +131,9 @@ def block_params(model_or_cfg: ConfigLike, layer: int = 0) -> pd.DataFrame:
     expert (see `param_summary`'s `active` for what one token uses).
     """
     cfg = as_config(model_or_cfg)
-    d, a, m, d_head = cfg.d_model, _d_attn(cfg, layer), cfg.d_mlp_of(layer), cfg.d_head_of(layer)
-    kv = cfg.n_kv_heads_of(layer) * d_head  # each of k and v: smaller than d_attn under grouped-query attention
-    q = 2 * a if cfg.attention.output_gate else a  # gated attention: q's projection also gives the output gate
-    shared = cfg.kv_source(layer) is not None  # Gemma 4's kv-sharing blocks: another block's keys and values
-    n_kv = 0 if shared else 1 if cfg.k_is_v(layer) else 2  # Gemma 4's full blocks: the keys' projection gives the values too
-    attn_w = d * (q + n_kv * kv) + a * d  # q, k, v, out
-    attn_b = (q + n_kv * kv if cfg.attention.qkv_bias else 0) + (d if cfg.attention.out_bias else 0) + (cfg.n_heads if cfg.attention.sinks else 0)
-    linear = cfg.layer_type(layer) == "linear"
-    if linear:  # Gated DeltaNet: in_qkv, in_z, in_b, in_a, the convolution, out_proj; A_log and dt_bias per value head
-        k_dim, v_dim, n_v = cfg.linear.n_k_heads * cfg.linear.d_k, cfg.linear.n_v_heads * cfg.linear.d_v, cfg.linear.n_v_heads
-        attn_w = d * (2 * k_dim + 2 * v_dim + 2 * n_v) + (2 * k_dim + v_dim) * cfg.linear.conv_width + v_dim * d
-        attn_b = 2 * n_v
-    if cfg.is_moe_layer(layer):  # router, experts (Gemma 4's: beside the dense MLP, its router with a gain and scales)
-        beside = 3 * d * m + d + cfg.moe.n_experts if cfg.block.experts_beside_mlp else 0
-        mlp_w = beside + d * cfg.moe.n_experts + cfg.moe.n_experts * _expert_weights(cfg)
-        mlp_b = (cfg.moe.n_experts if cfg.moe.router_bias else 0) + cfg.moe.n_experts * _expert_biases(cfg)
-    elif cfg.mlp == "gelu":
-        mlp_w, mlp_b = 2 * d * m, (m + d if cfg.mlp_bias else 0)  # fc_in, fc_out
-    else:
-        mlp_w, mlp_b = 3 * d * m, (2 * m + d if cfg.mlp_bias else 0)  # gate, fc_in, fc_out
-    n_norms = 4 if cfg.norm_placement == "sandwich" else 2  # ln1, ln2 and/or ln1_post, ln2_post
-    n_norms += 3 * cfg.block.experts_beside_mlp + (cfg.block.d_per_layer is not None)  # Gemma 4's: the experts', the per-layer write's
-    qk = (2 * d_head if cfg.attention.qk_norm_per_head else a + kv) if cfg.attention.qk_norm else 0  # q/k norm gains: per head, or all heads
-    qk = qk // 2 if shared else qk  # no key norm where the keys are another block's (per-head norms: Gemma 4's)
-    qk = cfg.linear.d_v if linear else qk  # a linear-attention block's gated output norm instead
-    norm_w = n_norms * d + qk
-    norm_b = n_norms * d if cfg.norm == "layernorm" else 0
-    rows = {"attn": (attn_w, attn_b), "mlp": (mlp_w, mlp_b), "norms": (norm_w, norm_b)}
-    if cfg.block.d_per_layer is not None:  # Gemma 4 E2B/E4B: the gate and projection of the block's per-layer input
-        rows["per_layer"] = (2 * d * cfg.block.d_per_layer, 0)
+    counts = block_class(cfg).params(cfg, layer)  # each piece of the block counts itself
+    rows = {row: counts.get(row, (0, 0)) for row in ("attn", "mlp", "norms")}
+    rows.update({row: count for row, count in counts.items() if row not in rows})  # per_layer (Gemma 4 E2B/E4B)
     frame = pd.DataFrame.from_dict(rows, orient="index", columns=["weights", "biases"])
     frame["params"] = frame["weights"] + frame["biases"]
     frame.index.name = "component"
@@ -198,17 +162,19 @@ def _table(cfg: ModelConfig, layers: Iterable[int]) -> pd.DataFrame:
              else "none: rotary positions have no parameters"),
     ]
     if cfg.block.d_per_layer is not None:  # Gemma 4 E2B/E4B's per-layer inputs: a table (an embedding) and a projection
-        width = cfg.n_layers * cfg.block.d_per_layer
-        rows += [dict(layer=None, component="per_layer_embed", weights=cfg.block.d_vocab_per_layer * width, biases=0,
-                      embedding=True, note="per-layer input embedding: d_vocab_per_layer x n_layers x d_per_layer"),
-                 dict(layer=None, component="per_layer_proj", weights=d * width + cfg.block.d_per_layer, biases=0,
-                      embedding=False, note="the token embedding's projection to the per-layer inputs, and its norm")]
+        counts = PerLayerInputs.params(cfg)
+        rows += [dict(layer=None, component="per_layer_embed", weights=counts["per_layer_embed"][0],
+                      biases=counts["per_layer_embed"][1], embedding=True,
+                      note="per-layer input embedding: d_vocab_per_layer x n_layers x d_per_layer"),
+                 dict(layer=None, component="per_layer_proj", weights=counts["per_layer_proj"][0],
+                      biases=counts["per_layer_proj"][1], embedding=False,
+                      note="the token embedding's projection to the per-layer inputs, and its norm")]
     for layer in layers:
         for component, row in block_params(cfg, layer).iterrows():
             rows.append(dict(layer=layer, component=component, weights=int(row.weights), biases=int(row.biases),
                              embedding=False, note=""))
-    rows.append(dict(layer=None, component="ln_final", weights=d, biases=d if cfg.norm == "layernorm" else 0,
-                     embedding=False, note="final norm"))
+    final_w, final_b = norm_params(cfg)
+    rows.append(dict(layer=None, component="ln_final", weights=final_w, biases=final_b, embedding=False, note="final norm"))
     if cfg.tie_word_embeddings:
         rows.append(dict(layer=None, component="unembed", weights=0, biases=0, embedding=True,
                          note=f"tied to embed: its {v * d:,} weights are counted once, in the embed row"))
@@ -274,10 +240,10 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
         unused = n_moe * (cfg.moe.n_experts - cfg.moe.n_experts_per_token) * _per_expert(cfg)
         values.update({
             "experts": (n_moe * cfg.moe.n_experts * _per_expert(cfg),
-                        f"{cfg.moe.n_experts} experts x 3 d_model d_expert{' + biases' if _expert_biases(cfg) else ''} in "
+                        f"{cfg.moe.n_experts} experts x 3 d_model d_expert{' + biases' if _experts(cfg)[1] else ''} in "
                         f"each of {n_moe} MoE blocks"),
             "per_expert": (_per_expert(cfg), "gate, up and down projections" + (" and their biases" if
-                                                                                  _expert_biases(cfg) else "")),
+                                                                                  _experts(cfg)[1] else "")),
             "active": (values["total"][0] - unused, f"what one token uses: the router and {cfg.moe.n_experts_per_token} of "
                        f"{cfg.moe.n_experts} experts per MoE block, and everything else"),
             "active_non_embedding": (non_embedding - unused, "active, less the embeddings"),
@@ -305,15 +271,19 @@ def flops_per_token(model_or_cfg: ConfigLike, n_ctx: int | None = None, causal: 
         raise ValueError(f"n_ctx must be a positive int (tokens of context), got {n_ctx!r}")
     n_keys = (n_ctx + 1) / 2 if causal else n_ctx  # mean number of keys a query attends to
     kinds = _kinds(cfg)
-    n_linear = sum(n for layer, n in kinds.items() if cfg.layer_type(layer) == "linear")
+    # each token mixer's own core: softmax attention's grows with the keys, linear attention's does not
+    per_kind = [{row: (n * core, 0) for row, core in attention_class(cfg, layer).core_flops(cfg, layer, n_keys).items()}
+                for layer, n in kinds.items()]
+    cores: dict[str, int] = {"attn_core": 0, **{row: total for row, (total, _) in summed_counts(*per_kind).items()}}
     forward = {
         "attn_proj": 2 * sum(int(block_params(cfg, layer).loc["attn", "weights"]) * n for layer, n in kinds.items()),
-        "attn_core": 2 * 2 * n_keys * sum(n * _d_attn(cfg, layer) for layer, n in kinds.items()
-                                           if cfg.layer_type(layer) != "linear"),
-        **({"linear_core": 6 * n_linear * cfg.linear.n_v_heads * cfg.linear.d_k * cfg.linear.d_v} if n_linear else {}),
-        "mlp": 2 * sum(_active_mlp(cfg, layer) * n for layer, n in _kinds(cfg).items()),  # routed experts only
-        # Gemma 4 E2B/E4B: the projection to every block's per-layer input, and each block's gate and projection
-        **({"per_layer": 2 * 3 * cfg.d_model * cfg.n_layers * cfg.block.d_per_layer} if cfg.block.d_per_layer is not None else {}),
+        **cores,
+        "mlp": 2 * sum(mlp_class(cfg, layer).active_weights(cfg, layer) * n for layer, n in kinds.items()),  # routed experts only
+        # Gemma 4 E2B/E4B: the projection to every block's per-layer input (less its norm), and each block's gate and
+        # projection of its input
+        **({"per_layer": 2 * (cfg.d_model * cfg.n_layers * cfg.block.d_per_layer + sum(
+            n * int(block_params(cfg, layer).loc["per_layer", "weights"]) for layer, n in kinds.items()))}
+           if cfg.block.d_per_layer is not None else {}),
         "unembed": 2 * cfg.d_model * cfg.d_vocab,
     }
     forward["total"] = sum(forward.values())

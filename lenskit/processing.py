@@ -24,6 +24,10 @@ After `fold_ln`, a norm's `hook_normalized` is the pure normalisation, Transform
 sandwich `ln*_post`) and q/k norms read no stream and are left as they are, as in TransformerLens; OLMo 2 and 3,
 whose blocks have only post-norms, get no fold_ln at all (TransformerLens skips it there, final norm included).
 
+Each piece says what applies to it: `processing_refusal` (the positions, the token mixers, the block form, the norm
+and the readout refuse an option by name where it would not be exact) and `norm_readers` (the projections fold_ln
+folds a norm into); this module applies the options over the model's pieces.
+
 A tied unembedding is untied first wherever W_E or W_U changes (`cfg.tie_word_embeddings` becomes False). A processed
 model records what was done in `model.processing` (a tuple of option names, in order); its final norm and unembedding
 change, so a tuned lens fitted on the raw model is refused by `model_fingerprint` (fit one on the processed model).
@@ -32,10 +36,16 @@ change, so a tuned lens fitted on the raw model is refused by `model_fingerprint
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from .pieces.deltanet import GatedDeltaNet
+from .pieces.layers import attention_class, block_class
+from .pieces.norms import NORM_CLASSES
+from .pieces.readout import Readout
+from .pieces.rotary import Rotary
 
 if TYPE_CHECKING:
     from .model import HookedTransformer
@@ -45,41 +55,21 @@ OPTIONS = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_bi
 
 def refusal(cfg, option: str) -> tuple[str, bool] | None:
     """Why `option` cannot be applied exactly to a model of `cfg`, and whether TransformerLens itself skips it there
-    (True: its default silently leaves it out); None when it applies."""
-    linear = cfg.layer_types is not None and "linear" in cfg.layer_types
-    if option == "refactor_factored_attn_matrices":
-        for bad, why in ((cfg.positional == "rotary", "rotary positions make the QK matrix depend on the positions "
-                          "(TransformerLens refuses it too)"), (cfg.n_kv_heads != cfg.n_heads, "grouped-query heads "
-                          "share k and v"), (cfg.attention.qk_norm, "q/k norms sit between W_Q, W_K and the scores"),
-                         (cfg.attention.output_gate or linear, "its heads are gated or linear")):
-            if bad:
-                return (f"refactor_factored_attn_matrices is not defined for {cfg.family}: {why}; pass "
-                        "refactor_factored_attn_matrices=False", False)
-    if option == "fold_ln":
-        if linear:
-            return (f"fold_ln is not implemented for {cfg.family}'s linear-attention blocks; pass fold_ln=False", False)
-        if cfg.norm_placement == "post":
-            return (f"fold_ln is not defined for {cfg.family}'s post-norm blocks: no norm sits before a sublayer "
-                    "(TransformerLens skips it there, final norm included); pass fold_ln=False", True)
-    if option == "center_writing_weights" and cfg.norm != "layernorm":
-        return (f"center_writing_weights needs LayerNorm, which removes the stream's mean; {cfg.family} uses "
-                f"{cfg.norm}, so it would change the model (TransformerLens skips it there); pass "
-                "center_writing_weights=False", True)
-    if option == "center_unembed" and cfg.final_softcap is not None:
-        return (f"center_unembed would change {cfg.family}'s probabilities: its final soft-cap "
-                f"c*tanh(z/c) (c={cfg.final_softcap}) is not shift-invariant; pass center_unembed=False", False)
-    if option == "fold_value_biases":
-        for flag, why in (("attn_sinks", "attention sinks make each pattern sum to less than 1"),
-                          ("attn_output_gate", "each head's output gate scales its value bias per position"),
-                          ("v_norm", "the value norm (Gemma 4's) normalises each value, its bias included")):
-            if flag == "v_norm" and not cfg.attention.qkv_bias:
-                continue  # no value bias to fold: nothing changes
-            if getattr(cfg, flag):
-                return (f"fold_value_biases is not exact for {cfg.family}: {why}; pass fold_value_biases=False", False)
-        if linear:
-            return (f"fold_value_biases is not defined for {cfg.family}'s linear-attention blocks; "
-                    "pass fold_value_biases=False", False)
+    (True: its default silently leaves it out); None when it applies. Each piece says it for itself
+    (`processing_refusal`); the first piece that refuses, in `_pieces`'s order, gives the reason."""
+    for piece in _pieces(cfg):
+        why = piece.processing_refusal(cfg, option)
+        if why is not None:
+            return why
     return None
+
+
+def _pieces(cfg) -> list[Any]:
+    """The kinds of piece a model of `cfg` is made of, in the order their refusals are checked: rotary positions,
+    the token mixers (softmax attention before linear attention), the block form, the norm, the readout."""
+    mixers = sorted({attention_class(cfg, layer) for layer in range(cfg.n_layers)},
+                    key=lambda piece: (issubclass(piece, GatedDeltaNet), piece.__name__))
+    return [*([Rotary] if cfg.positional == "rotary" else []), *mixers, block_class(cfg), NORM_CLASSES[cfg.norm], Readout]
 
 
 def process_weights(model: "HookedTransformer", fold_ln: bool | None = False, center_writing_weights: bool | None = False,
@@ -151,19 +141,6 @@ def _center_rows(layer: nn.Module, dim: int) -> None:
         _set(layer.bias, layer.bias.float() - layer.bias.float().mean())
 
 
-def _readers(part: nn.Module) -> list[nn.Linear]:
-    """The projections of an attention or MLP piece that read the normalised stream: a mixture of experts's router
-    and every expert's gate and input, as TransformerLens folds them."""
-    if isinstance(getattr(part, "experts", None), nn.ModuleList):
-        return [part.router, *(layer for expert in part.experts for layer in _readers(expert))]
-    names = ("qkv", "q", "k", "v", "gate", "fc_in", "gate_up")
-    found = [getattr(part, n) for n in names if isinstance(getattr(part, n, None), nn.Linear)]
-    qkv = getattr(part, "qkv", None)
-    if qkv is not None and not isinstance(qkv, nn.Linear):  # Gemma 4's full blocks have no v: their keys are the values
-        found += [getattr(qkv, n) for n in ("q", "k", "v") if isinstance(getattr(qkv, n, None), nn.Linear)]
-    return found
-
-
 def _fold_norm(norm: nn.Module, readers: list[nn.Linear], center: bool) -> None:
     """Fold the norm's gain (and bias) into each reader [out, d_model], then set the norm to its identity."""
     gain = norm.gain.float()  # [d_model]; Gemma's 1 + w
@@ -183,8 +160,8 @@ def _fold_ln(model: "HookedTransformer") -> None:
     center = model.cfg.norm == "layernorm"  # TransformerLens centres the readers of a LayerNorm only
     for block in model.blocks:
         if type(block).PRE_NORMS:  # type: ignore[attr-defined]  # a ModuleList item is a Module to mypy. OLMo 2's post-norm blocks have nothing before their sublayers
-            _fold_norm(block.ln1, _readers(block.attn), center)
-            _fold_norm(block.ln2, _readers(block.mlp), center)
+            _fold_norm(block.ln1, block.attn.norm_readers(), center)
+            _fold_norm(block.ln2, block.mlp.norm_readers(), center)
     _fold_norm(model.ln_final, [model.unembed], center)  # LayerNorm's bias becomes an unembedding bias, b_U
     if center:  # only a LayerNorm's bias can give a projection a bias it lacked
         _sync_biases(model)
@@ -221,10 +198,11 @@ def _fold_value_biases(model: "HookedTransformer", recenter: bool) -> None:
 def _sync_biases(model: "HookedTransformer") -> None:
     """Say in the config that the q/k/v and MLP projections have biases where folding gave them some."""
     changes = {}
-    if not model.cfg.attention.qkv_bias and any(l.bias is not None for b in model.blocks for l in _readers(b.attn)):
+    attns: list[Any] = [b.attn for b in model.blocks]  # each a token-mixer piece, which names its norm's readers
+    if not model.cfg.attention.qkv_bias and any(l.bias is not None for a in attns for l in a.norm_readers()):
         changes["qkv_bias"] = True
-    dense = [b.mlp for b in model.blocks if not hasattr(b.mlp, "experts")]  # an expert's bias is the family's own
-    if not model.cfg.mlp_bias and any(l.bias is not None for mlp in dense for l in _readers(mlp)):
+    dense: list[Any] = [b.mlp for b in model.blocks if not hasattr(b.mlp, "experts")]  # an expert's bias is the family's own
+    if not model.cfg.mlp_bias and any(l.bias is not None for mlp in dense for l in mlp.norm_readers()):
         changes["mlp_bias"] = True
     if changes:
         model.cfg = model.cfg.replace(**changes)

@@ -18,7 +18,7 @@ from golden import assert_golden, hf_blocks, hf_module_outputs, max_diff
 from safetensors.torch import load_file, save_file
 
 from lenskit import HookedTransformer
-from lenskit.families.layouts import split_gate_up
+from lenskit.families.gpt_oss import split_gate_up
 from lenskit.pieces.attention import SlidingWindowMask
 
 EVERY_HOOK = lambda name: True  # noqa: E731 - includes the on-request hook_expert_out

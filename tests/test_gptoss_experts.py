@@ -1,5 +1,5 @@
 """gpt-oss's clamped SwiGLU experts and top-k-then-softmax router (lenskit.pieces.moe; the interleaved gate_up from
-lenskit.families.layouts), against transformers' GptOssExperts and GptOssTopKRouter."""
+lenskit.families.gpt_oss), against transformers' GptOssExperts and GptOssTopKRouter."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import transformers
 
 from golden import max_diff
 from lenskit import ModelConfig
-from lenskit.families.layouts import split_gate_up
+from lenskit.families.gpt_oss import split_gate_up
 from lenskit.pieces.moe import clamped_swiglu as _clamped_swiglu
 from lenskit.pieces.moe import topk_softmax
 

@@ -13,7 +13,9 @@ import torch
 
 from lenskit import CheckpointError, ModelConfig
 from lenskit.families import FAMILIES
-from lenskit.families.layouts import GPT2, NEOX_QKV, TRANSPOSE, Layout, Reshape
+from lenskit.families.gpt2 import LAYOUT as GPT2
+from lenskit.families.gpt_neox import NEOX_QKV
+from lenskit.families.layouts import TRANSPOSE, Layout, Reshape
 from lenskit.io.loading import convert_hf_state_dict, to_hf_state_dict
 
 MOE = Layout(

@@ -1,11 +1,12 @@
-"""Each family's Hugging Face checkpoint layout: key prefix, a declarative name map, the tensors that
-need reshaping, and the buffers old checkpoints carry that hold no learned state.
+"""Hugging Face checkpoint layouts (`Layout`): key prefix, a declarative name map, the tensors that need
+reshaping, and the buffers old checkpoints carry that hold no learned state; and the layouts several families
+share (Llama's names, Gemma's, routed experts'). A family's own layout is in its module (`lenskit.families.gpt2`).
 
 Names inside a block are written once per family as `ours -> theirs`; the full map is generated from
 our own state-dict keys, so a bias the config turns off is simply not expected. A block-local name may
 be a template whose `{placeholders}` stand for indices inside the block: one entry
 `"mlp.experts.{e}.gate.weight": "mlp.experts.{e}.gate_proj.weight"` names every expert's gate. Which
-`model_type` stores its weights in which layout is the registry's business (`lenskit.families`).
+`model_type` stores its weights in which layout is its family record's business.
 """
 
 from __future__ import annotations
@@ -17,22 +18,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-_GPT2_BLOCK = {
-    "ln1.weight": "ln_1.weight", "ln1.bias": "ln_1.bias", "ln2.weight": "ln_2.weight", "ln2.bias": "ln_2.bias",
-    "attn.qkv.weight": "attn.c_attn.weight", "attn.qkv.bias": "attn.c_attn.bias",
-    "attn.out.weight": "attn.c_proj.weight", "attn.out.bias": "attn.c_proj.bias",
-    "mlp.fc_in.weight": "mlp.c_fc.weight", "mlp.fc_in.bias": "mlp.c_fc.bias",
-    "mlp.fc_out.weight": "mlp.c_proj.weight", "mlp.fc_out.bias": "mlp.c_proj.bias",
-}
-_NEOX_BLOCK = {
-    "ln1.weight": "input_layernorm.weight", "ln1.bias": "input_layernorm.bias",
-    "ln2.weight": "post_attention_layernorm.weight", "ln2.bias": "post_attention_layernorm.bias",
-    "attn.qkv.weight": "attention.query_key_value.weight", "attn.qkv.bias": "attention.query_key_value.bias",
-    "attn.out.weight": "attention.dense.weight", "attn.out.bias": "attention.dense.bias",
-    "mlp.fc_in.weight": "mlp.dense_h_to_4h.weight", "mlp.fc_in.bias": "mlp.dense_h_to_4h.bias",
-    "mlp.fc_out.weight": "mlp.dense_4h_to_h.weight", "mlp.fc_out.bias": "mlp.dense_4h_to_h.bias",
-}
-_LLAMA_BLOCK = {
+LLAMA_BLOCK = {
     "ln1.weight": "input_layernorm.weight", "ln2.weight": "post_attention_layernorm.weight",
     **{f"attn.qkv.{x}.{p}": f"self_attn.{x}_proj.{p}" for x in "qkv" for p in ("weight", "bias")},
     "attn.out.weight": "self_attn.o_proj.weight", "attn.out.bias": "self_attn.o_proj.bias",
@@ -44,35 +30,9 @@ _LLAMA_BLOCK = {
 
 # Mixture-of-experts blocks: the router and each expert's three projections, as the hub stores them.
 _MOE_BLOCK = {
-    **_LLAMA_BLOCK, "mlp.router.weight": "mlp.gate.weight",
+    **LLAMA_BLOCK, "mlp.router.weight": "mlp.gate.weight",
     **{f"mlp.experts.{{e}}.{ours}.weight": f"mlp.experts.{{e}}.{theirs}.weight"
        for ours, theirs in (("gate", "gate_proj"), ("fc_in", "up_proj"), ("fc_out", "down_proj"))},
-}
-_MIXTRAL_BLOCK = {
-    **_LLAMA_BLOCK, "mlp.router.weight": "block_sparse_moe.gate.weight",
-    **{f"mlp.experts.{{e}}.{ours}.weight": f"block_sparse_moe.experts.{{e}}.{theirs}.weight"
-       for ours, theirs in (("gate", "w1"), ("fc_in", "w3"), ("fc_out", "w2"))},
-}
-
-
-# gpt-oss: the router with its bias, attention sinks, and per-expert names that exist only between
-# `Layout.split_fused` and `Layout.join_fused` (its files spell the experts fused, `GptOssExperts`).
-_GPT_OSS_BLOCK = {
-    **_LLAMA_BLOCK, "attn.sinks": "self_attn.sinks", "mlp.router.weight": "mlp.router.weight",
-    "mlp.router.bias": "mlp.router.bias",
-    **{f"mlp.experts.{{e}}.{ours}.{p}": f"mlp.experts.{{e}}.{ours}.{p}" for ours in ("gate", "fc_in", "fc_out")
-       for p in ("weight", "bias")},
-}
-
-
-# Qwen 3.5: full-attention blocks as Llama's (`self_attn`; its q_proj holds each head's query and gate rows), the
-# Gated DeltaNet blocks under `linear_attn`.
-_QWEN3_5_BLOCK = {
-    **_LLAMA_BLOCK,
-    **{f"attn.{ours}": f"linear_attn.{theirs}" for ours, theirs in (
-        ("in_qkv.weight", "in_proj_qkv.weight"), ("in_z.weight", "in_proj_z.weight"), ("in_b.weight", "in_proj_b.weight"),
-        ("in_a.weight", "in_proj_a.weight"), ("conv_weight", "conv1d.weight"), ("A_log", "A_log"), ("dt_bias", "dt_bias"),
-        ("out_norm.weight", "norm.weight"), ("out_proj.weight", "out_proj.weight"))},
 }
 
 
@@ -80,18 +40,6 @@ def _transposed(t: torch.Tensor, cfg) -> torch.Tensor:
     """A view, not a copy: a transposed weight is as fast in F.linear (benchmarks/results.md, "Big checkpoints")
     and lets a memory-mapped checkpoint stay mapped."""
     return t.T
-
-
-def _neox_qkv(t: torch.Tensor, cfg) -> torch.Tensor:
-    """NeoX stores q, k, v interleaved per head, [head, 3, d_head, ...]; ours is [3, head, d_head, ...]."""
-    rest = t.shape[1:]
-    return t.reshape(cfg.n_heads, 3, cfg.d_head, *rest).transpose(0, 1).reshape(-1, *rest)
-
-
-def _neox_qkv_interleaved(t: torch.Tensor, cfg) -> torch.Tensor:
-    """Ours, [3, head, d_head, ...], back to NeoX's per-head interleave [head, 3, d_head, ...]."""
-    rest = t.shape[1:]
-    return t.reshape(3, cfg.n_heads, cfg.d_head, *rest).transpose(0, 1).reshape(-1, *rest)
 
 
 @dataclass(frozen=True)
@@ -105,7 +53,6 @@ class Reshape:
 
 
 TRANSPOSE = Reshape(_transposed, _transposed, lambda shape: tuple(reversed(shape)))
-NEOX_QKV = Reshape(_neox_qkv, _neox_qkv_interleaved)
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
@@ -147,56 +94,6 @@ class FusedExperts:
         "weight" or "bias")`. Needed only where `only`."""
         raise NotImplementedError(f"{type(self).__name__} is not the only spelling of its family's experts")
 
-
-def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., 2 * d_expert], gate and up interleaved (gpt-oss's layout) -> gate, up, each [..., d_expert] (views)."""
-    return gate_up[..., 0::2], gate_up[..., 1::2]
-
-
-def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The inverse of `split_gate_up`: [..., d_expert] each -> [..., 2 * d_expert]."""
-    return torch.stack([gate, up], dim=-1).flatten(-2)
-
-
-@dataclass(frozen=True)
-class GptOssExperts(FusedExperts):
-    """gpt-oss's experts, the only spelling its files have: `gate_up_proj` [expert, d_model, 2 * d_expert]
-    (transposed: `x @ W`; gate and up interleaved along the last axis, gate at the even columns), `down_proj`
-    [expert, d_expert, d_model], their biases [expert, 2 * d_expert] (interleaved too) and [expert, d_model], and the
-    router `mlp.router` with its bias. (Its MXFP4 files hold the two weights quantized: lenskit.io.mxfp4.)"""
-
-    router: str = "mlp.router.weight"
-    biases: tuple[str, str] | None = ("mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias")
-    only: bool = True
-
-    def shapes(self, cfg) -> tuple[tuple[int, ...], ...]:
-        n, d, m = cfg.moe.n_experts, cfg.d_model, cfg.moe.d_expert
-        return (n, d, 2 * m), (n, m, d), (n, 2 * m), (n, d)
-
-    def parts(self, gate_up: torch.Tensor, down: torch.Tensor, cfg) -> Iterator[tuple[int, str, torch.Tensor]]:
-        for e in range(cfg.moe.n_experts):
-            gate, up = split_gate_up(gate_up[e])  # [d_model, d_expert] each
-            yield e, "gate", gate.T
-            yield e, "fc_in", up.T
-            yield e, "fc_out", down[e].T
-
-    def bias_parts(self, gate_up: torch.Tensor, down: torch.Tensor, cfg) -> Iterator[tuple[int, str, torch.Tensor]]:
-        for e in range(cfg.moe.n_experts):
-            gate, up = split_gate_up(gate_up[e])  # [d_expert] each
-            yield e, "gate", gate
-            yield e, "fc_in", up
-            yield e, "fc_out", down[e]
-
-    def fuse(self, expert: Callable[[int, str, str], torch.Tensor], cfg) -> dict[str, torch.Tensor]:
-        experts = range(cfg.moe.n_experts)
-        gate_up_bias, down_bias = self.biases
-        return {
-            self.gate_up: torch.stack([_interleave(expert(e, "gate", "weight").T, expert(e, "fc_in", "weight").T)
-                                       for e in experts]),  # [expert, d_model, 2 * d_expert]
-            self.down: torch.stack([expert(e, "fc_out", "weight").T for e in experts]),  # [expert, d_expert, d_model]
-            gate_up_bias: torch.stack([_interleave(expert(e, "gate", "bias"), expert(e, "fc_in", "bias")) for e in experts]),
-            down_bias: torch.stack([expert(e, "fc_out", "bias") for e in experts]),
-        }
 
 
 @lru_cache(maxsize=None)
@@ -342,7 +239,7 @@ class Layout:
             return tensor
         if how.save is None:
             raise ValueError(f"the checkpoint stores {ours!r} through {how.load.__name__}, which has no inverse in "
-                             "lenskit/families/layouts.py; saving this family in its Hugging Face layout is not implemented")
+                             f"{how.load.__module__}; saving this family in its Hugging Face layout is not implemented")
         return how.save(tensor, cfg)
 
     def block_count(self, names: Iterable[str]) -> int:
@@ -360,46 +257,16 @@ class Layout:
         return self.unread is not None and self.unread(name, cfg)
 
 
-GPT2 = Layout(
-    prefix="transformer.", blocks="h",
-    top={"embed.weight": "wte.weight", "pos_embed.weight": "wpe.weight", "ln_final.weight": "ln_f.weight",
-         "ln_final.bias": "ln_f.bias", "unembed.weight": "lm_head.weight"},
-    block=_GPT2_BLOCK,
-    # GPT-2's Conv1D stores weights as [in, out]; nn.Linear wants [out, in].
-    reshape={k: TRANSPOSE for k in ("attn.qkv.weight", "attn.out.weight", "mlp.fc_in.weight", "mlp.fc_out.weight")},
-    buffers=r"^h\.\d+\.attn\.(bias|masked_bias)$",
-)
-GPT_NEOX = Layout(
-    prefix="gpt_neox.", blocks="layers",
-    top={"embed.weight": "embed_in.weight", "ln_final.weight": "final_layer_norm.weight",
-         "ln_final.bias": "final_layer_norm.bias", "unembed.weight": "embed_out.weight"},
-    block=_NEOX_BLOCK, reshape={"attn.qkv.weight": NEOX_QKV, "attn.qkv.bias": NEOX_QKV},
-    aliases={"lm_head.weight": "embed_out.weight"},  # transformers 5 names it so in memory, not on disk
-    buffers=r"^layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$|^rotary_emb\.inv_freq$",
-)
 LLAMA = Layout(
     prefix="model.", blocks="layers",
     top={"embed.weight": "embed_tokens.weight", "ln_final.weight": "norm.weight", "unembed.weight": "lm_head.weight"},
-    block=_LLAMA_BLOCK, buffers=r"^layers\.\d+\.self_attn\.rotary_emb\.inv_freq$",
+    block=LLAMA_BLOCK, buffers=r"^layers\.\d+\.self_attn\.rotary_emb\.inv_freq$",
 )
 GEMMA = Layout(
     prefix="model.", blocks="layers",
     top={"embed.weight": "embed_tokens.weight", "ln_final.weight": "norm.weight", "unembed.weight": "lm_head.weight"},
-    block={**_LLAMA_BLOCK, "ln1_post.weight": "post_attention_layernorm.weight",
+    block={**LLAMA_BLOCK, "ln1_post.weight": "post_attention_layernorm.weight",
            "ln2.weight": "pre_feedforward_layernorm.weight", "ln2_post.weight": "post_feedforward_layernorm.weight"},
 )
-OLMO2 = Layout(  # post-norms only: transformers' post_attention_layernorm follows attention, as our ln1_post does
-    prefix="model.", blocks="layers", top=LLAMA.top,
-    block={**_LLAMA_BLOCK, "ln1_post.weight": "post_attention_layernorm.weight",
-           "ln2_post.weight": "post_feedforward_layernorm.weight"},
-)
-PHI3 = Layout(
-    prefix="model.", blocks="layers", top=LLAMA.top,
-    block={**_LLAMA_BLOCK, "attn.qkv.weight": "self_attn.qkv_proj.weight", "mlp.gate_up.weight": "mlp.gate_up_proj.weight"},
-)
-MIXTRAL = Layout(prefix="model.", blocks="layers", top=LLAMA.top, block=_MIXTRAL_BLOCK, buffers=LLAMA.buffers,
-                 fused=FusedExperts())
 MOE = Layout(prefix="model.", blocks="layers", top=LLAMA.top, block=_MOE_BLOCK, buffers=LLAMA.buffers,
              fused=FusedExperts())  # Qwen3-MoE, OLMoE
-QWEN3_5 = Layout(prefix="model.", blocks="layers", top=LLAMA.top, block=_QWEN3_5_BLOCK)
-GPT_OSS = Layout(prefix="model.", blocks="layers", top=LLAMA.top, block=_GPT_OSS_BLOCK, fused=GptOssExperts())

@@ -1,24 +1,24 @@
-"""Reading a Hugging Face `config.json` into `ModelConfig` fields: one reader per family.
+"""What the family readers share: reading a Hugging Face `config.json` into `ModelConfig` fields.
 
-Each reader reads the fields it implements with strict types (`fields.ConfigReader`; the rotary ones through
-`rope.py`), and refuses, by name, any field whose value would make the checkpoint compute something lenskit does
-not implement. Readers return plain dicts of `ModelConfig` keyword arguments, so this module imports only config's
-constants. Which reader a `model_type` gets is the registry's business (`lenskit.families`); `writers.py` is the
-way back.
+A family's own reader is its module's `read` (`lenskit.families.llama.read`): it reads the fields it implements with
+strict types (`fields.ConfigReader`; the rotary ones through `rope.py`) and refuses, by name, any field whose value
+would make the checkpoint compute something lenskit does not implement. Here are the pieces several readers use
+(heads, the Llama-like and Gemma-like fields, sliding windows, routed experts) and `read_config`, which runs a
+family's reader on a dict. Readers return plain dicts of `ModelConfig` keyword arguments, so this module imports
+only config's constants; `writers.py` is the way back.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from ..config import ACTIVATIONS, GELU_ACTIVATIONS, ROPE_TYPES
+from ..config import GELU_ACTIVATIONS, ROPE_TYPES
 from ..io.mxfp4 import check_family_quantization
 from .fields import HF_LAYER_TYPES, REFUSED, ConfigReader
-from .readers_gemma4 import gemma4_extras
-from .rope import gemma3_rope, gemma4_rope, olmo3_rope, rope
+from .rope import rope
 
 
-def _heads(r: ConfigReader, d_model_key: str, heads_key: str, *, must_divide: bool) -> tuple[int, int]:
+def read_heads(r: ConfigReader, d_model_key: str, heads_key: str, *, must_divide: bool) -> tuple[int, int]:
     """d_model and n_heads; `must_divide`: transformers refuses a d_model that n_heads does not divide, even with an
     explicit head_dim (GPT-2, GPT-NeoX, Llama, Gemma)."""
     d_model, n_heads = r.int(d_model_key), r.int(heads_key)
@@ -28,7 +28,7 @@ def _heads(r: ConfigReader, d_model_key: str, heads_key: str, *, must_divide: bo
     return d_model, n_heads
 
 
-def _kv_heads(r: ConfigReader, n_heads: int, default: int | None, null_derives: bool = True) -> int:
+def read_kv_heads(r: ConfigReader, n_heads: int, default: int | None, null_derives: bool = True) -> int:
     """num_key_value_heads: absent is the family's default (None: n_heads, no grouping); null is n_heads where
     transformers derives it. It must divide n_heads."""
     key = "num_key_value_heads"
@@ -41,59 +41,19 @@ def _kv_heads(r: ConfigReader, n_heads: int, default: int | None, null_derives: 
     return n_kv
 
 
-def _head_dim(r: ConfigReader, d_model: int, n_heads: int, default: int | None, null_derives: bool = True) -> int:
+def read_head_dim(r: ConfigReader, d_model: int, n_heads: int, default: int | None, null_derives: bool = True) -> int:
     """head_dim: absent is the family's default (None: d_model // n_heads); null derives where transformers does."""
     d_head = r.int("head_dim", default, null=None if null_derives else REFUSED)
     return d_model // n_heads if d_head is None else d_head
 
 
-def _common(r: ConfigReader, bos: int | None, eos: int | None) -> dict[str, Any]:
+def common_fields(r: ConfigReader, bos: int | None, eos: int | None) -> dict[str, Any]:
     """The fields every family has; `bos` and `eos` are the family's default token ids."""
     return {
         "family": r.family,
         "bos_token_id": r.token_id("bos_token_id", bos),
         "eos_token_id": r.token_id("eos_token_id", eos),
         "initializer_range": r.float("initializer_range", 0.02),
-    }
-
-
-# Each reader's defaults are transformers 5's for an absent field (its config class built with no arguments; the
-# derived ones, "None: d_model // n_heads", follow its __post_init__). Sizes stay required: transformers' defaults
-# for them are one published model's, never what a config without them meant.
-def read_gpt2(r: ConfigReader) -> dict[str, Any]:
-    refuse = {"add_cross_attention": False, "scale_attn_by_inverse_layer_idx": False,
-              "reorder_and_upcast_attn": False, "scale_attn_weights": True}
-    for field, supported in refuse.items():
-        r.require(field, (supported,), supported)
-    act = r.d.get("activation_function", "gelu_new")
-    if act not in ACTIVATIONS:
-        raise ValueError(f"config field activation_function={act!r} is not an activation lenskit builds; supported: {sorted(ACTIVATIONS)}")
-    n_layers = r.n_layers("n_layer")
-    d_model, n_heads = _heads(r, "n_embd", "n_head", must_divide=True)
-    return {
-        **_common(r, bos=50256, eos=50256),
-        "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads,
-        "d_vocab": r.int("vocab_size"), "n_ctx": r.int("n_positions"), "d_mlp": r.int("n_inner", None),
-        "norm_eps": r.float("layer_norm_epsilon", 1e-5, positive=True), "activation": act,
-        "tie_word_embeddings": r.bool("tie_word_embeddings", True),
-    }
-
-
-def read_gpt_neox(r: ConfigReader) -> dict[str, Any]:
-    act = r.require("hidden_act", ACTIVATIONS, "gelu")
-    n_layers = r.n_layers("num_hidden_layers")
-    d_model, n_heads = _heads(r, "hidden_size", "num_attention_heads", must_divide=True)
-    bias = r.bool("attention_bias", True)
-    return {
-        **_common(r, bos=0, eos=2),
-        "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads,
-        "d_vocab": r.int("vocab_size"), "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
-        "norm_eps": r.float("layer_norm_eps", 1e-5, positive=True), "activation": act,
-        "tie_word_embeddings": r.bool("tie_word_embeddings", False),
-        "parallel_block": r.bool("use_parallel_residual", True), "fused_qkv": True, "qkv_bias": bias, "out_bias": bias,
-        # transformers 5's GPT-NeoX reads rotary_emb_base and rotary_pct, not the top-level rope_theta of other families
-        **rope(r, d_model // n_heads, theta_key="rotary_emb_base", fraction_key="rotary_pct", default_fraction=0.25,
-                unread=("rope_theta", "partial_rotary_factor")),
     }
 
 
@@ -107,28 +67,17 @@ def llama_like(r: ConfigReader, qkv_bias: bool, out_bias: bool, mlp_bias: bool, 
     reads the rotary fields instead of `rope` (per-layer-type settings: OLMo 3)."""
     r.require("hidden_act", ("silu",), "silu")
     n_layers = r.n_layers("num_hidden_layers")
-    d_model, n_heads = _heads(r, "hidden_size", "num_attention_heads", must_divide=must_divide)
-    d_head = _head_dim(r, d_model, n_heads, head_dim, null_head_dim)
+    d_model, n_heads = read_heads(r, "hidden_size", "num_attention_heads", must_divide=must_divide)
+    d_head = read_head_dim(r, d_model, n_heads, head_dim, null_head_dim)
     return {
-        **_common(r, bos, eos),
+        **common_fields(r, bos, eos),
         "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads, "d_head": d_head,
-        "n_kv_heads": _kv_heads(r, n_heads, kv_heads, null_kv_heads), "d_vocab": r.int("vocab_size"),
+        "n_kv_heads": read_kv_heads(r, n_heads, kv_heads, null_kv_heads), "d_vocab": r.int("vocab_size"),
         "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
         "norm_eps": r.float("rms_norm_eps", eps, positive=True), "norm": "rmsnorm", "mlp": "swiglu",
         "tie_word_embeddings": r.bool("tie_word_embeddings", False), "fused_qkv": False,
         "qkv_bias": qkv_bias, "out_bias": out_bias, "mlp_bias": mlp_bias, **(rope(r, d_head, types=rope_types, **rope_defaults) if rotary is None else rotary(r, d_head)),
     }
-
-
-def read_llama(r: ConfigReader) -> dict[str, Any]:
-    bias = r.bool("attention_bias", False)
-    return llama_like(r, bias, bias, r.bool("mlp_bias", False), eps=1e-6, bos=1, eos=2, must_divide=True)
-
-
-def read_mistral(r: ConfigReader) -> dict[str, Any]:
-    # A null sliding_window is no window (Mistral 7B v0.2 on); an absent one is transformers' 4096.
-    return {**llama_like(r, False, False, False, eps=1e-6, bos=1, eos=2, kv_heads=8, null_kv_heads=False),
-            "sliding_window": r.int("sliding_window", 4096, null=None)}
 
 
 def no_qwen_sliding(r: ConfigReader) -> None:
@@ -138,19 +87,7 @@ def no_qwen_sliding(r: ConfigReader) -> None:
         raise ValueError("config field layer_types has non-'full_attention' layers; lenskit implements only full attention for qwen")
 
 
-def read_qwen2(r: ConfigReader) -> dict[str, Any]:
-    no_qwen_sliding(r)
-    return llama_like(r, True, False, False, eps=1e-6, bos=None, eos=None, kv_heads=32)
-
-
-def read_qwen3(r: ConfigReader) -> dict[str, Any]:
-    no_qwen_sliding(r)
-    bias = r.bool("attention_bias", False)
-    return {**llama_like(r, bias, bias, False, eps=1e-6, bos=None, eos=None, kv_heads=32, head_dim=128,
-                          null_head_dim=False), "qk_norm": True}
-
-
-def _layer_types(r: ConfigReader, n_layers: int, pattern: int) -> tuple[str, ...]:
+def read_layer_types(r: ConfigReader, n_layers: int, pattern: int) -> tuple[str, ...]:
     """Gemma's per-block attention kinds: `layer_types`, or every `pattern`-th block global, the rest sliding."""
     types = r.d.get("layer_types")
     if types is None:
@@ -163,7 +100,7 @@ def _layer_types(r: ConfigReader, n_layers: int, pattern: int) -> tuple[str, ...
 
 def sliding_windows(r: ConfigReader, n_layers: int, pattern: int, window: int) -> dict[str, Any]:
     """Per-block attention kinds (`_layer_types`) and the sliding blocks' window (`window` where absent)."""
-    types = _layer_types(r, n_layers, pattern)
+    types = read_layer_types(r, n_layers, pattern)
     window = r.int("sliding_window", window, null=None)
     if window is None and "sliding" in types:  # transformers would run its sliding blocks without a window
         raise ValueError(f"config field sliding_window=None, but layer_types has sliding-window blocks; give the window "
@@ -171,19 +108,19 @@ def sliding_windows(r: ConfigReader, n_layers: int, pattern: int, window: int) -
     return {"layer_types": types, "sliding_window": window if "sliding" in types else None}
 
 
-def _gemma(r: ConfigReader, pattern: int) -> dict[str, Any]:
+def gemma_like(r: ConfigReader, pattern: int) -> dict[str, Any]:
     """What Gemma 2 and Gemma 3 share: (1 + w) RMSNorms before and after each sublayer, a scaled embedding,
     GELU-gated MLP, query_pre_attn_scalar, alternating sliding-window and global blocks."""
     r.require("use_bidirectional_attention", (False, None), False)
     act = r.require("hidden_activation", tuple(GELU_ACTIVATIONS), "gelu_pytorch_tanh")
     n_layers = r.n_layers("num_hidden_layers")  # before anything built per layer
-    d_model, n_heads = _heads(r, "hidden_size", "num_attention_heads", must_divide=True)
+    d_model, n_heads = read_heads(r, "hidden_size", "num_attention_heads", must_divide=True)
     bias = r.bool("attention_bias", False)
     return {
-        **_common(r, bos=2, eos=1),
+        **common_fields(r, bos=2, eos=1),
         "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads,
-        "d_head": _head_dim(r, d_model, n_heads, 256, null_derives=False),
-        "n_kv_heads": _kv_heads(r, n_heads, 4, null_derives=False), "d_vocab": r.int("vocab_size"),
+        "d_head": read_head_dim(r, d_model, n_heads, 256, null_derives=False),
+        "n_kv_heads": read_kv_heads(r, n_heads, 4, null_derives=False), "d_vocab": r.int("vocab_size"),
         "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
         "norm_eps": r.float("rms_norm_eps", 1e-6, positive=True), "norm": "rmsnorm_offset", "mlp": "geglu",
         "activation": act, "norm_placement": "sandwich", "scale_embed": True,
@@ -193,147 +130,42 @@ def _gemma(r: ConfigReader, pattern: int) -> dict[str, Any]:
     }
 
 
-def _cap(r: ConfigReader, key: str, default: float | None) -> float | None:
+def soft_cap(r: ConfigReader, key: str, default: float | None) -> float | None:
     """A soft-cap: absent means transformers' default for the family, an explicit null means no cap."""
     return r.float(key, default, positive=True, null=None)
 
 
-def read_gemma2(r: ConfigReader) -> dict[str, Any]:
-    fields = _gemma(r, pattern=2)
-    return {**fields, **rope(r, fields["d_head"]),
-            "attn_softcap": _cap(r, "attn_logit_softcapping", 50.0), "final_softcap": _cap(r, "final_logit_softcapping", 30.0)}
+_SHARED_EXPERT_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
 
 
-def read_gemma3_text(r: ConfigReader) -> dict[str, Any]:
-    # transformers' Gemma 3 attention stores attn_logit_softcapping but never applies it: refused rather than guessed.
-    r.require("attn_logit_softcapping", (None,), None)
-    fields = _gemma(r, pattern=r.int("sliding_window_pattern", 6))
-    return {**fields, **gemma3_rope(r, fields["d_head"]), "qk_norm": True,
-            "final_softcap": _cap(r, "final_logit_softcapping", None)}
+def routed_experts(r: ConfigReader, key: str, alias: str, n: int, k: int, renorm: bool) -> dict[str, Any]:
+    """The router's fields. The expert count is `key`, or `alias`, the other spelling the family's config class maps
+    onto it; `n` and `k` are transformers' defaults; `renorm`: the top-k weights are renormalised to sum to 1."""
+    for shared in _SHARED_EXPERT_FIELDS:
+        if r.d.get(shared):
+            raise ValueError(f"config field {shared}={r.d[shared]!r}: shared experts are not implemented in lenskit "
+                             f"(model_type={r.family!r}); lenskit implements routed experts only")
+    n_experts = r.int(key, n)
+    if alias in r.d:
+        other = r.int(alias)
+        if key in r.d and other != n_experts:
+            raise ValueError(f"config fields {key}={n_experts} and {alias}={other} disagree: both spell the number of "
+                             f"experts (model_type={r.family!r}); keep one of them")
+        key, n_experts = alias, other
+    per_token = r.int("num_experts_per_tok", k)
+    if per_token > n_experts:
+        raise ValueError(f"config field num_experts_per_tok={per_token} exceeds {key}={n_experts}: each token is routed "
+                         f"to k of the experts (model_type={r.family!r}); fix config.json")
+    r.float("router_aux_loss_coef", 0.0)  # typed only: a training loss, not part of the forward
+    return {"n_experts": n_experts, "n_experts_per_token": per_token,
+            "routing": "softmax_topk_renorm" if renorm else "softmax_topk"}
 
 
-def read_gemma4_text(r: ConfigReader) -> dict[str, Any]:
-    """Gemma 4's text model: Gemma's sandwich block with plain-gain RMSNorms, q/k norms and a gainless value norm,
-    attention scores unscaled (the norms set their size), full blocks with their own head width and kv heads (and
-    values that are their keys, `attention_k_eq_v`), proportional rotary on the full blocks, a stored scalar per block;
-    per-layer inputs, kv sharing and experts beside the MLP where the config has them (`gemma4_extras`)."""
-    r.require("use_bidirectional_attention", (None, "vision"), None)  # "vision" concerns image tokens only
-    r.require("attn_logit_softcapping", (None,), None)  # not a Gemma 4 field; refused rather than ignored
-    for key in ("rope_scaling", "rope_theta", "rope_local_base_freq", "partial_rotary_factor"):
-        r.require(key, (None,), None)  # transformers 5 reads Gemma 4's rotary settings from rope_parameters only
-    r.float("query_pre_attn_scalar", None, positive=True, null=None)  # typed only: transformers 5 does not read it
-    act = r.require("hidden_activation", tuple(GELU_ACTIVATIONS), "gelu_pytorch_tanh")
-    n_layers = r.n_layers("num_hidden_layers")
-    d_model, n_heads = _heads(r, "hidden_size", "num_attention_heads", must_divide=False)
-    d_head = _head_dim(r, d_model, n_heads, 256, null_derives=False)
-    n_kv = _kv_heads(r, n_heads, 4, null_derives=False)
-    windows = sliding_windows(r, n_layers, 6, 512)
-    types = windows["layer_types"][:-1] + ("full",)  # transformers 5 makes the last block full, whatever the config says
-    k_is_v = r.bool("attention_k_eq_v", False)
-    full_d_head, full_n_kv = _gemma4_full_heads(r, types, d_head, n_kv, k_is_v)
-    bias = r.bool("attention_bias", False)
-    return {
-        **_common(r, bos=2, eos=1),
-        "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads, "d_head": d_head, "n_kv_heads": n_kv,
-        "d_vocab": r.int("vocab_size"), "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
-        "norm_eps": r.float("rms_norm_eps", 1e-6, positive=True), "norm": "rmsnorm", "mlp": "geglu", "activation": act,
-        "norm_placement": "sandwich", "scale_embed": True, "tie_word_embeddings": r.bool("tie_word_embeddings", True),
-        "fused_qkv": False, "qkv_bias": bias, "out_bias": bias, "mlp_bias": False, "query_pre_attn_scalar": 1.0,
-        "qk_norm": True, "v_norm": True, "layer_scalar": True, "layer_types": types,
-        "sliding_window": windows["sliding_window"] if "sliding" in types else None,
-        "full_d_head": full_d_head, "full_n_kv_heads": full_n_kv, "full_k_is_v": k_is_v and "full" in types,
-        "final_softcap": _cap(r, "final_logit_softcapping", None), **gemma4_rope(r, d_head),
-        **gemma4_extras(r, n_layers, types),
-    }
-
-
-def _gemma4_full_heads(r: ConfigReader, types: tuple[str, ...], d_head: int, n_kv: int,
-                       k_is_v: bool) -> tuple[int | None, int | None]:
-    """The full blocks' head width and kv heads, None where they are the sliding blocks': from `per_layer_config`
-    (how transformers 5 writes them: layer index -> overrides, which must be the same for every full block and
-    absent for the others), else `global_head_dim` (512 when absent) and `num_global_key_value_heads` (read only
-    with attention_k_eq_v, as transformers reads it)."""
-    per_layer = r.d.get("per_layer_config")
-    full = [i for i, t in enumerate(types) if t == "full"]
-    if per_layer is None:
-        width = r.int("global_head_dim", 512)
-        heads = r.int("num_global_key_value_heads", None)
-        heads = heads if k_is_v else None
-    else:
-        if not isinstance(per_layer, dict):
-            raise ValueError(f"config field per_layer_config={per_layer!r:.80} must be an object (model_type={r.family!r})")
-        keys = {k: int(k) if isinstance(k, str) and k.isdigit() else k for k in per_layer}  # transformers writes "05"
-        given = {keys[k]: v for k, v in per_layer.items()}
-        firsts = [given.get(i) for i in full]
-        first = firsts[0] if firsts else {}
-        if (set(given) - set(full) or any(f != first for f in firsts) or not isinstance(first, dict)
-                or set(first) - {"head_dim", "num_key_value_heads"}):
-            raise ValueError(f"config field per_layer_config={per_layer!r:.120}: lenskit implements the same head_dim and "
-                             f"num_key_value_heads overrides on every full_attention block ({full}) and none elsewhere "
-                             f"(model_type={r.family!r})")
-        sub = ConfigReader(first, r.family, where="per_layer_config.")
-        width, heads = sub.int("head_dim", None), sub.int("num_key_value_heads", None)
-    if not full:
-        return None, None
-    if heads is not None and r.d.get("num_attention_heads", 0) % heads:
-        raise ValueError(f"config field num_global_key_value_heads={heads} must divide num_attention_heads="
-                         f"{r.d.get('num_attention_heads')} (model_type={r.family!r}); fix config.json")
-    return (None if width in (None, d_head) else width), (None if heads in (None, n_kv) else heads)
-
-
-def read_olmo2(r: ConfigReader) -> dict[str, Any]:
-    bias = r.bool("attention_bias", False)
-    return {**llama_like(r, bias, bias, False, eps=1e-5, bos=None, eos=50279), "qk_norm": True, "qk_norm_per_head": False,
-            "norm_placement": "post"}
-
-
-def read_olmo3(r: ConfigReader) -> dict[str, Any]:
-    """OLMo 2's block with sliding-window blocks (three in four by default) and rotary settings per layer type."""
-    bias = r.bool("attention_bias", False)
-    fields = llama_like(r, bias, bias, False, eps=1e-5, bos=None, eos=50279, rotary=olmo3_rope)
-    return {**fields, **sliding_windows(r, fields["n_layers"], 4, 4096), "qk_norm": True, "qk_norm_per_head": False,
-            "norm_placement": "post"}
-
-
-def _nope_layers(r: ConfigReader, n_layers: int) -> tuple[int, ...]:
-    """SmolLM3's blocks without rotary: `no_rope_layers` (1: the block rotates, 0: it does not, one per block; more
-    entries are never read), or every `no_rope_layer_interval`-th block without."""
-    flags = r.d.get("no_rope_layers")
-    interval = r.int("no_rope_layer_interval", 4)
-    if flags is None:
-        return tuple(i for i in range(n_layers) if (i + 1) % interval == 0)
-    if not isinstance(flags, list) or len(flags) < n_layers or any(type(f) is not int or f not in (0, 1) for f in flags):
-        raise ValueError(f"config field no_rope_layers={flags!r} must list 1 (rotary) or 0 (none) for each of the "
-                         f"{n_layers} layers (model_type={r.family!r})")
-    return tuple(i for i in range(n_layers) if not flags[i])
-
-
-def read_smollm3(r: ConfigReader) -> dict[str, Any]:
-    """Llama with no rotary in some blocks (every fourth by default); with `use_sliding_window`, those blocks are the
-    sliding-window ones. A block is sliding where `layer_types` says so, as transformers' masks make it."""
-    bias = r.bool("attention_bias", False)
-    fields = llama_like(r, bias, bias, r.bool("mlp_bias", False), eps=1e-6, bos=128000, eos=128001, kv_heads=4,
-                         rope_types=ROPE_TYPES + ("yarn",), default_theta=2_000_000.0)  # YaRN: its card's long context
-    n = fields["n_layers"]
-    nope = _nope_layers(r, n)
-    use_window, window = r.bool("use_sliding_window", False), r.int("sliding_window", None)
-    if r.d.get("layer_types") is None:
-        types = tuple("sliding" if use_window and window is not None and i in nope else "full" for i in range(n))
-    else:
-        types = _layer_types(r, n, pattern=1)
-    if "sliding" in types and window is None:
-        raise ValueError("config field sliding_window=None, but layer_types has sliding-window blocks; give the window "
-                         f"(model_type={r.family!r})")
-    sliding = "sliding" in types
-    return {**fields, "tie_word_embeddings": r.bool("tie_word_embeddings", True), "nope_layers": nope,
-            "layer_types": types if sliding else None, "sliding_window": window if sliding else None}
-
-
-def read_phi3(r: ConfigReader) -> dict[str, Any]:
-    r.int("original_max_position_embeddings", 4096)  # typed only: it matters to longrope scaling, which is refused
-    # transformers 5's Phi-3 accepts only plain and longrope rotary; lenskit implements the plain one
-    return {**llama_like(r, False, False, False, eps=1e-5, bos=1, eos=32000, rope_types=("default",)),
-            "fused_qkv": True, "mlp": "swiglu_fused", "sliding_window": r.int("sliding_window", None)}
+def rotary_base_default(r: ConfigReader, fields: dict[str, Any], theta: float) -> dict[str, Any]:
+    """`fields` with the family's own rotary base where config.json gives none anywhere (Mixtral's is 1e6)."""
+    given = r.d.get("rope_theta") is not None or any(
+        isinstance(r.d.get(k), dict) and "rope_theta" in r.d[k] for k in ("rope_parameters", "rope_scaling"))
+    return fields if given else {**fields, "rotary_base": theta}
 
 
 def read_config(d: Mapping[str, Any], model_type: str, read: Callable[[ConfigReader], dict[str, Any]],

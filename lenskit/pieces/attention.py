@@ -75,6 +75,57 @@ class Attention(HeadCircuits, nn.Module):
     nothing); edit hook_pattern instead.
     """
 
+    OWN_KV = True  # whether the block projects its own keys and values (not: kv_sharing.SharedKVAttention)
+
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """Block `layer`'s attention parameters by accounting row (lenskit.accounting), as (weights, biases): q, k, v
+        and out under `attn` (gated attention's q also gives the gate; where the keys' projection gives the values,
+        Gemma 4's full blocks, no v), attention sinks as biases; its q/k norm gains under `norms`."""
+        d, d_head = cfg.d_model, cfg.d_head_of(layer)
+        a, kv = cfg.n_heads * d_head, cfg.n_kv_heads_of(layer) * d_head  # under GQA, kv is smaller than a
+        q = 2 * a if cfg.attention.output_gate else a
+        n_kv = 0 if not cls.OWN_KV else 1 if cfg.k_is_v(layer) else 2
+        weights = d * (q + n_kv * kv) + a * d
+        biases = (q + n_kv * kv if cfg.attention.qkv_bias else 0) + (d if cfg.attention.out_bias else 0) + (cfg.n_heads if cfg.attention.sinks else 0)
+        qk = (2 * d_head if cfg.attention.qk_norm_per_head else a + kv) if cfg.attention.qk_norm else 0  # per head, or over all heads
+        qk = qk if cls.OWN_KV else qk // 2  # no key norm where the keys are another block's
+        return {"attn": (weights, biases), "norms": (qk, 0)}
+
+    @classmethod
+    def processing_refusal(cls, cfg: ModelConfig, option: str) -> tuple[str, bool] | None:
+        """Why weight processing's `option` cannot be applied exactly to these heads (lenskit.processing), and whether
+        TransformerLens itself skips it there; None when it applies."""
+        if option == "refactor_factored_attn_matrices":
+            for bad, why in ((cfg.n_kv_heads != cfg.n_heads, "grouped-query heads share k and v"),
+                             (cfg.attention.qk_norm, "q/k norms sit between W_Q, W_K and the scores"),
+                             (cfg.attention.output_gate, "its heads are gated or linear")):
+                if bad:
+                    return (f"refactor_factored_attn_matrices is not defined for {cfg.family}: {why}; pass "
+                            "refactor_factored_attn_matrices=False", False)
+        if option == "fold_value_biases":
+            for bad, why in ((cfg.attention.sinks, "attention sinks make each pattern sum to less than 1"),
+                             (cfg.attention.output_gate, "each head's output gate scales its value bias per position"),
+                             (cfg.attention.v_norm and cfg.attention.qkv_bias,  # without a value bias there is nothing to fold
+                              "the value norm (Gemma 4's) normalises each value, its bias included")):
+                if bad:
+                    return f"fold_value_biases is not exact for {cfg.family}: {why}; pass fold_value_biases=False", False
+        return None
+
+    def norm_readers(self) -> list[nn.Linear]:
+        """The projections that read the normalised stream, into which fold_ln folds the norm before attention
+        (lenskit.processing): the fused q/k/v projection, or each of q, k and v it has (Gemma 4's full blocks have no
+        v: their keys are the values; a kv-sharing block has q only)."""
+        if isinstance(self.qkv, nn.Linear):
+            return [self.qkv]
+        return [getattr(self.qkv, name) for name in ("q", "k", "v") if isinstance(getattr(self.qkv, name, None), nn.Linear)]
+
+    @classmethod
+    def core_flops(cls, cfg: ModelConfig, layer: int, n_keys: float) -> dict[str, float]:
+        """FLOPs per token of the two matmuls that mix positions, scores `Q K^T` and `pattern V`, against `n_keys`
+        keys: 2 * n_keys * d_attn each."""
+        return {"attn_core": 2 * 2 * n_keys * cfg.n_heads * cfg.d_head_of(layer)}
+
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         d_head, n_kv = cfg.d_head_of(layer), cfg.n_kv_heads_of(layer)  # Gemma 4's full blocks have their own

@@ -137,6 +137,35 @@ class GatedDeltaNet(nn.Module):
     # The prompt form; the reference, recurrent_gated_delta_rule, computes the same (a test sets it per instance).
     rule = staticmethod(chunked_gated_delta_rule)
 
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """Its parameters by accounting row (lenskit.accounting), as (weights, biases): the projections in_qkv, in_z,
+        in_b, in_a, the depthwise causal convolution and out_proj under `attn`, with A_log and dt_bias (one per value
+        head) as biases; its gated output norm's gain under `norms`."""
+        d, n_v = cfg.d_model, cfg.linear.n_v_heads
+        k_dim, v_dim = cfg.linear.n_k_heads * cfg.linear.d_k, n_v * cfg.linear.d_v
+        weights = d * (2 * k_dim + 2 * v_dim + 2 * n_v) + (2 * k_dim + v_dim) * cfg.linear.conv_width + v_dim * d
+        return {"attn": (weights, 2 * n_v), "norms": (cfg.linear.d_v, 0)}
+
+    @classmethod
+    def processing_refusal(cls, cfg: ModelConfig, option: str) -> tuple[str, bool] | None:
+        """Why weight processing's `option` cannot be applied to linear-attention blocks (lenskit.processing)."""
+        if option == "refactor_factored_attn_matrices":
+            return (f"refactor_factored_attn_matrices is not defined for {cfg.family}: its heads are gated or linear; "
+                    "pass refactor_factored_attn_matrices=False", False)
+        if option == "fold_ln":
+            return f"fold_ln is not implemented for {cfg.family}'s linear-attention blocks; pass fold_ln=False", False
+        if option == "fold_value_biases":
+            return (f"fold_value_biases is not defined for {cfg.family}'s linear-attention blocks; "
+                    "pass fold_value_biases=False", False)
+        return None
+
+    @classmethod
+    def core_flops(cls, cfg: ModelConfig, layer: int, n_keys: float) -> dict[str, float]:
+        """The delta rule's FLOPs per token, whatever the context: per value head the state's read of k, its rank-one
+        update and its read of q, 6 d_k d_v."""
+        return {"linear_core": 6 * cfg.linear.n_v_heads * cfg.linear.d_k * cfg.linear.d_v}
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_k_heads, self.n_v_heads = cfg.linear.n_k_heads, cfg.linear.n_v_heads

@@ -33,7 +33,7 @@ from ..observe.hooks import HookPoint
 from .linear import Linear, linear
 from .mlp import SwiGLU
 from .moe import ROUTES, expert_groups
-from .norms import UnitRMSNorm, make_norm
+from .norms import UnitRMSNorm, make_norm, norm_params
 
 
 class Router(nn.Module):
@@ -55,6 +55,11 @@ class Router(nn.Module):
 class GatedExperts(nn.Module):
     """`n_experts` GeGLU experts in transformers' fused layout (see the module docstring); one expert's forward is
     down[e] @ (act(gate) * up), with gate, up = gate_up[e] @ x."""
+
+    @classmethod
+    def params(cls, cfg: ModelConfig) -> tuple[int, int]:
+        """One expert's (weights, biases): its fused gate and up rows and its down projection, no biases."""
+        return 3 * cfg.d_model * cfg.moe.d_expert, 0
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -110,6 +115,30 @@ class GatedExperts(nn.Module):
 class DenseAndExperts(SwiGLU):
     """The dense MLP with a router and experts beside it (see the module docstring). forward(h, x): h = ln2(x)
     [batch, pos, d_model], what the dense MLP reads, and x the stream, what the router and experts read."""
+
+    @classmethod
+    def expert_params(cls, cfg: ModelConfig) -> tuple[int, int]:
+        """One expert's (weights, biases)."""
+        return GatedExperts.params(cfg)
+
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """Its parameters by accounting row (lenskit.accounting), as (weights, biases): the dense MLP, the router (its
+        projection, a gain over d_model and a scale per expert) and every expert under `mlp`; its three norms (the
+        dense write's, the experts' input's and their write's) under `norms`."""
+        dense_w, dense_b = super().params(cfg, layer)["mlp"]
+        weights, biases = cls.expert_params(cfg)
+        router = cfg.d_model + cfg.moe.n_experts + cfg.d_model * cfg.moe.n_experts
+        norm_w, norm_b = norm_params(cfg)
+        return {"mlp": (dense_w + router + cfg.moe.n_experts * weights,
+                        dense_b + (cfg.moe.n_experts if cfg.moe.router_bias else 0) + cfg.moe.n_experts * biases),
+                "norms": (3 * norm_w, 3 * norm_b)}
+
+    @classmethod
+    def active_weights(cls, cfg: ModelConfig, layer: int = 0) -> int:
+        """The weights one token's forward multiplies: the dense MLP, the router's projection and its k routed experts."""
+        return (3 * cfg.d_model * cfg.d_mlp_of(layer) + cfg.d_model * cfg.moe.n_experts
+                + cfg.moe.n_experts_per_token * cls.expert_params(cfg)[0])
 
     def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
         super().__init__(cfg, d_mlp)

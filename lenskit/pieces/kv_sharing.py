@@ -26,6 +26,8 @@ from .forward_state import ForwardState, needed
 class SharedKVAttention(Attention):
     """Attention with queries of its own and block `kv_source`'s keys and values (see the module docstring)."""
 
+    OWN_KV = False  # no k/v projections or key norm: the keys and values are block kv_source's
+
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__(cfg, layer)  # its qkv is q only (qkv.QueryOnly): make_qkv reads cfg.kv_source
         self.kv_source = cfg.kv_source(layer)

@@ -9,7 +9,6 @@ makes that block sparse, else one of the dense MLPs in mlp.py.
 
 from __future__ import annotations
 
-from functools import partial
 
 import torch
 from torch import nn
@@ -23,33 +22,73 @@ from .kv_sharing import SharedKVAttention
 from ..observe.hooks import HookPoint
 from .mlp import MLP, MLP_CLASSES, FusedSwiGLU, GeluMLP, SwiGLU
 from .moe import MoE
-from .norms import LayerNorm, RMSNorm, make_norm
+from .norms import LayerNorm, RMSNorm, make_norm, norm_params
 from .per_layer import PerLayerWrite
 
 __all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "MLP", "MoE", "ParallelBlock", "PostNormBlock", "RMSNorm", "RescaledSandwichBlock", "SandwichBlock",
            "SwiGLU", "TransformerBlock", "make_block", "make_mlp", "make_norm"]
 
 
-def make_mlp(cfg: ModelConfig, layer: int = 0) -> MLP | MoE:
-    """Block `layer`'s MLP: a mixture of experts where the config makes that block sparse, the dense MLP with experts
-    beside it (Gemma 4 26B-A4B), else the dense MLP, `cfg.d_mlp_of(layer)` wide."""
+def mlp_class(cfg: ModelConfig, layer: int = 0) -> type[MLP] | type[MoE]:
+    """The piece of block `layer`'s MLP: a mixture of experts where the config makes that block sparse, the dense MLP
+    with experts beside it (Gemma 4 26B-A4B), else the dense MLP."""
     if cfg.block.experts_beside_mlp:
-        return DenseAndExperts(cfg, cfg.d_mlp_of(layer))
-    return MoE(cfg) if cfg.is_moe_layer(layer) else MLP_CLASSES[cfg.mlp](cfg, cfg.d_mlp_of(layer))
+        return DenseAndExperts
+    return MoE if cfg.is_moe_layer(layer) else MLP_CLASSES[cfg.mlp]
+
+
+def make_mlp(cfg: ModelConfig, layer: int = 0) -> MLP | MoE:
+    """Block `layer`'s MLP (`mlp_class`), a dense one `cfg.d_mlp_of(layer)` wide."""
+    cls = mlp_class(cfg, layer)
+    if issubclass(cls, MoE):  # routed experts only: their widths are the config's
+        return cls(cfg)
+    return cls(cfg, cfg.d_mlp_of(layer))
+
+
+def attention_class(cfg: ModelConfig, layer: int = 0) -> type[Attention] | type[GatedDeltaNet]:
+    """The piece of block `layer`'s token mixer: softmax attention (with an earlier block's keys and values where it
+    shares them, `cfg.kv_source`), or linear attention where the config makes that block linear."""
+    if cfg.layer_type(layer) == "linear":
+        return GatedDeltaNet
+    return SharedKVAttention if cfg.kv_source(layer) is not None else Attention
 
 
 def make_attention(cfg: ModelConfig, layer: int = 0) -> Attention | GatedDeltaNet:
-    """Block `layer`'s token mixer: softmax attention (with an earlier block's keys and values where it shares them,
-    `cfg.kv_source`), or linear attention where the config makes that block linear."""
-    if cfg.layer_type(layer) == "linear":
-        return GatedDeltaNet(cfg)
-    return SharedKVAttention(cfg, layer) if cfg.kv_source(layer) is not None else Attention(cfg, layer)
+    """Block `layer`'s token mixer (`attention_class`)."""
+    cls = attention_class(cfg, layer)
+    if issubclass(cls, GatedDeltaNet):  # one shape for every linear block
+        return cls(cfg)
+    return cls(cfg, layer)
+
+
+def summed_counts(*counts: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """Pieces' counts by accounting row, added row by row: (weights, biases) each."""
+    out: dict[str, tuple[int, int]] = {}
+    for count in counts:
+        for row, (weights, biases) in count.items():
+            w, b = out.get(row, (0, 0))
+            out[row] = (w + weights, b + biases)
+    return out
 
 
 class TransformerBlock(nn.Module):
     """Pre-LN block: each sublayer reads a normalised copy of the stream and adds its write back."""
 
     PRE_NORMS, POST_NORMS = True, False  # which of ln1/ln2 (before) and ln1_post/ln2_post (after) exist
+
+    @classmethod
+    def processing_refusal(cls, cfg: ModelConfig, option: str) -> tuple[str, bool] | None:
+        """Why weight processing's `option` cannot be applied to this block form (lenskit.processing); None here."""
+        return None
+
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """Block `layer`'s parameters by accounting row (lenskit.accounting), as (weights, biases): its own norms, and
+        what its pieces count (the token mixer's `attn`, the MLP's `mlp`, their norms)."""
+        norm_w, norm_b = norm_params(cfg)
+        n = 2 * cls.PRE_NORMS + 2 * cls.POST_NORMS
+        return summed_counts({"norms": (n * norm_w, n * norm_b)}, attention_class(cfg, layer).params(cfg, layer),
+                             mlp_class(cfg, layer).params(cfg, layer))
 
     def __init__(self, cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> None:
         super().__init__()
@@ -117,6 +156,12 @@ class RescaledSandwichBlock(SandwichBlock):
     hook_per_layer_out, read from hook_per_layer_in, so resid_post = resid_mid + mlp_out + per_layer_out + rescale_out.
     In 26B-A4B the MLP has experts beside it (lenskit.pieces.dense_and_experts), which read the stream itself."""
 
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """The sandwich block's, and its per-layer write's where there is one; `layer_scalar` is a buffer."""
+        own = super().params(cfg, layer)
+        return own if cfg.block.d_per_layer is None else summed_counts(own, PerLayerWrite.params(cfg))
+
     def __init__(self, cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> None:
         super().__init__(cfg, dropout, layer)
         self.register_buffer("layer_scalar", torch.ones(1))  # [1], the checkpoint's; a buffer there as here
@@ -160,6 +205,14 @@ class PostNormBlock(TransformerBlock):
 
     PRE_NORMS, POST_NORMS = False, True
 
+    @classmethod
+    def processing_refusal(cls, cfg: ModelConfig, option: str) -> tuple[str, bool] | None:
+        """fold_ln has nothing to fold here (lenskit.processing); TransformerLens skips it, final norm included."""
+        if option == "fold_ln":
+            return (f"fold_ln is not defined for {cfg.family}'s post-norm blocks: no norm sits before a sublayer "
+                    "(TransformerLens skips it there, final norm included); pass fold_ln=False", True)
+        return None
+
     def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
         x = self.hook_resid_pre(x)
         x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.ln1_post(self.read_attn(x, state)))))
@@ -173,7 +226,11 @@ class PostNormBlock(TransformerBlock):
 BLOCK_CLASSES = {"pre": TransformerBlock, "sandwich": SandwichBlock, "post": PostNormBlock}
 
 
+def block_class(cfg: ModelConfig) -> type[TransformerBlock]:
+    """The block form the config chooses."""
+    return ParallelBlock if cfg.parallel_block else RescaledSandwichBlock if cfg.block.layer_scalar else BLOCK_CLASSES[cfg.norm_placement]
+
+
 def make_block(cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> TransformerBlock:
     """Block `layer` (its index picks its mask and rotary base where the config alternates them)."""
-    cls = ParallelBlock if cfg.parallel_block else RescaledSandwichBlock if cfg.block.layer_scalar else BLOCK_CLASSES[cfg.norm_placement]
-    return cls(cfg, dropout, layer)
+    return block_class(cfg)(cfg, dropout, layer)

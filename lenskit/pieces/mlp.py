@@ -27,6 +27,21 @@ class MLP(nn.Module):
     fc_in: nn.Linear
     fc_out: nn.Linear
 
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """Block `layer`'s MLP parameters by accounting row (lenskit.accounting), as (weights, biases)."""
+        raise NotImplementedError
+
+    @classmethod
+    def active_weights(cls, cfg: ModelConfig, layer: int = 0) -> int:
+        """The weights one token's forward multiplies: all of a dense MLP's."""
+        return cls.params(cfg, layer)["mlp"][0]
+
+    def norm_readers(self) -> list[nn.Linear]:
+        """The projections that read the normalised stream, into which weight processing's fold_ln folds the norm
+        before the MLP (lenskit.processing): its input (and gate) projections."""
+        raise NotImplementedError
+
     def _linear_in(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The linear input's weight [d_mlp, d_model] and bias [d_mlp] or None."""
         return self.fc_in.weight, self.fc_in.bias
@@ -71,6 +86,11 @@ class GeluMLP(MLP):
     """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> the config's activation (a GELU form, or ReLU) -> d_model.
     Each MLP piece takes its width, `d_mlp` (None: the config's), where a block's differs (`cfg.d_mlp_of`)."""
 
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        m, d = cfg.d_mlp_of(layer), cfg.d_model
+        return {"mlp": (2 * d * m, m + d if cfg.mlp_bias else 0)}  # fc_in, fc_out
+
     def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
         super().__init__()
         d_mlp = cfg.d_mlp if d_mlp is None else d_mlp
@@ -79,6 +99,9 @@ class GeluMLP(MLP):
         self.fc_out = Linear(d_mlp, cfg.d_model, bias=cfg.mlp_bias)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
+
+    def norm_readers(self) -> list[nn.Linear]:
+        return [self.fc_in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.hook_pre(self.fc_in(x))
@@ -90,6 +113,11 @@ class SwiGLU(MLP):
     """Gated MLP: fc_out(act(gate(x)) * fc_in(x)), biases only where the config has them (Llama's `mlp_bias`).
     act is SiLU, or for mlp="geglu" (Gemma) the config's GELU."""
 
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        m, d = cfg.d_mlp_of(layer), cfg.d_model
+        return {"mlp": (3 * d * m, 2 * m + d if cfg.mlp_bias else 0)}  # gate, fc_in, fc_out
+
     def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
         super().__init__()
         d_mlp = cfg.d_mlp if d_mlp is None else d_mlp
@@ -100,6 +128,9 @@ class SwiGLU(MLP):
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp], the gate's pre-activation
         self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
+
+    def norm_readers(self) -> list[nn.Linear]:
+        return [self.gate, self.fc_in]  # with experts beside it (DenseAndExperts), they read the stream itself
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.hook_pre(self.gate(x))
@@ -118,6 +149,9 @@ class FusedSwiGLU(SwiGLU):
         super().__init__(cfg, d_mlp)
         del self.gate, self.fc_in
         self.gate_up = Linear(cfg.d_model, 2 * self.fc_out.in_features, bias=cfg.mlp_bias)
+
+    def norm_readers(self) -> list[nn.Linear]:
+        return [self.gate_up]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, linear = self.gate_up(x).chunk(2, dim=-1)

@@ -87,11 +87,21 @@ class SwiGLUExpert(nn.Module):
 
     BIAS = False  # expert projections with biases (gpt-oss) set this in a subclass
 
+    @classmethod
+    def params(cls, cfg: ModelConfig) -> tuple[int, int]:
+        """One expert's (weights, biases): its gate, up and down projections."""
+        d, m = cfg.d_model, cfg.moe.d_expert
+        return 3 * d * m, (2 * m + d if cls.BIAS else 0)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate = Linear(cfg.d_model, cfg.moe.d_expert, bias=self.BIAS)
         self.fc_in = Linear(cfg.d_model, cfg.moe.d_expert, bias=self.BIAS)
         self.fc_out = Linear(cfg.moe.d_expert, cfg.d_model, bias=self.BIAS)
+
+    def norm_readers(self) -> list[nn.Linear]:
+        """Its projections that read the normalised stream: gate and input."""
+        return [self.gate, self.fc_in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [token, d_model] -> [token, d_model]
         return self.fc_out(F.silu(self.gate(x)) * self.fc_in(x))
@@ -108,7 +118,7 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
 
 class ClampedSwiGLUExpert(SwiGLUExpert):
     """gpt-oss's expert: biased projections, fc_out(clamped_swiglu(gate(x), fc_in(x))) with the config's
-    `swiglu_alpha` and `swiglu_limit`. Its checkpoints fuse gate and fc_in, interleaved (`layouts.GptOssExperts`)."""
+    `swiglu_alpha` and `swiglu_limit`. Its checkpoints fuse gate and fc_in, interleaved (`lenskit.families.gpt_oss.GptOssExperts`)."""
 
     BIAS = True
 
@@ -133,6 +143,24 @@ class MoE(nn.Module):
     without a router bias). They are copies.
     """
 
+    @classmethod
+    def expert_params(cls, cfg: ModelConfig) -> tuple[int, int]:
+        """One expert's (weights, biases)."""
+        return EXPERTS[cfg.mlp].params(cfg)
+
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """Its parameters by accounting row (lenskit.accounting), as (weights, biases): the router (and its bias) and
+        every expert under `mlp`."""
+        weights, biases = cls.expert_params(cfg)
+        return {"mlp": (cfg.d_model * cfg.moe.n_experts + cfg.moe.n_experts * weights,
+                        (cfg.moe.n_experts if cfg.moe.router_bias else 0) + cfg.moe.n_experts * biases)}
+
+    @classmethod
+    def active_weights(cls, cfg: ModelConfig, layer: int = 0) -> int:
+        """The weights one token's forward multiplies: the router and its k routed experts."""
+        return cfg.d_model * cfg.moe.n_experts + cfg.moe.n_experts_per_token * cls.expert_params(cfg)[0]
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.mlp not in EXPERTS:
@@ -146,6 +174,11 @@ class MoE(nn.Module):
         self.hook_expert_indices = HookPoint(integer=True)  # [batch, pos, k], long
         self.hook_expert_weights = HookPoint()  # [batch, pos, k], the model's dtype
         self.hook_expert_out = HookPoint()  # [batch, pos, k, d_model], unweighted; computed only when hooked
+
+    def norm_readers(self) -> list[nn.Linear]:
+        """The projections that read the normalised stream, into which fold_ln folds the norm before the MLP
+        (lenskit.processing): the router and every expert's gate and input, as TransformerLens folds them."""
+        return [self.router, *(layer for expert in self.experts for layer in expert.norm_readers())]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch, pos, d_model]
         logits = self.hook_router_logits(self.router(x))  # [batch, pos, expert]

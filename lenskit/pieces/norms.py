@@ -25,6 +25,11 @@ class LayerNorm(nn.Module):
 
     IDENTITY_WEIGHT = 1.0  # the weight value that leaves the normalised vector unscaled
 
+    @classmethod
+    def processing_refusal(cls, cfg: ModelConfig, option: str) -> tuple[str, bool] | None:
+        """None: every weight-processing option applies exactly under LayerNorm (lenskit.processing)."""
+        return None
+
     def __init__(self, d_model: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
@@ -61,6 +66,16 @@ class RMSNorm(nn.Module):
     (Qwen 3), where the last axis is d_head and the hooks see [batch, pos, head, ...]."""
 
     IDENTITY_WEIGHT = 1.0
+
+    @classmethod
+    def processing_refusal(cls, cfg: ModelConfig, option: str) -> tuple[str, bool] | None:
+        """center_writing_weights needs a norm that removes the stream's mean (lenskit.processing): this one does not,
+        so centring would change the model; TransformerLens skips it."""
+        if option == "center_writing_weights":
+            return (f"center_writing_weights needs LayerNorm, which removes the stream's mean; {cfg.family} uses "
+                    f"{cfg.norm}, so it would change the model (TransformerLens skips it there); pass "
+                    "center_writing_weights=False", True)
+        return None
 
     def __init__(self, d_model: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -140,6 +155,13 @@ def _changed(hook_scale: HookPoint, scale: torch.Tensor) -> torch.Tensor | None:
 
 
 NORM_CLASSES = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "rmsnorm_offset": OffsetRMSNorm}
+
+
+def norm_params(cfg: ModelConfig, size: int | None = None) -> tuple[int, int]:
+    """One of the family's norms over `size` features (d_model unless given), as (weights, biases): its gain, and its
+    shift where it is a LayerNorm (lenskit.accounting counts gains as weights, shifts as biases)."""
+    n = cfg.d_model if size is None else size
+    return n, n if NORM_CLASSES[cfg.norm] is LayerNorm else 0
 
 
 def make_norm(cfg: ModelConfig, size: int | None = None) -> nn.Module:

@@ -18,7 +18,7 @@ slice of `inputs`: edit it to change what one block reads) and `hook_per_layer_o
 a term of `decompose_resid`), and inside `per_layer`, `hook_pre` (the gate's pre-activation) and `hook_post`
 (act(gate) * input), both [batch, pos, d_per_layer]. Names follow transformers' `Gemma4TextModel`:
 `embed_tokens_per_layer`, `per_layer_model_projection`, `per_layer_projection_norm`, and in each layer
-`per_layer_input_gate`, `per_layer_projection`, `post_per_layer_input_norm` (lenskit.families.layouts_gemma4).
+`per_layer_input_gate`, `per_layer_projection`, `post_per_layer_input_norm` (lenskit.families.gemma4_text).
 
 The inputs reach the blocks in the forward's state (lenskit.pieces.forward_state), the argument each block is run
 with (`block(x, state)`), and each block takes its own slice there.
@@ -36,11 +36,20 @@ from torch import nn
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
 from .linear import Linear
-from .norms import make_norm
+from .norms import make_norm, norm_params
 
 
 class PerLayerInputs(nn.Module):
     """Every block's per-layer input, from the tokens and the scaled token embedding (see the module docstring)."""
+
+    @classmethod
+    def params(cls, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+        """Its parameters by accounting row (lenskit.accounting), as (weights, biases): the table (an embedding,
+        d_vocab_per_layer x n_layers x d_per_layer) under `per_layer_embed`; the projection of the token embedding
+        to the inputs, and its norm's gain, under `per_layer_proj`."""
+        width = cfg.n_layers * cfg.block.d_per_layer
+        return {"per_layer_embed": (cfg.block.d_vocab_per_layer * width, 0),
+                "per_layer_proj": (cfg.d_model * width + cfg.block.d_per_layer, 0)}
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -65,6 +74,12 @@ class PerLayerInputs(nn.Module):
 
 class PerLayerWrite(nn.Module):
     """A block's write from its per-layer input: ln_post(out(act(gate(x)) * input)), x the stream after the MLP."""
+
+    @classmethod
+    def params(cls, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+        """Its parameters by accounting row (lenskit.accounting), as (weights, biases): the gate and projection of the
+        block's per-layer input under `per_layer`, its norm under `norms`."""
+        return {"per_layer": (2 * cfg.d_model * cfg.block.d_per_layer, 0), "norms": norm_params(cfg)}
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..config import ModelConfig
 from .linear import linear, linear_into
 
 
@@ -32,6 +33,15 @@ class Readout:
     Its input moves to the unembedding's device first (a no-op on one device), so a stream read on any block's
     device under a device map is read out where the readout lives.
     """
+
+    @classmethod
+    def processing_refusal(cls, cfg: ModelConfig, option: str) -> tuple[str, bool] | None:
+        """center_unembed shifts every logit at a position alike, which a final soft-cap does not ignore
+        (lenskit.processing)."""
+        if option == "center_unembed" and cfg.final_softcap is not None:
+            return (f"center_unembed would change {cfg.family}'s probabilities: its final soft-cap "
+                    f"c*tanh(z/c) (c={cfg.final_softcap}) is not shift-invariant; pass center_unembed=False", False)
+        return None
 
     def __init__(self, norm: nn.Module, unembed: nn.Linear, softcap: float | None) -> None:
         self.norm, self.unembed, self.softcap = norm, unembed, softcap

@@ -90,6 +90,15 @@ class Rotary(nn.Module):
     dtype at hand, and grown when a longer prompt arrives; they hold no learned state.
     """
 
+    @classmethod
+    def processing_refusal(cls, cfg: ModelConfig, option: str) -> tuple[str, bool] | None:
+        """Why weight processing's `option` cannot be applied exactly where positions rotate (lenskit.processing)."""
+        if option == "refactor_factored_attn_matrices":
+            return (f"refactor_factored_attn_matrices is not defined for {cfg.family}: rotary positions make the QK "
+                    "matrix depend on the positions (TransformerLens refuses it too); pass "
+                    "refactor_factored_attn_matrices=False", False)
+        return None
+
     def __init__(self, cfg: ModelConfig, local: bool = False, d_head: int | None = None) -> None:
         super().__init__()
         self.cfg, self.local = cfg, local
