@@ -13,10 +13,19 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
-from .suggest import did_you_mean
-from .config_checks import check_experts, check_full_heads, check_gemma4_extras, check_linear, kv_sources, shrunk_kv_sharing
+from .config_checks import (
+    check_experts,
+    check_full_heads,
+    check_gemma4_extras,
+    check_latent_attention,
+    check_linear,
+    kv_sources,
+    shrunk_kv_sharing,
+)
 from .config_names import TransformerLensNames
 from .io.files import read_json_object
+from .suggest import did_you_mean
+
 # GPT-2's "gelu_new" and PyTorch's tanh GELU are the same function; "gelu" is the exact erf form.
 GELU_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 ROPE_TYPES = ("default", "llama3", "linear")  # what a rotary family reads unless it opts in to more
@@ -31,7 +40,9 @@ LAYER_TYPES = ("full", "sliding", "linear")  # linear: a Gated DeltaNet block (Q
 # Router logits -> k expert weights (lenskit.pieces.moe): softmax over all experts then the top k (Qwen3-MoE and
 # OLMoE without norm_topk_prob), the same renormalised to sum to 1 (Mixtral; norm_topk_prob), or the top k logits
 # then a softmax over them (gpt-oss).
-ROUTINGS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax")
+# DeepSeek V3: sigmoid scores, the top k chosen (within the best groups) by score plus a correction bias but weighted by
+# the score alone, optionally renormalised (norm_topk_prob), then times routed_scaling_factor (lenskit.pieces.shared_experts).
+ROUTINGS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax", "sigmoid_group_topk", "sigmoid_group_topk_renorm")
 POSITIONALS = ("learned", "rotary")
 # The activation by the name transformers' configs give it: a GELU form, or ReLU (a plain MLP's only: GPT-2 and
 # GPT-NeoX configs may name it, as TransformerLens's act_fn="relu" models do).
@@ -39,12 +50,12 @@ ACTIVATIONS = (*GELU_ACTIVATIONS, "relu")
 _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
                 "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate", "router_bias", "attn_output_gate",
-                "full_k_is_v", "v_norm", "layer_scalar", "double_wide_mlp", "experts_beside_mlp")
+                "full_k_is_v", "v_norm", "layer_scalar", "double_wide_mlp", "experts_beside_mlp", "rope_interleave")
 _POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rotary_base",
-                     "rope_attention_factor")
+                     "rope_attention_factor", "rope_mscale_all_dim")
 _ORGANISATION = re.compile(r"[A-Za-z0-9][\w.-]*")  # a hub organisation: no path separators, no leading "." or "~"
 _POSITIVE = ("rotary_base", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
-             "rope_beta_slow", "swiglu_alpha", "swiglu_limit")
+             "rope_beta_slow", "swiglu_alpha", "swiglu_limit", "routed_scaling_factor")
 
 
 
@@ -70,6 +81,9 @@ class RopeConfig:
     attention_factor: float | None = None  # yarn: cos and sin times this; None: 0.1 ln(factor) + 1
     local_base: float | None = None  # local_rotary_base: the base of the "sliding" blocks when it differs (Gemma 3)
     proportion: float = 1.0  # type="proportional": the share of each head's dim pairs that turn at all (Gemma 4)
+    # latent attention (DeepSeek V3) under a rope_type other than "default": the scores' scale is times
+    # (0.1 mscale_all_dim ln(factor) + 1) ** 2, as transformers' yarn_apply_mscale folds it in; None: not scaled
+    mscale_all_dim: float | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +118,26 @@ class MoEConfig:
     router_bias: bool = False  # the router's logits have a learned bias per expert (gpt-oss)
     swiglu_alpha: float = 1.702  # mlp="swiglu_clamped": the gain inside the sigmoid, gate * sigmoid(alpha * gate)
     swiglu_limit: float = 7.0  # mlp="swiglu_clamped": the gate is clamped above at this, the up projection to +-this
+    # DeepSeek V3's (lenskit.pieces.shared_experts): experts in n_group groups, each token choosing among the experts of
+    # its topk_group best groups; routed weights times routed_scaling_factor; n_shared_experts experts' width of a
+    # dense SwiGLU MLP that every token runs, added to the routed experts' sum
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (`cfg.mla`, lenskit.pieces.latent_attention; DeepSeek V3); kv_lora_rank None for
+    ordinary attention. Each head's query and key are qk_nope_head_dim features without positions and `cfg.rope.dim`
+    rotated ones (transformers' qk_rope_head_dim), and its value is `cfg.d_head` wide (v_head_dim): each width has
+    one home."""
+
+    kv_lora_rank: int | None = None  # the compressed keys and values' width (the latent the KV cache holds)
+    q_lora_rank: int | None = None  # the query's low-rank bottleneck; None: one projection d_model -> heads
+    qk_nope_head_dim: int | None = None  # each head's query/key features that carry no position
+    rope_interleave: bool = True  # the rotated features come in interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's)
 
 
 @dataclass(frozen=True)
@@ -131,7 +165,7 @@ class BlockConfig:
 
 
 GROUPS: dict[str, type] = {"rope": RopeConfig, "attention": AttentionConfig, "moe": MoEConfig, "linear": LinearConfig,
-                           "block": BlockConfig}
+                           "block": BlockConfig, "mla": MLAConfig}
 # Each grouped setting's flat keyword (the name ModelConfig(...), replace(...) and the error messages use) -> its group
 # and its name there. tools that rename reads (config_rename.py) parse this literal, so keep it one plain dict.
 FLAT_NAMES: dict[str, tuple[str, str]] = {
@@ -140,7 +174,7 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "rope_high_freq_factor": ("rope", "high_freq_factor"), "rope_original_n_ctx": ("rope", "original_n_ctx"),
     "rope_beta_fast": ("rope", "beta_fast"), "rope_beta_slow": ("rope", "beta_slow"), "rope_truncate": ("rope", "truncate"),
     "rope_attention_factor": ("rope", "attention_factor"), "local_rotary_base": ("rope", "local_base"),
-    "rope_proportion": ("rope", "proportion"),
+    "rope_proportion": ("rope", "proportion"), "rope_mscale_all_dim": ("rope", "mscale_all_dim"),
     "fused_qkv": ("attention", "fused_qkv"), "qkv_bias": ("attention", "qkv_bias"), "out_bias": ("attention", "out_bias"),
     "qk_norm": ("attention", "qk_norm"), "qk_norm_per_head": ("attention", "qk_norm_per_head"),
     "query_pre_attn_scalar": ("attention", "query_pre_attn_scalar"), "attn_softcap": ("attention", "softcap"),
@@ -150,11 +184,15 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "n_experts": ("moe", "n_experts"), "n_experts_per_token": ("moe", "n_experts_per_token"),
     "d_expert": ("moe", "d_expert"), "routing": ("moe", "routing"), "dense_layers": ("moe", "dense_layers"),
     "router_bias": ("moe", "router_bias"), "swiglu_alpha": ("moe", "swiglu_alpha"), "swiglu_limit": ("moe", "swiglu_limit"),
+    "n_group": ("moe", "n_group"), "topk_group": ("moe", "topk_group"),
+    "routed_scaling_factor": ("moe", "routed_scaling_factor"), "n_shared_experts": ("moe", "n_shared_experts"),
     "linear_n_k_heads": ("linear", "n_k_heads"), "linear_n_v_heads": ("linear", "n_v_heads"),
     "linear_d_k": ("linear", "d_k"), "linear_d_v": ("linear", "d_v"), "linear_conv_width": ("linear", "conv_width"),
     "layer_scalar": ("block", "layer_scalar"), "d_per_layer": ("block", "d_per_layer"),
     "d_vocab_per_layer": ("block", "d_vocab_per_layer"), "n_kv_shared_layers": ("block", "n_kv_shared_layers"),
     "double_wide_mlp": ("block", "double_wide_mlp"), "experts_beside_mlp": ("block", "experts_beside_mlp"),
+    "kv_lora_rank": ("mla", "kv_lora_rank"), "q_lora_rank": ("mla", "q_lora_rank"),
+    "qk_nope_head_dim": ("mla", "qk_nope_head_dim"), "rope_interleave": ("mla", "rope_interleave"),
 }
 _GROUPED = {group: {name: flat for flat, (g, name) in FLAT_NAMES.items() if g == group} for group in GROUPS}
 
@@ -206,8 +244,8 @@ class ModelConfig(TransformerLensNames):
     each part of the model is (see `lenskit.pieces.layers`), so nothing downstream branches on the family.
 
     The settings of one part of the model are grouped in frozen sub-configs: `cfg.rope` (RopeConfig),
-    `cfg.attention` (AttentionConfig), `cfg.moe` (MoEConfig), `cfg.linear` (LinearConfig) and `cfg.block`
-    (BlockConfig). `FLAT_NAMES` maps each one's flat keyword (`rope_factor`, `attn_softcap`, `linear_d_k`, ...) to its
+    `cfg.attention` (AttentionConfig), `cfg.moe` (MoEConfig), `cfg.linear` (LinearConfig), `cfg.block`
+    (BlockConfig) and `cfg.mla` (MLAConfig). `FLAT_NAMES` maps each one's flat keyword (`rope_factor`, `attn_softcap`, `linear_d_k`, ...) to its
     place (`cfg.rope.factor`); `ModelConfig(...)`, `replace(...)` and `dataclasses.replace` take the flat keywords and
     the groups alike (a flat keyword wins over its group's value). A flat name also reads, as a read-only alias
     resolved in one place (`__getattr__`), so code written before the groups keeps running; lenskit's own code reads
@@ -251,6 +289,7 @@ class ModelConfig(TransformerLensNames):
     moe: MoEConfig = MoEConfig()
     linear: LinearConfig = LinearConfig()
     block: BlockConfig = BlockConfig()
+    mla: MLAConfig = MLAConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Take today's flat keywords (`rope_factor=8.0`), the groups (`rope=RopeConfig(...)` or a mapping), or both."""
@@ -376,9 +415,12 @@ class ModelConfig(TransformerLensNames):
             if flat[field] not in allowed:
                 raise ValueError(f"ModelConfig.{field}={flat[field]!r}; supported: {allowed}")
         rope = self.rope
-        if self.positional == "rotary" and not (isinstance(rope.dim, int) and 0 < rope.dim <= self.d_head
+        # latent attention's rotated features are their own part of each head, beside the d_head-wide value
+        widest = float("inf") if self.mla.kv_lora_rank is not None else self.d_head
+        if self.positional == "rotary" and not (isinstance(rope.dim, int) and 0 < rope.dim <= widest
                                                 and rope.dim % 2 == 0):
-            raise ValueError(f"ModelConfig.rotary_dim={rope.dim!r} must be an even int in (0, d_head={self.d_head}]")
+            bound = f"(0, d_head={self.d_head}]" if widest == self.d_head else "above 0 (latent attention's rotated part)"
+            raise ValueError(f"ModelConfig.rotary_dim={rope.dim!r} must be an even int {bound}")
         for field in _POSITIVE:  # transformers computes NaN or inf frequencies from a base or factor <= 0
             value = flat[field]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
@@ -403,7 +445,11 @@ class ModelConfig(TransformerLensNames):
         if self.nope_layers and self.positional != "rotary":
             raise ValueError(f"ModelConfig.nope_layers={self.nope_layers!r} names blocks without rotary, but positional="
                              f"{self.positional!r}; leave nope_layers empty")
+        if rope.type == "default" and rope.mscale_all_dim is not None:
+            raise ValueError(f"ModelConfig.rope_mscale_all_dim={rope.mscale_all_dim!r} scales latent attention's scores "
+                             "only under a rescaled rotary (transformers ignores it for rope_type='default'); leave it None")
         check_experts(self)
+        check_latent_attention(self)
         check_linear(self)
         check_full_heads(self)
         check_gemma4_extras(self)

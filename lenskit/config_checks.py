@@ -143,3 +143,60 @@ def check_experts(cfg: "ModelConfig") -> None:
             or list(moe.dense_layers) != sorted(set(moe.dense_layers)):
         raise ValueError(f"ModelConfig.dense_layers={moe.dense_layers!r} must be increasing block indices in "
                          f"[0, {cfg.n_layers})")
+    check_grouped_routing(cfg)
+
+
+def check_grouped_routing(cfg: "ModelConfig") -> None:
+    """DeepSeek V3's routing and shared experts (lenskit.pieces.shared_experts): whole groups of at least two experts
+    (a group's score is its best two), topk_group of them holding at least k experts, and each setting only where the
+    routing rule reads it."""
+    moe = cfg.moe
+    for field, value, low in (("n_group", moe.n_group, 1), ("topk_group", moe.topk_group, 1),
+                              ("n_shared_experts", moe.n_shared_experts, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"ModelConfig.{field} must be an int >= {low}, got {value!r}")
+    if not moe.routing.startswith("sigmoid_group_topk"):
+        changed = [f for f, v, default in (("n_group", moe.n_group, 1), ("topk_group", moe.topk_group, 1),
+                                           ("routed_scaling_factor", moe.routed_scaling_factor, 1.0),
+                                           ("n_shared_experts", moe.n_shared_experts, 0)) if v != default]
+        if changed:
+            raise ValueError(f"ModelConfig.{changed[0]} is a setting of DeepSeek's routing; routing={moe.routing!r} does "
+                             "not read it: use routing='sigmoid_group_topk' (or '_renorm'), or leave it at its default")
+        return
+    if moe.n_experts % moe.n_group or moe.n_experts // moe.n_group < 2:
+        raise ValueError(f"ModelConfig.n_group={moe.n_group} must divide n_experts={moe.n_experts} into groups of at "
+                         "least 2 experts (a group scores by its best two); choose another n_group")
+    if moe.topk_group > moe.n_group or moe.topk_group * (moe.n_experts // moe.n_group) < moe.n_experts_per_token:
+        raise ValueError(f"ModelConfig.topk_group={moe.topk_group} must be <= n_group={moe.n_group} and its groups must "
+                         f"hold at least n_experts_per_token={moe.n_experts_per_token} experts; raise topk_group or lower k")
+    if cfg.mlp != "swiglu":
+        raise ValueError(f"ModelConfig.routing={moe.routing!r} is DeepSeek V3's, whose experts are SwiGLU; got "
+                         f"mlp={cfg.mlp!r}: use mlp='swiglu'")
+
+
+def check_latent_attention(cfg: "ModelConfig") -> None:
+    """Multi-head latent attention's widths (lenskit.pieces.latent_attention): positive ints where kv_lora_rank is set,
+    all unset without it, and rotary positions (its keys' rotated part is the only place a position enters)."""
+    mla = cfg.mla
+    if mla.kv_lora_rank is None:
+        if mla.q_lora_rank is not None or mla.qk_nope_head_dim is not None:
+            raise ValueError("ModelConfig.kv_lora_rank is None (no latent attention), so q_lora_rank and qk_nope_head_dim "
+                             "must be None; give kv_lora_rank for latent attention")
+        return
+    _positive_or_none("kv_lora_rank", mla.kv_lora_rank)
+    _positive_or_none("q_lora_rank", mla.q_lora_rank)
+    if not isinstance(mla.qk_nope_head_dim, int) or isinstance(mla.qk_nope_head_dim, bool) or mla.qk_nope_head_dim < 0:
+        raise ValueError(f"ModelConfig.qk_nope_head_dim must be an int >= 0 for latent attention, got {mla.qk_nope_head_dim!r}")
+    if cfg.positional != "rotary" or cfg.nope_layers or cfg.n_kv_heads != cfg.n_heads:
+        raise ValueError("ModelConfig.kv_lora_rank (latent attention) needs positional='rotary', no nope_layers and "
+                         f"n_kv_heads == n_heads (every head expands the latent); got positional={cfg.positional!r}, "
+                         f"nope_layers={cfg.nope_layers!r}, n_kv_heads={cfg.n_kv_heads}")
+    unsupported = [name for name, on in (("qk_norm", cfg.attention.qk_norm), ("attn_softcap", cfg.attention.softcap),
+                                         ("attn_sinks", cfg.attention.sinks), ("attn_output_gate", cfg.attention.output_gate),
+                                         ("v_norm", cfg.attention.v_norm), ("sliding_window", cfg.sliding_window),
+                                         ("n_kv_shared_layers", cfg.block.n_kv_shared_layers))
+                   if on not in (None, False, 0)]
+    if unsupported:
+        raise ValueError(f"ModelConfig.{unsupported[0]} is not implemented with latent attention (kv_lora_rank); "
+                         "leave it unset")
+

@@ -2,7 +2,7 @@
 
 `model(tokens, past_kv_cache=cache)` runs only the new positions: they continue from the cache's `n_pos` (learned
 positions, rotary angles and the causal mask all start there), each attention block attends to its cached keys and
-values followed by the new ones, and each Gated DeltaNet block (Qwen 3.5) carries its causal-convolution inputs and
+values followed by the new ones (a latent-attention block caches its latents, `Latents`, and expands them again), and each Gated DeltaNet block (Qwen 3.5) carries its causal-convolution inputs and
 recurrent state. Hooks see the new positions only ([batch, new_pos, ...]; attention scores and patterns
 [batch, head, new_pos, n_pos + new_pos]). Without a cache the forward is exactly what it is without this module.
 
@@ -61,6 +61,36 @@ class KeyValues:
         self.keys, self.values = saved
 
 
+class Latents:
+    """One latent-attention block's cache (lenskit.pieces.latent_attention; DeepSeek V3): the normed kv latents
+    `latent` [batch, n_pos, kv_lora_rank] and the rotated shared key parts `k_rope` [batch, n_pos, d_rope] (None before
+    any), from which attention expands every head's keys and values again; far smaller than the expanded keys."""
+
+    def __init__(self) -> None:
+        self.latent: torch.Tensor | None = None
+        self.k_rope: torch.Tensor | None = None
+        self.frozen = False
+
+    @property
+    def n_pos(self) -> int:
+        return 0 if self.latent is None else self.latent.shape[1]
+
+    def extend(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached latents and key parts followed by the new ones ([batch, new_pos, ...] each): [batch, n_pos +
+        new_pos, ...] each, kept for the next forward unless frozen."""
+        if self.latent is not None:
+            latent, k_rope = torch.cat([self.latent, latent], dim=1), torch.cat([self.k_rope, k_rope], dim=1)
+        if not self.frozen:
+            self.latent, self.k_rope = latent, k_rope
+        return latent, k_rope
+
+    def _saved(self) -> tuple:
+        return self.latent, self.k_rope
+
+    def _restore(self, saved: tuple) -> None:
+        self.latent, self.k_rope = saved
+
+
 class DeltaNetState:
     """One Gated DeltaNet block's carried state: the last `width - 1` inputs of its causal convolution
     `conv` [batch, width - 1, channel] and the recurrent state `state` [batch, v_head, d_k, d_v] (float32);
@@ -102,14 +132,15 @@ class KVCache:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.cfg, self.batch_size = cfg, batch_size
         self.device = None if device is None else torch.device(device)  # where the caller meant it; entries follow their block
-        self.entries: list[KeyValues | DeltaNetState] = [
-            DeltaNetState() if cfg.layer_type(layer) == "linear" else KeyValues() for layer in range(cfg.n_layers)]
+        self.entries: list[KeyValues | Latents | DeltaNetState] = [
+            DeltaNetState() if cfg.layer_type(layer) == "linear" else Latents() if cfg.mla.kv_lora_rank is not None
+            else KeyValues() for layer in range(cfg.n_layers)]
         self.n_pos = 0
         self.frozen = False
         self._model: weakref.ref | None = None
         self._layer_of: dict[nn.Module, int] = {}
 
-    def __getitem__(self, layer: int) -> KeyValues | DeltaNetState:
+    def __getitem__(self, layer: int) -> KeyValues | Latents | DeltaNetState:
         return self.entries[layer]
 
     def __len__(self) -> int:
@@ -126,7 +157,7 @@ class KVCache:
         for entry in self.entries:
             entry.frozen = False
 
-    def entry_of(self, module: "nn.Module") -> KeyValues | DeltaNetState | None:
+    def entry_of(self, module: "nn.Module") -> KeyValues | Latents | DeltaNetState | None:
         """The entry of the block whose token mixer (`blocks[l].attn`) is `module`."""
         layer = self._layer_of.get(module)
         return None if layer is None else self.entries[layer]

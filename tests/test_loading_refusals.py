@@ -168,7 +168,7 @@ def test_missing_paths(tmp_path, hf):
 def test_non_gpt2_config_is_refused(hf, tmp_path):
     folder = layout_bare_tied(hf, tmp_path / "m")
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["activation_function"] = "relu"
+    cfg["activation_function"] = "silu"  # relu is built since the ReLU MLP (issue 37)
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="activation_function"):
         HookedTransformer.from_pretrained(folder)

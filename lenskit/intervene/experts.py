@@ -14,6 +14,10 @@
 
 `positions` restricts either mode to some positions (all by default).
 
+`Expert(L, "shared")` names block L's shared experts (DeepSeek V3, lenskit.pieces.shared_experts), which every token
+runs without routing: "zero" zeroes their output (`blocks.L.mlp.hook_shared_out`); "reroute" has no meaning for them
+and is refused.
+
 >>> llama = lenskit.HookedTransformer.from_pretrained("stdlib-llama")
 >>> torch.manual_seed(0);  moe = lenskit.HookedTransformer(llama.cfg.replace(n_layers=2, n_experts=4, n_experts_per_token=2))
 <torch._C.Generator object at ...>
@@ -35,6 +39,7 @@ from ..observe.stream import check_layer
 from .masks import indices, positions_here, selection_mask
 
 EXPERT_MODES = ("zero", "reroute")
+SHARED = "shared"  # Expert(L, SHARED): block L's shared experts
 
 
 @dataclass(frozen=True)
@@ -42,14 +47,14 @@ class Expert:
     """One or several experts of block `layer`'s mixture of experts: `Expert(1, 3)` or `Expert(1, [0, 3])`."""
 
     layer: int
-    experts: tuple[int, ...]
+    experts: tuple[int | str, ...]  # expert indices, or ("shared",)
 
-    def __init__(self, layer: int, experts: int | Iterable[int]) -> None:
+    def __init__(self, layer: int, experts: int | Iterable[int] | str) -> None:
         object.__setattr__(self, "layer", layer)
-        object.__setattr__(self, "experts", indices(experts, "experts"))
+        object.__setattr__(self, "experts", (SHARED,) if experts == SHARED else indices(experts, "experts"))
 
 
-def _checked(model, target: Expert) -> tuple[int, tuple[int, ...]]:
+def _checked(model, target: Expert) -> tuple[int, tuple[int | str, ...]]:
     """(layer, sorted experts) of `target`, refused by name unless the block is a MoE block that has them."""
     cfg = model.cfg
     try:
@@ -61,6 +66,10 @@ def _checked(model, target: Expert) -> tuple[int, tuple[int, ...]]:
         raise ValueError(f"{target!r}: block {layer} of {cfg.name} has no experts ({what}); name a MoE block")
     if not target.experts:
         raise ValueError(f"{target!r}: no experts given; name at least one")
+    if target.experts == (SHARED,):
+        if not getattr(cfg.moe, "n_shared_experts", 0):
+            raise ValueError(f"{target!r}: block {layer} of {cfg.name} has no shared experts; name routed experts by index")
+        return layer, target.experts
     bad = [e for e in target.experts if not 0 <= e < cfg.moe.n_experts]
     if bad:
         raise IndexError(f"{target!r}: expert {bad[0]} is out of range; block {layer} has {cfg.moe.n_experts} experts "
@@ -89,6 +98,13 @@ def _zero(layer: int, experts: tuple[int, ...], positions: Sequence[int] | None)
             (f"blocks.{layer}.mlp.hook_expert_weights", zero_weights)]
 
 
+def _zero_shared(layer: int, positions: Sequence[int] | None) -> list[tuple[str, HookFn]]:
+    def zero(out: torch.Tensor, hook) -> torch.Tensor:  # [batch, pos, d_model]
+        return out.masked_fill(selection_mask(out, positions_here(positions, out.shape[1], "expert ablation")), 0)
+
+    return [(f"blocks.{layer}.mlp.hook_shared_out", zero)]
+
+
 def _reroute(layer: int, experts: tuple[int, ...], positions: Sequence[int] | None) -> list[tuple[str, HookFn]]:
     def remove(logits: torch.Tensor, hook) -> torch.Tensor:  # [batch, pos, expert]
         here = positions_here(positions, logits.shape[1], "expert ablation")
@@ -106,14 +122,21 @@ def expert_ablation_hooks(model, targets: Expert | Sequence[Expert], mode: str =
     targets = [targets] if isinstance(targets, Expert) else list(targets)
     if not targets:
         raise ValueError("no expert targets given; pass e.g. [Expert(0, 3)]")
-    by_layer: dict[int, set[int]] = {}
+    by_layer: dict[int, set[int | str]] = {}
     for target in targets:
         layer, experts = _checked(model, target)
         by_layer.setdefault(layer, set()).update(experts)
     if positions is not None:
         positions = indices(positions, "positions")
     hooks = []
+    for layer in sorted(layer for layer, experts in by_layer.items() if SHARED in experts):
+        if mode == "reroute":
+            raise ValueError(f"block {layer}'s shared experts are not routed, so 'reroute' cannot remove them; use mode 'zero'")
+        hooks += _zero_shared(layer, positions)
+        by_layer[layer].discard(SHARED)
     for layer, experts in sorted(by_layer.items()):
+        if not experts:  # only the shared experts were named
+            continue
         if mode == "reroute" and model.cfg.moe.n_experts - len(experts) < model.cfg.moe.n_experts_per_token:
             raise ValueError(f"rerouting around {len(experts)} of block {layer}'s {model.cfg.moe.n_experts} experts leaves "
                              f"fewer than the {model.cfg.moe.n_experts_per_token} each token needs; remove fewer, or use mode 'zero'")

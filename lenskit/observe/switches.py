@@ -79,6 +79,10 @@ def _refuse_where_not_applicable(model: nn.Module, kind: str) -> None:
     if sharing:
         raise ValueError(f"{name}: blocks {sharing} read an earlier block's keys and values (Gemma 4's kv sharing), so "
                          "they have no key or value input of their own; hook their attn.hook_q / hook_k / hook_v instead")
+    if model.cfg.mla.kv_lora_rank is not None:
+        raise ValueError(f"{name}: this model's attention is latent (DeepSeek V3): every head's keys and values come from "
+                         "one shared latent, with norms between the stream and q, k, v, so there is no per-head input to "
+                         "give; hook attn.hook_q / hook_kv_latent / hook_k_rope instead")
     if model.cfg.attention.output_gate:
         raise ValueError(f"{name}: this model's query projection also gives each head an output gate (Qwen 3.5), "
                          "which a per-head query input would have to feed as well; hook attn.hook_q / attn.hook_gate instead")

@@ -35,7 +35,7 @@ import torch
 if TYPE_CHECKING:
     from torch import nn
 
-    from ..kv_cache import DeltaNetState, KeyValues, KVCache
+    from ..kv_cache import DeltaNetState, KeyValues, KVCache, Latents
 
 
 @dataclass
@@ -49,7 +49,7 @@ class ForwardState:
     per_layer: torch.Tensor | None = None
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def entry(self, module: "nn.Module") -> "KeyValues | DeltaNetState | None":
+    def entry(self, module: "nn.Module") -> "KeyValues | Latents | DeltaNetState | None":
         """`module`'s entry in this forward's KV cache (the block whose token mixer it is), or None without a cache."""
         return None if self.cache is None else self.cache.entry_of(module)
 

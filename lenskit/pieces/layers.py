@@ -9,32 +9,36 @@ makes that block sparse, else one of the dense MLPs in mlp.py.
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..observe.hooks import HookPoint
 from .attention import Attention
 from .deltanet import GatedDeltaNet
 from .dense_and_experts import DenseAndExperts
 from .forward_state import ForwardState, needed
 from .kv_sharing import SharedKVAttention
-from ..observe.hooks import HookPoint
+from .latent_attention import LatentAttention
 from .mlp import MLP, MLP_CLASSES, FusedSwiGLU, GeluMLP, SwiGLU
 from .moe import MoE
 from .norms import LayerNorm, RMSNorm, make_norm, norm_params
 from .per_layer import PerLayerWrite
+from .shared_experts import SharedExpertsMoE
 
 __all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "MLP", "MoE", "ParallelBlock", "PostNormBlock", "RMSNorm", "RescaledSandwichBlock", "SandwichBlock",
            "SwiGLU", "TransformerBlock", "make_block", "make_mlp", "make_norm"]
 
 
 def mlp_class(cfg: ModelConfig, layer: int = 0) -> type[MLP] | type[MoE]:
-    """The piece of block `layer`'s MLP: a mixture of experts where the config makes that block sparse, the dense MLP
-    with experts beside it (Gemma 4 26B-A4B), else the dense MLP."""
+    """The piece of block `layer`'s MLP: a mixture of experts where the config makes that block sparse (with DeepSeek's
+    routing and shared experts under a `sigmoid_group_topk` routing), the dense MLP with experts beside it (Gemma 4
+    26B-A4B), else the dense MLP."""
     if cfg.block.experts_beside_mlp:
         return DenseAndExperts
-    return MoE if cfg.is_moe_layer(layer) else MLP_CLASSES[cfg.mlp]
+    if not cfg.is_moe_layer(layer):
+        return MLP_CLASSES[cfg.mlp]
+    return SharedExpertsMoE if cfg.moe.routing.startswith("sigmoid_group_topk") else MoE
 
 
 def make_mlp(cfg: ModelConfig, layer: int = 0) -> MLP | MoE:
@@ -47,9 +51,12 @@ def make_mlp(cfg: ModelConfig, layer: int = 0) -> MLP | MoE:
 
 def attention_class(cfg: ModelConfig, layer: int = 0) -> type[Attention] | type[GatedDeltaNet]:
     """The piece of block `layer`'s token mixer: softmax attention (with an earlier block's keys and values where it
-    shares them, `cfg.kv_source`), or linear attention where the config makes that block linear."""
+    shares them, `cfg.kv_source`; latent attention where the config has `mla.kv_lora_rank`), or linear attention where
+    the config makes that block linear."""
     if cfg.layer_type(layer) == "linear":
         return GatedDeltaNet
+    if cfg.mla.kv_lora_rank is not None:
+        return LatentAttention
     return SharedKVAttention if cfg.kv_source(layer) is not None else Attention
 
 

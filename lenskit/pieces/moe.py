@@ -167,13 +167,21 @@ class MoE(nn.Module):
             raise ValueError(f"ModelConfig.mlp={cfg.mlp!r} has no expert piece for a mixture of experts; "
                              f"lenskit implements experts of kind {sorted(EXPERTS)}")
         self.k = cfg.moe.n_experts_per_token
-        self.route = ROUTES[cfg.moe.routing]
+        self.route = self.routing_rule(cfg)
         self.router = Linear(cfg.d_model, cfg.moe.n_experts, bias=cfg.moe.router_bias)
         self.experts = nn.ModuleList(EXPERTS[cfg.mlp](cfg) for _ in range(cfg.moe.n_experts))
         self.hook_router_logits = HookPoint()  # [batch, pos, expert]
         self.hook_expert_indices = HookPoint(integer=True)  # [batch, pos, k], long
         self.hook_expert_weights = HookPoint()  # [batch, pos, k], the model's dtype
         self.hook_expert_out = HookPoint()  # [batch, pos, k, d_model], unweighted; computed only when hooked
+
+    def routing_rule(self, cfg: ModelConfig) -> Route:
+        """The rule from router logits to (weights, indices), `ROUTES[cfg.moe.routing]`; a piece with a rule of its own
+        (lenskit.pieces.shared_experts) overrides this."""
+        if cfg.moe.routing not in ROUTES:
+            raise ValueError(f"routing={cfg.moe.routing!r} is not one of MoE's rules {sorted(ROUTES)}; DeepSeek's "
+                             "sigmoid routing is lenskit.pieces.shared_experts.SharedExpertsMoE's")
+        return ROUTES[cfg.moe.routing]
 
     def norm_readers(self) -> list[nn.Linear]:
         """The projections that read the normalised stream, into which fold_ln folds the norm before the MLP
