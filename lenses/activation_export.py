@@ -35,8 +35,19 @@ from safetensors.torch import save_file
 from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 
 from lenskit import HookedTransformer
-from lenskit.io.activations import (FORMAT, FORMAT_VERSION, MANIFEST_FILE, TOKENS, WINDOWS, dtype_name, file_checksum,
-                                    read_manifest, resolve_hooks, shard_name, shard_problem)
+from lenskit.io.activations import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    TOKENS,
+    WINDOWS,
+    dtype_name,
+    file_checksum,
+    read_manifest,
+    resolve_hooks,
+    shard_name,
+    shard_problem,
+)
 
 from .io import write_atomic
 from .training import distributed

@@ -29,9 +29,9 @@ import pandas as pd
 import torch
 
 from lenskit import HookedTransformer
+from lenskit.io.text import token_texts
 from lenskit.observe.hooks import HookFn, NameOrPredicate
 from lenskit.observe.stream import streams
-from lenskit.io.text import token_texts
 
 from . import metrics
 from .base import Lens

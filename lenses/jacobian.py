@@ -40,7 +40,6 @@ from .jacobian_fit import CHECKPOINT_EVERY, DIM_BATCH, SKIP_FIRST_POSITIONS, fit
 from .jacobian_io import FORMAT_VERSION, WEIGHTS_FILE, folder_config, load, save_folder, save_reference  # noqa: F401
 from .tuned import model_fingerprint
 
-
 TokenLike = Union[int, str]
 HookList = list[tuple[str, Callable[[torch.Tensor, Any], torch.Tensor]]]
 

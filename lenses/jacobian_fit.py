@@ -46,13 +46,13 @@ from lenskit import HookedTransformer, Stream
 from lenskit.observe.backward import check_gradients_possible
 from lenskit.observe.stream import as_stream
 
-from .io import CONFIG_FILE, read_config, write_atomic
-from .chunks import device_budget
 from .card import JACOBIAN_FORMAT as FORMAT
+from .chunks import device_budget
+from .io import CONFIG_FILE, read_config, write_atomic
 from .jacobian_io import load_folder
+from .stopping import SAVE_MINUTES, SaveClock, StopGuard
 from .training import check_same_run, distributed
 from .training.lock import locks_out_folder
-from .stopping import SAVE_MINUTES, SaveClock, StopGuard
 from .tuned import model_fingerprint
 
 if TYPE_CHECKING:

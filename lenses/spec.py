@@ -80,7 +80,8 @@ def _source_and_file(arg: str) -> tuple[str, str | None]:
 def _load_path(spec: str, model: "HookedTransformer") -> "Lens":
     """A folder or hub id: its config.json's format decides the lens kind; a .pt file is a reference Jacobian lens."""
     from .io import read_config
-    from .jacobian import FORMAT as JACOBIAN_FORMAT, JacobianLens
+    from .jacobian import FORMAT as JACOBIAN_FORMAT
+    from .jacobian import JacobianLens
     from .tuned import TunedLens, resolve_lens_folder
 
     path = Path(spec).expanduser()

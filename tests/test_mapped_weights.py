@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from conftest import make_hf_family
 from forked import run_forked
+from safetensors.torch import load_file, save_file
+from tiny_tokenizer import save_tiny_model
+
 from lenskit import HookedTransformer
 from lenskit.io.mapped import WeightsChangedError
-from tiny_tokenizer import save_tiny_model
 
 CHANGED = "weights file changed since load; reload the model"
 

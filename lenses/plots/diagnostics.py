@@ -3,9 +3,8 @@ fidelity (`lenses.causal`). The numbers are computed there; these functions only
 
 from __future__ import annotations
 
-from typing import Any
-
 import math
+from typing import Any
 
 import numpy as np
 import pandas as pd

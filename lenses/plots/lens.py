@@ -10,10 +10,24 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from .. import metrics
 from lenskit.io.text import show_token
-from .style import (COLORS, MONO, NOTEBOOK_WIDTH, PAPER, as_frame, log_ticks, rgba, display_token,
-                    figure_size, fit_text, font_size, print_meta, token_labels)
+
+from .. import metrics
+from .style import (
+    COLORS,
+    MONO,
+    NOTEBOOK_WIDTH,
+    PAPER,
+    as_frame,
+    display_token,
+    figure_size,
+    fit_text,
+    font_size,
+    log_ticks,
+    print_meta,
+    rgba,
+    token_labels,
+)
 
 # ===================================================== logit-lens heatmap
 HEATMAP_COLORS = {

@@ -40,15 +40,15 @@ from lenskit import Stream
 from lenskit.io.data import TokenStream, window_order
 from lenskit.io.files import check_regular_file
 
-from ..stopping import SaveClock
-from .interrupt import Interrupted, interrupts_between_steps
 from ..io import CONFIG_FILE, read_config, write_atomic
+from ..stopping import SaveClock
+from ..tuned import TunedLens
+from .interrupt import Interrupted, interrupts_between_steps
+from .lock import locks_out_folder
 from .precision import check_autocast, mixed_precision
 from .recipe import Recipe
-from .lock import locks_out_folder
 from .state import check_checkpoint_meta, check_finished_state
 from .step import TranslatedStreams, kl_step
-from ..tuned import TunedLens
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 # Run-identity keys added after runs were first saved, with the value every older run had.

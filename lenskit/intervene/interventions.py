@@ -45,13 +45,13 @@ from typing import Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 
+from ..model import HookedTransformer
 from ..observe.cache import hook_name
 from ..observe.hooks import HookFn
 from ..observe.resid import late_writes
-from .masks import indices, positions_here, replace_where, sequence_rows
-from ..model import HookedTransformer
 from ..observe.stream import Stream, check_layer
 from ..saes.features import Feature, check_spliced
+from .masks import indices, positions_here, replace_where, sequence_rows
 
 TokensRef = Union[torch.Tensor, Iterable[torch.Tensor]]
 

@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm  # tqdm.auto warns "IProgress not found" in kernels without ipywidgets
 
+from ..model import HookedTransformer, TokensLike
 from ..observe.cache import ActivationCache, hook_name
 from ..observe.hooks import HookFn
-from .masks import check_positions, indices, positions_here, replace_along
-from ..model import HookedTransformer, TokensLike
 from ..observe.stream import POINTS, Stream, check_layer
+from .masks import check_positions, indices, positions_here, replace_along
 
 Metric = Callable[[torch.Tensor], Union[torch.Tensor, float]]  # logits [batch, pos, d_vocab] -> scalar
 HEAD_SITES = {"head": "z", "q": "q", "k": "k", "v": "v", "pattern": "pattern"}  # site -> its attn hook's short name

@@ -38,8 +38,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 import torch
 from torch import nn
 
-from .backward import Attachment, attach_backward, backward_from, check_gradients_possible
 from ..suggest import hook_hint
+from .backward import Attachment, attach_backward, backward_from, check_gradients_possible
 from .hook_context import HOOK_CONTEXT
 from .recording import CacheRecording  # noqa: F401  (CacheRecording: imported from here too)
 

@@ -10,13 +10,22 @@ Nothing here computes anything of its own: each name is lenskit's (`lenskit.Hook
 See docs/howto/transformer_lens.md ("Coming from TransformerLens") for what differs and what is not provided.
 """
 
+from . import (
+               components,
+               errors,
+               evals,
+               head_detector,
+               hook_points,
+               loading_from_pretrained,
+               past_key_value_caching,
+               patching,
+               utilities,
+               utils,
+)
 from .ActivationCache import ActivationCache
-
-from . import (components, errors, evals, head_detector, hook_points, loading_from_pretrained, past_key_value_caching,
-               patching, utilities, utils)
 from .FactoredMatrix import FactoredMatrix
-from .HookedRootModule import HookedRootModule
 from .hook_points import HookPoint
+from .HookedRootModule import HookedRootModule
 from .HookedTransformer import HookedTransformer
 from .HookedTransformerConfig import HookedTransformerConfig
 from .past_key_value_caching import HookedTransformerKeyValueCache
