@@ -46,7 +46,7 @@ ROUTINGS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax", "sigmoid_grou
 POSITIONALS = ("learned", "rotary")
 # The activation by the name transformers' configs give it: a GELU form, or ReLU (a plain MLP's only: GPT-2 and
 # GPT-NeoX configs may name it, as TransformerLens's act_fn="relu" models do).
-ACTIVATIONS = (*GELU_ACTIVATIONS, "relu")
+ACTIVATIONS = (*GELU_ACTIVATIONS, "relu", "xielu")  # xielu: learned scalars, Apertus (lenskit.pieces.mlp.XIELU)
 _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
                 "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate", "router_bias", "attn_output_gate",
