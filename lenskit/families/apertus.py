@@ -35,7 +35,7 @@ LAYOUT = Layout(  # its own norm names, and xIELU's scalars under the MLP's act_
            **{f"mlp.act.{x}": f"mlp.act_fn.{x}" for x in ("alpha_p", "alpha_n", "beta", "eps")}},
 )
 
-APERTUS_FIELDS = dict(qk_norm=True, mlp="gelu", activation="xielu", norm_eps=1e-5, rope_type="llama3", rope_factor=8.0,
+APERTUS_FIELDS = dict(qk_norm=True, mlp="gelu", activation="xielu", mlp_bias=False, norm_eps=1e-5, rope_type="llama3", rope_factor=8.0,
                       rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_n_ctx=8192,
                       bos_token_id=1, eos_token_id=2)
 
