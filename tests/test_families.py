@@ -130,7 +130,9 @@ def test_expected_family_pieces():
                                   query_pre_attn_scalar=1.0, final_softcap=2.0, layer_types=("sliding", "full"),
                                   sliding_window=5, d_head=16, full_d_head=24, n_kv_heads=2, full_n_kv_heads=1,
                                   full_k_is_v=True, rope_type="proportional", rope_proportion=0.25, rotary_base=10000.0,
-                                  local_rotary_base=100.0)}
+                                  local_rotary_base=100.0),
+              "apertus": dict(qk_norm=True, qk_norm_per_head=True, mlp="gelu", activation="xielu", mlp_bias=False,
+                              n_kv_heads=2, rope_type="llama3", rotary_base=12_000_000.0, rope_original_n_ctx=16)}
     for family, fields in expect.items():
         cfg = HookedTransformer.from_hf(make_hf_family(family)).cfg
         assert {k: getattr(cfg, k) for k in fields} == fields, family
