@@ -42,6 +42,20 @@ def test_xielu_is_transformers_torch_path(dtype, seed):
     assert torch.equal(got, want)
 
 
+def test_a_fresh_model_starts_xielu_where_transformers_does():
+    """init_weights draws the projections, but each block's xIELU scalars start at transformers' own initial values."""
+    from transformers.activations import XIELUActivation
+
+    theirs = XIELUActivation(dtype=torch.float32)
+    cfg = ModelConfig.from_name("apertus-8b").replace(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_head=8, d_mlp=48,
+                                                      d_vocab=101)
+    model = HookedTransformer(cfg)
+    model.init_weights()
+    for block in model.blocks:
+        for name in ("alpha_p", "alpha_n", "beta", "eps"):
+            assert torch.equal(getattr(block.mlp.act, name), getattr(theirs, name)), name
+
+
 def test_xielu_by_hand():
     """The formula itself, not only agreement: x > 0 gives a_p x^2 + beta x, x <= 0 a_n (expm1(min(x, eps)) - x) + beta x."""
     act = XIELU(alpha_p=0.8, alpha_n=0.8, beta=0.5, eps=-1e-6)

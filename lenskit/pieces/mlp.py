@@ -5,7 +5,6 @@ picks one for each block (or a mixture of experts, lenskit.pieces.moe)."""
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Callable
 
@@ -90,16 +89,24 @@ class XIELU(nn.Module):
     x > 0: a_p x^2 + beta x; else a_n (expm1(min(x, eps)) - x) + beta x, where a_p = softplus(alpha_p) and
     a_n = beta + softplus(alpha_n). `alpha_p`, `alpha_n` [1] are parameters and `beta`, `eps` [] buffers, under
     the names (and with the initial values) of transformers' `XIELUActivation`, whose checkpoints store all four;
-    its torch path is the reference (its optional CUDA kernel computes the same function)."""
+    its torch path is the reference (its optional CUDA kernel, the `xielu` package, is not compared here)."""
 
     PARAMS = 2  # alpha_p, alpha_n; beta and eps are buffers, as in transformers
 
     def __init__(self, alpha_p: float = 0.8, alpha_n: float = 0.8, beta: float = 0.5, eps: float = -1e-6) -> None:
         super().__init__()
-        self.alpha_p = nn.Parameter(torch.tensor([math.log(math.expm1(alpha_p))]))  # softplus^-1, so a_p starts at alpha_p
-        self.alpha_n = nn.Parameter(torch.tensor([math.log(math.expm1(alpha_n - beta))]))
+        self.init = (alpha_p, alpha_n - beta)  # what softplus(alpha_p) and softplus(alpha_n) start at
+        self.alpha_p = nn.Parameter(torch.empty(1))
+        self.alpha_n = nn.Parameter(torch.empty(1))
         self.register_buffer("beta", torch.tensor(beta))
         self.register_buffer("eps", torch.tensor(eps))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """a_p and a_n back at their initial values: the scalars are softplus^-1 of them (less beta for a_n)."""
+        with torch.no_grad():
+            for p, start in zip((self.alpha_p, self.alpha_n), self.init):
+                p.copy_(torch.log(torch.expm1(torch.tensor([start], dtype=p.dtype, device=p.device))))  # as transformers rounds
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a_p = F.softplus(self.alpha_p)
