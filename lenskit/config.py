@@ -47,6 +47,7 @@ POSITIONALS = ("learned", "rotary")
 # The activation by the name transformers' configs give it: a GELU form, or ReLU (a plain MLP's only: GPT-2 and
 # GPT-NeoX configs may name it, as TransformerLens's act_fn="relu" models do).
 ACTIVATIONS = (*GELU_ACTIVATIONS, "relu")
+LEARNED_ACTIVATIONS = ("xielu",)  # with parameters of their own, so only a family that stores them (Apertus) reads one
 _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
                 "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate", "router_bias", "attn_output_gate",
@@ -389,10 +390,10 @@ class ModelConfig(TransformerLensNames):
             raise ValueError(f"ModelConfig.norm_eps must be a positive number, got {self.norm_eps!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.activation not in ACTIVATIONS:
+        if self.activation not in ACTIVATIONS + LEARNED_ACTIVATIONS:
             raise ValueError(
                 f"ModelConfig.activation={self.activation!r} is not an activation lenskit builds; "
-                f"supported: {sorted(ACTIVATIONS)}"
+                f"supported: {sorted(ACTIVATIONS + LEARNED_ACTIVATIONS)}"
             )
         if self.activation not in GELU_ACTIVATIONS and self.mlp != "gelu":
             raise ValueError(f"ModelConfig.activation={self.activation!r} is for the plain MLP (mlp='gelu'), got "

@@ -37,6 +37,7 @@ from .observe.switches import switch, switched_name_error
 from .pieces.embeddings import Embed, PosEmbed, Unembed
 from .pieces.forward_state import ForwardState
 from .pieces.layers import make_block, make_norm
+from .pieces.mlp import XIELU
 from .pieces.per_layer import PerLayerInputs, side_inputs
 from .pieces.readout import Readout
 from .pieces.weights import ov_circuit, qk_circuit, stacked_view, tl_parameters
@@ -133,6 +134,8 @@ class HookedTransformer(HookedRootModule):
         for module in self.modules():
             if getattr(module, "IDENTITY_WEIGHT", 1.0) != 1.0:
                 nn.init.constant_(module.weight, module.IDENTITY_WEIGHT)
+            if isinstance(module, XIELU):  # its scalars start where transformers' do, not at N(0, std)
+                module.reset_parameters()
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: TokensLike, return_type: str | None = "logits", *, stop_at_layer: int | None = None,

@@ -123,9 +123,13 @@ def _perturb(model: torch.nn.Module) -> None:
                 p.add_(torch.randn_like(p) * 0.05)
             elif name.endswith(".sinks"):
                 p.add_(torch.randn_like(p) * 2.0)
+            elif name.endswith((".alpha_p", ".alpha_n")):  # Apertus's xIELU scalars: each block its own
+                p.add_(torch.randn_like(p) * 0.5)
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's per-block scale of the stream, 1 in a fresh model
                 b.mul_(0.5 + torch.rand_like(b))
+            elif name.endswith("act_fn.beta") or name.endswith("act_fn.eps"):  # xIELU's, read from the checkpoint
+                b.copy_(0.5 * torch.rand_like(b) + 0.25 if name.endswith("beta") else -0.1 * torch.rand_like(b))
 
 
 # One tiny config per family, from the registry (lenskit.families: each record's `tiny`, which says what it

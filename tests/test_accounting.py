@@ -150,9 +150,12 @@ _HF_PRESETS = {
     "olmo-2-1b": ("Olmo2Config", dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, intermediate_size=8192, vocab_size=100352, tie_word_embeddings=False)),
     "olmo-2-7b": ("Olmo2Config", dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008, vocab_size=100352, tie_word_embeddings=False)),
     "phi-3-mini": ("Phi3Config", dict(num_hidden_layers=32, hidden_size=3072, num_attention_heads=32, num_key_value_heads=32, intermediate_size=8192, vocab_size=32064, tie_word_embeddings=False, pad_token_id=0)),
+    "phi-4": ("Phi3Config", dict(num_hidden_layers=40, hidden_size=5120, num_attention_heads=40, num_key_value_heads=10, intermediate_size=17920, vocab_size=100352, tie_word_embeddings=False, pad_token_id=100349)),
     "olmo-3-7b": ("Olmo3Config", dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008, vocab_size=100278, tie_word_embeddings=False)),
     "olmo-3-32b": ("Olmo3Config", dict(num_hidden_layers=64, hidden_size=5120, num_attention_heads=40, num_key_value_heads=8, intermediate_size=27648, vocab_size=100278, tie_word_embeddings=False)),
     "smollm3-3b": ("SmolLM3Config", dict(num_hidden_layers=36, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, intermediate_size=11008, vocab_size=128256, tie_word_embeddings=True)),
+    "apertus-8b": ("ApertusConfig", dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=21504, vocab_size=131072)),
+    "apertus-70b": ("ApertusConfig", dict(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, intermediate_size=43008, vocab_size=131072)),
     "gemma-4-31b": ("Gemma4TextConfig", dict(num_hidden_layers=60, hidden_size=5376, num_attention_heads=32, num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=True, intermediate_size=21504, vocab_size=262144, hidden_size_per_layer_input=0, sliding_window=1024, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10)),
 }
 # Published sizes (model cards), to 2 significant digits, as a check on the table above.
@@ -160,7 +163,7 @@ _PUBLISHED_TOTAL = {"pythia-70m": 70e6, "pythia-160m": 162e6, "pythia-12b": 11.8
                     "llama-3.1-8b": 8.03e9, "mistral-7b": 7.24e9, "qwen2.5-0.5b": 0.49e9, "qwen2.5-7b": 7.62e9,
                     "qwen3-0.6b": 0.6e9, "qwen3-8b": 8.2e9, "gemma-2-2b": 2.61e9, "gemma-2-9b": 9.24e9, "gemma-3-1b": 1.0e9,
                     "olmo-2-7b": 7.30e9, "phi-3-mini": 3.82e9, "olmo-3-7b": 7.30e9, "olmo-3-32b": 32.2e9, "smollm3-3b": 3.08e9,
-                    "gemma-4-31b": 30.7e9}
+                    "gemma-4-31b": 30.7e9, "apertus-8b": 8.05e9, "apertus-70b": 70.6e9, "phi-4": 14.7e9}
 
 
 @pytest.mark.parametrize("name", sorted(_HF_PRESETS))

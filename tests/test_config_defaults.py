@@ -238,6 +238,11 @@ ROPE = [
                                                             "rope_theta": 1e4, "factor": 2.0}}}, None),
     ("gemma4_text", {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                          "full_attention": {"rope_type": "default", "rope_theta": 1e4}}}, None),
+    # Apertus: with no rotary field, its config class's Llama 3 scaling at base 1.2e7
+    ("apertus", {}, None),
+    ("apertus", {"rope_theta": 5e5}, ("rope_parameters.rope_theta=12000000.0", "rope_theta=500000.0", "disagree")),  # 5 ignores it
+    ("apertus", {"rope_theta": 1.2e7, "rope_scaling": {**LLAMA3, "original_max_position_embeddings": 16}}, None),
+    ("apertus", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, None),
     # both spellings, agreeing
     ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_theta": 5e5}, None),
     ("gemma2", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
@@ -253,6 +258,8 @@ ROPE = [
      ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")),
     *((f, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e4},
        ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")) for f in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")),
+    ("apertus", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e4},
+     ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")),
     ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": {"type": "linear", "factor": 2.0}},
      ("rope_scaling", "rope_parameters", "disagree")),
     ("mistral", {"rope_parameters": {"rope_type": "linear", "factor": 4.0}, "rope_scaling": {"type": "linear", "factor": 2.0}},

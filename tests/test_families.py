@@ -96,7 +96,7 @@ def test_hook_shapes_follow_gqa_and_the_family(pair, tokens):
     rotary = c.positional == "rotary"
     assert ("blocks.0.attn.hook_rot_q" in model.hook_dict) == rotary
     assert ("hook_pos_embed" in model.hook_dict) == (not rotary)
-    assert ("blocks.0.attn.q_norm.hook_normalized" in model.hook_dict) == (model.cfg.family in ("qwen3", "gemma3_text", "olmo2", "qwen3_moe", "olmoe", "olmo3", "qwen3_5_text", "gemma4_text"))
+    assert ("blocks.0.attn.q_norm.hook_normalized" in model.hook_dict) == (model.cfg.family in ("qwen3", "gemma3_text", "olmo2", "qwen3_moe", "olmoe", "olmo3", "qwen3_5_text", "gemma4_text", "apertus"))
     if rotary:
         rot_q, q = cache["blocks.0.attn.hook_rot_q"], cache["blocks.0.attn.hook_q"]
         assert rot_q.shape == q.shape and cache["blocks.0.attn.hook_rot_k"].shape == cache["blocks.0.attn.hook_k"].shape
@@ -130,7 +130,9 @@ def test_expected_family_pieces():
                                   query_pre_attn_scalar=1.0, final_softcap=2.0, layer_types=("sliding", "full"),
                                   sliding_window=5, d_head=16, full_d_head=24, n_kv_heads=2, full_n_kv_heads=1,
                                   full_k_is_v=True, rope_type="proportional", rope_proportion=0.25, rotary_base=10000.0,
-                                  local_rotary_base=100.0)}
+                                  local_rotary_base=100.0),
+              "apertus": dict(qk_norm=True, qk_norm_per_head=True, mlp="gelu", activation="xielu", mlp_bias=False,
+                              n_kv_heads=2, rope_type="llama3", rotary_base=12_000_000.0, rope_original_n_ctx=16)}
     for family, fields in expect.items():
         cfg = HookedTransformer.from_hf(make_hf_family(family)).cfg
         assert {k: getattr(cfg, k) for k in fields} == fields, family

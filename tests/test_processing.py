@@ -17,7 +17,7 @@ OPTIONS = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_bi
 LAYERNORM = ("gpt2", "gpt_neox")
 # Every family: each option either applies or is refused by name below.
 FAMILIES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "olmo3", "phi3",
-            "smollm3", "mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_5_text", "gemma4_text")
+            "smollm3", "mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_5_text", "gemma4_text", "apertus")
 # (family, option) -> words the refusal must contain.
 REFUSED = {
     ("llama", "center_writing_weights"): "needs LayerNorm",
@@ -30,6 +30,7 @@ REFUSED = {
     ("qwen3_5_text", "fold_value_biases"): "output gate",
     ("gemma4_text", "center_writing_weights"): "needs LayerNorm",
     ("gemma4_text", "center_unembed"): "soft-cap",
+    ("apertus", "center_writing_weights"): "needs LayerNorm",  # RMSNorm's; xIELU itself leaves every option exact
 }
 
 

@@ -1,4 +1,4 @@
-"""Phi-3 (`phi3`, 4k context): Llama's block with q/k/v fused in one projection, and gate and up in another."""
+"""Phi-3 (`phi3`, 4k context) and Phi-4: Llama's block with q/k/v fused in one projection, and gate and up in another."""
 
 from __future__ import annotations
 
@@ -29,11 +29,15 @@ LAYOUT = Layout(
     block={**LLAMA_BLOCK, "attn.qkv.weight": "self_attn.qkv_proj.weight", "mlp.gate_up.weight": "mlp.gate_up_proj.weight"},
 )
 
-PRESETS = named_presets(llama_preset("phi-3-mini", "phi3", 32, 3072, 32, 32, 8192, 32064, 4096, False, 10000.0,
-                                     fused_qkv=True, mlp="swiglu_fused", sliding_window=2047, bos_token_id=1,
-                                     eos_token_id=32000, norm_eps=1e-5))
+# Phi-4 (14B; Phi-4-reasoning has its shape) is a `phi3` model: grouped-query, no window, base 2.5e5, 16k context.
+# Phi-4-mini's LongRoPE is refused by the reader.
+PRESETS = named_presets(
+    llama_preset("phi-3-mini", "phi3", 32, 3072, 32, 32, 8192, 32064, 4096, False, 10000.0, fused_qkv=True,
+                 mlp="swiglu_fused", sliding_window=2047, bos_token_id=1, eos_token_id=32000, norm_eps=1e-5),
+    llama_preset("phi-4", "phi3", 40, 5120, 40, 10, 17920, 100352, 16384, False, 250000.0, fused_qkv=True,
+                 mlp="swiglu_fused", bos_token_id=100257, eos_token_id=100265, norm_eps=1e-5))
 
 TINY = dict(TINY_SHAPE, num_key_value_heads=2, sliding_window=6, pad_token_id=0,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
 
-FAMILY = Family("phi3", "Phi3ForCausalLM", "Phi3Config", "Phi-3 (4k context)", read, write, LAYOUT, PRESETS, TINY)
+FAMILY = Family("phi3", "Phi3ForCausalLM", "Phi3Config", "Phi-3 (4k context), Phi-4", read, write, LAYOUT, PRESETS, TINY)

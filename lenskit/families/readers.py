@@ -60,12 +60,12 @@ def common_fields(r: ConfigReader, bos: int | None, eos: int | None) -> dict[str
 def llama_like(r: ConfigReader, qkv_bias: bool, out_bias: bool, mlp_bias: bool, *, eps: float, bos: int | None,
                eos: int | None, kv_heads: int | None = None, head_dim: int | None = None, null_head_dim: bool = True,
                null_kv_heads: bool = True, must_divide: bool = False, rope_types: tuple[str, ...] = ROPE_TYPES,
-               rotary: Callable[[ConfigReader, int], dict[str, Any]] | None = None, **rope_defaults: Any) -> dict[str, Any]:
+               rotary: Callable[[ConfigReader, int], dict[str, Any]] | None = None, act: str = "silu", **rope_defaults: Any) -> dict[str, Any]:
     """What the SwiGLU families share. The keywords are the family's transformers defaults: `kv_heads` and `head_dim`
     None derive (n_heads; d_model // n_heads); `null_*`: whether an explicit null derives too or is refused;
     `rope_defaults` go to `rope` (a family's own base and settings for absent rotary fields); `rotary`, where given,
     reads the rotary fields instead of `rope` (per-layer-type settings: OLMo 3)."""
-    r.require("hidden_act", ("silu",), "silu")
+    r.require("hidden_act", (act,), act)  # `act`: the one activation the family's MLP builds (Apertus's xielu)
     n_layers = r.n_layers("num_hidden_layers")
     d_model, n_heads = read_heads(r, "hidden_size", "num_attention_heads", must_divide=must_divide)
     d_head = read_head_dim(r, d_model, n_heads, head_dim, null_head_dim)

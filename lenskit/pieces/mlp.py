@@ -1,10 +1,12 @@
-"""The dense MLPs, each a separate class chosen once from the config (`cfg.mlp`, `MLP_CLASSES`): GPT-2's GELU MLP,
-the gated SwiGLU / GeGLU, and Phi-3's with a fused gate and input projection. `lenskit.pieces.layers.make_mlp`
+"""The dense MLPs, each a separate class chosen once from the config (`cfg.mlp`, `MLP_CLASSES`): GPT-2's GELU MLP
+(or ReLU, or Apertus's learned xIELU, `XIELU`), the gated SwiGLU / GeGLU, and Phi-3's with a fused gate and input
+projection. `lenskit.pieces.layers.make_mlp`
 picks one for each block (or a mixture of experts, lenskit.pieces.moe)."""
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -82,19 +84,54 @@ def _or_zeros(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return weight.new_zeros(weight.shape[0]) if bias is None else bias
 
 
+class XIELU(nn.Module):
+    """xIELU (Huang et al., 2024, arXiv:2411.13010), Apertus's activation, with two learned scalars per MLP:
+    x > 0: a_p x^2 + beta x; else a_n (expm1(min(x, eps)) - x) + beta x, where a_p = softplus(alpha_p) and
+    a_n = beta + softplus(alpha_n). `alpha_p`, `alpha_n` [1] are parameters and `beta`, `eps` [] buffers, under
+    the names (and with the initial values) of transformers' `XIELUActivation`, whose checkpoints store all four;
+    its torch path is the reference (its optional CUDA kernel, the `xielu` package, is not compared here)."""
+
+    PARAMS = 2  # alpha_p, alpha_n; beta and eps are buffers, as in transformers
+
+    def __init__(self, alpha_p: float = 0.8, alpha_n: float = 0.8, beta: float = 0.5, eps: float = -1e-6) -> None:
+        super().__init__()
+        self.init = (alpha_p, alpha_n - beta)  # what softplus(alpha_p) and softplus(alpha_n) start at
+        self.alpha_p = nn.Parameter(torch.empty(1))
+        self.alpha_n = nn.Parameter(torch.empty(1))
+        self.register_buffer("beta", torch.tensor(beta))
+        self.register_buffer("eps", torch.tensor(eps))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """a_p and a_n back at their initial values: the scalars are softplus^-1 of them (less beta for a_n)."""
+        with torch.no_grad():
+            for p, start in zip((self.alpha_p, self.alpha_n), self.init):
+                p.copy_(torch.log(torch.expm1(torch.tensor([start], dtype=p.dtype, device=p.device))))  # as transformers rounds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a_p = F.softplus(self.alpha_p)
+        a_n = self.beta + F.softplus(self.alpha_n)
+        return torch.where(x > 0, a_p * x * x + self.beta * x,
+                           (torch.expm1(torch.minimum(x, self.eps)) - x) * a_n + self.beta * x)
+
+
 class GeluMLP(MLP):
-    """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> the config's activation (a GELU form, or ReLU) -> d_model.
+    """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> the config's activation (a GELU form, ReLU, or Apertus's
+    xIELU with its two learned scalars) -> d_model.
     Each MLP piece takes its width, `d_mlp` (None: the config's), where a block's differs (`cfg.d_mlp_of`)."""
 
     @classmethod
     def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
         m, d = cfg.d_mlp_of(layer), cfg.d_model
-        return {"mlp": (2 * d * m, m + d if cfg.mlp_bias else 0)}  # fc_in, fc_out
+        learned = XIELU.PARAMS if cfg.activation == "xielu" else 0  # scalars, counted with the biases: no matmul
+        return {"mlp": (2 * d * m, (m + d if cfg.mlp_bias else 0) + learned)}  # fc_in, fc_out
 
     def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
         super().__init__()
         d_mlp = cfg.d_mlp if d_mlp is None else d_mlp
-        self.act = F.relu if cfg.activation == "relu" else partial(F.gelu, approximate=cfg.gelu_approximate)
+        self.act: Callable[[torch.Tensor], torch.Tensor] = (
+            F.relu if cfg.activation == "relu" else XIELU() if cfg.activation == "xielu"
+            else partial(F.gelu, approximate=cfg.gelu_approximate))
         self.fc_in = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
         self.fc_out = Linear(d_mlp, cfg.d_model, bias=cfg.mlp_bias)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
