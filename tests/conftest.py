@@ -126,6 +126,8 @@ def _perturb(model: torch.nn.Module) -> None:
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's per-block scale of the stream, 1 in a fresh model
                 b.mul_(0.5 + torch.rand_like(b))
+            elif name.endswith("e_score_correction_bias"):  # DeepSeek V3's, zero in a fresh model: let it steer choices
+                b.normal_(std=0.3)
 
 
 # One tiny config per family, from the registry (lenskit.families: each record's `tiny`, which says what it

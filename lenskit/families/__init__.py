@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 from ..config import ModelConfig, register_families
-from . import (gemma2, gemma3_text, gemma4_text, gpt2, gpt_neox, gpt_oss, llama, mistral, mixtral, olmo2, olmo3, olmoe,
-               phi3, qwen2, qwen3, qwen3_5_text, qwen3_moe, smollm3)
+from . import (deepseek_v3, gemma2, gemma3_text, gemma4_text, gpt2, gpt_neox, gpt_oss, llama, mistral, mixtral, olmo2,
+               olmo3, olmoe, phi3, qwen2, qwen3, qwen3_5_text, qwen3_moe, smollm3)
 from .family import Family
 from .readers import read_config
 
@@ -29,7 +29,8 @@ __all__ = ["FAMILIES", "PRESETS", "Family", "config_fields", "family_of"]
 
 # The one list of family modules, in the README's order; each module's name is its model_type.
 _MODULES = (gpt2, gpt_neox, llama, mistral, qwen2, qwen3, gemma2, gemma3_text, olmo2, phi3, mixtral, qwen3_moe, olmoe,
-            gpt_oss, olmo3, smollm3, qwen3_5_text, gemma4_text)
+            gpt_oss, olmo3, smollm3, qwen3_5_text, gemma4_text,
+            deepseek_v3)
 
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in _MODULES}
 
