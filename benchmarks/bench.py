@@ -26,14 +26,24 @@ from typing import Callable
 
 import pandas as pd
 import torch
+from bench_cases import (
+    contenders,
+    cuda_peak_memory,
+    ensure_model_folder,
+    gpu_cases,
+    load_lenskit,
+    load_transformer_lens,
+    load_transformers,
+    make_tokens,
+    matmul_case,
+    resid_names,
+    timed,
+)
+from bench_memory import run_memory
+from bench_report import profile_case, summarize, write_report
 from tqdm import tqdm
 
 from lenskit import ModelConfig
-
-from bench_cases import (contenders, cuda_peak_memory, ensure_model_folder, gpu_cases, load_lenskit, load_transformer_lens,
-                         load_transformers, make_tokens, matmul_case, resid_names, timed)
-from bench_memory import run_memory
-from bench_report import profile_case, summarize, write_report
 
 HERE = Path(__file__).resolve().parent
 

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cases import ensure_model_folder, make_tokens, timed  # noqa: E402
+
 from lenskit import HookedTransformer  # noqa: E402
 
 

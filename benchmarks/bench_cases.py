@@ -16,8 +16,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/references.py
 
-from lenskit import HookedTransformer, ModelConfig  # noqa: E402
 from references import resid_writes  # noqa: E402
+
+from lenskit import HookedTransformer, ModelConfig  # noqa: E402
 
 MATMUL_N = 2048  # the peak: an [N, N] @ [N, N] fp32 matmul, 2 N^3 FLOPs
 
@@ -126,8 +127,8 @@ def gpu_cases(lk, tokens: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The GPU run's extra rows: the logit-lens trajectory and one tuned-lens training step (forward, readout KL,
     translator backward and Adam update) on the same tokens."""
     from lenses import LogitLens, Trajectory, TunedLens
-    from lenses.training.step import TranslatedStreams, kl_step
     from lenses.training import collect_streams
+    from lenses.training.step import TranslatedStreams, kl_step
 
     lens = TunedLens(lk)
     objective = TranslatedStreams(lens)

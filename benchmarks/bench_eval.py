@@ -27,10 +27,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import lenskit  # noqa: E402
-from lenskit.io.data import load_token_stream  # noqa: E402
 from lenses import LogitLens, TunedLens  # noqa: E402
 from lenses.evaluation import evaluate  # noqa: E402
 from lenses.training import Recipe, train  # noqa: E402
+from lenskit.io.data import load_token_stream  # noqa: E402
 
 # Held-out modules of the embedded model (see lenses/cli/ablate.py), plus more text to fill the windows.
 FILES = ("copy.py", "base64.py", "gzip.py", "enum.py", "typing.py", "argparse.py")

@@ -34,9 +34,9 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import lenskit  # noqa: E402
-from lenskit.io.data import load_token_stream  # noqa: E402
 from lenses import JacobianLens  # noqa: E402
 from lenses.jacobian import DIM_BATCH  # noqa: E402
+from lenskit.io.data import load_token_stream  # noqa: E402
 
 FILES = ("copy.py", "base64.py", "gzip.py", "enum.py", "typing.py", "argparse.py")
 LINES: list[str] = []

@@ -27,6 +27,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from real_shape import write_gpt2_tokenizer  # noqa: E402
+
 FOLDER = Path.home() / ".cache/lenskit/bench/llama-long-context"
 CASES = ("lenskit_cache_resid_post", "lenskit_cache_resid_post_no_logits", "lenskit_logit_lens_trajectory",
          "lenskit_cache_one_pattern", "transformer_lens_cache_resid_post")

@@ -14,9 +14,9 @@ from typing import Callable
 
 import pandas as pd
 import torch
+from bench_cases import ModelConfig, contenders, load_lenskit, load_transformer_lens, load_transformers, make_tokens
 from tqdm import tqdm
 
-from bench_cases import ModelConfig, contenders, load_lenskit, load_transformer_lens, load_transformers, make_tokens
 
 def _status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():

@@ -15,10 +15,9 @@ import statistics
 
 import torch
 import transformers
+from bench_families import interleaved_times  # benchmarks/ is the script's folder, so on sys.path
 
 from lenskit import HookedTransformer
-
-from bench_families import interleaved_times  # benchmarks/ is the script's folder, so on sys.path
 
 SHAPE = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1792,
              num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=4096,
@@ -56,7 +55,7 @@ def main() -> None:
     times = interleaved_times(cases, args.repeats)
     med = {k: statistics.median(v) for k, v in times.items()}
 
-    print(f"## Mixture of experts: a Mixtral-shaped model (benchmarks/bench_moe.py)\n")
+    print("## Mixture of experts: a Mixtral-shaped model (benchmarks/bench_moe.py)\n")
     print(f"{SHAPE['num_hidden_layers']} blocks, d_model {SHAPE['hidden_size']}, {SHAPE['num_local_experts']} experts "
           f"of width {SHAPE['intermediate_size']}, top-{SHAPE['num_experts_per_tok']}, GQA 8/2, vocabulary "
           f"{SHAPE['vocab_size']}; fp32, CPU, torch {torch.__version__} ({torch.get_num_threads()} threads), "

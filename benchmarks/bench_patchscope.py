@@ -35,9 +35,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import lenskit  # noqa: E402
+from lenses import LogitLens, Patchscope  # noqa: E402
 from lenskit import Stream  # noqa: E402
 from lenskit.io.data import load_token_stream  # noqa: E402
-from lenses import LogitLens, Patchscope  # noqa: E402
 
 FILES = ("copy.py", "base64.py", "gzip.py")  # held-out modules of the embedded model (see bench_eval.py)
 MIN_SAMPLE_S = 0.2

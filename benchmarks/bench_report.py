@@ -10,9 +10,9 @@ from typing import Callable
 
 import pandas as pd
 import torch
+from bench_cases import MATMUL_N, ModelConfig, forward_flops
 
 import lenskit
-from bench_cases import MATMUL_N, ModelConfig, forward_flops
 
 # ------------------------------------------------------------------ profile
 OP_GROUPS = {  # aten op -> what it is, for the "where the time goes" summary

@@ -35,11 +35,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the autograd reference the tests use
-import lenskit  # noqa: E402
-import lenses.training  # noqa: E402
 from bench_cases import MATMUL_N, ensure_model_folder, forward_flops  # noqa: E402
-from lenses import TunedLens  # noqa: E402
 from references import autograd_kl  # noqa: E402
+
+import lenses.training  # noqa: E402
+import lenskit  # noqa: E402
+from lenses import TunedLens  # noqa: E402
 from lenses.training import Recipe, train  # noqa: E402
 from lenskit.io.data import TokenStream  # noqa: E402
 

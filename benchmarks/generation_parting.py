@@ -5,7 +5,6 @@ of the same weights, and each library's cached run against its own uncached run.
 from __future__ import annotations
 
 import torch
-
 from gpu_bench import Bench, random_ids, say
 
 

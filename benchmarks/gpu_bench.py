@@ -71,7 +71,8 @@ def driver() -> str:
 
 
 def version(package: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version as found
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as found
 
     try:
         return found(package)

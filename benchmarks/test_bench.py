@@ -12,8 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from bench_cases import contenders, ensure_model_folder, load_lenskit, load_transformer_lens, load_transformers, make_tokens
+from bench_cases import (
+    contenders,
+    ensure_model_folder,
+    load_lenskit,
+    load_transformer_lens,
+    load_transformers,
+    make_tokens,
+)
 
 pytest.importorskip("pytest_benchmark")
 

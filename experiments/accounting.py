@@ -19,9 +19,9 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lenskit  # noqa: E402
+from lenses import plots  # noqa: E402
 from lenskit import accounting  # noqa: E402
 from lenskit.config import PRESETS, ModelConfig  # noqa: E402
-from lenses import plots  # noqa: E402
 
 
 def _fmt(v: float) -> str:

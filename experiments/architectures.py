@@ -29,8 +29,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
-import lenskit  # noqa: E402
 from block_deletion import window_losses  # noqa: E402
+from stdlib_heldout import heldout_windows  # noqa: E402
+from tuned_vs_logit import split_paths  # noqa: E402
+
+import lenskit  # noqa: E402
 from lenses import LogitLens, TunedLens, plots  # noqa: E402
 from lenses.evaluation import evaluate_windows  # noqa: E402
 from lenses.metrics import bootstrap_ci  # noqa: E402
@@ -38,8 +41,6 @@ from lenses.training import Recipe, train  # noqa: E402
 from lenskit import Stream  # noqa: E402
 from lenskit.intervene.interventions import Block, ablation_hooks  # noqa: E402
 from lenskit.io.data import load_token_stream  # noqa: E402
-from stdlib_heldout import heldout_windows  # noqa: E402
-from tuned_vs_logit import split_paths  # noqa: E402
 
 MODELS = ("stdlib-gpt2", "stdlib-llama")
 

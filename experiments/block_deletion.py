@@ -34,10 +34,11 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from stdlib_heldout import heldout_windows  # noqa: E402
+
 import lenskit  # noqa: E402
 from lenses import metrics, plots  # noqa: E402
 from lenskit.intervene.interventions import Attn, Block, Mlp, ablation_hooks  # noqa: E402
-from stdlib_heldout import heldout_windows  # noqa: E402
 
 KINDS = {"block": Block, "attn": Attn, "mlp": Mlp}
 LABELS = {"block": "block deleted", "attn": "attention write", "mlp": "MLP write"}

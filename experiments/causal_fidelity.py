@@ -28,11 +28,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
+from tuned_vs_logit import LENS_RECIPE, split_paths, trained_lens  # noqa: E402
+
 import lenskit  # noqa: E402
 from lenses import LogitLens, metrics, plots  # noqa: E402
 from lenses.causal import extract_causal_bases, influence_windows, stream_hiddens  # noqa: E402
 from lenskit.io.data import load_token_stream  # noqa: E402
-from tuned_vs_logit import LENS_RECIPE, split_paths, trained_lens  # noqa: E402
 
 
 def main() -> None:

@@ -25,8 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import lenskit  # noqa: E402
 from train_default_model import encode, heldout_loss, split_corpus  # noqa: E402
+
+import lenskit  # noqa: E402
 
 UNSEEN_PACKAGE = "tqdm"
 PROMPTS = ("def __init__(self, name):\n    self.name =", "import os\nimport", "for i in range(")

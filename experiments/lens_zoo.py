@@ -24,12 +24,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
+from tuned_vs_logit import split_paths  # noqa: E402
+
 import lenskit  # noqa: E402
 from lenses import JacobianLens, LogitLens, Patchscope, Trajectory, TunedLens, plots  # noqa: E402
 from lenses.evaluation import evaluate_windows, side_by_side  # noqa: E402
 from lenses.training import Recipe, train  # noqa: E402
 from lenskit.io.data import load_token_stream  # noqa: E402
-from tuned_vs_logit import split_paths  # noqa: E402
 
 PROMPT = "def __init__(self, name):\n    self.name = name\n"
 

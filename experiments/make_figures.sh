@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate every figure and table the README shows, into docs/figures/, from the embedded model.
+# Regenerate every figure and table the README and the gallery (docs/gallery.md) show, into docs/figures/, from the embedded model.
 #
 #   bash experiments/make_figures.sh            # all of them (a few minutes on a laptop CPU)
 #   bash experiments/make_figures.sh accounting residual_growth   # only these scripts

@@ -28,11 +28,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from stdlib_heldout import heldout_windows  # noqa: E402
+
 import lenskit  # noqa: E402
 from lenses import metrics, plots  # noqa: E402
 from lenses.anatomy import resid_norms  # noqa: E402
 from lenskit.observe.stream import stream_hook_names  # noqa: E402
-from stdlib_heldout import heldout_windows  # noqa: E402
 
 
 @torch.no_grad()

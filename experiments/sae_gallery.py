@@ -6,7 +6,7 @@ and what its decoder direction says through three lenses (logit, tuned, Jacobian
 The tuned lens is `experiments/tuned_vs_logit.py`'s (runs/tuned_lens, trained the same way if missing); the
 Jacobian lens `experiments/lens_zoo.py`'s (runs/jacobian_lens, fitted here on fewer prompts if missing).
 Features shown: those firing on 0.2%-5% of held-out tokens with the most consistent top token, the strongest
-first. Writes docs/figures/sae_gallery.md (the README section), sae_gallery.csv (every reading) and
+first. Writes docs/figures/sae_gallery.md (the gallery's section, docs/gallery.md), sae_gallery.csv (every reading) and
 sae_gallery.{png,...} (the first feature's heatmap through the three lenses).
 """
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shutil
 import math
 import os
 import platform
+import shutil
 import sys
 import sysconfig
 import time

@@ -3,6 +3,7 @@
 >>> from lenses import LogitLens, Trajectory
 >>> traj = Trajectory.from_prompt(LogitLens(model), "import os\\nos.path.")
 >>> from lenses import plots; plots.save_figure(plots.logit_lens_heatmap(traj), "lens.png")
+PosixPath('lens.png')
 """
 
 from importlib import import_module

@@ -14,8 +14,12 @@ Distributed (torchrun, see `lenses.training.init_distributed`): rank r writes sh
 with its rank, and records them in `manifest-rank{r}.json`; rank 0 keeps `manifest.json`, and at the end lists
 every rank's shards there and removes the others' records.
 
->>> windows = heldout_windows(stream, None, 256, model.cfg.n_ctx)
->>> export_activations(model, windows, "resid_post.6,resid_mid.12", "acts/", provenance=stream.provenance)
+>>> from lenses.evaluation import heldout_windows
+>>> windows = heldout_windows(stream, None, 256, model.cfg.n_ctx)     # [10, 256]
+>>> manifest = export_activations(model, windows, "resid_post.5,resid_mid.3", "acts/", provenance=stream.provenance,
+...                               progress=False)
+>>> sorted(manifest["hooks"])
+['blocks.3.hook_resid_mid', 'blocks.5.hook_resid_post']
 """
 
 from __future__ import annotations
@@ -31,8 +35,19 @@ from safetensors.torch import save_file
 from tqdm import tqdm  # tqdm.auto warns in kernels without ipywidgets
 
 from lenskit import HookedTransformer
-from lenskit.io.activations import (FORMAT, FORMAT_VERSION, MANIFEST_FILE, TOKENS, WINDOWS, dtype_name, file_checksum,
-                                    read_manifest, resolve_hooks, shard_name, shard_problem)
+from lenskit.io.activations import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    TOKENS,
+    WINDOWS,
+    dtype_name,
+    file_checksum,
+    read_manifest,
+    resolve_hooks,
+    shard_name,
+    shard_problem,
+)
 
 from .io import write_atomic
 from .training import distributed

@@ -25,11 +25,11 @@ import pandas as pd
 import torch
 
 from lenskit import ActivationCache, HookedTransformer, Stream
+from lenskit.io.text import single_token_id
 from lenskit.observe.cache import hook_name
 from lenskit.observe.resid import resid_parts
 from lenskit.observe.stream import POINTS as STREAM_POINTS
 from lenskit.observe.stream import as_stream
-from lenskit.io.text import single_token_id
 
 # The points that are the stream itself (the others are writes into it); the stream is a sum of parts there.
 POINTS = tuple(p for p in STREAM_POINTS if p.startswith("resid_"))

@@ -3,8 +3,14 @@ lens, layer by layer, and see where and how the edit changes what the model is a
 
 >>> from lenskit.intervene.interventions import Head, ablation_hooks
 >>> frame = compare_runs(model, "def add(a, b):\\n    return a + b", ablation_hooks(model, Head(2, 1)))
->>> frame.query("layer == 6")[["position", "clean_top_token", "ablated_top_token", "kl"]]
->>> plots.difference_heatmap(frame, "delta_target_prob")     # or "kl"
+>>> frame.query("layer == 6")[["position", "clean_top_token", "ablated_top_token"]].head(3)
+    position clean_top_token ablated_top_token
+72         0            test              test
+73         1               _                 _
+74         2            self              self
+>>> bool((frame["kl"] >= 0).all())                          # KL(clean || ablated) per layer and position
+True
+>>> fig = plots.difference_heatmap(frame, "delta_target_prob")     # or "kl"
 
 Both runs decode every stream 0..n_layers with one lens (the logit lens unless you pass another). Per
 (layer, position) the frame holds each run's top-1 token and probability, each run's probability and
@@ -23,9 +29,9 @@ import pandas as pd
 import torch
 
 from lenskit import HookedTransformer
+from lenskit.io.text import token_texts
 from lenskit.observe.hooks import HookFn, NameOrPredicate
 from lenskit.observe.stream import streams
-from lenskit.io.text import token_texts
 
 from . import metrics
 from .base import Lens

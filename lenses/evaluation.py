@@ -7,9 +7,14 @@ Two levels, so that figures can carry confidence bands and tables stay small:
 - `per_layer` / `evaluate`: one row per layer, lenses side by side (`kl_logit, kl_tuned, ce_logit, ...`),
   in nats per token with bits-per-byte twins (`*_bpb`).
 
->>> table = evaluate(model, {"logit": LogitLens(model), "tuned": tuned}, heldout_stream, tokens=2**15)
->>> table[["layer", "kl_logit", "kl_tuned"]]
->>> table.attrs["prediction_depth"]     # {"logit": 3.1, "tuned": 2.2}: mean over tokens, in layers
+>>> table = evaluate(model, {"logit": LogitLens(model), "tuned": tuned}, heldout_stream, tokens=2**10, ctx=256,
+...                  progress=False)
+>>> table[["layer", "kl_logit", "kl_tuned"]].round(2)    # an untrained tuned lens reads as the logit lens
+   layer  kl_logit  kl_tuned
+0      0     ...
+6      6      0.00      0.00
+>>> sorted(table.attrs["prediction_depth"])     # {"logit": ..., "tuned": ...}: mean over tokens, in layers
+['logit', 'tuned']
 """
 
 from __future__ import annotations
@@ -204,7 +209,11 @@ def side_by_side(tidy: pd.DataFrame, n_boot: int = 1000, seed: int = 0) -> pd.Da
     are compared on equal terms), and the lens's mean prediction depth with its interval (one value per lens,
     repeated on its rows). A window's prediction depth is sum over l < n_layers of (1 - settled_l).
 
-    >>> side_by_side(evaluate_windows(model, {"logit": logit, "jacobian": jlens}, windows))
+    >>> table = side_by_side(evaluate_windows(model, {"logit": LogitLens(model), "tuned": tuned}, windows, progress=False))
+    >>> table[["lens", "layer", "kl", "kl_lo", "kl_hi"]].head(2).columns.tolist()
+    ['lens', 'layer', 'kl', 'kl_lo', 'kl_hi']
+    >>> bool((table["kl_lo"] <= table["kl"]).all() and (table["kl"] <= table["kl_hi"]).all())
+    True
     """
     table = None
     for metric in METRICS:

@@ -15,8 +15,13 @@ Two readings, which mean different things:
   logits over every token. It includes everything later blocks do with the write (attention moving it, MLPs
   reacting, norms rescaling), and works for any lens, a patchscope included.
 
->>> frame = feature_lens(model, Feature(sae, 7), {"logit": LogitLens(model), "tuned": tuned}, top_k=5)
->>> frame.query("kind == 'promoted' and rank == 0")   # the top token per lens and stream
+>>> frame = feature_lens(model, Feature(sae, 168), {"logit": LogitLens(model), "tuned": tuned}, top_k=5)
+>>> frame.query("lens == 'logit' and kind == 'promoted' and rank == 0")[["layer", "token"]]   # the top token per stream
+    layer token
+0       3     #
+10      4     #
+20      5     #
+30      6     #
 """
 
 from __future__ import annotations

@@ -8,11 +8,16 @@ over the valid positions V = [skip_first_positions, T - 1) of each prompt. It re
 lens is J = I. The rows of W_U J_s ("lens vectors") are directions in stream s that the model reads as single
 tokens; the intervention hooks steer along them, project them out, or swap two of them.
 
->>> jlens = JacobianLens.fit(model, tokens)             # tokens [n, pos]: every stream 0..n_layers-1
->>> jlens(cache.stream(2), 2)                            # logits [batch, pos, d_vocab]
->>> model.run_with_hooks(tokens, fwd_hooks=jlens.steering_hooks(3, " Paris", alpha=8.0))
->>> jlens.save("my_jlens");  JacobianLens.load("my_jlens", model)
->>> JacobianLens.load("someone/jacobian-lens", model, filename="gpt2/lens.pt")   # the reference .pt, from the hub
+>>> jlens = JacobianLens.fit(model, windows[:2, :32], progress=False)   # tokens [n, pos]: every stream 0..n_layers-1
+>>> jlens(cache.stream(2), 2).shape                      # logits [batch, pos, d_vocab]
+torch.Size([1, 13, 4096])
+>>> steered = model.run_with_hooks(tokens, fwd_hooks=jlens.steering_hooks(3, " self", alpha=8.0))
+>>> folder = jlens.save("my_jlens");  again = JacobianLens.load(folder, model)
+>>> torch.equal(again(cache.stream(2), 2), jlens(cache.stream(2), 2))
+True
+
+A reference `.pt` from the hub loads the same way:
+`JacobianLens.load("someone/jacobian-lens", model, filename="gpt2/lens.pt")`.
 
 Stream s is the stream after s blocks, so the reference's (and TransformerLens's) layer l, the output of block l,
 is our stream l + 1; our stream 0 (the embeddings) has no place in the reference file format.
@@ -34,7 +39,6 @@ from .card import JACOBIAN_FORMAT as FORMAT  # noqa: F401 - lenses.jacobian.FORM
 from .jacobian_fit import CHECKPOINT_EVERY, DIM_BATCH, SKIP_FIRST_POSITIONS, fit  # noqa: F401 - re-exported
 from .jacobian_io import FORMAT_VERSION, WEIGHTS_FILE, folder_config, load, save_folder, save_reference  # noqa: F401
 from .tuned import model_fingerprint
-
 
 TokenLike = Union[int, str]
 HookList = list[tuple[str, Callable[[torch.Tensor, Any], torch.Tensor]]]

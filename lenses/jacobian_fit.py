@@ -20,7 +20,9 @@ other settings, tokens or model is refused. At the end the lens folder is saved 
 Distributed (torchrun, see `lenses.training.init_distributed`): rank r takes prompts r, r + world, ...; the sums
 and counts are all-reduced, so the lens is one process's up to float64 summation order; rank 0 writes the files.
 
->>> lens = fit(JacobianLens, model, tokens, out="runs/jlens")     # tokens [n, pos]; Ctrl-C, then the same call resumes
+>>> lens = fit(JacobianLens, model, windows[:2, :32], out="runs/jlens", progress=False)   # tokens [n, pos]; Ctrl-C, then the same call resumes
+>>> sorted(p.name for p in Path("runs/jlens").iterdir())
+['README.md', 'config.json', 'lens.safetensors']
 """
 
 from __future__ import annotations
@@ -44,13 +46,13 @@ from lenskit import HookedTransformer, Stream
 from lenskit.observe.backward import check_gradients_possible
 from lenskit.observe.stream import as_stream
 
-from .io import CONFIG_FILE, read_config, write_atomic
-from .chunks import device_budget
 from .card import JACOBIAN_FORMAT as FORMAT
+from .chunks import device_budget
+from .io import CONFIG_FILE, read_config, write_atomic
 from .jacobian_io import load_folder
+from .stopping import SAVE_MINUTES, SaveClock, StopGuard
 from .training import check_same_run, distributed
 from .training.lock import locks_out_folder
-from .stopping import SAVE_MINUTES, SaveClock, StopGuard
 from .tuned import model_fingerprint
 
 if TYPE_CHECKING:

@@ -29,8 +29,8 @@ from lenskit.io.hub import resolve_hub_file, resolve_model_folder
 from lenskit.io.torchfile import read_plain_torch_file
 
 from .card import CARD_FILE, check_eval, model_card
-from .io import CONFIG_FILE, read_config, write_atomic
 from .card import JACOBIAN_FORMAT as FORMAT
+from .io import CONFIG_FILE, read_config, write_atomic
 from .tuned import FINGERPRINT, REDUCED_DTYPES, check_fingerprint, check_shape, model_fingerprint, read_weights
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def check_folder_config(config: dict, where: Path, model: HookedTransformer) -> 
         "n_layers": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
         "d_model": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
         "streams": (lambda v: isinstance(v, list) and v and all(_is_int(s) and 0 <= s < n for s in v) and len(set(v)) == len(v),
-                    f"a non-empty list of distinct streams in 0..n_layers-1"),
+                    "a non-empty list of distinct streams in 0..n_layers-1"),
         "weights": (lambda v: isinstance(v, str) and v.endswith(".safetensors") and Path(v).name == v,
                     "the name of a .safetensors file in the folder"),
     }

@@ -27,8 +27,12 @@ class LogitLens(BasisLens):
 
     >>> lens = LogitLens(model)
     >>> logits, cache = model.run_with_cache(tokens)
-    >>> lens(cache.stream(2), 2)                                 # stream after 2 blocks: [batch, pos, d_vocab]
-    >>> lens.decode(cache, Stream(2, "mlp_out"))                 # what block 2's MLP writes, read alone
+    >>> lens(cache.stream(2), 2).shape                           # stream after 2 blocks: [batch, pos, d_vocab]
+    torch.Size([1, 13, 4096])
+    >>> lens.decode(cache, Stream(2, "mlp_out")).shape           # what block 2's MLP writes, read alone
+    torch.Size([1, 13, 4096])
+    >>> torch.allclose(lens(cache.stream(6), 6), logits, atol=1e-4)   # after the last block: the model's logits
+    True
     """
 
     name = "logit"

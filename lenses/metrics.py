@@ -136,8 +136,8 @@ def bits_per_byte(nats_per_token: float | torch.Tensor, n_tokens: int, n_bytes: 
     Comparable across tokenizers, unlike nats per token: total bits = nats_per_token * n_tokens / ln 2,
     shared over the n_bytes of the text.
 
-    >>> bits_per_byte(1.0, n_tokens=100, n_bytes=400)   # 100 nats over 400 bytes
-    0.3606737602222409
+    >>> round(bits_per_byte(1.0, n_tokens=100, n_bytes=400), 6)   # 100 nats over 400 bytes: 100 / 400 / ln 2
+    0.360674
     """
     if n_tokens <= 0 or n_bytes <= 0:
         raise ValueError(f"n_tokens and n_bytes must be positive, got n_tokens={n_tokens}, n_bytes={n_bytes}")
@@ -171,7 +171,10 @@ def mean_ci(frame: pd.DataFrame, value: str, by: str | list[str] = "layer", unit
     Rows within one `unit` (e.g. the positions of one prompt) are correlated, so when `unit` is given
     they are averaged first and the interval is taken across units; n then counts units.
 
-    >>> mean_ci(df, "kl_to_final", by=["lens", "layer"], unit="prompt")
+    >>> df = pd.DataFrame({"lens": "logit", "layer": 3, "prompt": [0, 0, 1, 1], "kl_to_final": [1.0, 3.0, 2.0, 4.0]})
+    >>> mean_ci(df, "kl_to_final", by=["lens", "layer"], unit="prompt")[["lens", "layer", "mean", "n"]]
+        lens  layer  mean  n
+    0  logit      3   2.5  2
     """
     by = [by] if isinstance(by, str) else list(by)
     missing = [c for c in [value, *by, *([unit] if unit else [])] if c not in frame.columns]
@@ -194,7 +197,10 @@ def bootstrap_ci(frame: pd.DataFrame, value: str, by: str | list[str] = "layer",
     resampled with replacement, the same draw for every group, so groups measured on the same units (two
     models on the same windows) are compared fairly. Deterministic for a `seed`.
 
-    >>> bootstrap_ci(tidy, "kl", by=["model", "lens", "layer"], unit="window")
+    >>> tidy = pd.DataFrame({"lens": "logit", "layer": 3, "window": range(8), "kl": [1.0, 2.0] * 4})
+    >>> bootstrap_ci(tidy, "kl", by=["lens", "layer"], unit="window")[["lens", "layer", "mean"]]
+        lens  layer  mean
+    0  logit      3   1.5
     """
     by = [by] if isinstance(by, str) else list(by)
     missing = [c for c in [value, *by, unit] if c not in frame.columns]
@@ -243,7 +249,10 @@ def bootstrap_spearman(frame: pd.DataFrame, x: str, y: str, over: str, unit: str
     `bootstrap_ci` for the same seed) and correlates the groups' means over the drawn units.
     Returns {"rho", "lo", "hi", "n_groups", "n_units"}.
 
-    >>> bootstrap_spearman(tidy, "lens_influence", "model_influence", over="direction", unit="window")
+    >>> tidy = pd.DataFrame({"direction": [0, 1, 2] * 4, "window": [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3],
+    ...                      "lens_influence": [3.0, 2.0, 1.0] * 4, "model_influence": [0.3, 0.2, 0.1] * 4})
+    >>> bootstrap_spearman(tidy, "lens_influence", "model_influence", over="direction", unit="window")["rho"]
+    1.0
     """
     missing = [c for c in (x, y, over, unit) if c not in frame.columns]
     if missing:

@@ -52,8 +52,11 @@ class Patchscope(Lens):
 
     >>> ps = Patchscope(model)                                    # the identity prompt, placeholder "?"
     >>> _, cache = model.run_with_cache("import os\\nos.path.")
-    >>> ps(cache.stream(3)[0, -1], 3).topk(5)                     # what stream 3 at the last token stands for
-    >>> Patchscope(model, "The capital of X is", placeholder="X", target_layer=2)   # any source -> stream 2
+    >>> ps(cache.stream(3)[0, -1], 3).shape                       # what stream 3 at the last token stands for
+    torch.Size([4096])
+    >>> ps2 = Patchscope(model, "The capital of X is", placeholder=" X", target_layer=2)   # any source -> stream 2
+    >>> ps2.position                                              # the placeholder's token
+    5
     """
 
     name = "patchscope"

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from lenskit.io.data import portable_path
 from lenskit.io.activations import ActivationDataset
+from lenskit.io.data import portable_path
 from lenskit.saes import SAE, SAEConfig
 
 from .io import default_file_mode

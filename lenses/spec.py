@@ -7,7 +7,11 @@
     jacobian:SOURCE[:FILENAME]    a Jacobian lens: folder, reference .pt, or hub repo id plus the file's name in it
     patchscope[:TARGET_PROMPT]    a patchscope; "\\n" in the prompt is a newline (default: the identity prompt)
 
->>> lenses = load_lenses(["logit", "runs/tuned_lens", "patchscope"], model)   # {"logit": ..., "tuned": ..., ...}
+>>> tuned.save("runs/tuned_lens")
+PosixPath('runs/tuned_lens')
+>>> lenses = load_lenses(["logit", "runs/tuned_lens", "patchscope"], model)
+>>> {name: type(lens).__name__ for name, lens in lenses.items()}
+{'logit': 'LogitLens', 'tuned': 'TunedLens', 'patchscope': 'Patchscope'}
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ def _source_and_file(arg: str) -> tuple[str, str | None]:
 def _load_path(spec: str, model: "HookedTransformer") -> "Lens":
     """A folder or hub id: its config.json's format decides the lens kind; a .pt file is a reference Jacobian lens."""
     from .io import read_config
-    from .jacobian import FORMAT as JACOBIAN_FORMAT, JacobianLens
+    from .jacobian import FORMAT as JACOBIAN_FORMAT
+    from .jacobian import JacobianLens
     from .tuned import TunedLens, resolve_lens_folder
 
     path = Path(spec).expanduser()

@@ -17,8 +17,8 @@ import torch
 from tqdm import tqdm  # tqdm.auto warns "IProgress not found" in kernels without ipywidgets
 
 from lenskit import HookedTransformer
-from lenskit.observe.stream import streams
 from lenskit.io.text import encode_texts, is_text, single_token_id, token_texts
+from lenskit.observe.stream import streams
 
 from .base import Lens
 from .chunks import chunk_rows, cross_term, shifted_stats

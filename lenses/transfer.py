@@ -12,8 +12,11 @@ It runs through `lenses.evaluation.evaluate_windows`, each translator wrapped as
 takes evaluation's path: the same KL, a chunk of tokens at a time in reused buffers (memory bounded whatever
 the depth), and the diagonal is exactly the evaluation's per-layer KL on the same windows.
 
->>> M = layer_transfer(model, tuned, heldout_windows(stream, 2**15, 256, model.cfg.n_ctx))
->>> plots.transfer_heatmap(transfer_penalty(M))
+>>> from lenses.evaluation import heldout_windows
+>>> M = layer_transfer(model, tuned, heldout_windows(stream, 2**9, 256, model.cfg.n_ctx), progress=False)
+>>> M.shape                                  # [translator, stream]
+(6, 6)
+>>> fig = plots.transfer_heatmap(transfer_penalty(M))
 """
 
 from __future__ import annotations

@@ -5,10 +5,16 @@ untrained lens is exactly the logit lens, and weight decay on (A_l, b_l) pulls t
 A bias-only lens (`TunedLens(model, bias_only=True)`, the paper's baseline) has `h -> h + b_l`: no A_l at all.
 
 >>> tuned = TunedLens(model)                 # then lenses.training.train(tuned, stream) or `lenskit train-lens`
->>> tuned(cache.stream(2), 2)                # logits [batch, pos, d_vocab]
->>> tuned(cache.stream("resid_mid.2"), Stream(2, "resid_mid"))   # with TunedLens(model, resid_mid=True)
->>> tuned.save("my_lens");  TunedLens.load("my_lens", model)
->>> TunedLens.load("someone/gpt2-tuned-lens", model)   # a hub repo id, from the local Hugging Face cache
+>>> tuned(cache.stream(2), 2).shape          # logits [batch, pos, d_vocab]
+torch.Size([1, 13, 4096])
+>>> mid = TunedLens(model, resid_mid=True)
+>>> mid(cache.stream(Stream(2, "resid_mid")), Stream(2, "resid_mid")).shape
+torch.Size([1, 13, 4096])
+>>> folder = tuned.save("my_lens");  again = TunedLens.load(folder, model)
+>>> sorted(p.name for p in Path("my_lens").iterdir())
+['README.md', 'config.json', 'lens.safetensors']
+
+A hub repo id loads from the local Hugging Face cache: `TunedLens.load("someone/gpt2-tuned-lens", model)`.
 
 A lens folder is config.json + lens.safetensors + README.md (a model card), a ready Hugging Face model repo.
 """

@@ -7,17 +7,16 @@ from pathlib import Path
 # kernel without ipywidgets. lenskit's own progress bars are plain tqdm and never need the widget.
 warnings.filterwarnings("ignore", message="IProgress not found")
 
-from . import families  # noqa: F401 - registers the model families into lenskit.config (presets, config.json conversion)
-from . import accounting
-from .io import data
-from .intervene import interventions, patching
-from .observe.cache import ActivationCache
+from . import accounting, families  # noqa: F401 - families registers the model families into lenskit.config
 from .config import PRESETS, ModelConfig
-from .observe.hooks import HookPoint
+from .intervene import interventions, patching
+from .io import data
 from .io.loading import EMBEDDED_MODELS as _EMBEDDED
 from .io.loading import CheckpointError, embedded_model_folder
 from .kv_cache import KVCache
 from .model import HookedTransformer
+from .observe.cache import ActivationCache
+from .observe.hooks import HookPoint
 from .observe.names import get_act_name
 from .observe.slices import Slice
 from .observe.stream import Stream

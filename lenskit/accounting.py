@@ -49,6 +49,7 @@ Conventions (the ones of Kaplan et al., 2020, "Scaling Laws for Neural Language 
   so `C = 6 N D` for `D` tokens with `N` the non-embedding parameters.
 
 >>> param_summary("gpt2").loc["non_embedding", "value"]   # 85,056,000
+85056000
 """
 
 from __future__ import annotations
@@ -297,7 +298,8 @@ def flops_per_token(model_or_cfg: ConfigLike, n_ctx: int | None = None, causal: 
 def six_nd(model_or_cfg: ConfigLike, n_tokens: float, non_embedding: bool = True) -> float:
     """Training compute `C = 6 N D` in FLOPs for `n_tokens` tokens (Kaplan et al.: N without embeddings).
 
-    >>> six_nd("gpt2", 1e9)   # ~5.1e17
+    >>> six_nd("gpt2", 1e9)   # 6 x 85,056,000 non-embedding parameters x 1e9 tokens
+    5.10336e+17
     """
     if not n_tokens >= 0:
         raise ValueError(f"n_tokens must be a non-negative number of tokens, got {n_tokens!r}")
@@ -336,7 +338,12 @@ def accounting_row(model_or_cfg: ConfigLike, n_ctx: int | None = None, name: str
 def compare(models: Mapping[str, ConfigLike] | Iterable[ConfigLike], n_ctx: int | None = None) -> pd.DataFrame:
     """One row per model (see `accounting_row`); `models` is a mapping name -> config, or configs/preset names.
 
-    >>> compare(["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"], n_ctx=1024)
+    >>> compare(["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"], n_ctx=1024)[["model", "params", "non_embedding"]]
+             model      params  non_embedding
+    0         gpt2   124439808       85056000
+    1  gpt2-medium   354823168      302311424
+    2   gpt2-large   774030080      708390400
+    3      gpt2-xl  1557611200     1475561600
     """
     items = models.items() if isinstance(models, Mapping) else ((None, m) for m in models)
     return pd.DataFrame([accounting_row(m, n_ctx, name) for name, m in items])

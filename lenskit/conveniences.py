@@ -2,9 +2,11 @@
 same names call them: where a token is in a prompt, the stream direction each token's logit reads, the biases the
 blocks add to the stream, and head labels.
 
->>> model.get_token_position(" cat", "The cat sat on the mat", prepend_bos=False)
-1
+>>> model.get_token_position(" x", "x = 1\\ny = x + 1", prepend_bos=False)
+6
+>>> answer_tokens = torch.tensor([[model.to_single_token(" self"), model.to_single_token(" cls")]])
 >>> model.tokens_to_residual_directions(answer_tokens).shape   # answer_tokens [batch, 2] -> [batch, 2, d_model]
+torch.Size([1, 2, 192])
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def get_token_position(model: "HookedTransformer", single_token: str | int | tor
     `model.to_tokens(input, prepend_bos, padding_side)` does) or ids [pos] or [1, pos]. `mode` "first" or "last"
     picks among several occurrences; a token that does not occur is a ValueError.
 
-    >>> model.get_token_position(" cat", "The cat sat on the mat. The mat sat on the cat.", mode="last")
+    >>> model.get_token_position("x", "x = 1\\nx = x + 1", mode="last")
+    4
     """
     if mode not in ("first", "last"):
         raise ValueError(f"mode must be 'first' or 'last', got {mode!r}")

@@ -5,8 +5,15 @@ with it stay cheap, and its SVD, norm and eigenvalues come from the factors (the
 formed). Leading dimensions broadcast, so `model.OV` is one FactoredMatrix of shape [layer, head, d_model, d_model].
 
 >>> OV = model.OV                      # A = W_V [layer, head, d_model, d_head], B = W_O [layer, head, d_head, d_model]
->>> OV[1, 3].S                         # singular values of layer 1 head 3's OV circuit, [d_head]
->>> (model.W_E @ OV[1, 3]).AB          # [d_vocab, d_model], still computed through the factors
+>>> OV.shape
+torch.Size([6, 6, 192, 192])
+>>> OV[1, 3].S.shape                   # singular values of layer 1 head 3's OV circuit, [d_head]
+torch.Size([32])
+>>> S = torch.linalg.svdvals(OV[1, 3].AB)   # the same, from the d_model x d_model product
+>>> torch.allclose(OV[1, 3].S, S[:32], atol=1e-5)
+True
+>>> (model.W_E @ OV[1, 3]).AB.shape    # [d_vocab, d_model], still computed through the factors
+torch.Size([4096, 192])
 
 Names follow TransformerLens: `ldim` x `rdim` is the matrix's shape, `mdim` the inner (hidden) size.
 """

@@ -9,10 +9,17 @@ result is the uncached one to float rounding (tests/test_generate_cache.py check
 Past n_ctx tokens each row's window slides to its last n_ctx tokens, which a cache cannot do (every cached key
 would move), so those steps rerun the window.
 
->>> model.generate("def f(", max_new_tokens=10)                                   # greedy
+>>> model.generate("def f(", max_new_tokens=10, return_type="str")                 # greedy
+'def f(self, f):\\n        self.check_pat'
 >>> g = torch.Generator().manual_seed(0)
->>> model.generate("def f(", max_new_tokens=10, do_sample=True, temperature=0.8, top_k=50, generator=g)
->>> out = model.generate(["a", "def add(a, b):"], 5)   # left-padded: out[:, -5:] continues each text
+>>> out = model.generate("def f(", max_new_tokens=10, do_sample=True, temperature=0.8, top_k=50, generator=g)
+>>> again = model.generate("def f(", max_new_tokens=10, do_sample=True, temperature=0.8, top_k=50,
+...                        generator=torch.Generator().manual_seed(0))
+>>> out.shape, torch.equal(out, again)     # 3 prompt tokens + 10; the same seed, the same tokens
+(torch.Size([1, 13]), True)
+>>> out = model.generate(["a", "def add(a, b):"], 5)   # out[:, -5:] continues each text
+>>> out.shape
+torch.Size([2, 12])
 """
 
 from __future__ import annotations

@@ -3,8 +3,13 @@
 One home for the language-model loss: `HookedTransformer.forward(return_type="loss")`, `model.loss_fn` and
 `lenskit.transformer_lens.utils.lm_cross_entropy_loss` all call `next_token_loss`.
 
->>> next_token_loss(logits, tokens)                    # scalar: mean nats over batch and positions
->>> next_token_loss(logits, tokens, per_token=True)    # [batch, pos - 1]
+>>> logits = model(tokens)                             # tokens [1, 13]
+>>> loss = next_token_loss(logits, tokens)             # scalar: mean nats over batch and positions
+>>> per_token = next_token_loss(logits, tokens, per_token=True)
+>>> per_token.shape                                    # [batch, pos - 1]
+torch.Size([1, 12])
+>>> torch.allclose(per_token.mean(), loss)
+True
 """
 
 from __future__ import annotations

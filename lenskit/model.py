@@ -34,8 +34,8 @@ from .observe.cache import ActivationCache
 from .observe.hook_context import positions_from
 from .observe.hooks import CacheRecording, HookedRootModule, HookFn, HookPoint, NameOrPredicate, NamesFilter, layer_of
 from .observe.switches import switch, switched_name_error
-from .pieces.forward_state import ForwardState
 from .pieces.embeddings import Embed, PosEmbed, Unembed
+from .pieces.forward_state import ForwardState
 from .pieces.layers import make_block, make_norm
 from .pieces.per_layer import PerLayerInputs, side_inputs
 from .pieces.readout import Readout

@@ -17,7 +17,7 @@ on it, slowly. The embeddings and the readout compute where they are placed.
 The residual stream moves to each block's device at the block boundary, so hooks see each tensor on its block's
 device; the readout moves its input to its own device, so every lens reads out there.
 
->>> plan_device_map(ModelConfig.from_name("llama-3.1-8b"), "auto", {0: "10GiB", 1: "10GiB", "cpu": "64GiB"})
+>>> plan_device_map(HookedTransformer, ModelConfig.from_name("llama-3.1-8b"), "auto", {0: "10GiB", 1: "10GiB", "cpu": "64GiB"})
 {'embed': device(type='cuda', index=0), 'blocks.0': ..., 'ln_final': ..., 'unembed': ...}
 """
 

@@ -28,8 +28,7 @@ if [ "${#need[@]}" -gt 0 ]; then
 fi
 
 # The docs extra builds the site (mkdocs); the bench extra has the peers (TransformerLens, tuned-lens, nnterp) that
-# tests compare against. The constraints file pins every version to the ones the suite passed with (README,
-# "Reliability").
+# tests compare against. The constraints file pins every version to the ones the suite passed with (docs/reliability.md).
 "$PY" -m pip install --quiet -c constraints.txt -e ".[dev,bench,docs]"
 
 # Check that a static export really works here (a few seconds: it starts the browser once).

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from lens_fixtures import write_text_folder, write_tiny_model
 
 import lenskit
-from lens_fixtures import write_text_folder, write_tiny_model
 from lenses.cli import main as cli_main
-from lenses.training.lock import folder_lock
 from lenses.training import CHECKPOINT_FILE, Recipe, train
+from lenses.training.lock import folder_lock
 from lenses.tuned import TunedLens
 from lenskit.io.data import load_token_stream, read_documents
 

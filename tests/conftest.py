@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from fixtures import random_tokens
 
 import lenskit
 from lenskit.families import FAMILIES as REGISTRY
-from fixtures import random_tokens
 
 transformers.logging.set_verbosity_error()
 torch.set_num_threads(1)  # the CI machine has 2 cores; tests also run beside other work

@@ -21,10 +21,10 @@ from typing import Callable
 
 import pytest
 import transformers
+from tiny_tokenizer import VOCAB, make_tokenizer
 
 import lenskit
 from lenskit.families import FAMILIES
-from tiny_tokenizer import VOCAB, make_tokenizer
 
 
 def make_hf_family(family: str, **overrides) -> transformers.PreTrainedModel:

@@ -9,9 +9,8 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-
 from conftest import make_hf_gpt2
+from safetensors.torch import load_file, save_file
 
 
 def tiny_gpt2():

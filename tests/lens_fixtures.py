@@ -6,9 +6,9 @@ import random
 from pathlib import Path
 
 import torch
+from conftest import make_hf_gpt2
 
 import lenskit
-from conftest import make_hf_gpt2
 from lenses import TunedLens
 
 EOT = "<|endoftext|>"

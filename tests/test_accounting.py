@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures import unchanged_copy
 from torch.utils.flop_counter import FlopCounterMode
 
 import lenskit
 from lenskit import accounting
 from lenskit.config import ModelConfig
-from fixtures import unchanged_copy
 
 
 def numel(model: torch.nn.Module) -> int:

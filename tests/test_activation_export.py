@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_hf_gpt2
+from lens_fixtures import write_text_folder, write_tiny_model
 from safetensors.torch import save_file
 
 import lenses.activation_export as export_module
-from conftest import make_hf_gpt2
-from lens_fixtures import write_text_folder, write_tiny_model
 from lenses.activation_export import export_activations
 from lenses.cli import main
 from lenses.evaluation import heldout_windows

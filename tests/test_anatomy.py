@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import lenskit
-from lenskit import Stream
 from lenses.anatomy import POINTS, decompose_resid, direct_logit_attribution, resid_norms
+from lenskit import Stream
 
 
 @pytest.fixture

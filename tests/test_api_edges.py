@@ -11,13 +11,13 @@ from collections.abc import Mapping
 import numpy as np
 import pytest
 import torch
-
 from families import family_model_of
+from fixtures import random_tokens
+
 from lenses.anatomy import decompose_resid, direct_logit_attribution
 from lenskit import Stream
 from lenskit.observe.cache import CacheKeyError
 from lenskit.observe.resid import resid_parts
-from fixtures import random_tokens
 
 TWO = ["gpt2", "llama"]  # learned positions and LayerNorm; rotary, RMSNorm and GQA
 

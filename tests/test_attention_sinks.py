@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
+from fixtures import unchanged_copy
 from golden import max_diff
+
 from lenskit import ModelConfig
 from lenskit.pieces.attention import Attention
-from fixtures import unchanged_copy
 
 N_LAYERS, D_MODEL, N_HEADS, N_KV, D_HEAD, WINDOW = 4, 32, 4, 2, 8, 3
 YARN = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-import lenskit
 from conftest import make_hf_gpt2
 from families import every_family
+
+import lenskit
 from lenskit.intervene.attribution import activations_and_gradients, attribution_patching
-from lenskit.intervene.patching import activation_patching, logit_diff, site_hook_name
 from lenskit.intervene.masks import replace_where
+from lenskit.intervene.patching import activation_patching, logit_diff, site_hook_name
 
 SITES = ["resid_pre", "attn_out", "mlp_out", "resid_post", "head"]
 

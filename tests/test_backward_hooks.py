@@ -6,12 +6,12 @@ import threading
 
 import pytest
 import torch
-
-import lenskit
 from conftest import make_hf_gpt2
 from families import every_family
-from lenskit.observe.hook_context import HOOK_CONTEXT
 from fixtures import random_tokens
+
+import lenskit
+from lenskit.observe.hook_context import HOOK_CONTEXT
 
 POINT = "blocks.1.hook_resid_post"
 

@@ -12,23 +12,52 @@ from typing import Any
 
 import pytest
 import torch
+from bad_input_rows import (
+    TRAIN,
+    WORKS,
+    Env,
+    Row,
+    check_bf16_readout,
+    check_equal,
+    check_few_bad,
+    cli,
+    cli_on_lens,
+    cli_subprocess,
+    drop_key,
+    few_bad_bytes,
+    fp32_lens_on_bf16,
+    hook_to_half,
+    lens_with_bytes,
+    lens_with_config,
+    load_lens,
+    lock_released_on_interrupt,
+    lock_twice,
+    locked_by_live_process,
+    locked_cli_run,
+    model_with_config,
+    model_with_weight,
+    nan_lens,
+    pickled_params,
+    read_data,
+    read_only_out,
+    rerun_finished,
+    same_as_long,
+    saved_lens_modes,
+    set_key,
+    timed,
+    truncated_checkpoint,
+    truncated_model,
+    with_nan,
+)
 
 import lenskit
 from lenses import LogitLens
-from lenses.training.lock import LOCK_FILE, FolderLockedError
 from lenses.training import CHECKPOINT_FILE, Recipe
+from lenses.training.lock import LOCK_FILE, FolderLockedError
 from lenses.tuned import TunedLens
-from lenskit.io.data import read_documents
 from lenskit.intervene.interventions import Block, ablation_hooks
 from lenskit.intervene.patching import logit_diff, patching_hooks
-from bad_input_rows import (
-    Env, Row, TRAIN, WORKS, check_bf16_readout, check_equal, check_few_bad, cli, cli_on_lens, cli_subprocess,
-    drop_key, few_bad_bytes, fp32_lens_on_bf16, hook_to_half, lens_with_bytes, lens_with_config, load_lens,
-    lock_released_on_interrupt, lock_twice, locked_by_live_process, locked_cli_run, model_with_config,
-    model_with_weight, nan_lens, pickled_params, read_data, read_only_out, rerun_finished, same_as_long,
-    saved_lens_modes, set_key, timed, truncated_checkpoint, truncated_model, with_nan,
-)
-
+from lenskit.io.data import read_documents
 
 ROWS = [
     # --------------------------------------------------------------- Recipe fields (issue 14, item 1)

@@ -14,12 +14,12 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from conftest import make_hf_gpt2
 from families import family_model_of
-from lenskit import HookedTransformer
 from fixtures import random_tokens
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lenskit import HookedTransformer
 
 # Learned positions, rotary, parallel blocks with partial rotary, post-norm, sandwich norms with a scaled embedding.
 FAMILIES = ["gpt2", "llama", "gpt_neox", "olmo2", "gemma2"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_hf_family
+
 from lenskit import HookedTransformer
 from lenskit.observe.hooks import CacheRecording
 

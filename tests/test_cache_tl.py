@@ -10,12 +10,12 @@ from functools import partial
 
 import pytest
 import torch
+from fixtures import close
+from tl_fixtures import boot_bridge, tiny_gpt2_folder
 
 import lenskit
 from lenskit import ActivationCache
 from lenskit.observe.slices import Slice
-from tl_fixtures import boot_bridge, tiny_gpt2_folder
-from fixtures import close
 
 pytestmark = pytest.mark.slow  # boots the bridge, twice
 

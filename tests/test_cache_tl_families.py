@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from families import every_family
 from fixtures import close
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from references import transformer_lens_4_3
 
 from lenskit import ActivationCache
 from lenskit.observe.slices import Slice, apply_slice
-from references import transformer_lens_4_3
 
 INPUTS = [None, 0, -1, 3, (2,), (1, 5), (1, 6, 2), (None, None, 3), slice(2, None), [4, 0, 2], range(1, 4),
           torch.tensor([1, 3]), torch.tensor(2), np.array([0, 5]), np.int64(4), torch.tensor([True, False] * 3 + [True])]

@@ -6,13 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-import lenskit
 from conftest import make_hf_gpt2
 from lens_fixtures import random_tuned
+
+import lenskit
 from lenses import LogitLens, metrics
-from lenses.causal import (ablate_subspace, causal_fidelity, extract_causal_bases, influence_windows, lens_influence,
-                           mean_ablate, stream_hiddens)
+from lenses.causal import (
+    ablate_subspace,
+    causal_fidelity,
+    extract_causal_bases,
+    influence_windows,
+    lens_influence,
+    mean_ablate,
+    stream_hiddens,
+)
 
 
 def orthonormal(d, k, seed=0):

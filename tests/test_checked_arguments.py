@@ -10,8 +10,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from families import build_family_model, family_model_of
+
 from lenses.cli import main
 from lenskit import HookedTransformer
 from lenskit.intervene.attribution import attribution_patching

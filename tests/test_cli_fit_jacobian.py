@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
+from lens_fixtures import write_text_folder, write_tiny_model
 from safetensors.torch import save_file
 
-import lenskit
 import lenses.jacobian_fit as jacobian_fit
-from lens_fixtures import write_text_folder, write_tiny_model
+import lenskit
 from lenses import JacobianLens
 from lenses.cli import main
 from lenskit.io.data import load_token_stream

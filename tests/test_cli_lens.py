@@ -6,12 +6,12 @@ import os
 import pandas as pd
 import pytest
 import torch
+from tiny_tokenizer import save_tiny_model
 
 import lenskit
 from lenses import LogitLens, Trajectory
 from lenses.cli import main
 from lenses.table import format_table
-from tiny_tokenizer import save_tiny_model
 
 PROMPT = "def add(a, b):\n    return a + b"
 COLUMNS = ["layer", "position", "input_token", "top_token", "top_token_id", "top_prob", "entropy", "kl_to_final"]

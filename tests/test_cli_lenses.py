@@ -5,9 +5,9 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
+from lens_fixtures import write_text_folder, write_tiny_model
 
 import lenskit
-from lens_fixtures import write_text_folder, write_tiny_model
 from lenses import LogitLens, Trajectory, TunedLens
 from lenses.cli import main
 from lenses.evaluation import evaluate_windows, side_by_side

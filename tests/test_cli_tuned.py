@@ -6,8 +6,8 @@ import json
 
 import pandas as pd
 import pytest
-
 from lens_fixtures import write_text_folder, write_tiny_model
+
 from lenses.cli import main
 from lenses.tuned import model_fingerprint
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from families import every_family
 
 from lenses.compare import COLUMNS, compare_runs, output_summary
 from lenskit.intervene.interventions import Block, Head, ablation_hooks
-from families import every_family
 
 
 @torch.no_grad()

@@ -25,7 +25,6 @@ from lenskit import HookedTransformer, ModelConfig
 from lenskit.families import FAMILIES as REGISTRY
 from lenskit.families.fields import MAX_LAYERS
 
-
 # ------------------------------------------------------------------ values outside a field's domain
 LINEAR = {"rope_type": "linear", "factor": 2.0}
 # (family, changes to the tiny config, words the one-line refusal holds: the field and its value)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import lenskit
 from conftest import make_hf_family
 from tiny_tokenizer import VOCAB
 from tl_fixtures import EOS, boot_bridge, tiny_gpt2_folder
+
+import lenskit
 
 pytestmark = pytest.mark.slow  # booting the bridge takes seconds
 

@@ -8,14 +8,14 @@ import warnings
 
 import pytest
 import torch
-
 from conftest import make_hf_family
 from lens_fixtures import write_text_folder, write_tiny_model
+
 from lenses import LogitLens, Trajectory, TunedLens
 from lenses.training import Recipe, train
 from lenskit import HookedTransformer
-from lenskit.io.data import load_token_stream
 from lenskit.intervene.interventions import Head, Mlp, ablation_hooks
+from lenskit.io.data import load_token_stream
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

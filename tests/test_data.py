@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from lens_fixtures import sample_texts, tiny_tokenizer
+
 from lenskit.io.data import list_files, load_token_stream, read_documents, window_order
 
 

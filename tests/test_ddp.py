@@ -9,10 +9,10 @@ import sys
 
 import pytest
 import torch
+from lens_fixtures import write_text_folder, write_tiny_model
 from safetensors.torch import load_file
 
 import lenskit
-from lens_fixtures import write_text_folder, write_tiny_model
 from lenses import TunedLens
 from lenses.training import Recipe, train
 from lenskit.io.data import load_token_stream
@@ -62,8 +62,8 @@ def test_eval_lens_under_torchrun_matches_one_process(tmp_path):
     """Two ranks score disjoint windows; rank 0's tables equal one process's to 1e-6 (an odd number of windows,
     so the ranks' shares differ, and batches of 8 that the split changes)."""
     import pandas as pd
-
     from lens_fixtures import random_tuned
+
     from lenses.cli import main
 
     model_dir = write_tiny_model(tmp_path / "model")
@@ -91,10 +91,9 @@ def test_eval_lens_under_torchrun_matches_one_process(tmp_path):
 def test_eval_ranks_score_disjoint_windows(monkeypatch):
     """Rank 1 of 2 scores windows 1, 3, 5, ... only (the gather is stubbed: each rank's own rows)."""
     import pandas as pd
-
     from conftest import make_hf_gpt2
-    from lenses import LogitLens
-    from lenses import evaluation
+
+    from lenses import LogitLens, evaluation
 
     model = lenskit.HookedTransformer.from_hf(make_hf_gpt2())
     windows = torch.randint(0, model.cfg.d_vocab, (7, 6), generator=torch.Generator().manual_seed(0))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import ast
 import json
 import platform
-import textwrap
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest

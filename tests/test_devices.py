@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from lens_fixtures import write_text_folder, write_tiny_model
 
 import lenskit
 import lenskit.io.loading
-from lens_fixtures import write_text_folder, write_tiny_model
 from lenses.cli import main
 from lenskit.devices import auto_dtype, checkpoint_dtype, parse_device, parse_dtype
 from lenskit.pieces.linear import linear_into

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import lenskit
 from conftest import make_hf_family
 from lens_fixtures import write_text_folder, write_tiny_model
-from lenses import LogitLens, Trajectory, TunedLens, metrics
-from lenses.training.step import TranslatedStreams, kl_step
 from references import autograd_kl
+
+import lenskit
+from lenses import LogitLens, Trajectory, TunedLens, metrics
 from lenses.training import Recipe, collect_streams, train
+from lenses.training.step import TranslatedStreams, kl_step
 from lenskit import HookedTransformer, Stream
-from lenskit.io.data import load_token_stream
 from lenskit.intervene.interventions import Head, Mlp, ablation_hooks
+from lenskit.io.data import load_token_stream
 
 HALF = [torch.bfloat16, torch.float16]
 

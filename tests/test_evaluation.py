@@ -95,8 +95,9 @@ def test_table_columns_final_row_and_bits_per_byte(model, hf_model, windows):
 
 
 def test_refuses_a_lens_built_for_another_model(model, windows):
-    import lenskit
     from conftest import make_hf_gpt2
+
+    import lenskit
 
     other = lenskit.HookedTransformer.from_hf(make_hf_gpt2(seed=2))
     with pytest.raises(ValueError, match="another model object"):
@@ -145,8 +146,9 @@ def metrics_reference(model, lens, windows):
 
 
 def gpt2_with_unembed_bias():
-    import lenskit
     from conftest import make_hf_gpt2
+
+    import lenskit
 
     model = lenskit.HookedTransformer.from_hf(make_hf_gpt2(seed=3))
     model.unembed.bias = torch.nn.Parameter(torch.randn(model.cfg.d_vocab, generator=torch.Generator().manual_seed(4)))
@@ -169,8 +171,9 @@ def family(name):
 
 
 def bf16_gpt2():
-    import lenskit
     from conftest import make_hf_gpt2
+
+    import lenskit
 
     return lenskit.HookedTransformer.from_hf(make_hf_gpt2(seed=5).to(torch.bfloat16))
 

@@ -11,23 +11,23 @@ import json
 
 import pytest
 import torch
-
 from families import held_beside_the_stream
+from fixtures import random_tokens
 from golden import hf_reference
 from lens_fixtures import write_text_folder
+
 from lenses import LogitLens, TunedLens
 from lenses.anatomy import decompose_resid, direct_logit_attribution
 from lenses.compare import compare_runs
 from lenses.evaluation import evaluate
-from lenses.trajectory import Trajectory
 from lenses.training import Recipe, train
+from lenses.trajectory import Trajectory
 from lenses.tuned import model_fingerprint
-from lenskit.observe.resid import late_writes
 from lenskit import Stream
-from lenskit.io.data import load_token_stream
 from lenskit.intervene.interventions import Attn, Block, Head, Mlp, Neurons, ablation_hooks
 from lenskit.intervene.patching import patching_hooks
-from fixtures import random_tokens
+from lenskit.io.data import load_token_stream
+from lenskit.observe.resid import late_writes
 
 PROMPT = "def add(a, b):\n    return a + b\n"
 EVERY_HOOK = lambda name: True  # noqa: E731 - includes the per-head attn.hook_result

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from families import family_model_of
+from test_activation_export import model, windows  # noqa: F401 - the same tiny GPT-2 and windows, one home
 
 import lenskit.observe.names as names_module
-from families import family_model_of
 from lenses.activation_export import export_activations, rank_record
 from lenskit.io import activations as acts_module
 from lenskit.io.activations import MANIFEST_FILE, ActivationDataset, file_checksum, read_manifest, resolve_hooks
-
-from test_activation_export import model, windows  # noqa: F401 - the same tiny GPT-2 and windows, one home
 
 HOOK = "blocks.1.hook_resid_post"
 

@@ -7,10 +7,10 @@ from functools import partial
 
 import pytest
 import torch
+from fixtures import close
+from references import transformer_lens_4_3
 
 from lenskit.factored import FactoredMatrix
-from references import transformer_lens_4_3
-from fixtures import close
 
 F64 = dict(dtype=torch.float64)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import lenskit
 from conftest import make_hf_family
-from lenskit.factored import FactoredMatrix
 from references import transformer_lens_4_3
 from tiny_tokenizer import VOCAB, make_tokenizer
 from tl_fixtures import boot_bridge, tiny_gpt2_folder
+
+import lenskit
+from lenskit.factored import FactoredMatrix
 
 PROCESSED = dict(fold_ln=True, center_writing_weights=True, center_unembed=True, fold_value_biases=True)
 

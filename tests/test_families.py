@@ -12,11 +12,11 @@ import pytest
 import torch
 import transformers
 from conftest import FAMILIES, make_hf_family
+from fixtures import unchanged_copy
 from golden import assert_golden, hf_attention, hf_blocks, max_diff
 
 from lenskit import HookedTransformer
 from lenskit.observe.resid import late_writes
-from fixtures import unchanged_copy
 
 ALL_HOOKS = lambda name: True  # noqa: E731 - every hook on: the eager attention path
 
@@ -287,10 +287,11 @@ def test_gemma_blocks_alternate_window_and_rotary_base(tokens):
 
 
 def test_tuned_lens_step_through_a_final_soft_cap_equals_autograd(tokens):
-    from lenses import TunedLens
-    from lenses.training.step import TranslatedStreams, kl_step
     from references import autograd_kl
+
+    from lenses import TunedLens
     from lenses.training import collect_streams
+    from lenses.training.step import TranslatedStreams, kl_step
     from lenskit.pieces.readout import Readout
 
     model = HookedTransformer.from_hf(make_hf_family("gemma2"))

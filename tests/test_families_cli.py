@@ -8,12 +8,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-
 from families import FAMILY_BUILDERS
 from lens_fixtures import write_text_folder
+from tiny_tokenizer import VOCAB, make_tokenizer
+
 from lenses.cli import main
 from lenskit import HookedTransformer
-from tiny_tokenizer import VOCAB, make_tokenizer
 
 PROMPT = "def add(a, b):\n    return a + b\n"
 

@@ -17,8 +17,9 @@ from lenskit import PRESETS, HookedTransformer
 
 
 def test_presets_and_test_tables_derive_from_the_registry():
-    import lenskit
     from families import FAMILY_BUILDERS
+
+    import lenskit
     from lenskit.families import FAMILIES as REGISTRY
 
     assert FAMILIES == list(FAMILY_CONFIGS) == list(FAMILY_BUILDERS) == list(REGISTRY) == [

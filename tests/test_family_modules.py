@@ -9,10 +9,10 @@ import pkgutil
 
 import pytest
 import transformers
-
-import lenskit.families
 from conftest import FAMILY_CONFIGS
 from families import FAMILY_BUILDERS
+
+import lenskit.families
 from lenskit.families import FAMILIES, config_fields
 from lenskit.families.family import Family
 from lenskit.families.layouts import Layout

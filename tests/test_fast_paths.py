@@ -9,12 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import make_hf_gpt2
-from golden import ATOL, hf_reference, max_diff
-from lenskit import HookedTransformer, Stream
-from references import resid_writes
 from fixtures import unchanged_copy
+from golden import ATOL, hf_reference, max_diff
+from references import resid_writes
+
+from lenskit import HookedTransformer, Stream
+
 
 def resid_names(model: HookedTransformer) -> list[str]:
     return resid_writes(model.cfg.n_layers)

@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+from lens_fixtures import write_text_folder, write_tiny_model
 from safetensors.torch import load_file
 
-from lens_fixtures import write_text_folder, write_tiny_model
-from lenses.training.lock import LOCK_FILE, FolderLockedError, folder_lock
 from lenses.training import CHECKPOINT_FILE
+from lenses.training.lock import LOCK_FILE, FolderLockedError, folder_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 100

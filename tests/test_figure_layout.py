@@ -8,9 +8,9 @@ import itertools
 
 import pytest
 import torch
+from figure_layout import browser, problems, text_boxes
 
 import lenskit
-from figure_layout import browser, problems, text_boxes
 from lenses import LogitLens, plots
 from lenses.trajectory import Trajectory
 from lenskit.io.data import stdlib_root

@@ -15,16 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from forked import run_forked
+from safetensors.torch import load_file, save_file
+from user_files import base, copy_with, first_shard  # noqa: F401 - base is a fixture
+
 from lenses.tuned import TunedLens
 from lenskit import HookedTransformer
 from lenskit.io.data import list_files, read_documents
 from lenskit.io.files import JSON_MAX_BYTES, NotARegularFileError, check_output_file, open_output, read_json
 from lenskit.io.tokenizer import load_tokenizer
-
-from user_files import base, copy_with, first_shard  # noqa: F401 - base is a fixture
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="FIFOs and fork are POSIX")
 

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from user_files import base, copy_with  # noqa: F401 - base is a fixture
 
 from lenskit import HookedTransformer
 from lenskit.io.data import load_token_stream
-
-from user_files import base, copy_with  # noqa: F401 - base is a fixture
 
 
 # ------------------------------------------------------------------------------------------ tokenizers' errors

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from lens_fixtures import write_text_folder, write_tiny_model
 
 import lenskit
-from lens_fixtures import write_text_folder, write_tiny_model
 from lenses import JacobianLens, TunedLens
 from lenses.cli import main
 from lenses.io import write_atomic

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import make_hf_family, make_hf_gpt2
 from fixtures import random_tokens, unchanged_copy
 from golden import max_diff
+
 from lenskit import HookedTransformer, KVCache
 from lenskit.families import FAMILIES
 from lenskit.observe.hook_context import HOOK_CONTEXT

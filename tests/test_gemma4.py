@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from conftest import make_hf_family
+from fixtures import unchanged_copy
 from golden import assert_golden, max_diff
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -23,7 +24,6 @@ from lenskit import HookedTransformer, ModelConfig, accounting
 from lenskit.pieces.attention import SlidingWindowMask
 from lenskit.pieces.qkv import KeyValueQK
 from lenskit.pieces.rotary import inverse_frequencies
-from fixtures import unchanged_copy
 
 
 def tiny_config(**changes) -> dict:

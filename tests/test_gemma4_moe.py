@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 from conftest import make_hf_family
+from fixtures import random_tokens, unchanged_copy
 from golden import assert_golden, max_diff, run_then_remove
 from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode
@@ -21,7 +22,6 @@ from lenses.cli import main
 from lenskit import HookedTransformer, accounting
 from lenskit.intervene.experts import Expert, expert_ablation_hooks
 from lenskit.pieces.dense_and_experts import DenseAndExperts
-from fixtures import random_tokens, unchanged_copy
 
 MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8, hidden_size_per_layer_input=0)
 LAYERS = ["sliding_attention", "full_attention", "full_attention"]

@@ -12,11 +12,11 @@ import io
 import pytest
 import torch
 import transformers
+from fixtures import unchanged_copy
 from torch.utils.flop_counter import FlopCounterMode
 
 from lenses.cli import main
 from lenskit import PRESETS, HookedTransformer, ModelConfig, accounting
-from fixtures import unchanged_copy
 
 
 def _layer_types(n: int, pattern: int) -> list[str]:

@@ -18,11 +18,11 @@ import pytest
 import torch
 import transformers
 from conftest import make_hf_family
+from fixtures import unchanged_copy
 from golden import assert_golden, hf_blocks, max_diff, run_then_remove
 from safetensors.torch import load_file, save_file
 
 from lenskit import HookedTransformer
-from fixtures import unchanged_copy
 
 LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 # 4 blocks (sliding, full, sliding, full); with 2 shared, block 2 reads block 0's keys and block 3 block 1's

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_hf_gpt2
 from families import family_model_of
+
 from lenskit import HookedTransformer
 from lenskit.io.text import pad_token_id
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from families import FAMILY_BUILDERS, build_family_model, family_model_of
 
 TEXTS = ["a", "def add(a, b):", "import os\nprint('hello world')\n"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_hf_gpt2
 from families import build_family_model, family_model_of
+
 from lenskit import HookedTransformer
 
 TEXTS = ["a", "def add(a, b):", "import os\nprint('hello world')\n"]

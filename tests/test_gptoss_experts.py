@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-
 from golden import max_diff
+
 from lenskit import ModelConfig
 from lenskit.families.gpt_oss import split_gate_up
 from lenskit.pieces.moe import clamped_swiglu as _clamped_swiglu

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from references import transformer_lens_4_3
 from torch import nn
 
 from lenskit.transformer_lens.hook_points import HookedRootModule, HookPoint
-from references import transformer_lens_4_3
 
 
 def toy_sae_class(root: type, point: type) -> type:

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import make_hf_gpt2
 from golden import assert_golden
-from lenskit import HookedTransformer
 from gpt2_layouts import layout_bare_tied
+
+from lenskit import HookedTransformer
 
 
 @pytest.fixture(scope="module")

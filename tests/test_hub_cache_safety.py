@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import make_hf_gpt2
 from forked import run_forked
+from gpt2_layouts import layout_bare_tied
+from test_hub import HASH, fake_hub_cache, offline  # noqa: F401 - offline is a fixture
+
 from lenses.tuned import TunedLens
 from lenskit import HookedTransformer
 from lenskit.io.hubcache import HubCacheError
 from lenskit.io.loading import resolve_hub_file, resolve_model_folder
-from test_hub import HASH, fake_hub_cache, offline  # noqa: F401 - offline is a fixture
-from gpt2_layouts import layout_bare_tied
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="symlinks and FIFOs are POSIX")
 

@@ -6,11 +6,21 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-
 from families import every_family
+
+from lenskit.intervene.interventions import (
+    Attn,
+    Block,
+    Head,
+    Mlp,
+    Neurons,
+    ablation_hooks,
+    mean_activations,
+    merge_sites,
+    resample_indices,
+    target_sites,
+)
 from lenskit.observe.resid import late_writes
-from lenskit.intervene.interventions import (Attn, Block, Head, Mlp, Neurons, ablation_hooks, mean_activations,
-                                   merge_sites, resample_indices, target_sites)
 
 ATOL = 1e-5
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import lenskit
 from conftest import make_hf_gpt2
 from families import FAMILY_BUILDERS, build_family_model
-from lenskit import Stream
+
+import lenskit
 from lenses import JacobianLens, LogitLens
+from lenskit import Stream
 
 
 def reference_jacobian(model, prompts, s, skip, exclude_last):

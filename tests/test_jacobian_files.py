@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import lenskit
 from conftest import make_hf_family, make_hf_gpt2
 from families import family_model_of
 from lens_fixtures import write_tiny_model
+from references import transformer_lens_4_3
+
+import lenskit
 from lenses import JacobianLens
 from lenses.jacobian_fit import CHECKPOINT_FILE
 from lenses.tuned import model_fingerprint
-from references import transformer_lens_4_3
 
 
 def random_lens(model, seed=0, streams=None):

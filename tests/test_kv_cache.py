@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from families import FAMILY_BUILDERS, build_family_model, family_model_of
 from golden import rounding
+
 from lenskit.kv_cache import DeltaNetState, KeyValues, KVCache
 from lenskit.transformer_lens.past_key_value_caching import HookedTransformerKeyValueCache
-
 
 
 def tokens(batch: int = 2, pos: int = 14, seed: int = 0) -> torch.Tensor:

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from golden import max_diff
 
 import lenskit
-from golden import max_diff
 from lenskit import HookedTransformer, ModelConfig
 
 

@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
+from lens_fixtures import write_tiny_model
 
 import lenskit
-from lens_fixtures import write_tiny_model
 from lenses import JacobianLens, TunedLens
 from lenses.card import eval_problem, model_card
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import lenskit
-import lenses.training
 from lens_fixtures import write_text_folder, write_tiny_model
-from lenses import TunedLens
-from lenses.training.step import TranslatedStreams, kl_step, readout_kl_and_grad
-from lenses.metrics import forward_kl
 from references import autograd_kl
+
+import lenses.training
+import lenskit
+from lenses import TunedLens
+from lenses.metrics import forward_kl
 from lenses.training import Recipe, collect_streams, train
-from lenskit.pieces.readout import Readout
+from lenses.training.step import TranslatedStreams, kl_step, readout_kl_and_grad
 from lenskit.io.data import load_token_stream
+from lenskit.pieces.readout import Readout
 
 CTX = 16
 

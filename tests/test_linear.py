@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_hf_gpt2
 
 import lenskit.pieces.linear as L
-from conftest import make_hf_gpt2
 from lenskit import HookedTransformer
 
 

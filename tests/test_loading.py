@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from conftest import make_hf_gpt2
-from gpt2_layouts import LAYOUTS, layout_bare_tied, layout_sharded, tiny_gpt2
 from golden import ATOL, assert_golden, max_diff
+from gpt2_layouts import LAYOUTS, layout_bare_tied, layout_sharded, tiny_gpt2
+
 from lenskit import HookedTransformer
 
 

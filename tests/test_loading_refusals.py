@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpt2_layouts import layout_bare_tied, layout_sharded, tiny_gpt2, write_config
 from safetensors.torch import load_file, save_file
 
-from gpt2_layouts import layout_bare_tied, layout_sharded, tiny_gpt2, write_config
 from lenskit import CheckpointError, HookedTransformer
 
 
@@ -262,8 +262,9 @@ def test_bad_dtype_is_refused(hf, tmp_path, dtype):
 def test_same_dtype_checkpoint_is_assigned_without_a_copy(tmp_path, monkeypatch):
     """Weights already in the asked dtype are the tensors read from the file (memory-mapped), not copies;
     another dtype converts once."""
-    import lenskit.io.loading
     from conftest import make_hf_family
+
+    import lenskit.io.loading
 
     folder = tmp_path / "m"
     make_hf_family("llama", tie_word_embeddings=False).save_pretrained(folder)

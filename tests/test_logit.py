@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from families import every_family
+from fixtures import random_tokens
 
 from lenses import POINTS, LogitLens
 from lenskit import Stream
 from lenskit.observe.resid import late_writes
 from lenskit.observe.stream import stream_hook_names, streams
-from families import every_family
-from fixtures import random_tokens
 
 
 @pytest.fixture(scope="module")

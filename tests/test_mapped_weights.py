@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from conftest import make_hf_family
 from forked import run_forked
+from safetensors.torch import load_file, save_file
+from tiny_tokenizer import save_tiny_model
+
 from lenskit import HookedTransformer
 from lenskit.io.mapped import WeightsChangedError
-from tiny_tokenizer import save_tiny_model
 
 CHANGED = "weights file changed since load; reload the model"
 
@@ -154,8 +154,9 @@ def test_the_check_costs_microseconds(source):
     assert per_call < 200e-6, f"{per_call * 1e6:.1f} us per forward for {n_files} files"
 
 
-def test_the_docstring_and_the_readme_state_the_hazard():
+def test_the_docstring_and_the_reliability_page_state_the_hazard():
     doc = HookedTransformer.from_pretrained.__doc__
     assert "SIGBUS" in doc and "mmap=False" in doc and "weights file changed since load" in doc
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    assert "SIGBUS" in readme and "mmap=False" in readme
+    page = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text(encoding="utf-8")
+    section = " ".join(page.split("## Memory-mapped weights\n")[1].split("\n## ")[0].split())
+    assert "SIGBUS" in section and "mmap=False" in section and "weights file changed since load" in section

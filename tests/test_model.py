@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import make_hf_gpt2
-from golden import ATOL, assert_golden, max_diff
-from lenskit import HookedTransformer
 from fixtures import unchanged_copy
+from golden import ATOL, assert_golden, max_diff
+
+from lenskit import HookedTransformer
 
 CONFIGS = {
     "default": dict(),

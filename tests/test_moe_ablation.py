@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 from conftest import make_hf_family
+from fixtures import random_tokens
 
 from lenskit import HookedTransformer
 from lenskit.intervene.experts import Expert, expert_ablation_hooks
 from lenskit.intervene.interventions import ablation_hooks
-from fixtures import random_tokens
 
 MOE_FAMILIES = ["mixtral", "qwen3_moe", "olmoe", "gpt_oss"]
 EVERY_HOOK = lambda name: True  # noqa: E731

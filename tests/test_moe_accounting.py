@@ -10,13 +10,13 @@ import io
 import pytest
 import torch
 import transformers
+from fixtures import unchanged_copy
 from torch.utils.flop_counter import FlopCounterMode
 
 import lenskit
 from lenses.cli import main as cli_main
 from lenskit import PRESETS, ModelConfig, accounting
 from lenskit.families import family_of
-from fixtures import unchanged_copy
 
 MOE_PRESETS = ["mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "olmoe-1b-7b", "gpt-oss-20b", "gpt-oss-120b"]
 

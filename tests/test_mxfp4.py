@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from lenskit.io.mxfp4 import (check_packed, check_quantization_config, dequantize_experts, dequantize_mxfp4,
-                              packed_pairs)
+from lenskit.io.mxfp4 import check_packed, check_quantization_config, dequantize_experts, dequantize_mxfp4, packed_pairs
 
 DTYPES = (torch.float32, torch.bfloat16)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from families import build_family_model
-from golden import hf_attention, hf_blocks
-from lenskit import HookedTransformer
 from fixtures import random_tokens
+from golden import hf_attention, hf_blocks
+
+from lenskit import HookedTransformer
 
 FAMILIES = ["gpt2", "gpt_neox", "llama", "mistral", "qwen3", "olmo2", "phi3"]
 LLAMA_LIKE = ["llama", "mistral", "qwen3", "olmo2"]  # separate k_proj modules

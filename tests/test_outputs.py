@@ -7,12 +7,11 @@ from __future__ import annotations
 import os
 
 import pytest
+from lens_fixtures import write_text_folder, write_tiny_model
 
 import lenskit
-from lenses.cli import main
-from lenses.cli import figure_options
+from lenses.cli import figure_options, main
 from lenses.plots import export
-from lens_fixtures import write_text_folder, write_tiny_model
 
 PROMPT = "def add(a, b):\n    return a + b"
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from lenskit.intervene.patching import activation_patching, logit_diff, next_token_loss, patching_hooks
 from families import every_family, held_beside_the_stream
 from golden import rounding
+
+from lenskit.intervene.patching import activation_patching, logit_diff, next_token_loss, patching_hooks
 
 ATOL = 1e-5
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import lenskit
 from conftest import make_hf_gpt2
 from families import every_family, family_model_of
+
+import lenskit
 from lenskit.intervene.attribution import attribution_patching
 from lenskit.intervene.patching import activation_patching, logit_diff, patching_hooks
 

@@ -22,15 +22,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from families import build_family_model, family_model_of
+from tiny_tokenizer import VOCAB, make_tokenizer
 
 import lenskit
-from families import build_family_model, family_model_of
 from lenses import LogitLens, Patchscope
 from lenses.evaluation import evaluate_windows
 from lenses.patchscope import DEFAULT_TARGET_PROMPT
 from lenses.trajectory import Trajectory
 from lenskit import Stream
-from tiny_tokenizer import VOCAB, make_tokenizer
 
 SOURCE = ["def add(a, b):\n    return a + b", "import os\nprint('hello world')"]
 

@@ -9,8 +9,8 @@ import io
 
 import pytest
 import torch
-
 from conftest import make_hf_family
+
 from lenses import LogitLens, Trajectory
 from lenses.cli import main as cli_main
 from lenskit import HookedTransformer, ModelConfig

@@ -6,9 +6,9 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import pytest
+from tiny_tokenizer import make_model_with_tokenizer
 
 from lenses import LogitLens, Trajectory, metrics, plots
-from tiny_tokenizer import make_model_with_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from lens_fixtures import write_text_folder, write_tiny_model
 
 import lenskit
-from lens_fixtures import write_text_folder, write_tiny_model
 from lenses import JacobianLens
 from lenses.cli import main
 from lenskit.io.data import read_documents

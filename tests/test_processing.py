@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import lenskit
 from conftest import make_hf_family
 from families import build_family_model
 from references import transformer_lens_4_3
 from tiny_tokenizer import VOCAB, make_tokenizer
+
+import lenskit
 
 OPTIONS = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases")
 LAYERNORM = ("gpt2", "gpt_neox")

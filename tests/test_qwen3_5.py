@@ -12,7 +12,7 @@ import transformers
 from conftest import FAMILY_CONFIGS, make_hf_family
 from golden import assert_golden, max_diff
 
-from lenskit import HookedTransformer, ModelConfig, PRESETS, accounting
+from lenskit import PRESETS, HookedTransformer, ModelConfig, accounting
 from lenskit.intervene.interventions import Attn, Head, ablation_hooks
 from lenskit.intervene.patching import patching_hooks
 from lenskit.pieces.deltanet import recurrent_gated_delta_rule

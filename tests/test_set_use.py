@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-
 from families import FAMILY_BUILDERS, build_family_model
 
 SWITCHES = ("set_use_attn_result", "set_use_split_qkv_input", "set_use_attn_in", "set_use_hook_mlp_in")

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tl_fixtures import boot_bridge, tiny_gpt2_folder
 
 import lenskit
-from tl_fixtures import boot_bridge, tiny_gpt2_folder
 
 RAW = dict(fold_ln=False, center_writing_weights=False, center_unembed=False, fold_value_biases=False)
 TOKENS = torch.randint(0, 50000, (2, 6), generator=torch.Generator().manual_seed(0))

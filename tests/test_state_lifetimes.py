@@ -9,9 +9,9 @@ import gc
 import pytest
 import safetensors.torch
 import torch
-
 from families import FAMILY_BUILDERS, build_family_model, family_model_of
 from golden import rounding
+
 from lenses import JacobianLens
 from lenskit import HookedTransformer
 from lenskit.intervene.attribution import attribution_patching

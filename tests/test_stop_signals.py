@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from lens_fixtures import write_text_folder, write_tiny_model
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import lenses.training as training_module
 import lenskit
-from lens_fixtures import write_text_folder, write_tiny_model
 from lenses import TunedLens
 from lenses.stopping import STOP_SIGNALS, SaveClock, StopGuard, stops_interrupt
 from lenses.training import CHECKPOINT_FILE, Recipe, train

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from references import resid_writes
 
 import lenskit
+from lenses import LogitLens, TunedLens
 from lenskit import Stream
 from lenskit.intervene.interventions import Attn, ablation_hooks
 from lenskit.intervene.patching import patching_hooks
 from lenskit.observe.stream import check_layer, stream_hook_names, streams
-from references import resid_writes
-from lenses import LogitLens, TunedLens
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lens_fixtures import random_tuned
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lenses import LogitLens, Trajectory, chunks, evaluation, trajectory
 from lenses.evaluation import evaluate_windows
-from lens_fixtures import random_tuned
 
 # ops whose result is read by the host: on a GPU each waits for the device
 READBACK = {"_local_scalar_dense", "is_nonzero", "nonzero", "equal", "masked_select", "unique", "_unique2"}

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tl_fixtures import boot_bridge, tiny_gpt2_folder
 
 import lenskit.transformer_lens as ns
 from lenskit.transformer_lens import patching as ours
-from tl_fixtures import boot_bridge, tiny_gpt2_folder
 
 
 @pytest.fixture(scope="module")

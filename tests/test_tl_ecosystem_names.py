@@ -22,7 +22,8 @@ def model():
 def test_module_paths_name_the_same_objects():
     from lenskit.observe.hooks import HookedRootModule
     from lenskit.transformer_lens.HookedRootModule import HookedRootModule as by_module
-    from lenskit.transformer_lens.HookedTransformer import HookedRootModule as by_ht, Loss, Output
+    from lenskit.transformer_lens.HookedTransformer import HookedRootModule as by_ht
+    from lenskit.transformer_lens.HookedTransformer import Loss, Output
 
     assert tl.HookedRootModule is by_module is by_ht is HookedRootModule
     assert utilities.get_act_name is utils.get_act_name and utilities.test_prompt is utils.test_prompt

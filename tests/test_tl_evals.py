@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tl_fixtures import EOS, boot_bridge, tiny_gpt2_folder
 
 import lenskit
 import lenskit.transformer_lens as transformer_lens
 from lenskit.transformer_lens import evals, utils
-from tl_fixtures import EOS, boot_bridge, tiny_gpt2_folder
 
 pytestmark = pytest.mark.slow  # booting the bridge takes seconds
 

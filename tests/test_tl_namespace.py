@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tl_fixtures import EOS, boot_bridge, tiny_gpt2_folder
 
 import lenskit
 import lenskit.transformer_lens as transformer_lens
-from tl_fixtures import EOS, boot_bridge, tiny_gpt2_folder
 
 RAW = dict(fold_ln=False, center_writing_weights=False, center_unembed=False, fold_value_biases=False)
 TEXTS = ["Hello world, this is", "The cat sat on the mat and"]

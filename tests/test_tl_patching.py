@@ -7,10 +7,10 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
+from tl_fixtures import boot_bridge, tiny_gpt2_folder
 
 import lenskit
 from lenskit.transformer_lens import patching as ours
-from tl_fixtures import boot_bridge, tiny_gpt2_folder
 
 pytestmark = pytest.mark.slow  # two bridges, and each sweep over every layer, head and position twice
 

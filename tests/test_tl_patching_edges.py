@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from families import family_model_of
+
 from lenskit.intervene.patching import activation_patching, logit_diff
 from lenskit.transformer_lens import patching as tl
 

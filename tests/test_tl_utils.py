@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from references import transformer_lens_4_3
+from tl_fixtures import boot_bridge, tiny_gpt2_folder
 
 import lenskit
 from lenskit.factored import FactoredMatrix
 from lenskit.transformer_lens import utils
-from references import transformer_lens_4_3
-from tl_fixtures import boot_bridge, tiny_gpt2_folder
 
 PROCESSED = dict(fold_ln=True, center_writing_weights=True, center_unembed=True, fold_value_biases=True)
 

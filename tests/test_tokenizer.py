@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import make_hf_gpt2
+
 from lenskit import HookedTransformer
 from lenskit.io.tokenizer import load_tokenizer
 

@@ -176,6 +176,7 @@ def test_the_tuned_lens_import_refuses_the_bomb(tmp_path, model):
 @pytest.fixture(scope="module")
 def model():
     from conftest import make_hf_gpt2
+
     from lenskit import HookedTransformer
 
     return HookedTransformer.from_hf(make_hf_gpt2(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=32))

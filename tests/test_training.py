@@ -11,11 +11,11 @@ import time
 
 import pytest
 import torch
+from lens_fixtures import write_text_folder, write_tiny_model
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import lenskit
-from lens_fixtures import write_text_folder, write_tiny_model
 from lenses import LogitLens, TunedLens
 from lenses.evaluation import evaluate
 from lenses.training import CHECKPOINT_FILE, Recipe, train
@@ -305,8 +305,8 @@ def test_micro_batches_change_memory_not_the_result(tiny):
 
 def test_the_loop_is_resume_or_start_then_steps(tiny, tmp_path):
     """`train` is `resume_or_start` then `train_step` per step: the pieces, driven by hand, give the same weights."""
-    from lenses.training.step import TranslatedStreams
     from lenses.training import make_optimizer, resume_or_start, stream_label, train_step
+    from lenses.training.step import TranslatedStreams
     from lenskit.io.data import window_order
 
     model, stream, _ = tiny

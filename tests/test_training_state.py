@@ -14,13 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from lens_fixtures import write_text_folder, write_tiny_model
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import lenskit
 import lenses.training as training
 import lenses.tuned as tuned
-from lens_fixtures import write_text_folder, write_tiny_model
+import lenskit
 from lenses import TunedLens
 from lenses.cli import main
 from lenses.training import CHECKPOINT_FILE, Recipe, train

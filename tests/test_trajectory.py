@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 import torch
+from families import every_family
+from fixtures import random_tokens
+from tiny_tokenizer import make_model_with_tokenizer
 
 from lenses import LogitLens, Trajectory
 from lenses.base import BasisLens
-from tiny_tokenizer import make_model_with_tokenizer
-from families import every_family
-from fixtures import random_tokens
 
 
 @torch.no_grad()

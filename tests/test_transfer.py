@@ -9,11 +9,11 @@ import plotly.graph_objects as go
 import pytest
 import torch
 import torch.nn.functional as F
+from lens_fixtures import random_tuned
 
 from lenses import LogitLens, TunedLens, plots
 from lenses.evaluation import evaluate_windows, per_layer
 from lenses.transfer import layer_transfer, transfer_penalty
-from lens_fixtures import random_tuned
 
 
 @pytest.fixture
@@ -85,6 +85,7 @@ def test_a_lens_without_translators_is_refused_in_one_line(model, windows):
 @pytest.mark.slow  # trains a small lens, then runs eval-lens twice
 def test_eval_lens_writes_the_matrix_csv_and_the_figure(tmp_path, capsys):
     from lens_fixtures import write_text_folder, write_tiny_model
+
     from lenses.cli import main
 
     model_dir = write_tiny_model(tmp_path / "model")

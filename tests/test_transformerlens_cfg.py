@@ -5,11 +5,11 @@ bridge reports for the same checkpoint, family by family."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import make_hf_family
-from lenskit import HookedTransformer, ModelConfig
 from references import transformer_lens_4_3
 from tiny_tokenizer import VOCAB, make_tokenizer
+
+from lenskit import HookedTransformer, ModelConfig
 
 NAMES = ("act_fn", "normalization_type", "n_key_value_heads", "eps", "d_vocab_out", "positional_embedding_type")
 

@@ -334,8 +334,8 @@ def test_generate_sampling(setup):
 
 # --------------------------------------------------------------------- tokens
 def test_prepend_bos_default_follows_the_tokenizer():
-    """Pinned: lenskit's to_tokens adds BOS only where the checkpoint's tokenizer does (README, "Coming from
-    TransformerLens"): not for GPT-2-style tokenizers (TransformerLens would), yes for Llama 3-style ones."""
+    """Pinned: lenskit's to_tokens adds BOS only where the checkpoint's tokenizer does (docs/howto/transformer_lens.md,
+    "BOS on text input"): not for GPT-2-style tokenizers (TransformerLens would), yes for Llama 3-style ones."""
     from test_hub import llama3_style_tokenizer
     from tiny_tokenizer import make_model_with_tokenizer
 

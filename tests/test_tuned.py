@@ -9,14 +9,14 @@ import sys
 
 import pytest
 import torch
+from conftest import make_hf_gpt2
+from families import every_family
 
 import lenskit
-from lenskit import Stream
-from conftest import make_hf_gpt2
 from lenses import LogitLens, TunedLens
 from lenses.card import model_card
 from lenses.tuned import model_fingerprint
-from families import every_family
+from lenskit import Stream
 
 
 def hf_decode(hf_model, h):

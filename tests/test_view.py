@@ -12,9 +12,9 @@ import zlib
 from pathlib import Path
 
 import pytest
+from figure_layout import BROWSER_FLAGS, browser
 
 import lenskit
-from figure_layout import BROWSER_FLAGS, browser
 from lenses import LogitLens
 from lenses.cli import main
 from lenses.view import View

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from fixtures import close
 
 import lenskit
 from lenskit import HookedTransformer, ModelConfig
 from lenskit.pieces.layers import MLP
-from fixtures import close
 
 TOKENS = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(3))
 

@@ -13,7 +13,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
-
 from conftest import make_hf_gpt2
 from references import transformer_lens_4_3
 

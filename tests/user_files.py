@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import make_hf_family
+from tiny_tokenizer import save_tiny_model
+
 from lenses.tuned import TunedLens
 from lenskit import HookedTransformer
-from tiny_tokenizer import save_tiny_model
 
 
 @pytest.fixture(scope="module")

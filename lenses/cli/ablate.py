@@ -17,11 +17,11 @@ import sys
 import pandas as pd
 
 import lenskit
-from lenskit.io.data import HELDOUT_SAMPLE, reference_windows
-from lenskit.intervene.experts import EXPERT_MODES, Expert, expert_ablation_hooks
-from lenskit.intervene.interventions import MODES, Attn, Block, Head, Mlp, ablation_hooks
 from lenses.cli.devices import add_device_options, model_options
 from lenses.cli.figure_options import add_figure_options, check_figure_output, figure_kwargs
+from lenskit.intervene.experts import EXPERT_MODES, Expert, expert_ablation_hooks
+from lenskit.intervene.interventions import MODES, Attn, Block, Head, Mlp, ablation_hooks
+from lenskit.io.data import HELDOUT_SAMPLE, reference_windows
 
 DEFAULT_REFERENCE = HELDOUT_SAMPLE  # held-out stdlib modules of the embedded model's split
 MEAN_WINDOW = 128  # tokens per window for mean ablation (resample windows match the prompt's length)

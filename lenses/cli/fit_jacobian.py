@@ -122,10 +122,9 @@ def choose_prompts(args: argparse.Namespace, model) -> tuple["torch.Tensor", dic
 
 def run(args: argparse.Namespace) -> int:
     import lenskit
+    from lenses.io import CONFIG_FILE
     from lenses.jacobian import JacobianLens
     from lenses.training.lock import check_writable
-
-    from lenses.io import CONFIG_FILE
 
     from .devices import model_options
 

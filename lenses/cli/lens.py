@@ -9,10 +9,11 @@ import argparse
 from pathlib import Path
 
 import lenskit
-from lenses.table import format_table
 from lenses.cli.devices import add_device_options, model_options
 from lenses.cli.figure_options import add_figure_options, check_figure_output, figure_kwargs
 from lenses.spec import SPEC_HELP
+from lenses.table import format_table
+
 COLORS = ("prob", "entropy", "kl", "rank")
 
 
@@ -48,7 +49,6 @@ def run(args: argparse.Namespace) -> int:
 
     from lenses.spec import load_lenses
     from lenses.trajectory import Trajectory
-
     from lenskit.io.files import check_output_file, open_output
 
     if args.top_k < 1:

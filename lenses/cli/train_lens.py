@@ -81,10 +81,10 @@ def finished_steps(out: Path) -> int | None:
 def run(args: argparse.Namespace) -> int:
     from lenskit.io.data import load_token_stream
 
-    from ..training.lock import check_writable
     from ..stopping import exit_code, stopped_by
-    from ..training.interrupt import Interrupted
     from ..training import check_autocast, init_distributed, train
+    from ..training.interrupt import Interrupted
+    from ..training.lock import check_writable
     from ..tuned import TunedLens
 
     # The recipe checks its fields on construction: bad flags fail before the model or the data load.

@@ -7,14 +7,23 @@ Modules: `style` (fonts, colours, token labels), `export` (`save_figure` to .htm
 `features` (the feature lens).
 """
 
-from .style import COLORS, FONT, MONO, PAPER, PRINT_DPI, SIZES, display_token, token_labels
-from .export import (EXPORT_TIMEOUT_S, STATIC_FORMATS, check_static_export, export_session, figure_title, save_figure, stop_export_browser,
-                     save_figures, set_pdf_title)
-from .lens import HEATMAP_CELL, HEATMAP_COLORS, KL_FLOOR, layer_curves, lens_stack, logit_lens_heatmap, select_window
 from .anatomy import attribution_bars, growth_curves, head_attribution_heatmap, resid_norm_curves, share_bars
-from .interventions import difference_heatmap, grouped_bars, patching_heatmap
 from .diagnostics import fidelity_curves, fidelity_scatter, transfer_heatmap
+from .export import (
+                     EXPORT_TIMEOUT_S,
+                     STATIC_FORMATS,
+                     check_static_export,
+                     export_session,
+                     figure_title,
+                     save_figure,
+                     save_figures,
+                     set_pdf_title,
+                     stop_export_browser,
+)
 from .features import feature_lens_heatmap
+from .interventions import difference_heatmap, grouped_bars, patching_heatmap
+from .lens import HEATMAP_CELL, HEATMAP_COLORS, KL_FLOOR, layer_curves, lens_stack, logit_lens_heatmap, select_window
+from .style import COLORS, FONT, MONO, PAPER, PRINT_DPI, SIZES, display_token, token_labels
 
 __all__ = [
     "COLORS",

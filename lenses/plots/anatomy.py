@@ -12,6 +12,7 @@ from .. import metrics
 from .lens import layer_curves
 from .style import COLORS, MONO, PAPER, as_frame, log_ticks, rgba
 
+
 def resid_norm_curves(norms: pd.DataFrame, y: str = "rms", *, title: str | None = None, log_y: bool = False) -> go.Figure:
     """Stream and write sizes by layer from `anatomy.resid_norms`: mean over sequences, 95% bands.
 

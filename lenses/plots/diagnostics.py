@@ -3,9 +3,8 @@ fidelity (`lenses.causal`). The numbers are computed there; these functions only
 
 from __future__ import annotations
 
-from typing import Any
-
 import math
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -30,7 +29,8 @@ def transfer_heatmap(matrix: pd.DataFrame, *, label: str = "KL penalty<br>(nats)
     scale from 0.01 nats (dark = large), so that one far-off column (the embeddings') does not wash out the
     rest. Each cell shows its value when cells are wide enough (`cell_text` forces it on or off).
 
-    >>> transfer_heatmap(transfer_penalty(layer_transfer(model, tuned, windows)))
+    >>> from lenses.transfer import layer_transfer, transfer_penalty
+    >>> fig = transfer_heatmap(transfer_penalty(layer_transfer(model, tuned, windows, progress=False)))
     """
     if matrix.empty or matrix.shape[0] != matrix.shape[1]:
         raise ValueError(f"expected a square [translator, stream] matrix from layer_transfer, got shape {matrix.shape}")

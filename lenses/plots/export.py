@@ -174,6 +174,9 @@ def export_session() -> Iterator[None]:
     >>> with export_session():
     ...     for suffix in (".png", ".svg", ".pdf"):
     ...         save_figure(fig, "figures/lens" + suffix)
+    PosixPath('figures/lens.png')
+    PosixPath('figures/lens.svg')
+    PosixPath('figures/lens.pdf')
     """
     _export_browser()
     yield
@@ -239,6 +242,7 @@ def save_figures(figures: dict[str, go.Figure], folder: str | os.PathLike, forma
     """Write each figure as `folder/<name>.<fmt>` for every format, starting the browser once for all of them.
 
     >>> save_figures({"lens": fig}, "docs/figures", "png,svg")   # or formats=["png", "pdf"]
+    [PosixPath('docs/figures/lens.png'), PosixPath('docs/figures/lens.svg')]
     """
     fmts = [f.strip().lstrip(".") for f in (formats.split(",") if isinstance(formats, str) else formats) if f.strip()]
     folder = Path(folder)

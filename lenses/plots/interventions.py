@@ -10,9 +10,23 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from lenskit.io.text import show_token
+
 from .lens import select_window
-from .style import (COLORS, MONO, NOTEBOOK_WIDTH, PAPER, as_frame, log_ticks, display_token, figure_size, fit_text,
-                    font_size, print_meta, token_labels)
+from .style import (
+    COLORS,
+    MONO,
+    NOTEBOOK_WIDTH,
+    PAPER,
+    as_frame,
+    display_token,
+    figure_size,
+    fit_text,
+    font_size,
+    log_ticks,
+    print_meta,
+    token_labels,
+)
+
 
 def difference_heatmap(frame: pd.DataFrame, value: str = "delta_target_prob", *, batch: int = 0, title: str | None = None,
                        cell_text: bool | None = None, max_chars: int = 8, positions: slice | Sequence[int] | None = None,

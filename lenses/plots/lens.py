@@ -10,10 +10,24 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from .. import metrics
 from lenskit.io.text import show_token
-from .style import (COLORS, MONO, NOTEBOOK_WIDTH, PAPER, as_frame, log_ticks, rgba, display_token,
-                    figure_size, fit_text, font_size, print_meta, token_labels)
+
+from .. import metrics
+from .style import (
+    COLORS,
+    MONO,
+    NOTEBOOK_WIDTH,
+    PAPER,
+    as_frame,
+    display_token,
+    figure_size,
+    fit_text,
+    font_size,
+    log_ticks,
+    print_meta,
+    rgba,
+    token_labels,
+)
 
 # ===================================================== logit-lens heatmap
 HEATMAP_COLORS = {
@@ -166,6 +180,8 @@ def lens_stack(data: Mapping[str, Any], color: str = "prob", *, title: str | Non
     `max_chars`, `clip`, `batch`); the colour range is the union of the panels' ranges, so one colour means
     one value in every panel. Stream cells a lens does not decode stay blank.
 
+    >>> logit_traj = Trajectory.from_prompt(LogitLens(model), "import os")
+    >>> tuned_traj = Trajectory.from_prompt(tuned, "import os")
     >>> fig = lens_stack({"logit": logit_traj, "tuned": tuned_traj}, color="kl")
     """
     from plotly.subplots import make_subplots
@@ -288,7 +304,9 @@ def layer_curves(data: pd.DataFrame, y: str = "kl_to_final", *, series: str | No
     With `log_y`, points whose mean is not positive (the final layer's KL to itself is exactly 0) are left
     out, and a band's lower edge stops at the line. `size`/`width`/`height` as for `logit_lens_heatmap`.
 
-    >>> layer_curves(pd.concat([logit_df, tuned_df]), "kl_to_final", series="lens", unit="prompt")
+    >>> logit_df = Trajectory.from_prompt(LogitLens(model), ["import os", "def f(x):"]).to_frame().assign(lens="logit")
+    >>> tuned_df = Trajectory.from_prompt(tuned, ["import os", "def f(x):"]).to_frame().assign(lens="tuned")
+    >>> fig = layer_curves(pd.concat([logit_df, tuned_df]), "kl_to_final", series="lens", unit="batch")  # one band per lens
     """
     keys = [series, x] if series else [x]
     summary = data if {"mean", "lo", "hi"} <= set(data.columns) else metrics.mean_ci(data, y, by=keys, unit=unit)

@@ -16,8 +16,10 @@ the learning rate of the remaining steps follows the schedule re-derived for the
 lens keeps no optimiser state (SGD momentum restarts from zero), so an extended run is NOT identical to a
 fresh run of that many steps.
 
->>> stream = lenskit.io.data.load_token_stream(["corpus/"], model.tokenizer)
->>> lens = train(TunedLens(model), stream, Recipe(steps=100), out="my_lens")
+>>> stream = lenskit.io.data.load_token_stream([lenskit.io.data.stdlib_root() / "copy.py"], model.tokenizer)
+>>> lens = train(TunedLens(model), stream, Recipe(steps=2, tokens_per_step=512, ctx=256), out="my_lens", progress=False)
+>>> lens = train(TunedLens(model), stream, Recipe(steps=2, tokens_per_step=512, ctx=256), out="my_lens", progress=False)
+my_lens: already trained (2 steps); nothing to do
 """
 
 from __future__ import annotations
@@ -38,15 +40,15 @@ from lenskit import Stream
 from lenskit.io.data import TokenStream, window_order
 from lenskit.io.files import check_regular_file
 
-from ..stopping import SaveClock
-from .interrupt import Interrupted, interrupts_between_steps
 from ..io import CONFIG_FILE, read_config, write_atomic
+from ..stopping import SaveClock
+from ..tuned import TunedLens
+from .interrupt import Interrupted, interrupts_between_steps
+from .lock import locks_out_folder
 from .precision import check_autocast, mixed_precision
 from .recipe import Recipe
-from .lock import locks_out_folder
 from .state import check_checkpoint_meta, check_finished_state
 from .step import TranslatedStreams, kl_step
-from ..tuned import TunedLens
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 # Run-identity keys added after runs were first saved, with the value every older run had.

@@ -12,7 +12,7 @@ as `save` does): inside the thread's own hold it goes ahead (a training run save
 it holds), and it waits for another thread of this process, so threads saving one folder take turns.
 
 >>> with folder_lock("my_lens"):
-...     ...  # train into my_lens
+...     pass  # train into my_lens
 """
 
 from __future__ import annotations

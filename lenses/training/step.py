@@ -16,8 +16,14 @@ until one backward and allocate a dozen [tokens, d_vocab] temporaries per stream
   one (`Readout.cap_backward_`) and through the unembedding (one matmul);
 - then one backward from the normed streams with that gradient, through the norm and the translators.
 
+>>> lens = TunedLens(model)
+>>> streams = [(Stream(s), cache.stream(s)) for s in range(model.cfg.n_layers)]   # from a run_with_cache
 >>> objective = TranslatedStreams(lens)           # or DistributedDataParallel(TranslatedStreams(lens))
->>> kl = kl_step(objective, model.readout, streams, final_logits, scale=1 / tokens)  # [n_streams]; grads added
+>>> kl = kl_step(objective, model.readout, streams, logits, scale=1 / tokens.numel())  # [n_streams]; grads added
+>>> kl.shape, kl.dtype
+(torch.Size([6]), torch.float64)
+>>> all(p.grad is not None for p in lens.parameters())
+True
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Mapping
 import pandas as pd
 
 if TYPE_CHECKING:
-    from lenskit import HookedTransformer
     from lenses.base import Lens
+    from lenskit import HookedTransformer
 
 MAX_ATTENTION_POSITIONS = 64  # the last positions whose patterns the view holds (a pattern grows as pos^2 per head)
 

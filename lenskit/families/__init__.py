@@ -20,8 +20,27 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 from ..config import ModelConfig, register_families
-from . import (deepseek_v3, gemma2, gemma3_text, gemma4_text, gpt2, gpt_neox, gpt_oss, llama, mistral, mixtral, olmo2,
-               olmo3, olmoe, phi3, qwen2, qwen3, qwen3_5_text, qwen3_moe, smollm3)
+from . import (
+    deepseek_v3,
+    gemma2,
+    gemma3_text,
+    gemma4_text,
+    gpt2,
+    gpt_neox,
+    gpt_oss,
+    llama,
+    mistral,
+    mixtral,
+    olmo2,
+    olmo3,
+    olmoe,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_5_text,
+    qwen3_moe,
+    smollm3,
+)
 from .family import Family
 from .readers import read_config
 

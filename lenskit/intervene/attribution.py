@@ -11,8 +11,14 @@ The estimate is exact for a metric linear in the activation; where the model ben
 (attention patterns, norms, the metric itself) it can be far off, so check the sites that matter with
 `activation_patching`.
 
->>> df = attribution_patching(model, clean, corrupted, logit_diff(paris, rome), sites=["resid_pre", "head"])
->>> df.pivot(index="layer", columns="position", values="normalized")   # the layout of activation_patching
+>>> from lenskit.intervene.patching import logit_diff
+>>> clean = model.to_tokens("def f(self, name):\\n    self.name =")
+>>> corrupted = model.to_tokens("def f(self, path):\\n    self.name =")     # the same length: 12 tokens
+>>> metric = logit_diff(model.to_single_token(" name"), model.to_single_token(" path"))
+>>> df = attribution_patching(model, clean, corrupted, metric, sites=["resid_pre", "head"])
+>>> grid = df.query("site == 'resid_pre'").pivot(index="layer", columns="position", values="normalized")
+>>> grid.loc[0].round(2).tolist()      # the layout of activation_patching, whose patch here gives 1.0 at position 5
+[0.0, 0.0, 0.0, 0.0, 0.0, 0.88, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 """
 
 from __future__ import annotations

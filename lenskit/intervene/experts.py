@@ -18,8 +18,13 @@
 runs without routing: "zero" zeroes their output (`blocks.L.mlp.hook_shared_out`); "reroute" has no meaning for them
 and is refused.
 
->>> hooks = expert_ablation_hooks(model, [Expert(0, 3)], mode="reroute")
->>> logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
+>>> llama = lenskit.HookedTransformer.from_pretrained("stdlib-llama")
+>>> torch.manual_seed(0);  moe = lenskit.HookedTransformer(llama.cfg.replace(n_layers=2, n_experts=4, n_experts_per_token=2))
+<torch._C.Generator object at ...>
+>>> hooks = expert_ablation_hooks(moe, [Expert(0, 3)], mode="reroute")
+>>> logits, cache = moe.run_with_cache(tokens, fwd_hooks=hooks)
+>>> bool((cache["blocks.0.mlp.hook_expert_indices"] == 3).any())     # rerouted: no token of block 0 reaches expert 3
+False
 """
 
 from __future__ import annotations

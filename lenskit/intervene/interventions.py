@@ -6,6 +6,9 @@ One call turns any mix of targets into ordinary `(hook name, fn)` pairs, so abla
 >>> hooks = ablation_hooks(model, [Block(3), Head(1, 2), Neurons(0, [5, 7])], mode="mean", reference=tokens)
 >>> logits = model.run_with_hooks(prompt, fwd_hooks=hooks)
 >>> logits, cache = model.run_with_cache(prompt, fwd_hooks=hooks)   # the cache sees the ablated run
+>>> _, zeroed = model.run_with_cache(prompt, fwd_hooks=ablation_hooks(model, Block(3), mode="zero"))
+>>> torch.equal(zeroed["resid_post", 3], zeroed["resid_pre", 3])   # block 3 zero-ablated: it writes nothing
+True
 
 Where each target acts (a "site" is a hook point plus the slice of it that is replaced):
 
@@ -42,13 +45,13 @@ from typing import Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 
+from ..model import HookedTransformer
 from ..observe.cache import hook_name
 from ..observe.hooks import HookFn
 from ..observe.resid import late_writes
-from .masks import indices, positions_here, replace_where, sequence_rows
-from ..model import HookedTransformer
 from ..observe.stream import Stream, check_layer
 from ..saes.features import Feature, check_spliced
+from .masks import indices, positions_here, replace_where, sequence_rows
 
 TokensRef = Union[torch.Tensor, Iterable[torch.Tensor]]
 

@@ -4,9 +4,13 @@ Clean -> corrupted ("denoising"): run the corrupted prompt, copy in one activati
 and see how much of the clean behaviour comes back. Corrupted -> clean ("noising") is the reverse:
 run the clean prompt and copy in the corrupted activation, to see what breaks it.
 
->>> metric = logit_diff(model.to_tokens(" Paris")[0, 0], model.to_tokens(" Rome")[0, 0])
->>> df = activation_patching(model, clean, corrupted, metric, sites=["resid_pre", "attn_out", "head"])
->>> df.pivot(index="layer", columns="position", values="normalized")   # or lenses.plots.patching_heatmap(df)
+>>> clean = model.to_tokens("def f(self, name):\\n    self.name =")
+>>> corrupted = model.to_tokens("def f(self, path):\\n    self.name =")     # the same length: 12 tokens
+>>> metric = logit_diff(model.to_single_token(" name"), model.to_single_token(" path"))
+>>> df = activation_patching(model, clean, corrupted, metric, sites=["resid_pre", "attn_out", "head"], progress=False)
+>>> grid = df.query("site == 'resid_pre'").pivot(index="layer", columns="position", values="normalized")
+>>> grid.loc[0].round(2).tolist()      # or lenses.plots.patching_heatmap(df); before block 0, only position 5 differs
+[0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 
 Sites: the points of each block's stream (`lenskit.observe.stream.POINTS`: "resid_pre", "attn_out", "resid_mid",
 "mlp_out", "resid_post"), and per attention head its output ("head", through `hook_z`), its query, key and value
@@ -29,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm  # tqdm.auto warns "IProgress not found" in kernels without ipywidgets
 
+from ..model import HookedTransformer, TokensLike
 from ..observe.cache import ActivationCache, hook_name
 from ..observe.hooks import HookFn
-from .masks import check_positions, indices, positions_here, replace_along
-from ..model import HookedTransformer, TokensLike
 from ..observe.stream import POINTS, Stream, check_layer
+from .masks import check_positions, indices, positions_here, replace_along
 
 Metric = Callable[[torch.Tensor], Union[torch.Tensor, float]]  # logits [batch, pos, d_vocab] -> scalar
 HEAD_SITES = {"head": "z", "q": "q", "k": "k", "v": "v", "pattern": "pattern"}  # site -> its attn hook's short name

@@ -17,8 +17,14 @@ file is `shard_name(index, rank)`, a regular file in the folder (no link), of th
 whose `windows` tensor holds the windows the plan gives its index. Format 1 (no checksums) still reads, with
 a warning, checked by everything but the checksum.
 
->>> rows = ActivationDataset("acts/", "resid_post.6")   # row i: window i // ctx, position i % ctx
+>>> from lenses.activation_export import export_activations        # `lenskit cache` writes the same folder
+>>> manifest = export_activations(model, windows, "resid_post.5", "acts/", progress=False)   # windows [4, 64]
+>>> rows = ActivationDataset("acts/", "resid_post.5")   # row i: window i // ctx, position i % ctx
+>>> len(rows)
+256
 >>> activation, token = rows[0]                          # [d_model], int64 []
+>>> activation.shape, token.dtype
+(torch.Size([192]), torch.int64)
 >>> loader = torch.utils.data.DataLoader(rows, batch_size=4096, shuffle=True)   # across shards
 """
 

@@ -4,9 +4,15 @@ Everything here is a pure function of the inputs, so a training run can name its
 (`TokenStream.provenance`: every file's path, size and sha256) and pick its batches as a function
 of (seed, step) alone, which is what lets a killed run resume bit-for-bit.
 
->>> stream = load_token_stream(["notes.txt", "src/"], model.tokenizer)
+>>> stream = load_token_stream([stdlib_root() / "copy.py", stdlib_root() / "json"], model.tokenizer)   # files, folders
+>>> len(stream) == stream.provenance["n_tokens"]
+True
 >>> windows = stream.windows(256)            # [n_windows, 256], non-overlapping, in stream order
+>>> torch.equal(windows[0], stream.tokens[:256])
+True
 >>> order = window_order(len(windows), seed=0)
+>>> torch.equal(order.sort().values, torch.arange(len(windows)))   # a permutation, the same for the same seed
+True
 """
 
 from __future__ import annotations

@@ -12,8 +12,13 @@ program (`--csv /dev/stdout | column -t`, `--csv >(sort)`); `pipe_ok=True` allow
 process reads is still refused at once. Figures, model folders, lens folders and checkpoints are files,
 never pipes.
 
+>>> folder = Path(lenskit.DEFAULT_MODEL)
 >>> config = read_json(folder / "config.json", what="a Hugging Face config.json")
->>> raw = read_bytes(path, max_bytes=1 << 30)
+>>> config["model_type"]
+'gpt2'
+>>> raw = read_bytes(folder / "config.json", max_bytes=1 << 30)
+>>> json.loads(raw) == config
+True
 """
 
 from __future__ import annotations
@@ -141,7 +146,8 @@ def read_json(path: str | os.PathLike, max_bytes: int = JSON_MAX_BYTES, max_dept
     deep. Every failure (missing, not a regular file, too large, not UTF-8, not JSON, too deep) is one line
     naming the file and `what` it should hold: FileNotFoundError, NotARegularFileError or ValueError.
 
-    >>> read_json(folder / "config.json", what="a Hugging Face config.json")
+    >>> read_json(Path(lenskit.DEFAULT_MODEL) / "config.json", what="a Hugging Face config.json")["n_layer"]
+    6
     """
     path = Path(path)
     raw = read_bytes(path, max_bytes, what)
@@ -198,8 +204,11 @@ def open_output(path: str | os.PathLike, what: str = "an output file", pipe_ok: 
     see the module docstring), a FIFO or character device is written as a stream; a FIFO that no process
     reads is refused at once instead of blocking the open forever.
 
-    >>> with open_output(args.csv, "the --csv table", pipe_ok=True) as f:
+    >>> frame = pd.DataFrame({"layer": [0, 1], "kl": [0.5, 0.25]})
+    >>> with open_output("table.csv", "the --csv table", pipe_ok=True) as f:
     ...     frame.to_csv(f, index=False)
+    >>> Path("table.csv").read_text()
+    'layer,kl\\n0,0.5\\n1,0.25\\n'
     """
     path = check_output_file(path, what, pipe_ok)
     if path.exists() and stat.S_ISFIFO(os.stat(path).st_mode):

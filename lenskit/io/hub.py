@@ -11,8 +11,8 @@ import warnings
 from pathlib import Path
 
 from ..families import PRESETS
-from .files import file_kind
 from ..suggest import did_you_mean
+from .files import file_kind
 from .hubcache import HubCacheError, check_cached_file, check_ref, check_snapshot
 
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json", "vocab.json",

@@ -25,6 +25,7 @@ from ..families import family_of
 from ..placement import Placement, resolve_placement
 from ..processing import process_weights
 from .files import check_output_file, check_regular_file, read_json_object
+
 # Where a model's folder is (embedded, local or the hub cache): lenskit.io.hub, re-exported for older imports.
 from .hub import EMBEDDED_MODELS, embedded_model_folder, model_label, resolve_hub_file, resolve_model_folder  # noqa: F401
 from .mapped import WeightFiles

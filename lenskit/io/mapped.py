@@ -34,6 +34,7 @@ def identity(st: os.stat_result) -> tuple[int, int, int, int]:
 class WeightFiles:
     """Open descriptors of the weight files a model maps, with each one's identity at load.
 
+    >>> folder = Path(lenskit.DEFAULT_MODEL)
     >>> files = WeightFiles([folder / "model.safetensors"])   # before the files are read
     >>> files.confirm()                                        # after: nothing changed while reading
     >>> files.check()                                          # before each forward

@@ -92,8 +92,11 @@ def tokenizer_failures(tokenizer: "PreTrainedTokenizerBase", doing: str = "encod
     """Turn a failure inside `tokenizers` (see `is_library_failure`) while `doing` into one ValueError that
     names the tokenizer's files; anything else passes through.
 
+    >>> tok = model.tokenizer
     >>> with tokenizer_failures(tok):
-    ...     ids = tok.encode(text, add_special_tokens=False)
+    ...     ids = tok.encode("def f(x):", add_special_tokens=False)
+    >>> tok.convert_ids_to_tokens(ids)
+    ['def', 'Ġf', '(', 'x', '):']
     """
     try:
         yield

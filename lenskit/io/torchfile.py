@@ -49,7 +49,9 @@ def read_plain_torch_file(path: str | os.PathLike, what: str = "a PyTorch tensor
     pickled object is built: one-line TorchFileError (a ValueError) naming the file and what is wrong.
     Memory is bounded by the file's size.
 
-    >>> state = read_plain_torch_file(folder / "params.pt")
+    >>> torch.save({"layer_norm.bias": torch.zeros(2)}, "params.pt")   # as the tuned-lens package saves a lens
+    >>> read_plain_torch_file("params.pt")
+    {'layer_norm.bias': tensor([0., 0.])}
     """
     path = Path(path)
     # One open file for the checks and the load: the path cannot be swapped for another file in between.

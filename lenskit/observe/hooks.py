@@ -24,7 +24,9 @@ that builds HookPoints, calls `self.setup()`, then `run_with_hooks` / `run_with_
 ...         self.setup()
 ...     def forward(self, x):
 ...         return 2 * self.hook_in(x)
->>> out, cache = Doubler().run_with_cache(torch.ones(1, 3))   # cache: {"hook_in": tensor [1, 3]}
+>>> out, cache = Doubler().run_with_cache(torch.ones(1, 3))
+>>> out, cache["hook_in"]
+(tensor([[2., 2., 2.]]), tensor([[1., 1., 1.]]))
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 import torch
 from torch import nn
 
-from .backward import Attachment, attach_backward, backward_from, check_gradients_possible
 from ..suggest import hook_hint
+from .backward import Attachment, attach_backward, backward_from, check_gradients_possible
 from .hook_context import HOOK_CONTEXT
 from .recording import CacheRecording  # noqa: F401  (CacheRecording: imported from here too)
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from .hook_context import HookFn, hook_context  # hook points appear as nn.Module: lenskit.observe.hooks imports this
 
+
 class CacheRecording:
     """The hook `run_with_cache` attaches to every point it caches, and the activations it kept (`store`).
 

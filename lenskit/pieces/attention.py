@@ -20,10 +20,10 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
-from .linear import Linear
-from .qkv import make_qkv
-from .norms import UnitRMSNorm, make_norm
 from .forward_state import ForwardState, needed
+from .linear import Linear
+from .norms import UnitRMSNorm, make_norm
+from .qkv import make_qkv
 from .rotary import Rotary
 from .weights import HeadCircuits
 

@@ -18,8 +18,11 @@ A block called alone (`model.blocks[3](x)`, or `run_blocks` resuming from a stre
 forward without a cache, and a block that needs the forward's own inputs (Gemma 4's per-layer inputs, shared keys) is
 refused, naming what it needs.
 
->>> state = ForwardState(per_layer=model.per_layer_inputs(tokens, x))   # what HookedTransformer.forward does
+>>> x = cache["resid_pre", 0]           # the stream entering block 0
+>>> state = ForwardState()               # HookedTransformer.forward's: start, past_kv_cache, per-layer inputs
 >>> x = model.run_blocks(x, state=state)
+>>> torch.allclose(x, cache["resid_post", 5], atol=1e-5)   # the blocks alone, as inside the forward
+True
 """
 
 from __future__ import annotations

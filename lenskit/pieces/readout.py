@@ -4,9 +4,16 @@ Everything that turns a residual vector into next-token logits goes through `Rea
 forward, every lens, the tuned-lens training step, evaluation and direct logit attribution. A change to
 the readout (a new family's cap, a bias) is one edit.
 
->>> model.readout(h)                  # [..., d_model] -> logits [..., d_vocab], as the model computes them
->>> model.readout.uncapped(h)         # before the soft-cap (what attribution splits into parts)
->>> model.readout.into(h, out)        # float32 logits written into a reused [rows, d_vocab] buffer
+>>> h = cache["resid_post", 5]        # the last block's output: [batch, pos, d_model]
+>>> torch.allclose(model.readout(h), logits, atol=1e-4)   # logits [..., d_vocab], as the model computes them
+True
+>>> torch.equal(model.readout.uncapped(h), model.readout(h))   # before the soft-cap; GPT-2 has none
+True
+>>> out = torch.empty(13, model.cfg.d_vocab)
+>>> with torch.no_grad():              # float32 logits written into a reused [rows, d_vocab] buffer
+...     written = model.readout.into(h[0], out)
+>>> written.data_ptr() == out.data_ptr() and torch.allclose(out, logits[0], atol=1e-4)
+True
 """
 
 from __future__ import annotations

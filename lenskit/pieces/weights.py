@@ -17,7 +17,7 @@ ungated MLP, and `b_gate` (the gate's bias, which TransformerLens lacks) with it
 for learned positions. In a mixture of experts the MLP views are per expert (`lenskit.pieces.moe.MoE`):
 `W_in` / `W_gate` [layer, expert, d_model, d_expert], `W_out` [layer, expert, d_expert, d_model]; a model
 that mixes MoE and dense blocks refuses to stack them (read them per block). Nothing is folded: these are the raw weights
-(see README, "Coming from TransformerLens").
+(see docs/howto/transformer_lens.md, "Coming from TransformerLens").
 
 `OV` and `QK` are each head's circuits as `FactoredMatrix` [layer, head, d_model, d_model] (`W_V @ W_O`,
 `W_Q @ W_K^T`); `tl_parameters()` names every view as TransformerLens's `HookedTransformer` names its parameters

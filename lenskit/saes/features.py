@@ -3,9 +3,12 @@
 A `Feature(sae, i)` (or several indices) is an ablation target of `lenskit.intervene.interventions.ablation_hooks`:
 it replaces `acts_post[..., i]` at `f"{sae.hook_name}.hook_sae_acts_post"`, so it needs the SAE spliced in:
 
+>>> from lenskit.intervene.interventions import ablation_hooks
 >>> with model.saes([sae]):   # with the error term, the only change is the feature's
-...     hooks = ablation_hooks(model, Feature(sae, 7), mode="mean", reference=tokens)
-...     logits = model.run_with_hooks(prompt, fwd_hooks=hooks)
+...     hooks = ablation_hooks(model, Feature(sae, 168), mode="mean", reference=tokens)
+...     ablated = model.run_with_hooks(prompt, fwd_hooks=hooks)
+>>> ablated.shape
+torch.Size([1, 13, 4096])
 
 Steering adds alpha * W_dec[i] at the SAE's output hook and needs no splice (`steering_hooks`). Patching copies
 the feature's activation from a source cache (`feature_patching_hooks`); attribution patching estimates every

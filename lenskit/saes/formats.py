@@ -17,8 +17,8 @@ import json
 import os
 import re
 import zipfile
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np

@@ -43,7 +43,11 @@ class SAE(nn.Module):
 
     >>> sae = SAE.load("stdlib-gpt2-sae-L3")
     >>> f = sae.encode(cache[sae.hook_name]); x_hat = sae.decode(f)
-    >>> with model.saes([sae]): logits, cache = model.run_with_cache(tokens)
+    >>> f.shape, int((f[0, -1] > 0).sum())       # [batch, pos, d_sae]; TopK: 32 active latents per token
+    (torch.Size([1, 13, 1536]), 32)
+    >>> with model.saes([sae]): spliced, spliced_cache = model.run_with_cache(tokens)
+    >>> torch.allclose(spliced, logits, atol=1e-3)   # with the error term the logits are unchanged
+    True
     """
 
     def __init__(self, cfg: SAEConfig, weights: dict[str, torch.Tensor]) -> None:
@@ -181,7 +185,9 @@ class SAE(nn.Module):
         name of an SAE that ships with lenskit (`stdlib-gpt2-sae-L3`). `hook` names the hook where the file does not
         (a transcoder: `(input_hook, output_hook)`), or overrides it.
 
-        >>> sae = SAE.load("google/gemma-scope-2b-pt-res/layer_12/width_16k/average_l0_82")  # hook from the folder
+        >>> sae = SAE.load("stdlib-gpt2-sae-L3")     # a short name; or a hub repo path, the hook from its folder name:
+        >>> sae.hook_name                            # SAE.load("google/gemma-scope-2b-pt-res/layer_12/width_16k/average_l0_82")
+        'blocks.3.hook_resid_pre'
         """
         return cls(*read_sae(path_or_repo, hook))
 

@@ -7,16 +7,25 @@ with one import changed,
 
 Nothing here computes anything of its own: each name is lenskit's (`lenskit.HookedTransformer`,
 `lenskit.ActivationCache`, `lenskit.patching` ...) with TransformerLens's defaults, names and argument orders.
-See the README, "Coming from TransformerLens", for what differs and what is not provided.
+See docs/howto/transformer_lens.md ("Coming from TransformerLens") for what differs and what is not provided.
 """
 
+from . import (
+               components,
+               errors,
+               evals,
+               head_detector,
+               hook_points,
+               loading_from_pretrained,
+               past_key_value_caching,
+               patching,
+               utilities,
+               utils,
+)
 from .ActivationCache import ActivationCache
-
-from . import (components, errors, evals, head_detector, hook_points, loading_from_pretrained, past_key_value_caching,
-               patching, utilities, utils)
 from .FactoredMatrix import FactoredMatrix
-from .HookedRootModule import HookedRootModule
 from .hook_points import HookPoint
+from .HookedRootModule import HookedRootModule
 from .HookedTransformer import HookedTransformer
 from .HookedTransformerConfig import HookedTransformerConfig
 from .past_key_value_caching import HookedTransformerKeyValueCache

@@ -2,9 +2,15 @@
 `lenskit.patching`: each patch is `lenskit.patching.splice`, each sweep `lenskit.patching.run_patches`.
 
 >>> from lenskit.transformer_lens import patching
+>>> clean_tokens = model.to_tokens("def f(self, name):\\n    self.name =")
+>>> corrupted_tokens = model.to_tokens("def f(self, path):\\n    self.name =")
+>>> name, path = model.to_single_token(" name"), model.to_single_token(" path")
+>>> metric = lambda logits: logits[0, -1, name] - logits[0, -1, path]
 >>> _, clean_cache = model.run_with_cache(clean_tokens)
->>> patching.get_act_patch_resid_pre(model, corrupted_tokens, clean_cache, metric)   # [layer, pos]
->>> patching.get_act_patch_attn_head_all_pos_every(model, corrupted_tokens, clean_cache, metric)   # [5, layer, head]
+>>> patching.get_act_patch_resid_pre(model, corrupted_tokens, clean_cache, metric).shape   # [layer, pos]
+torch.Size([6, 12])
+>>> patching.get_act_patch_attn_head_all_pos_every(model, corrupted_tokens, clean_cache, metric).shape   # [5, layer, head]
+torch.Size([5, 6, 6])
 
 A metric takes logits [batch, pos, d_vocab] and returns a scalar. Under grouped-query attention the k and v sweeps
 have one entry per key/value head (kv head j is read by query heads j * group .. (j + 1) * group - 1); the `*_every`

@@ -7,7 +7,14 @@ bookkeeping; `test_prompt` prints TransformerLens's report on a prompt and its a
 >>> from lenskit.transformer_lens import utils
 >>> utils.get_act_name("resid_pre", 3)
 'blocks.3.hook_resid_pre'
->>> utils.test_prompt("The cat sat on the", " mat", model)
+>>> utils.test_prompt("import os\\nos.path.", "join", model, prepend_space_to_answer=False)
+Tokenized prompt: ['import', ' os', '\\n', 'os', '.', 'path', '.']
+Tokenized answer: ['join']
+Performance on answer token:
+Rank: 0        Logit:  8.44 Prob: 24.22% Token: |join|
+Top 0th token. Logit:  8.44 Prob: 24.22% Token: |join|
+Top 1th token. Logit:  8.08 Prob: 16.87% Token: |is|
+...
 """
 
 from __future__ import annotations
@@ -125,7 +132,8 @@ def composition_scores(left: FactoredMatrix, right: FactoredMatrix, broadcast_di
     With `broadcast_dims`, every left matrix is scored against every right one: left [*L, a, b] and right
     [*R, b, c] give [*L, *R]; without it their leading dims broadcast as in a product.
 
-    >>> composition_scores(model.OV[0], model.QK[1])   # [head, head]: heads of layer 0 feeding queries in layer 1
+    >>> composition_scores(model.OV[0], model.QK[1]).shape   # [head, head]: heads of layer 0 feeding queries in layer 1
+    torch.Size([6, 6])
     """
     if broadcast_dims:
         n_left, n_right = left.ndim - 2, right.ndim - 2
@@ -150,7 +158,14 @@ def test_prompt(prompt: str, answer: str | Sequence[str], model: Any, prepend_sp
     tokens are scored, side by side). `prepend_space_to_answer` puts a space before an answer that has none;
     `prepend_bos` applies to the prompt, as in `model.to_tokens`.
 
-    >>> test_prompt("After John and Mary went to the store, John gave a bottle of milk to", " Mary", model)
+    >>> test_prompt("def __init__(self, name):\\n    self.name =", " name", model, top_k=2)
+    Tokenized prompt: ['def', ' __', 'init', '__(', 'self', ',', ' name', '):', '\\n   ', ' self', '.', 'name', ' =']
+    Tokenized answer: [' name']
+    Performance on answer token:
+    Rank: 4        Logit:  7.63 Prob:  5.54% Token: | name|
+    Top 0th token. Logit:  8.35 Prob: 11.39% Token: | _|
+    Top 1th token. Logit:  7.73 Prob:  6.12% Token: | self|
+    Ranks of the answer tokens: [(' name', 4)]
     """
     answers = [answer] if isinstance(answer, str) else list(answer)
     if not answers or not all(isinstance(a, str) for a in answers):

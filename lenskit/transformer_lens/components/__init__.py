@@ -15,10 +15,15 @@ import abc
 from typing import Any, Callable
 
 from lenskit.pieces.attention import Attention as _Attention
-from lenskit.pieces.embeddings import Embed as _Embed, PosEmbed as _PosEmbed, Unembed as _Unembed
-from lenskit.pieces.layers import GeluMLP as _GeluMLP, SwiGLU as _SwiGLU, TransformerBlock as _TransformerBlock
+from lenskit.pieces.embeddings import Embed as _Embed
+from lenskit.pieces.embeddings import PosEmbed as _PosEmbed
+from lenskit.pieces.embeddings import Unembed as _Unembed
+from lenskit.pieces.layers import GeluMLP as _GeluMLP
+from lenskit.pieces.layers import SwiGLU as _SwiGLU
+from lenskit.pieces.layers import TransformerBlock as _TransformerBlock
 from lenskit.pieces.moe import MoE as _MoE
-from lenskit.pieces.norms import LayerNorm as _LayerNorm, RMSNorm as _RMSNorm
+from lenskit.pieces.norms import LayerNorm as _LayerNorm
+from lenskit.pieces.norms import RMSNorm as _RMSNorm
 
 from .mlps.can_be_used_as_mlp import CanBeUsedAsMLP, Role
 
