@@ -245,7 +245,8 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
             "per_expert": (_per_expert(cfg), "gate, up and down projections" + (" and their biases" if
                                                                                   _experts(cfg)[1] else "")),
             "active": (values["total"][0] - unused, f"what one token uses: the router and {cfg.moe.n_experts_per_token} of "
-                       f"{cfg.moe.n_experts} experts per MoE block, and everything else"),
+                       f"{cfg.moe.n_experts} experts per MoE block, and everything else"
+                       + (f" (the {cfg.moe.n_shared_experts} shared experts too)" if cfg.moe.n_shared_experts else "")),
             "active_non_embedding": (non_embedding - unused, "active, less the embeddings"),
         })
     # object dtype keeps counts as exact ints beside the float shares

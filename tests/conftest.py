@@ -130,6 +130,8 @@ def _perturb(model: torch.nn.Module) -> None:
                 b.mul_(0.5 + torch.rand_like(b))
             elif name.endswith("act_fn.beta") or name.endswith("act_fn.eps"):  # xIELU's, read from the checkpoint
                 b.copy_(0.5 * torch.rand_like(b) + 0.25 if name.endswith("beta") else -0.1 * torch.rand_like(b))
+            elif name.endswith("e_score_correction_bias"):  # DeepSeek V3's, zero in a fresh model: let it steer choices
+                b.normal_(std=0.3)
 
 
 # One tiny config per family, from the registry (lenskit.families: each record's `tiny`, which says what it

@@ -190,11 +190,12 @@ def test_every_preset_shrinks_and_runs(name):
     if preset.layer_types is not None:
         assert small.layer_types == preset.layer_types[:2]
     assert small.nope_layers == tuple(i for i in preset.nope_layers if i < 2)  # blocks without rotary (SmolLM3)
+    assert small.moe.dense_layers == tuple(i for i in preset.moe.dense_layers if i < 2)  # DeepSeek V3's first dense blocks
     ours, theirs = small.to_flat_dict(), preset.to_flat_dict()  # every setting by its flat name
     same = set(theirs) - {
         "n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_head", "n_kv_heads", "d_mlp", "rotary_dim",
         "query_pre_attn_scalar", "layer_types", "nope_layers", "full_d_head", "full_n_kv_heads", "n_kv_shared_layers",
-        "double_wide_mlp", "d_vocab_per_layer"}
+        "double_wide_mlp", "d_vocab_per_layer", "dense_layers"}
     assert all(ours[f] == theirs[f] for f in same)
     model = HookedTransformer(small).eval()
     with torch.no_grad():

@@ -231,6 +231,11 @@ ROPE = [
                                           "mrope_section": [2, 1, 1], "mrope_interleaved": True}}, None),
     ("qwen3_5_text", {"rope_theta": 5e5, "partial_rotary_factor": 0.5}, None),
     ("smollm3", {"rope_theta": 5e6}, None),
+    # DeepSeek V3: rotary over qk_rope_head_dim; Kimi K2's 4.x YaRN (mscale over mscale_all_dim: attention factor 1)
+    ("deepseek_v3", {"rope_theta": 5e4, "rope_scaling": {"type": "yarn", "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                         "original_max_position_embeddings": 16, "beta_fast": 1.0,
+                                                         "beta_slow": 1.0}}, None),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, None),
     # Gemma 4: per layer type, proportional rotary (a share of the full blocks' wider heads turning) by default
     ("gemma4_text", {}, None),
     ("gemma4_text", {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
@@ -257,7 +262,7 @@ ROPE = [
     ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e4},
      ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")),
     *((f, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e4},
-       ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")) for f in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")),
+       ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")) for f in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")),
     ("apertus", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e4},
      ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")),
     ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": {"type": "linear", "factor": 2.0}},

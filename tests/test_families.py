@@ -88,6 +88,18 @@ def test_hook_shapes_follow_gqa_and_the_family(pair, tokens):
     c = model.cfg
     _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.startswith("blocks.0.attn."))
     batch, pos = tokens.shape
+    if c.mla.kv_lora_rank is not None:  # latent attention (DeepSeek V3): q and k wider than v, rotated inside the piece
+        d_qk = c.mla.qk_nope_head_dim + c.rope.dim
+        assert cache["blocks.0.attn.hook_q"].shape == cache["blocks.0.attn.hook_k"].shape == (batch, pos, c.n_heads, d_qk)
+        assert cache["blocks.0.attn.hook_kv_latent"].shape == (batch, pos, c.mla.kv_lora_rank)
+        assert cache["blocks.0.attn.hook_k_rope"].shape == (batch, pos, c.rope.dim)
+        assert cache["blocks.0.attn.hook_v"].shape == (batch, pos, c.n_heads, c.d_head)
+        assert cache["blocks.0.attn.hook_z"].shape == (batch, pos, c.n_heads, c.d_head)
+        assert "blocks.0.attn.hook_rot_q" not in model.hook_dict
+        # every head's key ends with the one shared rotated part
+        k = cache["blocks.0.attn.hook_k"]
+        assert torch.equal(k[..., -c.rope.dim:], cache["blocks.0.attn.hook_k_rope"][:, :, None].expand_as(k[..., -c.rope.dim:]))
+        return
     assert cache["blocks.0.attn.hook_q"].shape == (batch, pos, c.n_heads, c.d_head)
     assert cache["blocks.0.attn.hook_k"].shape == (batch, pos, c.n_kv_heads, c.d_head)
     assert cache["blocks.0.attn.hook_v"].shape == (batch, pos, c.n_kv_heads, c.d_head)

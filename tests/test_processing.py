@@ -17,7 +17,8 @@ OPTIONS = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_bi
 LAYERNORM = ("gpt2", "gpt_neox")
 # Every family: each option either applies or is refused by name below.
 FAMILIES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "olmo3", "phi3",
-            "smollm3", "mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_5_text", "gemma4_text", "apertus")
+            "smollm3", "mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_5_text", "gemma4_text", "apertus",
+            "deepseek_v3")
 # (family, option) -> words the refusal must contain.
 REFUSED = {
     ("llama", "center_writing_weights"): "needs LayerNorm",
@@ -31,6 +32,8 @@ REFUSED = {
     ("gemma4_text", "center_writing_weights"): "needs LayerNorm",
     ("gemma4_text", "center_unembed"): "soft-cap",
     ("apertus", "center_writing_weights"): "needs LayerNorm",  # RMSNorm's; xIELU itself leaves every option exact
+    ("deepseek_v3", "center_writing_weights"): "needs LayerNorm",
+    ("deepseek_v3", "fold_value_biases"): "nothing to fold in latent attention",
 }
 
 
@@ -131,6 +134,19 @@ def test_fold_ln_leaves_a_pure_normalisation():
         assert torch.equal(processed.blocks[1].ln1.gain, torch.ones(processed.cfg.d_model)), family
 
 
+def test_fold_ln_folds_the_block_norms_and_keeps_the_latent_norms():
+    """DeepSeek V3's latent attention: ln1 folds into q_a and kv_a (what reads the stream), the norms inside the
+    attention (q_a_norm, kv_a_norm: between the latents and their up-projections) stay as they are."""
+    raw = build_family_model("deepseek_v3").model
+    folded = raw.process_weights(fold_ln=True, center_unembed=False, fold_value_biases=False)
+    _assert_same_logprobs(raw, folded)
+    for block, before in zip(folded.blocks, raw.blocks):
+        assert (block.ln1.weight == 1).all() and (block.ln2.weight == 1).all()
+        for norm in ("q_a_norm", "kv_a_norm"):
+            assert torch.equal(getattr(block.attn, norm).weight, getattr(before.attn, norm).weight)
+        torch.testing.assert_close(block.attn.kv_a.weight, before.attn.kv_a.weight * before.ln1.weight, rtol=0, atol=1e-6)
+
+
 def test_refusals():
     for (family, option), words in REFUSED.items():
         model = build_family_model(family).model
@@ -140,6 +156,9 @@ def test_refusals():
     for family in ("gpt_neox", "llama"):  # rotary, as TransformerLens refuses it
         with pytest.raises(ValueError, match="refactor_factored_attn_matrices is not defined for .*rotary"):
             build_family_model(family).model.process_weights(refactor_factored_attn_matrices=True)
+    with pytest.raises(ValueError, match="refactor_factored_attn_matrices is not defined for deepseek_v3") as info:
+        build_family_model("deepseek_v3").model.process_weights(refactor_factored_attn_matrices=True)
+    assert len(str(info.value).splitlines()) == 1
     model = build_family_model("gpt2").model
     with pytest.raises(TypeError, match="True, False or None"):
         model.process_weights(fold_ln="yes")

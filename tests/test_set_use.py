@@ -17,6 +17,8 @@ def refusal(model, switch: str) -> str | None:
     """The refusal a switch must give on this model (None: it applies), read from the model's pieces."""
     if switch in ("set_use_attn_result", "set_use_hook_mlp_in"):
         return None
+    if model.cfg.mla.kv_lora_rank is not None:  # DeepSeek V3: a norm between the stream and q, k, v
+        return "attention is latent"
     if any(not hasattr(b.attn, "n_heads") or not hasattr(b.attn, "qkv") for b in model.blocks):
         return "layers, which have no per-head"
     if any(getattr(b.attn, "kv_source", None) is not None for b in model.blocks):

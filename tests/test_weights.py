@@ -130,6 +130,13 @@ def test_attention_views_reproduce_q_k_v(family_model):
             continue
         group = c.n_heads // c.n_kv_heads_of(l)  # Gemma 4's full blocks have their own kv heads
         a = model.blocks[l].attn  # its views are the stacks' rows (test_shapes)
+        if c.mla.kv_lora_rank is not None:  # latent attention (DeepSeek V3): W_O only, per-head W_Q/W_K/W_V refused
+            for view in ("W_Q", "W_K", "W_V", "b_Q"):
+                with pytest.raises(ValueError, match=f"latent attention \\(DeepSeek V3\\) has no per-head {view}") as e:
+                    getattr(a, view)
+                assert "\n" not in str(e.value)
+            close(torch.einsum("bphd,hdm->bpm", cache["z", l], a.W_O) + a.b_O, out)
+            continue
         close(torch.einsum("bpm,hmd->bphd", x, a.W_Q) + a.b_Q, cache["q", l])
         if c.kv_source(l) is not None:  # Gemma 4's kv sharing: its k and v are block kv_source's (test_gemma4.py)
             close(torch.einsum("bphd,hdm->bpm", cache["z", l], a.W_O) + a.b_O, out)

@@ -146,11 +146,12 @@ class LatentAttention(Attention):
         """Weight processing (lenskit.processing) needs per-head W_Q, W_K, W_V to refactor the heads' matrices, and
         finds no value bias to fold (kv_b has none): both are refused by name; the rest applies as to `Attention`."""
         if option == "refactor_factored_attn_matrices":
-            return ("refactor_factored_attn_matrices is not defined for latent attention: a norm sits between the stream "
-                    "and q, k, v, so there is no per-head W_Q, W_K; pass refactor_factored_attn_matrices=False", False)
+            return (f"refactor_factored_attn_matrices is not defined for latent attention ({cfg.family}): a norm sits "
+                    "between the stream and q, k, v, so there is no per-head W_Q, W_K; pass "
+                    "refactor_factored_attn_matrices=False", False)
         if option == "fold_value_biases":
-            return ("fold_value_biases has nothing to fold in latent attention: its values (kv_b) have no bias; pass "
-                    "fold_value_biases=False", True)
+            return (f"fold_value_biases has nothing to fold in latent attention ({cfg.family}): its values (kv_b) have "
+                    "no bias; pass fold_value_biases=False", True)
         return None
 
     def norm_readers(self) -> list[nn.Linear]:
