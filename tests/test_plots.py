@@ -9,6 +9,7 @@ import pytest
 from tiny_tokenizer import make_model_with_tokenizer
 
 from lenses import LogitLens, Trajectory, metrics, plots
+from lenses.plots.export import stop_export_browser
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +97,7 @@ def test_save_html_and_bad_suffix(tmp_path, traj):
 
 def test_missing_browser_gives_clear_error(tmp_path, traj, monkeypatch):
     monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "no-such-chrome"))
+    stop_export_browser()  # a browser an earlier test of this process started would be reused, whatever BROWSER_PATH says
     with pytest.raises(RuntimeError, match="BROWSER_PATH"):
         plots.save_figure(plots.logit_lens_heatmap(traj), tmp_path / "lens.png")
 

@@ -15,8 +15,14 @@ from lenskit.pieces.layers import MLP
 TOKENS = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(3))
 
 
-def act(cfg: ModelConfig, pre: torch.Tensor) -> torch.Tensor:
-    """The MLP's activation, from the config alone (SiLU for SwiGLU, the config's GELU otherwise)."""
+def act(cfg: ModelConfig, pre: torch.Tensor, mlp: torch.nn.Module | None = None) -> torch.Tensor:
+    """The MLP's activation, from the config (SiLU for SwiGLU, ReLU, the config's GELU otherwise); Apertus's xIELU
+    has learned scalars per block, so it is the block's own (checked against transformers' in tests/test_apertus.py)."""
+    if cfg.activation == "xielu":
+        assert mlp is not None, "xIELU's scalars are the block's: pass its MLP"
+        return mlp.act(pre)
+    if cfg.activation == "relu":
+        return F.relu(pre)
     return F.silu(pre) if cfg.mlp in ("swiglu", "swiglu_fused") else F.gelu(pre, approximate=cfg.gelu_approximate)
 
 
@@ -103,7 +109,7 @@ def test_mlp_views_reproduce_the_mlp(family_model):
         linear = x @ m.W_in + m.b_in  # [batch, pos, d_mlp]
         if m.W_gate is None:
             close(linear, cache[f"blocks.{l}.mlp.hook_pre"])
-            post = act(c, linear)
+            post = act(c, linear, m)
         else:
             gate = x @ m.W_gate + m.b_gate
             close(gate, cache[f"blocks.{l}.mlp.hook_pre"])
@@ -160,6 +166,10 @@ def test_mlp_views_match_transformers_parameters(family_model):
         elif family == "gpt_neox":
             assert torch.equal(model.W_in[l], mlp.dense_h_to_4h.weight.T) and torch.equal(model.b_in[l], mlp.dense_h_to_4h.bias)
             assert torch.equal(model.W_out[l], mlp.dense_4h_to_h.weight.T)
+        elif family == "apertus":  # an ungated MLP (xIELU): up_proj in, down_proj out, no biases
+            ours = model.blocks[l].mlp
+            assert ours.W_gate is None and torch.equal(ours.W_in, mlp.up_proj.weight.T)
+            assert torch.equal(ours.W_out, mlp.down_proj.weight.T) and not ours.b_in.any() and not ours.b_out.any()
         else:
             if family == "phi3":
                 gate, up = mlp.gate_up_proj.weight.chunk(2, dim=0)  # [gate rows | up rows], as Phi3MLP splits it

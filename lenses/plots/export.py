@@ -230,12 +230,15 @@ def _render_static(fig: go.Figure, fmt: str, width: int | None, height: int | No
     opts = dict(format=fmt, width=width or layout.width or 900, height=height or layout.height or 500,
                 scale=scale or (meta.get("export_scale", 2) if fmt == "png" else 1))
     check_figure_size(opts["width"], opts["height"], opts["scale"] if fmt == "png" else 1)
-    browser = _export_browser()
-    try:
-        return browser.render(fig.to_dict(), opts)
-    except Exception:
-        stop_export_browser()  # a browser that failed once is not trusted with the next figure: the next one starts anew
-        raise
+    for attempt in (1, 2):
+        browser = _export_browser()
+        try:
+            return browser.render(fig.to_dict(), opts)
+        except Exception:
+            stop_export_browser()  # a browser that failed once is not trusted with the next figure: the next one starts anew
+            if attempt == 2:  # once more on a fresh browser: on a loaded machine its page can miss kaleido's scripts
+                raise
+    raise AssertionError("unreachable")
 
 
 def save_figures(figures: dict[str, go.Figure], folder: str | os.PathLike, formats: str | Sequence[str]) -> list[Path]:
