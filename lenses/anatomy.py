@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence, Union
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -228,12 +229,18 @@ def resid_norms(cache: ActivationCache, positions: slice | Sequence[int] | None 
     for i in range(cache.n_layers):
         entries.append(("attn_out", i, _need(cache, hook_name("attn_out", i), "resid_norms")))
         entries.append(("mlp_out", i, _need(cache, hook_name("mlp_out", i), "resid_norms")))
-    frames = []
-    for component, layer, x in entries:
+    device = entries[0][2].device  # each entry's numbers gather here (device to device), then cross to the host once
+    norms, rms = [], []
+    for _, _, x in entries:
         x = x[:, sel].float()  # [batch, pos, d_model]
-        frames.append(pd.DataFrame({
-            "component": component, "layer": layer, "batch": range(x.shape[0]),
-            "mean_norm": x.norm(dim=-1).mean(-1).cpu().numpy(),
-            "rms": x.pow(2).mean((-1, -2)).sqrt().cpu().numpy(),
-        }))
-    return pd.concat(frames, ignore_index=True)
+        norms.append(x.norm(dim=-1).mean(-1).to(device))  # [batch]
+        rms.append(x.pow(2).mean((-1, -2)).sqrt().to(device))
+    norm_rows, rms_rows = torch.stack(norms).cpu().numpy(), torch.stack(rms).cpu().numpy()  # [entry, batch] each
+    n_batch = norm_rows.shape[1]
+    return pd.DataFrame({
+        "component": np.repeat([component for component, _, _ in entries], n_batch),
+        "layer": np.repeat([layer for _, layer, _ in entries], n_batch),
+        "batch": np.tile(np.arange(n_batch), len(entries)),
+        "mean_norm": norm_rows.reshape(-1),
+        "rms": rms_rows.reshape(-1),
+    })
