@@ -51,7 +51,8 @@ LEARNED_ACTIVATIONS = ("xielu",)  # with parameters of their own, so only a fami
 _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
                 "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate", "router_bias", "attn_output_gate",
-                "full_k_is_v", "v_norm", "layer_scalar", "double_wide_mlp", "experts_beside_mlp", "rope_interleave")
+                "full_k_is_v", "v_norm", "layer_scalar", "double_wide_mlp", "experts_beside_mlp", "rope_interleave",
+                "shared_expert_gate", "linear_fused")
 _POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rotary_base",
                      "rope_attention_factor", "rope_mscale_all_dim")
 _ORGANISATION = re.compile(r"[A-Za-z0-9][\w.-]*")  # a hub organisation: no path separators, no leading "." or "~"
@@ -126,6 +127,10 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
+    # Qwen3-Next's shared expert (with any routing): its own width where it is not n_shared_experts * d_expert
+    # (shared_expert_intermediate_size), and a sigmoid gate per token on its output (shared_expert_gate)
+    d_shared: int | None = None
+    shared_gate: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,9 @@ class LinearConfig:
     d_k: int | None = None  # q/k head width
     d_v: int | None = None  # value head width
     conv_width: int | None = None  # the causal convolution's kernel width
+    # q, k, v and the output gate z in one projection, b and a in another, each laid out per q/k head group as
+    # Qwen3-Next stores them (in_proj_qkvz, in_proj_ba); False: four projections, as Qwen 3.5 stores them
+    fused: bool = False
 
 
 @dataclass(frozen=True)
@@ -187,8 +195,10 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "router_bias": ("moe", "router_bias"), "swiglu_alpha": ("moe", "swiglu_alpha"), "swiglu_limit": ("moe", "swiglu_limit"),
     "n_group": ("moe", "n_group"), "topk_group": ("moe", "topk_group"),
     "routed_scaling_factor": ("moe", "routed_scaling_factor"), "n_shared_experts": ("moe", "n_shared_experts"),
+    "d_shared_expert": ("moe", "d_shared"), "shared_expert_gate": ("moe", "shared_gate"),
     "linear_n_k_heads": ("linear", "n_k_heads"), "linear_n_v_heads": ("linear", "n_v_heads"),
     "linear_d_k": ("linear", "d_k"), "linear_d_v": ("linear", "d_v"), "linear_conv_width": ("linear", "conv_width"),
+    "linear_fused": ("linear", "fused"),
     "layer_scalar": ("block", "layer_scalar"), "d_per_layer": ("block", "d_per_layer"),
     "d_vocab_per_layer": ("block", "d_vocab_per_layer"), "n_kv_shared_layers": ("block", "n_kv_shared_layers"),
     "double_wide_mlp": ("block", "double_wide_mlp"), "experts_beside_mlp": ("block", "experts_beside_mlp"),

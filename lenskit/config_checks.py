@@ -155,10 +155,10 @@ def check_grouped_routing(cfg: "ModelConfig") -> None:
                               ("n_shared_experts", moe.n_shared_experts, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"ModelConfig.{field} must be an int >= {low}, got {value!r}")
+    check_shared_expert(cfg)
     if not moe.routing.startswith("sigmoid_group_topk"):
         changed = [f for f, v, default in (("n_group", moe.n_group, 1), ("topk_group", moe.topk_group, 1),
-                                           ("routed_scaling_factor", moe.routed_scaling_factor, 1.0),
-                                           ("n_shared_experts", moe.n_shared_experts, 0)) if v != default]
+                                           ("routed_scaling_factor", moe.routed_scaling_factor, 1.0)) if v != default]
         if changed:
             raise ValueError(f"ModelConfig.{changed[0]} is a setting of DeepSeek's routing; routing={moe.routing!r} does "
                              "not read it: use routing='sigmoid_group_topk' (or '_renorm'), or leave it at its default")
@@ -172,6 +172,19 @@ def check_grouped_routing(cfg: "ModelConfig") -> None:
     if cfg.mlp != "swiglu":
         raise ValueError(f"ModelConfig.routing={moe.routing!r} is DeepSeek V3's, whose experts are SwiGLU; got "
                          f"mlp={cfg.mlp!r}: use mlp='swiglu'")
+
+
+def check_shared_expert(cfg: "ModelConfig") -> None:
+    """The shared experts' width and gate (lenskit.pieces.shared_experts): set only where there are shared experts, and
+    those of SwiGLU experts (the shared MLP is a SwiGLU one)."""
+    moe = cfg.moe
+    _positive_or_none("d_shared_expert", moe.d_shared)
+    if not moe.n_shared_experts and (moe.d_shared is not None or moe.shared_gate):
+        raise ValueError("ModelConfig.n_shared_experts is 0, so d_shared_expert and shared_expert_gate must be unset; "
+                         "give n_shared_experts for a shared expert")
+    if moe.n_shared_experts and cfg.mlp != "swiglu":
+        raise ValueError(f"ModelConfig.n_shared_experts={moe.n_shared_experts}: lenskit's shared experts are SwiGLU "
+                         f"MLPs beside SwiGLU experts; got mlp={cfg.mlp!r}: use mlp='swiglu'")
 
 
 def check_latent_attention(cfg: "ModelConfig") -> None:

@@ -231,6 +231,11 @@ ROPE = [
                                           "mrope_section": [2, 1, 1], "mrope_interleaved": True}}, None),
     ("qwen3_5_text", {"rope_theta": 5e5, "partial_rotary_factor": 0.5}, None),
     ("smollm3", {"rope_theta": 5e6}, None),
+    # Qwen3-Next: as Qwen 3.5, a quarter of each head rotating by default; its published config's top-level spelling
+    ("qwen3_next", {}, None),
+    ("qwen3_next", {"rope_theta": 1e7, "partial_rotary_factor": 0.25, "rope_scaling": None}, None),
+    ("qwen3_next", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e4},
+     ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")),
     # DeepSeek V3: rotary over qk_rope_head_dim; Kimi K2's 4.x YaRN (mscale over mscale_all_dim: attention factor 1)
     ("deepseek_v3", {"rope_theta": 5e4, "rope_scaling": {"type": "yarn", "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                                                          "original_max_position_embeddings": 16, "beta_fast": 1.0,

@@ -39,7 +39,13 @@ def read(r: ConfigReader) -> dict[str, Any]:
     fields = llama_like(ConfigReader(ChainMap(stripped, r.d), r.family, r.n_blocks), False, False, False, eps=1e-6,
                         bos=None, eos=None, kv_heads=4, head_dim=256, null_head_dim=False, null_kv_heads=False,
                         rope_types=("default",), default_fraction=0.25)
-    n = fields["n_layers"]
+    return {**fields, "norm": "rmsnorm_offset", "qk_norm": True, "attn_output_gate": True,
+            **linear_attention_fields(r, fields["n_layers"])}
+
+
+def linear_attention_fields(r: ConfigReader, n: int) -> dict[str, Any]:
+    """The Qwen hybrids' block kinds (`layer_types`, or every `full_attention_interval`-th block full attention, the
+    rest Gated DeltaNet) and, where there is a linear block, its shape (Qwen 3.5 and Qwen3-Next share both)."""
     types = r.d.get("layer_types")
     if types is None:
         every = r.int("full_attention_interval", 4)
@@ -55,28 +61,34 @@ def read(r: ConfigReader) -> dict[str, Any]:
         raise ValueError(f"config fields linear_num_value_heads={linear['linear_n_v_heads']} and linear_num_key_heads="
                          f"{linear['linear_n_k_heads']}: each key head serves a whole group of value heads, so the first "
                          f"must be a multiple of the second (model_type={r.family!r}); fix config.json")
-    return {**fields, "norm": "rmsnorm_offset", "qk_norm": True, "attn_output_gate": True, "layer_types": types,
-            **(linear if "linear" in types else {})}
+    return {"layer_types": types, **(linear if "linear" in types else {})}
 
 
-def write(cfg: ModelConfig) -> dict[str, Any]:
+def linear_attention_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json fields `linear_attention_fields` reads, for saving."""
     linear = {} if cfg.linear.n_k_heads is None else {
         "linear_num_key_heads": cfg.linear.n_k_heads, "linear_num_value_heads": cfg.linear.n_v_heads,
         "linear_key_head_dim": cfg.linear.d_k, "linear_value_head_dim": cfg.linear.d_v,
         "linear_conv_kernel_dim": cfg.linear.conv_width}
     types = cfg.layer_types or ("full",) * cfg.n_layers
-    return {**writers.llama_like(cfg), "attention_bias": cfg.attention.qkv_bias, "rope_parameters": writers.rope_parameters(cfg, partial=True),
-            "layer_types": [writers.hf_layer_type(t) for t in types], **linear}
+    return {"layer_types": [writers.hf_layer_type(t) for t in types], **linear}
+
+
+def write(cfg: ModelConfig) -> dict[str, Any]:
+    return {**writers.llama_like(cfg), "attention_bias": cfg.attention.qkv_bias,
+            "rope_parameters": writers.rope_parameters(cfg, partial=True), **linear_attention_config(cfg)}
 
 
 # Qwen 3.5: full-attention blocks as Llama's (`self_attn`; its q_proj holds each head's query and gate rows), the
 # Gated DeltaNet blocks under `linear_attn`.
+DELTANET_BLOCK = {f"attn.{ours}": f"linear_attn.{theirs}" for ours, theirs in (
+    ("conv_weight", "conv1d.weight"), ("A_log", "A_log"), ("dt_bias", "dt_bias"), ("out_norm.weight", "norm.weight"),
+    ("out_proj.weight", "out_proj.weight"))}  # what Qwen 3.5 and Qwen3-Next name alike
 _BLOCK = {
-    **LLAMA_BLOCK,
+    **LLAMA_BLOCK, **DELTANET_BLOCK,
     **{f"attn.{ours}": f"linear_attn.{theirs}" for ours, theirs in (
         ("in_qkv.weight", "in_proj_qkv.weight"), ("in_z.weight", "in_proj_z.weight"), ("in_b.weight", "in_proj_b.weight"),
-        ("in_a.weight", "in_proj_a.weight"), ("conv_weight", "conv1d.weight"), ("A_log", "A_log"), ("dt_bias", "dt_bias"),
-        ("out_norm.weight", "norm.weight"), ("out_proj.weight", "out_proj.weight"))},
+        ("in_a.weight", "in_proj_a.weight"))},
 }
 LAYOUT = Layout(prefix="model.", blocks="layers", top=LLAMA.top, block=_BLOCK)
 

@@ -8,6 +8,11 @@ q and k are the L2-normalised outputs of a causal depthwise convolution (then Si
 stream; beta = sigmoid(b) is the write strength and g = -exp(A_log) softplus(a + dt_bias) <= 0 the log decay.
 The output is RMS-normalised per head, gated by SiLU(z) and projected back to d_model.
 
+Qwen 3.5 projects the stream four times (`in_qkv`, `in_z`, `in_b`, `in_a`); Qwen3-Next (`cfg.linear.fused`) twice,
+`in_qkvz` (q, k, v and z of every head) and `in_ba` (b and a). Ours hold their rows grouped by kind, all heads'
+queries, then keys, values and gates (as the separate projections are), so one split gives each; Qwen3-Next's
+checkpoints group them per q/k head, which `fused_to_ours` and `ours_to_fused` convert.
+
 `chunked_gated_delta_rule` (the default, for prompts) computes the same recurrence a chunk of positions at a time
 (the WY/UT form: one triangular solve per chunk, then a scan over chunks), so its cost and memory are linear in
 the prompt length; `recurrent_gated_delta_rule` is the plain recurrence, the reference the tests compare it to.
@@ -106,6 +111,27 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor | None
     return F.silu(y[..., : x.shape[1]]).transpose(1, 2).to(x.dtype)  # [batch, pos, channel]
 
 
+def _kinds(cfg: ModelConfig, which: str) -> list[int]:
+    """The rows of each kind one q/k head's group contributes to fused projection `which` ("qkvz" or "ba")."""
+    lin = cfg.linear
+    group = lin.n_v_heads // lin.n_k_heads
+    return [lin.d_k, lin.d_k, group * lin.d_v, group * lin.d_v] if which == "qkvz" else [group, group]
+
+
+def fused_to_ours(stored: torch.Tensor, cfg: ModelConfig, which: str) -> torch.Tensor:
+    """A Qwen3-Next fused projection's weight [rows, d_model], its rows per q/k head ([q, k, v..., z...] or [b..., a...]
+    for each head), with its rows by kind instead: every head's q, then every head's k, v and z (or b, then a)."""
+    per_head = stored.view(cfg.linear.n_k_heads, -1, stored.shape[-1])  # [k_head, rows of one head's group, d_model]
+    return torch.cat([part.reshape(-1, stored.shape[-1]) for part in per_head.split(_kinds(cfg, which), dim=1)])
+
+
+def ours_to_fused(ours: torch.Tensor, cfg: ModelConfig, which: str) -> torch.Tensor:
+    """The inverse of `fused_to_ours`: rows by kind back to rows per q/k head, as the checkpoint stores them."""
+    n_k, d = cfg.linear.n_k_heads, ours.shape[-1]
+    kinds = [part.view(n_k, -1, d) for part in ours.split([n_k * rows for rows in _kinds(cfg, which)])]
+    return torch.cat(kinds, dim=1).reshape(-1, d)
+
+
 class GatedRMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight * SiLU(gate), over each head's d_v, in float32 as transformers runs it."""
 
@@ -140,7 +166,7 @@ class GatedDeltaNet(nn.Module):
     @classmethod
     def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
         """Its parameters by accounting row (lenskit.accounting), as (weights, biases): the projections in_qkv, in_z,
-        in_b, in_a, the depthwise causal convolution and out_proj under `attn`, with A_log and dt_bias (one per value
+        in_b, in_a (or fused, in_qkvz and in_ba: as many), the depthwise causal convolution and out_proj under `attn`, with A_log and dt_bias (one per value
         head) as biases; its gated output norm's gain under `norms`."""
         d, n_v = cfg.d_model, cfg.linear.n_v_heads
         k_dim, v_dim = cfg.linear.n_k_heads * cfg.linear.d_k, n_v * cfg.linear.d_v
@@ -171,10 +197,15 @@ class GatedDeltaNet(nn.Module):
         self.n_k_heads, self.n_v_heads = cfg.linear.n_k_heads, cfg.linear.n_v_heads
         self.d_k, self.d_v = cfg.linear.d_k, cfg.linear.d_v
         self.sizes = (self.n_k_heads * self.d_k, self.n_k_heads * self.d_k, self.n_v_heads * self.d_v)
-        self.in_qkv = Linear(cfg.d_model, sum(self.sizes), bias=False)
-        self.in_z = Linear(cfg.d_model, self.n_v_heads * self.d_v, bias=False)
-        self.in_b = Linear(cfg.d_model, self.n_v_heads, bias=False)
-        self.in_a = Linear(cfg.d_model, self.n_v_heads, bias=False)
+        self.fused = cfg.linear.fused
+        if self.fused:  # rows by kind, see the module docstring
+            self.in_qkvz = Linear(cfg.d_model, sum(self.sizes) + self.n_v_heads * self.d_v, bias=False)
+            self.in_ba = Linear(cfg.d_model, 2 * self.n_v_heads, bias=False)
+        else:
+            self.in_qkv = Linear(cfg.d_model, sum(self.sizes), bias=False)
+            self.in_z = Linear(cfg.d_model, self.n_v_heads * self.d_v, bias=False)
+            self.in_b = Linear(cfg.d_model, self.n_v_heads, bias=False)
+            self.in_a = Linear(cfg.d_model, self.n_v_heads, bias=False)
         self.conv_weight = nn.Parameter(torch.zeros(sum(self.sizes), 1, cfg.linear.conv_width))  # [channel, 1, width]
         self.A_log = nn.Parameter(torch.zeros(self.n_v_heads))  # [v_head]: the decay rate is exp(A_log)
         self.dt_bias = nn.Parameter(torch.ones(self.n_v_heads))  # [v_head]
@@ -188,18 +219,27 @@ class GatedDeltaNet(nn.Module):
         self.hook_state = HookPoint()  # [batch, v_head, d_k, d_v], float32, computed only when hooked
         self.hook_z = HookPoint()  # [batch, pos, v_head, d_v]
 
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stream's projections: q, k, v side by side [batch, pos, channel] (the convolution's input), the output
+        gate z [batch, pos, v_head * d_v], b and a [batch, pos, v_head]."""
+        if not self.fused:
+            return self.in_qkv(x), self.in_z(x), self.in_b(x), self.in_a(x)
+        mixed, z = self.in_qkvz(x).split([sum(self.sizes), self.n_v_heads * self.d_v], dim=-1)
+        b, a = self.in_ba(x).split(self.n_v_heads, dim=-1)
+        return mixed, z, b, a
+
     def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
         """The block's write [batch, pos, d_model] from its normed stream x, with the forward's `state`
         (lenskit.pieces.forward_state: its KV cache entry; None for a block alone, which has no cache)."""
         batch, pos, _ = x.shape
         past = None if state is None else state.entry(self)  # lenskit.kv_cache: None unless given past_kv_cache
-        mixed = self.in_qkv(x)  # [batch, pos, channel]
+        mixed, z_in, b_in, a_in = self.projections(x)  # [batch, pos, channel], ...
         q, k, v = causal_conv(mixed, self.conv_weight, None if past is None else past.conv).split(self.sizes, dim=-1)
         q = self.hook_q(q.view(batch, pos, self.n_k_heads, self.d_k))
         k = self.hook_k(k.view(batch, pos, self.n_k_heads, self.d_k))
         v = self.hook_v(v.view(batch, pos, self.n_v_heads, self.d_v))
-        beta = self.hook_beta(self.in_b(x).sigmoid())  # [batch, pos, v_head]
-        g = self.hook_g(-self.A_log.float().exp() * F.softplus(self.in_a(x).float() + self.dt_bias))  # [batch, pos, v_head]
+        beta = self.hook_beta(b_in.sigmoid())  # [batch, pos, v_head]
+        g = self.hook_g(-self.A_log.float().exp() * F.softplus(a_in.float() + self.dt_bias))  # [batch, pos, v_head]
         if past is None or past.state is None:
             out, recurrent = self.rule(q, k, v, beta, g)  # [batch, pos, v_head, d_v], [batch, v_head, d_k, d_v]
         else:  # on from the carried state, by the recurrence: a chunk would pad a one-position step to 64
@@ -208,7 +248,7 @@ class GatedDeltaNet(nn.Module):
             past.update(mixed, self.conv_weight.shape[-1], recurrent)
         if self.hook_state.has_hooks():
             self.hook_state(recurrent)
-        gate = self.in_z(x).view(batch, pos, self.n_v_heads, self.d_v)
+        gate = z_in.view(batch, pos, self.n_v_heads, self.d_v)
         z = self.hook_z(self.out_norm(out.to(x.dtype), gate))  # [batch, pos, v_head, d_v]
         return self.out_proj(z.reshape(batch, pos, -1))
 

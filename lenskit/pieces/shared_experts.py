@@ -1,5 +1,6 @@
-"""DeepSeek V3's mixture of experts: routed experts chosen by sigmoid scores within the best groups, plus shared
-experts that every token runs.
+"""Mixtures of experts with shared experts that every token runs beside the routed ones: DeepSeek V3's (routed experts
+chosen by sigmoid scores within the best groups) and Qwen3-Next's (MoE's softmax routing, one shared expert whose
+output a sigmoid gate scales per token).
 
     logits   = x @ W_router.T                                              [batch, pos, expert] (float32)
     scores   = sigmoid(logits)
@@ -10,7 +11,10 @@ experts that every token runs.
     mlp_out  = Σ_j weights_j · expert_{experts_j}(x) + shared(x)          [batch, pos, d_model]
 
 `shared` is one dense SwiGLU MLP `n_shared_experts * d_expert` wide (transformers' `shared_experts`, which stores the
-shared experts fused). The routed experts, their grouped run, weight views and hooks are `lenskit.pieces.moe.MoE`'s:
+shared experts fused), or `moe.d_shared` wide where the config gives its own width (Qwen3-Next's
+shared_expert_intermediate_size). Qwen3-Next routes by `lenskit.pieces.moe.ROUTES[moe.routing]` and gates the shared
+MLP: with `moe.shared_gate`, its output is times sigmoid(x @ w_shared_gate) [batch, pos, 1] (`hook_shared_gate`), and
+`hook_shared_out` is the gated output, what is added. The routed experts, their grouped run, weight views and hooks are `lenskit.pieces.moe.MoE`'s:
 `hook_router_logits` [batch, pos, expert] (before the sigmoid; a hook may edit it, and an expert whose logit it sets
 to -inf, as expert ablation's reroute does, is never chosen, whatever its bias), `hook_expert_indices` and
 `hook_expert_weights` [batch, pos, k] (after the scaling factor: what multiplies each expert's output),
@@ -30,6 +34,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
 from .mlp import SwiGLU
+from .linear import Linear
 from .moe import MoE, Route
 
 
@@ -54,43 +59,63 @@ def grouped_sigmoid_topk(logits: torch.Tensor, k: int, correction: torch.Tensor,
 
 
 class SharedExpertsMoE(MoE):
-    """DeepSeek V3's MoE MLP (see the module docstring): `MoE`'s router and SwiGLU experts, its routing replaced by
+    """MoE with shared experts (see the module docstring): `MoE`'s router and SwiGLU experts and the dense `shared`
+    MLP beside them (absent where n_shared_experts is 0, when `hook_shared_out` reads zeros), with its sigmoid gate
+    `shared_gate` where `moe.shared_gate`. Under DeepSeek's routing ("sigmoid_group_topk") the routing is
     `grouped_sigmoid_topk` with the buffer `e_score_correction_bias` [expert] (a checkpoint's, fixed: it is updated
-    outside of gradient descent in training), and the dense `shared` MLP beside them (absent where n_shared_experts
-    is 0, when `hook_shared_out` reads zeros)."""
+    outside of gradient descent in training); under another it is MoE's."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         moe = cfg.moe
-        if not moe.routing.startswith("sigmoid_group_topk"):
+        self.grouped = moe.routing.startswith("sigmoid_group_topk")
+        if not (self.grouped or moe.n_shared_experts):
             raise ValueError(f"SharedExpertsMoE routes as DeepSeek V3 does (routing 'sigmoid_group_topk' or "
-                             f"'sigmoid_group_topk_renorm'), got routing={moe.routing!r}; use lenskit.pieces.moe.MoE")
+                             f"'sigmoid_group_topk_renorm') or has shared experts; got routing={moe.routing!r} and none: "
+                             "use lenskit.pieces.moe.MoE")
         super().__init__(cfg)
-        self.register_buffer("e_score_correction_bias", torch.zeros(moe.n_experts))  # [expert]
+        if self.grouped:
+            self.register_buffer("e_score_correction_bias", torch.zeros(moe.n_experts))  # [expert]
         self.n_group, self.topk_group = moe.n_group, moe.topk_group
         self.renorm, self.scaling = moe.routing.endswith("_renorm"), moe.routed_scaling_factor
-        self.shared = SwiGLU(cfg, moe.n_shared_experts * moe.d_expert) if moe.n_shared_experts else None
+        self.shared = SwiGLU(cfg, self.shared_width(cfg)) if moe.n_shared_experts else None
+        self.shared_gate = Linear(cfg.d_model, 1, bias=False) if moe.shared_gate else None
         self.hook_routed_out = HookPoint()  # [batch, pos, d_model]
+        self.hook_shared_gate = HookPoint()  # [batch, pos, 1], in (0, 1); only with a shared gate
         self.hook_shared_out = HookPoint()  # [batch, pos, d_model]
+
+    @staticmethod
+    def shared_width(cfg: ModelConfig) -> int:
+        """The shared MLP's hidden width: `moe.d_shared`, or n_shared_experts experts' widths side by side."""
+        moe = cfg.moe
+        return moe.n_shared_experts * moe.d_expert if moe.d_shared is None else moe.d_shared
+
+    @classmethod
+    def _shared_weights(cls, cfg: ModelConfig) -> int:
+        """The shared MLP's weights and its gate's."""
+        d = cfg.d_model
+        return (3 * d * cls.shared_width(cfg) if cfg.moe.n_shared_experts else 0) + (d if cfg.moe.shared_gate else 0)
 
     @classmethod
     def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
-        """Its parameters by accounting row, as (weights, biases): the router, every routed expert and the shared MLP
-        under `mlp` (the correction bias is a buffer, as in transformers, and not counted)."""
+        """Its parameters by accounting row, as (weights, biases): the router, every routed expert, the shared MLP and
+        its gate under `mlp` (the correction bias is a buffer, as in transformers, and not counted)."""
         d, m, moe = cfg.d_model, cfg.moe.d_expert, cfg.moe
-        return {"mlp": (d * moe.n_experts + (moe.n_experts + moe.n_shared_experts) * 3 * d * m, 0)}
+        return {"mlp": (d * moe.n_experts + moe.n_experts * 3 * d * m + cls._shared_weights(cfg), 0)}
 
     @classmethod
     def active_weights(cls, cfg: ModelConfig, layer: int = 0) -> int:
-        """The weights one token's forward multiplies: the router, its k routed experts and the shared experts."""
+        """The weights one token's forward multiplies: the router, its k routed experts, the shared MLP and its gate."""
         d, m, moe = cfg.d_model, cfg.moe.d_expert, cfg.moe
-        return d * moe.n_experts + (moe.n_experts_per_token + moe.n_shared_experts) * 3 * d * m
+        return d * moe.n_experts + moe.n_experts_per_token * 3 * d * m + cls._shared_weights(cfg)
 
     def norm_readers(self) -> list[nn.Linear]:
-        """The router's, every routed expert's and the shared MLP's projections that read the normalised stream."""
-        return [*super().norm_readers(), *([] if self.shared is None else self.shared.norm_readers())]
+        """The router's, every routed expert's, the shared MLP's and its gate's projections that read the normalised
+        stream."""
+        shared = [] if self.shared is None else self.shared.norm_readers()
+        return [*super().norm_readers(), *shared, *([] if self.shared_gate is None else [self.shared_gate])]
 
     def routing_rule(self, cfg: ModelConfig) -> Route:
-        return self._route
+        return self._route if cfg.moe.routing.startswith("sigmoid_group_topk") else super().routing_rule(cfg)
 
     def _route(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights and indices [..., k] from logits [..., expert]: `grouped_sigmoid_topk` with this block's settings."""
@@ -100,4 +125,6 @@ class SharedExpertsMoE(MoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch, pos, d_model]
         routed = self.hook_routed_out(super().forward(x))
         shared = self.shared(x) if self.shared is not None else torch.zeros_like(x)
+        if self.shared_gate is not None:
+            shared = self.hook_shared_gate(torch.sigmoid(self.shared_gate(x))) * shared
         return routed + self.hook_shared_out(shared)
