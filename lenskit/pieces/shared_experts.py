@@ -33,8 +33,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
-from .mlp import SwiGLU
 from .linear import Linear
+from .mlp import SwiGLU
 from .moe import MoE, Route
 
 
