@@ -89,6 +89,14 @@ def _experts(cfg: ModelConfig) -> tuple[int, int]:
     return (MoE if moe is None else mlp_class(cfg, moe)).expert_params(cfg)
 
 
+def _shared_note(cfg: ModelConfig) -> str:
+    """", the shared expert(s) and their gate", as the accounting notes name them; "" without shared experts."""
+    n = cfg.moe.n_shared_experts
+    if not n:
+        return ""
+    return (", the shared expert" if n == 1 else f", the {n} shared experts") + (" and its gate" if cfg.moe.shared_gate else "")
+
+
 def _per_expert(cfg: ModelConfig) -> int:
     """One expert's parameters."""
     return sum(_experts(cfg))
@@ -224,7 +232,8 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
         "per_block_attn": (int(block.loc["attn", "params"]), "q, k, v and out projections" +
                            (f" (k, v: {cfg.n_kv_heads} of {cfg.n_heads} heads)" if cfg.n_kv_heads != cfg.n_heads else "")),
         "per_block_mlp": (int(block.loc["mlp", "params"]), ("dense MLP, and router and every expert beside it"
-                           if cfg.block.experts_beside_mlp else "router and every expert") if cfg.is_moe_layer(0) else
+                           if cfg.block.experts_beside_mlp else "router and every expert" + _shared_note(cfg))
+                          if cfg.is_moe_layer(0) else
                            "fc_in and fc_out" if cfg.mlp == "gelu" else "gate, fc_in, fc_out (gated MLP)"),
         "per_block_norms": (int(block.loc["norms", "params"]), {"pre": "ln1 and ln2", "post": "ln1_post and ln2_post",
                                                                "sandwich": "ln1, ln2, ln1_post and ln2_post"}[cfg.norm_placement]
@@ -246,7 +255,7 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
                                                                                   _experts(cfg)[1] else "")),
             "active": (values["total"][0] - unused, f"what one token uses: the router and {cfg.moe.n_experts_per_token} of "
                        f"{cfg.moe.n_experts} experts per MoE block, and everything else"
-                       + (f" (the {cfg.moe.n_shared_experts} shared experts too)" if cfg.moe.n_shared_experts else "")),
+                       + (f" ({_shared_note(cfg).removeprefix(', ')} too)" if cfg.moe.n_shared_experts else "")),
             "active_non_embedding": (non_embedding - unused, "active, less the embeddings"),
         })
     # object dtype keeps counts as exact ints beside the float shares

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import make_hf_family
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3NextConfig
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet, Qwen3NextSparseMoeBlock
 
 from lenskit import HookedTransformer, ModelConfig
@@ -178,3 +178,19 @@ def test_the_multi_token_prediction_weights_are_left_unread(tmp_path):
     tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (model(tokens) - hf(tokens).logits).abs().max().item() < 1e-5
+
+
+def test_the_info_counts_are_transformers_model_with_k_of_the_experts():
+    """Total and active parameters (`lenskit info`) against transformers' model built on the meta device from the
+    published config: active is everything but the (n_experts - k) / n_experts of each sparse block's routed experts
+    that a token leaves idle; the shared expert and its gate count in full."""
+    from lenskit import accounting
+
+    with torch.device("meta"):
+        hf = Qwen3NextForCausalLM(Qwen3NextConfig.from_dict(PUBLISHED))
+    total = sum(p.numel() for p in hf.parameters())
+    idle = sum(layer.mlp.experts.gate_up_proj.numel() + layer.mlp.experts.down_proj.numel()
+               for layer in hf.model.layers if isinstance(layer.mlp, Qwen3NextSparseMoeBlock)) * (512 - 10) // 512
+    counts = accounting.param_summary("qwen3-next-80b-a3b")["value"]
+    assert (counts["total"], counts["active"]) == (total, total - idle)
+    assert counts["total"] == pytest.approx(80e9, rel=0.01) and counts["active"] == pytest.approx(3.9e9, rel=0.01)

@@ -79,8 +79,9 @@ class SharedExpertsMoE(MoE):
         self.renorm, self.scaling = moe.routing.endswith("_renorm"), moe.routed_scaling_factor
         self.shared = SwiGLU(cfg, self.shared_width(cfg)) if moe.n_shared_experts else None
         self.shared_gate = Linear(cfg.d_model, 1, bias=False) if moe.shared_gate else None
+        if moe.shared_gate:
+            self.hook_shared_gate = HookPoint()  # [batch, pos, 1], in (0, 1)
         self.hook_routed_out = HookPoint()  # [batch, pos, d_model]
-        self.hook_shared_gate = HookPoint()  # [batch, pos, 1], in (0, 1); only with a shared gate
         self.hook_shared_out = HookPoint()  # [batch, pos, d_model]
 
     @staticmethod
