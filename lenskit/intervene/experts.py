@@ -14,9 +14,9 @@
 
 `positions` restricts either mode to some positions (all by default).
 
-`Expert(L, "shared")` names block L's shared experts (DeepSeek V3, lenskit.pieces.shared_experts), which every token
-runs without routing: "zero" zeroes their output (`blocks.L.mlp.hook_shared_out`); "reroute" has no meaning for them
-and is refused.
+`Expert(L, "shared")` names block L's shared experts (DeepSeek V3, Qwen3-Next; lenskit.pieces.shared_experts), which
+every token runs without routing: "zero" zeroes their output (`blocks.L.mlp.hook_shared_out`, after Qwen3-Next's gate);
+"reroute" has no meaning for them and is refused.
 
 >>> llama = lenskit.HookedTransformer.from_pretrained("stdlib-llama")
 >>> torch.manual_seed(0);  moe = lenskit.HookedTransformer(llama.cfg.replace(n_layers=2, n_experts=4, n_experts_per_token=2))

@@ -28,7 +28,8 @@ BLOCK_SHORT: dict[str, str] = {
     "router_logits": "mlp.hook_router_logits", "expert_indices": "mlp.hook_expert_indices",
     "expert_weights": "mlp.hook_expert_weights", "expert_out": "mlp.hook_expert_out",
     "q_latent": "attn.hook_q_latent", "kv_latent": "attn.hook_kv_latent", "k_rope": "attn.hook_k_rope",  # latent attention
-    "routed_out": "mlp.hook_routed_out", "shared_out": "mlp.hook_shared_out",  # DeepSeek's shared experts
+    "routed_out": "mlp.hook_routed_out", "shared_out": "mlp.hook_shared_out",  # DeepSeek's and Qwen3-Next's shared experts
+    "shared_gate": "mlp.hook_shared_gate",  # Qwen3-Next: the sigmoid gate on the shared expert's output
     "rescale_out": "hook_rescale_out",  # Gemma 4: (layer_scalar - 1) * stream, the block's last write
     "per_layer_in": "hook_per_layer_in", "per_layer_out": "hook_per_layer_out",  # Gemma 4 E2B/E4B's per-layer input
     "scale1": "ln1.hook_scale", "normalized1": "ln1.hook_normalized",
