@@ -166,8 +166,8 @@ class GatedDeltaNet(nn.Module):
     @classmethod
     def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
         """Its parameters by accounting row (lenskit.accounting), as (weights, biases): the projections in_qkv, in_z,
-        in_b, in_a (or fused, in_qkvz and in_ba: as many), the depthwise causal convolution and out_proj under `attn`, with A_log and dt_bias (one per value
-        head) as biases; its gated output norm's gain under `norms`."""
+        in_b, in_a (fused, in_qkvz and in_ba: as many weights), the depthwise causal convolution and out_proj under
+        `attn`, with A_log and dt_bias (one per value head) as biases; its gated output norm's gain under `norms`."""
         d, n_v = cfg.d_model, cfg.linear.n_v_heads
         k_dim, v_dim = cfg.linear.n_k_heads * cfg.linear.d_k, n_v * cfg.linear.d_v
         weights = d * (2 * k_dim + 2 * v_dim + 2 * n_v) + (2 * k_dim + v_dim) * cfg.linear.conv_width + v_dim * d
