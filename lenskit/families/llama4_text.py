@@ -54,8 +54,8 @@ def _moe_layers(r: ConfigReader, n_layers: int) -> tuple[int, ...]:
 
 def read(r: ConfigReader) -> dict[str, Any]:
     bias = r.bool("attention_bias", False)
-    fields = llama_like(r, bias, bias, False, eps=1e-5, bos=1, eos=2, kv_heads=8, head_dim=128,
-                        rope_types=ROPE_TYPES, default_theta=500000.0)
+    fields = llama_like(r, bias, bias, False, eps=1e-5, bos=1, eos=2, kv_heads=8, head_dim=128, null_head_dim=False,
+                        null_kv_heads=False, rope_types=ROPE_TYPES, default_theta=500000.0)
     n = fields["n_layers"]
     nope = nope_layers(r, n)
     chunk = r.int("attention_chunk_size", 8192, null=None)
