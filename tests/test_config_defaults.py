@@ -270,6 +270,8 @@ ROPE = [
        ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")) for f in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")),
     ("apertus", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e4},
      ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")),
+    ("llama4_text", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 5e5},
+     ("rope_parameters.rope_theta=1000000.0", "rope_theta=500000.0")),
     ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": {"type": "linear", "factor": 2.0}},
      ("rope_scaling", "rope_parameters", "disagree")),
     ("mistral", {"rope_parameters": {"rope_type": "linear", "factor": 4.0}, "rope_scaling": {"type": "linear", "factor": 2.0}},

@@ -221,3 +221,12 @@ def test_lenskit_info_shows_scouts_total_and_active_parameters(capsys):
             rows.setdefault(line.split()[0], line.split()[1])
     assert rows["total"] == f"{total:,}" and rows["active"] == f"{active:,}"
     assert "chunked_blocks=36/48 (chunks of 8192)" in out and "attn_temperature=(floor 8192, scale 0.1)" in out
+
+
+def test_transformer_lens_names_the_chunked_blocks_local(tmp_path):
+    """TransformerLens's `attn_type`: "local" where a query does not see every earlier key (a chunk, as a window)."""
+    import lenskit.transformer_lens as transformer_lens
+
+    make_hf_family("llama4_text").save_pretrained(tmp_path)
+    model = transformer_lens.HookedTransformer.from_pretrained_no_processing(str(tmp_path))
+    assert [b.attn.attn_type for b in model.blocks] == ["local", "global"]
