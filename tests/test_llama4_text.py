@@ -230,3 +230,21 @@ def test_transformer_lens_names_the_chunked_blocks_local(tmp_path):
     make_hf_family("llama4_text").save_pretrained(tmp_path)
     model = transformer_lens.HookedTransformer.from_pretrained_no_processing(str(tmp_path))
     assert [b.attn.attn_type for b in model.blocks] == ["local", "global"]
+
+
+def test_weight_views_are_transformers_parameters():
+    """The dense block's views are its feed_forward's; the MoE block's per-expert views are the fused `gate_up_proj`'s
+    halves (gate first) and `down_proj`, as `x @ W`; the router's and the shared expert's are theirs."""
+    hf = make_hf_family("llama4_text")
+    model = HookedTransformer.from_hf(hf)
+    dense, sparse = (block.feed_forward for block in hf.model.layers)
+    ours = model.blocks[0].mlp
+    assert torch.equal(ours.W_gate, dense.gate_proj.weight.T) and torch.equal(ours.W_in, dense.up_proj.weight.T)
+    assert torch.equal(ours.W_out, dense.down_proj.weight.T) and ours.W_gate.shape == (32, 48)
+    ours, m = model.blocks[1].mlp, model.cfg.moe.d_expert
+    assert torch.equal(ours.W_gate, sparse.experts.gate_up_proj[..., :m])
+    assert torch.equal(ours.W_in, sparse.experts.gate_up_proj[..., m:])
+    assert torch.equal(ours.W_out, sparse.experts.down_proj) and torch.equal(ours.W_router, sparse.router.weight.T)
+    assert torch.equal(ours.shared.W_gate, sparse.shared_expert.gate_proj.weight.T)
+    assert torch.equal(ours.shared.W_in, sparse.shared_expert.up_proj.weight.T)
+    assert torch.equal(ours.shared.W_out, sparse.shared_expert.down_proj.weight.T)
