@@ -106,7 +106,7 @@ def test_the_temperature_scales_the_queries_of_the_blocks_without_rotary_only(to
     allowed = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool).tril()
     torch.testing.assert_close(cache["blocks.1.attn.hook_attn_scores"], scores.masked_fill(~allowed, -math.inf),
                                atol=1e-5, rtol=0)
-    assert not hasattr(model.blocks[0].attn, "temperature") or model.blocks[0].attn.temperature is None
+    assert model.blocks[0].attn.temperature_tuning is None and model.blocks[1].attn.temperature_tuning == (3, 0.5)
 
 
 def test_the_rotary_blocks_normalise_q_and_k_and_turn_adjacent_pairs(tokens):

@@ -203,7 +203,8 @@ class Attention(HeadCircuits, nn.Module):
         self._norm_qk = (_unchanged if not hasattr(self, "q_norm") else self._apply_flat_qk_norm
                          if cfg.attention.qk_norm and not cfg.attention.qk_norm_per_head else self._apply_qk_norm)
         tuned = cfg.attention.temperature_floor is not None and not cfg.rotates(layer)  # Llama 4's blocks without rotary
-        self.temperature = (cfg.attention.temperature_floor, cfg.attention.temperature_scale) if tuned else None
+        # (floor, scale) of `temperature` where this block tunes it, else None
+        self.temperature_tuning = (cfg.attention.temperature_floor, cfg.attention.temperature_scale) if tuned else None
         self._temper_q = self._apply_temperature if tuned else _untempered
         self._norm_v = self.v_norm if cfg.attention.v_norm else _ungated
         self._cap = _unchanged_scores if self.softcap is None else self._softcap_scores
@@ -324,7 +325,7 @@ class Attention(HeadCircuits, nn.Module):
         """q [batch, pos, head, d_head] times each position's `temperature`, in float32 and cast back as transformers
         does; positions count from the first cached one, as the rotary ones do."""
         positions = torch.arange(start, start + q.shape[1], device=q.device)
-        return (q * temperature(positions, *self.temperature)[:, None, None]).to(q.dtype)
+        return (q * temperature(positions, *self.temperature_tuning)[:, None, None]).to(q.dtype)
 
     def _output_gate(self, z: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return z * self.hook_gate(torch.sigmoid(gate))
