@@ -184,6 +184,9 @@ def check_grouped_routing(cfg: "ModelConfig") -> None:
         if changed:
             raise ValueError(f"ModelConfig.{changed[0]} is a setting of DeepSeek's routing; routing={moe.routing!r} does "
                              "not read it: use routing='sigmoid_group_topk' (or '_renorm'), or leave it at its default")
+        if shared and cfg.mlp != "swiglu":
+            raise ValueError(f"ModelConfig.routing='sigmoid_topk' is Llama 4's, whose experts are SwiGLU; got "
+                             f"mlp={cfg.mlp!r}: use mlp='swiglu'")
         return
     if moe.n_experts % moe.n_group or moe.n_experts // moe.n_group < 2:
         raise ValueError(f"ModelConfig.n_group={moe.n_group} must divide n_experts={moe.n_experts} into groups of at "

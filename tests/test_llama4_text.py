@@ -248,3 +248,17 @@ def test_weight_views_are_transformers_parameters():
     assert torch.equal(ours.shared.W_gate, sparse.shared_expert.gate_proj.weight.T)
     assert torch.equal(ours.shared.W_in, sparse.shared_expert.up_proj.weight.T)
     assert torch.equal(ours.shared.W_out, sparse.shared_expert.down_proj.weight.T)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"mlp": "swiglu_clamped"}, "routing='sigmoid_topk' is Llama 4's"),
+    ({"attn_chunk_size": None}, "'chunked' blocks but attn_chunk_size is None"),
+    ({"attn_temperature_floor": 0}, "attn_temperature_floor must be None or a positive int"),
+    ({"qk_norm": True}, "qk_unit_norm and qk_norm"),
+    ({"rotary_dim": 64}, "rope_adjacent_pairs turns whole heads"),
+    ({"n_group": 2}, "n_group is a setting of DeepSeek's routing"),
+])
+def test_model_config_refuses_what_the_pieces_cannot_build(change, words):
+    with pytest.raises(ValueError, match=words) as e:
+        ModelConfig.from_name("llama-4-scout").replace(**change)
+    assert "\n" not in str(e.value)
