@@ -19,6 +19,7 @@ from .config_checks import (
     check_gemma4_extras,
     check_latent_attention,
     check_linear,
+    check_llama4_attention,
     kv_sources,
     shrunk_kv_sharing,
 )
@@ -36,13 +37,17 @@ NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")  # rmsnorm_offset: gain (1 + 
 # gate and up clamped at swiglu_limit, sigmoid gain swiglu_alpha), for mixture-of-experts blocks only
 MLPS = ("gelu", "swiglu", "geglu", "swiglu_fused", "swiglu_clamped")
 NORM_PLACEMENTS = ("pre", "sandwich", "post")  # before each sublayer; before and after (Gemma); after only (OLMo 2)
-LAYER_TYPES = ("full", "sliding", "linear")  # linear: a Gated DeltaNet block (Qwen 3.5), lenskit.pieces.deltanet
+# linear: a Gated DeltaNet block (Qwen 3.5), lenskit.pieces.deltanet; chunked: a query sees the keys of its own chunk of
+# `attention.chunk_size` positions only (Llama 4's rotary blocks)
+LAYER_TYPES = ("full", "sliding", "linear", "chunked")
 # Router logits -> k expert weights (lenskit.pieces.moe): softmax over all experts then the top k (Qwen3-MoE and
 # OLMoE without norm_topk_prob), the same renormalised to sum to 1 (Mixtral; norm_topk_prob), or the top k logits
 # then a softmax over them (gpt-oss).
 # DeepSeek V3: sigmoid scores, the top k chosen (within the best groups) by score plus a correction bias but weighted by
 # the score alone, optionally renormalised (norm_topk_prob), then times routed_scaling_factor (lenskit.pieces.shared_experts).
-ROUTINGS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax", "sigmoid_group_topk", "sigmoid_group_topk_renorm")
+# Llama 4: the top k logits, each weight the sigmoid of its logit, scaling the expert's input (lenskit.pieces.shared_experts).
+ROUTINGS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax", "sigmoid_group_topk", "sigmoid_group_topk_renorm",
+            "sigmoid_topk")
 POSITIONALS = ("learned", "rotary")
 # The activation by the name transformers' configs give it: a GELU form, or ReLU (a plain MLP's only: GPT-2 and
 # GPT-NeoX configs may name it, as TransformerLens's act_fn="relu" models do).
@@ -52,7 +57,7 @@ _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
                 "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate", "router_bias", "attn_output_gate",
                 "full_k_is_v", "v_norm", "layer_scalar", "double_wide_mlp", "experts_beside_mlp", "rope_interleave",
-                "shared_expert_gate", "linear_fused")
+                "shared_expert_gate", "linear_fused", "rope_adjacent_pairs", "qk_unit_norm")
 _POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rotary_base",
                      "rope_attention_factor", "rope_mscale_all_dim")
 _ORGANISATION = re.compile(r"[A-Za-z0-9][\w.-]*")  # a hub organisation: no path separators, no leading "." or "~"
@@ -86,6 +91,7 @@ class RopeConfig:
     # latent attention (DeepSeek V3) under a rope_type other than "default": the scores' scale is times
     # (0.1 mscale_all_dim ln(factor) + 1) ** 2, as transformers' yarn_apply_mscale folds it in; None: not scaled
     mscale_all_dim: float | None = None
+    adjacent_pairs: bool = False  # dims 2i and 2i + 1 turn together (Llama 4's complex pairs), not i and i + dim / 2
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,13 @@ class AttentionConfig:
     full_d_head: int | None = None  # d_head of the "full" blocks where it differs (global_head_dim); None: d_head
     full_n_kv_heads: int | None = None  # kv heads of the "full" blocks where they differ; None: n_kv_heads
     full_k_is_v: bool = False  # the "full" blocks' values are their keys' projection (attention_k_eq_v)
+    # Llama 4's pieces (lenskit.pieces.attention)
+    chunk_size: int | None = None  # attn_chunk_size: the chunk of a "chunked" block's layer type
+    qk_unit_norm: bool = False  # the rotary blocks' queries and keys RMS-normalised per head, with no gain
+    # attention temperature tuning in the blocks without rotary: each query times
+    # 1 + temperature_scale * ln(1 + floor((position + 1) / temperature_floor)); None: off
+    temperature_floor: int | None = None
+    temperature_scale: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -184,6 +197,9 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "rope_beta_fast": ("rope", "beta_fast"), "rope_beta_slow": ("rope", "beta_slow"), "rope_truncate": ("rope", "truncate"),
     "rope_attention_factor": ("rope", "attention_factor"), "local_rotary_base": ("rope", "local_base"),
     "rope_proportion": ("rope", "proportion"), "rope_mscale_all_dim": ("rope", "mscale_all_dim"),
+    "rope_adjacent_pairs": ("rope", "adjacent_pairs"), "attn_chunk_size": ("attention", "chunk_size"),
+    "qk_unit_norm": ("attention", "qk_unit_norm"), "attn_temperature_floor": ("attention", "temperature_floor"),
+    "attn_temperature_scale": ("attention", "temperature_scale"),
     "fused_qkv": ("attention", "fused_qkv"), "qkv_bias": ("attention", "qkv_bias"), "out_bias": ("attention", "out_bias"),
     "qk_norm": ("attention", "qk_norm"), "qk_norm_per_head": ("attention", "qk_norm_per_head"),
     "query_pre_attn_scalar": ("attention", "query_pre_attn_scalar"), "attn_softcap": ("attention", "softcap"),
@@ -418,6 +434,7 @@ class ModelConfig(TransformerLensNames):
                              f"got {self.layer_types!r}")
         if self.layer_types is not None and "sliding" in self.layer_types and self.sliding_window is None:
             raise ValueError("ModelConfig.layer_types has 'sliding' blocks but sliding_window is None; give the window")
+        check_llama4_attention(self)
         choices = [("norm", NORMS), ("mlp", MLPS), ("positional", POSITIONALS), ("rope_type", ROPE_TYPES_IMPLEMENTED),
                    ("norm_placement", NORM_PLACEMENTS)]
         if self.moe.n_experts is not None:  # a dense model never routes

@@ -3,6 +3,7 @@ blocks, Qwen 3.5's linear-attention blocks, and the mixtures of experts. Each re
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Any
 
@@ -60,6 +61,26 @@ def shrunk_kv_sharing(cfg: "ModelConfig", n_layers: int, layer_types: tuple[str,
 def _positive_or_none(field: str, value: object) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
         raise ValueError(f"ModelConfig.{field} must be None or a positive int, got {value!r}")
+
+
+def check_llama4_attention(cfg: "ModelConfig") -> None:
+    """Llama 4's attention pieces (lenskit.pieces.attention): a chunk size where blocks are "chunked", a
+    positive temperature floor or none, a finite temperature scale, one kind of q/k norm, and pairs of dims that turn
+    together only where the whole head turns."""
+    attention = cfg.attention
+    _positive_or_none("attn_chunk_size", attention.chunk_size)
+    if cfg.layer_types is not None and "chunked" in cfg.layer_types and attention.chunk_size is None:
+        raise ValueError("ModelConfig.layer_types has 'chunked' blocks but attn_chunk_size is None; give the chunk size")
+    _positive_or_none("attn_temperature_floor", attention.temperature_floor)
+    scale = attention.temperature_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"ModelConfig.attn_temperature_scale must be a finite number, got {scale!r}")
+    if attention.qk_unit_norm and attention.qk_norm:
+        raise ValueError("ModelConfig.qk_unit_norm and qk_norm are two q/k norms (without a gain, and with one); "
+                         "a model has at most one: unset one of them")
+    if cfg.rope.adjacent_pairs and (cfg.positional != "rotary" or cfg.rope.dim != cfg.d_head):
+        raise ValueError(f"ModelConfig.rope_adjacent_pairs turns whole heads (Llama 4's), but positional="
+                         f"{cfg.positional!r} and rotary_dim={cfg.rope.dim!r} of d_head={cfg.d_head}; unset it")
 
 
 def check_gemma4_extras(cfg: "ModelConfig") -> None:
@@ -157,11 +178,15 @@ def check_grouped_routing(cfg: "ModelConfig") -> None:
             raise ValueError(f"ModelConfig.{field} must be an int >= {low}, got {value!r}")
     check_shared_expert(cfg)
     if not moe.routing.startswith("sigmoid_group_topk"):
+        shared = moe.routing == "sigmoid_topk"  # Llama 4's routing has a shared expert beside the routed ones
         changed = [f for f, v, default in (("n_group", moe.n_group, 1), ("topk_group", moe.topk_group, 1),
                                            ("routed_scaling_factor", moe.routed_scaling_factor, 1.0)) if v != default]
         if changed:
             raise ValueError(f"ModelConfig.{changed[0]} is a setting of DeepSeek's routing; routing={moe.routing!r} does "
                              "not read it: use routing='sigmoid_group_topk' (or '_renorm'), or leave it at its default")
+        if shared and cfg.mlp != "swiglu":
+            raise ValueError(f"ModelConfig.routing='sigmoid_topk' is Llama 4's, whose experts are SwiGLU; got "
+                             f"mlp={cfg.mlp!r}: use mlp='swiglu'")
         return
     if moe.n_experts % moe.n_group or moe.n_experts // moe.n_group < 2:
         raise ValueError(f"ModelConfig.n_group={moe.n_group} must divide n_experts={moe.n_experts} into groups of at "

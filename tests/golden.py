@@ -63,7 +63,7 @@ def hf_writes(block) -> tuple:
     norm after each sublayer (Gemma 2/3, OLMo 2: `post_attention_layernorm` follows attention there), those norms."""
     if hasattr(block, "post_feedforward_layernorm"):
         return block.post_attention_layernorm, block.post_feedforward_layernorm
-    return hf_attention(block), block.mlp
+    return hf_attention(block), getattr(block, "mlp", None) or block.feed_forward  # Llama 4's is `feed_forward`
 
 
 @torch.no_grad()
@@ -82,6 +82,9 @@ def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torc
     def save_out(name):
         return lambda mod, args, out: acts.__setitem__(name, first(out).detach().clone())
 
+    def save_write(name):  # Llama 4's MoE returns its write flat, [batch * pos, d_model]: as its input is shaped
+        return lambda mod, args, out: acts.__setitem__(name, first(out).detach().clone().view(args[0].shape))
+
     def save_in(name):
         def pre(mod, args, kwargs):
             acts[name] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
@@ -94,7 +97,7 @@ def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torc
             handles.append(block.register_forward_pre_hook(save_in(name["resid_pre"]), with_kwargs=True))
             attn_write, mlp_write = hf_writes(block)
             handles.append(attn_write.register_forward_hook(save_out(name["attn_out"])))
-            handles.append(mlp_write.register_forward_hook(save_out(name["mlp_out"])))
+            handles.append(mlp_write.register_forward_hook(save_write(name["mlp_out"])))
             handles.append(block.register_forward_hook(save_out(name["resid_post"])))
         logits = hf(tokens).logits
     finally:

@@ -160,6 +160,8 @@ _HF_PRESETS = {
     "deepseek-v3": ("DeepseekV3Config", dict(max_position_embeddings=163840, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0))),
     "qwen3-next-80b-a3b": ("Qwen3NextConfig", dict(intermediate_size=5120, max_position_embeddings=262144, bos_token_id=151643, eos_token_id=151645, rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25))),
     "kimi-k2": ("DeepseekV3Config", dict(num_attention_heads=64, num_key_value_heads=64, vocab_size=163840, n_routed_experts=384, n_group=1, topk_group=1, routed_scaling_factor=2.827, first_k_dense_replace=1, max_position_embeddings=131072, bos_token_id=163584, eos_token_id=163585, rope_parameters=dict(rope_type="yarn", rope_theta=50000.0, factor=32.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0, beta_fast=1.0, beta_slow=1.0))),
+    "llama-4-scout": ("Llama4TextConfig", dict(max_position_embeddings=10485760, bos_token_id=200000, eos_token_id=200001, rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0, original_max_position_embeddings=8192))),
+    "llama-4-maverick": ("Llama4TextConfig", dict(max_position_embeddings=1048576, num_local_experts=128, interleave_moe_layer_step=2, use_qk_norm=False, bos_token_id=200000, eos_token_id=200001)),
 }
 # Published sizes (model cards), to 2 significant digits, as a check on the table above.
 _PUBLISHED_TOTAL = {"pythia-70m": 70e6, "pythia-160m": 162e6, "pythia-12b": 11.8e9, "llama-3.2-1b": 1.24e9,
@@ -167,7 +169,8 @@ _PUBLISHED_TOTAL = {"pythia-70m": 70e6, "pythia-160m": 162e6, "pythia-12b": 11.8
                     "qwen3-0.6b": 0.6e9, "qwen3-8b": 8.2e9, "gemma-2-2b": 2.61e9, "gemma-2-9b": 9.24e9, "gemma-3-1b": 1.0e9,
                     "olmo-2-7b": 7.30e9, "phi-3-mini": 3.82e9, "olmo-3-7b": 7.30e9, "olmo-3-32b": 32.2e9, "smollm3-3b": 3.08e9,
                     "gemma-4-31b": 30.7e9, "apertus-8b": 8.05e9, "apertus-70b": 70.6e9, "phi-4": 14.7e9,
-                    "deepseek-v3": 671e9, "kimi-k2": 1.04e12, "qwen3-next-80b-a3b": 80e9}
+                    "deepseek-v3": 671e9, "kimi-k2": 1.04e12, "qwen3-next-80b-a3b": 80e9,
+                    "llama-4-scout": 109e9, "llama-4-maverick": 400e9}  # Llama 4's cards count the vision encoder too
 
 
 @pytest.mark.parametrize("name", sorted(_HF_PRESETS))

@@ -253,6 +253,11 @@ ROPE = [
     ("apertus", {"rope_theta": 5e5}, ("rope_parameters.rope_theta=12000000.0", "rope_theta=500000.0", "disagree")),  # 5 ignores it
     ("apertus", {"rope_theta": 1.2e7, "rope_scaling": {**LLAMA3, "original_max_position_embeddings": 16}}, None),
     ("apertus", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, None),
+    # Llama 4: its own base, 5e5; Scout's 4.x spelling of Llama 3's scaling
+    ("llama4_text", {}, None),
+    ("llama4_text", {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 1.0, "original_max_position_embeddings": 16}},
+     None),
     # both spellings, agreeing
     ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_theta": 5e5}, None),
     ("gemma2", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
@@ -270,6 +275,8 @@ ROPE = [
        ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")) for f in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")),
     ("apertus", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e4},
      ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")),
+    ("llama4_text", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 5e5},
+     ("rope_parameters.rope_theta=1000000.0", "rope_theta=500000.0")),
     ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": {"type": "linear", "factor": 2.0}},
      ("rope_scaling", "rope_parameters", "disagree")),
     ("mistral", {"rope_parameters": {"rope_type": "linear", "factor": 4.0}, "rope_scaling": {"type": "linear", "factor": 2.0}},

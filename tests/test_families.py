@@ -108,7 +108,7 @@ def test_hook_shapes_follow_gqa_and_the_family(pair, tokens):
     rotary = c.positional == "rotary"
     assert ("blocks.0.attn.hook_rot_q" in model.hook_dict) == rotary
     assert ("hook_pos_embed" in model.hook_dict) == (not rotary)
-    assert ("blocks.0.attn.q_norm.hook_normalized" in model.hook_dict) == (model.cfg.family in ("qwen3", "gemma3_text", "olmo2", "qwen3_moe", "olmoe", "olmo3", "qwen3_5_text", "gemma4_text", "apertus", "qwen3_next"))
+    assert ("blocks.0.attn.q_norm.hook_normalized" in model.hook_dict) == (model.cfg.family in ("qwen3", "gemma3_text", "olmo2", "qwen3_moe", "olmoe", "olmo3", "qwen3_5_text", "gemma4_text", "apertus", "qwen3_next", "llama4_text"))
     if rotary:
         rot_q, q = cache["blocks.0.attn.hook_rot_q"], cache["blocks.0.attn.hook_q"]
         assert rot_q.shape == q.shape and cache["blocks.0.attn.hook_rot_k"].shape == cache["blocks.0.attn.hook_k"].shape
@@ -144,7 +144,11 @@ def test_expected_family_pieces():
                                   full_k_is_v=True, rope_type="proportional", rope_proportion=0.25, rotary_base=10000.0,
                                   local_rotary_base=100.0),
               "apertus": dict(qk_norm=True, qk_norm_per_head=True, mlp="gelu", activation="xielu", mlp_bias=False,
-                              n_kv_heads=2, rope_type="llama3", rotary_base=12_000_000.0, rope_original_n_ctx=16)}
+                              n_kv_heads=2, rope_type="llama3", rotary_base=12_000_000.0, rope_original_n_ctx=16),
+              "llama4_text": dict(nope_layers=(1,), layer_types=("chunked", "full"), attn_chunk_size=5, qk_unit_norm=True,
+                                  qk_norm=False, rope_adjacent_pairs=True, rope_type="llama3", attn_temperature_floor=3,
+                                  attn_temperature_scale=0.5, routing="sigmoid_topk", n_shared_experts=1, dense_layers=(0,),
+                                  d_mlp=48, d_expert=16, n_experts=4, n_experts_per_token=2)}
     for family, fields in expect.items():
         cfg = HookedTransformer.from_hf(make_hf_family(family)).cfg
         assert {k: getattr(cfg, k) for k in fields} == fields, family

@@ -18,7 +18,7 @@ LAYERNORM = ("gpt2", "gpt_neox")
 # Every family: each option either applies or is refused by name below.
 FAMILIES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "olmo3", "phi3",
             "smollm3", "mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_5_text", "gemma4_text", "apertus",
-            "deepseek_v3", "qwen3_next")
+            "deepseek_v3", "qwen3_next", "llama4_text")
 # (family, option) -> words the refusal must contain.
 REFUSED = {
     ("llama", "center_writing_weights"): "needs LayerNorm",
@@ -36,6 +36,7 @@ REFUSED = {
     ("deepseek_v3", "fold_value_biases"): "nothing to fold in latent attention",
     ("qwen3_next", "fold_ln"): "linear-attention",
     ("qwen3_next", "fold_value_biases"): "output gate",
+    ("llama4_text", "center_writing_weights"): "needs LayerNorm",
 }
 
 

@@ -134,6 +134,12 @@ def run(args: argparse.Namespace) -> int:
               f"sliding_blocks={cfg.layer_types.count('sliding')}/{cfg.n_layers}" if cfg.layer_types and "sliding" in
               cfg.layer_types else "",
               f"local_rotary_base={cfg.rope.local_base:g}" if cfg.rope.local_base else "",
+              f"chunked_blocks={cfg.layer_types.count('chunked')}/{cfg.n_layers} (chunks of {cfg.attention.chunk_size})"
+              if cfg.layer_types and "chunked" in cfg.layer_types else "",
+              "rotary_adjacent_pairs" if cfg.rope.adjacent_pairs else "", "qk_unit_norm" if cfg.attention.qk_unit_norm else "",
+              f"attn_temperature=(floor {cfg.attention.temperature_floor}, scale {cfg.attention.temperature_scale:g})"
+              if cfg.attention.temperature_floor else "",
+              f"shared_experts={cfg.moe.n_shared_experts}" if cfg.moe.n_shared_experts else "",
               f"no_rotary_blocks={list(cfg.nope_layers)}" if cfg.nope_layers else "",
               f"experts={cfg.moe.n_experts} top_k={cfg.moe.n_experts_per_token} d_expert={cfg.moe.d_expert} routing={cfg.moe.routing}"
               if cfg.moe.n_experts else "",

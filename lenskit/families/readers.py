@@ -80,6 +80,19 @@ def llama_like(r: ConfigReader, qkv_bias: bool, out_bias: bool, mlp_bias: bool, 
     }
 
 
+def nope_layers(r: ConfigReader, n_layers: int) -> tuple[int, ...]:
+    """The blocks without rotary (SmolLM3, Llama 4): `no_rope_layers` (1: the block rotates, 0: it does not, one per
+    block; more entries are never read), or every `no_rope_layer_interval`-th block without."""
+    flags = r.d.get("no_rope_layers")
+    interval = r.int("no_rope_layer_interval", 4)
+    if flags is None:
+        return tuple(i for i in range(n_layers) if (i + 1) % interval == 0)
+    if not isinstance(flags, list) or len(flags) < n_layers or any(type(f) is not int or f not in (0, 1) for f in flags):
+        raise ValueError(f"config field no_rope_layers={flags!r} must list 1 (rotary) or 0 (none) for each of the "
+                         f"{n_layers} layers (model_type={r.family!r})")
+    return tuple(i for i in range(n_layers) if not flags[i])
+
+
 def no_qwen_sliding(r: ConfigReader) -> None:
     r.require("use_sliding_window", (False,), False)
     types = r.d.get("layer_types")

@@ -10,20 +10,7 @@ from .family import TINY_SHAPE, Family
 from .fields import ConfigReader
 from .layouts import LLAMA
 from .presets import llama_preset, named_presets
-from .readers import llama_like, read_layer_types
-
-
-def _nope_layers(r: ConfigReader, n_layers: int) -> tuple[int, ...]:
-    """SmolLM3's blocks without rotary: `no_rope_layers` (1: the block rotates, 0: it does not, one per block; more
-    entries are never read), or every `no_rope_layer_interval`-th block without."""
-    flags = r.d.get("no_rope_layers")
-    interval = r.int("no_rope_layer_interval", 4)
-    if flags is None:
-        return tuple(i for i in range(n_layers) if (i + 1) % interval == 0)
-    if not isinstance(flags, list) or len(flags) < n_layers or any(type(f) is not int or f not in (0, 1) for f in flags):
-        raise ValueError(f"config field no_rope_layers={flags!r} must list 1 (rotary) or 0 (none) for each of the "
-                         f"{n_layers} layers (model_type={r.family!r})")
-    return tuple(i for i in range(n_layers) if not flags[i])
+from .readers import llama_like, nope_layers, read_layer_types
 
 
 def read(r: ConfigReader) -> dict[str, Any]:
@@ -33,7 +20,7 @@ def read(r: ConfigReader) -> dict[str, Any]:
     fields = llama_like(r, bias, bias, r.bool("mlp_bias", False), eps=1e-6, bos=128000, eos=128001, kv_heads=4,
                         rope_types=ROPE_TYPES + ("yarn",), default_theta=2_000_000.0)  # YaRN: its card's long context
     n = fields["n_layers"]
-    nope = _nope_layers(r, n)
+    nope = nope_layers(r, n)
     use_window, window = r.bool("use_sliding_window", False), r.int("sliding_window", None)
     if r.d.get("layer_types") is None:
         types = tuple("sliding" if use_window and window is not None and i in nope else "full" for i in range(n))

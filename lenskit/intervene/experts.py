@@ -4,7 +4,8 @@
 
 - "zero": the expert's contribution is zeroed and nothing else changes. Wherever a token routed to the expert,
   its weight becomes 0 (at `blocks.L.mlp.hook_expert_weights`); the other k - 1 experts keep their weights, so
-  `mlp_out = clean mlp_out - Σ_{slots routed to e} weight · expert_out`.
+  `mlp_out = clean mlp_out - Σ_{slots routed to e} weight · expert_out` (Llama 4, whose weights scale each expert's
+  input: `- Σ expert_out`, its expert_out being expert(weight · x), which a weight of 0 makes 0).
 - "reroute": the router runs as if the expert did not exist. Its router logit becomes -inf (at
   `blocks.L.mlp.hook_router_logits`) before the routing rule, so every token that chose it takes its next-best
   expert instead, and the weights are the rule's own over the experts that remain: for softmax-then-top-k

@@ -2,7 +2,10 @@
 sliding window), grouped-query attention, attention sinks, the output gate (Qwen 3.5: each head's output times a
 sigmoid gate that q's projection also gives, `hook_gate`), and Gemma 4's pieces: blocks whose heads have their own width
 and kv heads (`cfg.d_head_of`, `cfg.n_kv_heads_of`), keys that are also the values (`qkv.KeyValueQK`) and a gainless norm
-on each value head (`attn.v_norm`). Each option is chosen once, in `Attention.__init__`.
+on each value head (`attn.v_norm`); and Llama 4's: chunked local attention (`ChunkedMask`), a gainless q/k norm in
+the rotary blocks (`attn.q_norm`, `attn.k_norm`), and the queries of the blocks without rotary scaled by a temperature
+that grows with the position (`temperature`; `hook_q` is before it, the scores after). Each option is chosen once, in
+`Attention.__init__`.
 
 Hook shapes: hook_q, hook_rot_q, hook_z are per query head [batch, pos, head, d_head]; hook_k,
 hook_rot_k, hook_v are per key/value head [batch, pos, kv_head, d_head]; hook_attn_scores and
@@ -53,8 +56,34 @@ class SlidingWindowMask(CausalMask):
         return {"attn_mask": self.allowed(n_pos, device, start)}
 
 
+class ChunkedMask(CausalMask):
+    """Each query sees the earlier keys of its own chunk of `chunk` positions (Llama 4's rotary blocks): key // chunk
+    == query // chunk, chunks counted from position 0 (lenskit's batches are right-padded, so every row starts there)."""
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+
+    def allowed(self, n_pos: int, device: torch.device, start: int = 0) -> torch.Tensor:
+        queries = torch.arange(start, start + n_pos, device=device) // self.chunk  # [query_pos]
+        keys = torch.arange(start + n_pos, device=device) // self.chunk  # [key_pos]
+        return super().allowed(n_pos, device, start) & (queries[:, None] == keys[None, :])
+
+    def sdpa_kwargs(self, n_pos: int, device: torch.device, start: int = 0) -> dict:
+        return {"attn_mask": self.allowed(n_pos, device, start)}
+
+
 def make_mask(cfg: ModelConfig, layer: int = 0) -> CausalMask:
-    return SlidingWindowMask(cfg.sliding_window) if cfg.layer_type(layer) == "sliding" else CausalMask()
+    kind = cfg.layer_type(layer)
+    if kind == "chunked":
+        return ChunkedMask(cfg.attention.chunk_size)
+    return SlidingWindowMask(cfg.sliding_window) if kind == "sliding" else CausalMask()
+
+
+def temperature(positions: torch.Tensor, floor: int, scale: float) -> torch.Tensor:
+    """Llama 4's attention temperature [pos] (float32) at `positions` [pos]: 1 + scale * ln(1 + floor((p + 1) / floor)),
+    1 for the first `floor - 1` positions, then growing with the log of the context, so that long-context queries in
+    the blocks without rotary stay sharp (transformers' `attn_temperature_tuning`, arXiv 2501.19399)."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / floor)) * scale + 1.0
 
 
 class Attention(HeadCircuits, nn.Module):
@@ -152,7 +181,11 @@ class Attention(HeadCircuits, nn.Module):
         elif cfg.attention.qk_norm:  # one norm over every head's features at once (OLMo 2); hooks see [batch, pos, head * d_head]
             self.q_norm = make_norm(cfg, cfg.n_heads * d_head)
             self.k_norm = make_norm(cfg, n_kv * d_head)
-        if cfg.attention.qk_norm:
+        if cfg.attention.qk_unit_norm and cfg.rotates(layer):  # Llama 4: per head, no gain, only where q and k turn
+            # transformers normalises after rotating; a rotation keeps each head's length, so before is the same function
+            self.q_norm = UnitRMSNorm(cfg.norm_eps)
+            self.k_norm = UnitRMSNorm(cfg.norm_eps)
+        if hasattr(self, "q_norm"):
             internals += [self.q_norm.hook_scale, self.q_norm.hook_normalized, self.k_norm.hook_scale, self.k_norm.hook_normalized]
         if cfg.attention.v_norm:  # no gain, over d_head per value head (Gemma 4)
             self.v_norm = UnitRMSNorm(cfg.norm_eps)
@@ -167,8 +200,12 @@ class Attention(HeadCircuits, nn.Module):
             self.hook_rot_k = HookPoint()  # [batch, pos, kv_head, d_head]
             internals += [self.hook_rot_q, self.hook_rot_k]
         # Each optional step is chosen here, once; forward calls whichever was chosen.
-        self._norm_qk = (_unchanged if not cfg.attention.qk_norm else self._apply_qk_norm if cfg.attention.qk_norm_per_head
-                         else self._apply_flat_qk_norm)
+        self._norm_qk = (_unchanged if not hasattr(self, "q_norm") else self._apply_flat_qk_norm
+                         if cfg.attention.qk_norm and not cfg.attention.qk_norm_per_head else self._apply_qk_norm)
+        tuned = cfg.attention.temperature_floor is not None and not cfg.rotates(layer)  # Llama 4's blocks without rotary
+        # (floor, scale) of `temperature` where this block tunes it, else None
+        self.temperature_tuning = (cfg.attention.temperature_floor, cfg.attention.temperature_scale) if tuned else None
+        self._temper_q = self._apply_temperature if tuned else _untempered
         self._norm_v = self.v_norm if cfg.attention.v_norm else _ungated
         self._cap = _unchanged_scores if self.softcap is None else self._softcap_scores
         self._rotate_qk = self._apply_rotary if cfg.rotates(layer) else _unrotated
@@ -191,7 +228,9 @@ class Attention(HeadCircuits, nn.Module):
         kv_head, d_head] (and the gate's logits, as q): where per-head inputs (lenskit.observe.switches) enter too."""
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         past = None if state is None else state.entry(self)  # lenskit.kv_cache: None unless given past_kv_cache
-        q, k = self._rotate_qk(*self._norm_qk(q, k), 0 if past is None else past.n_pos)
+        start = 0 if past is None else past.n_pos
+        q, k = self._rotate_qk(*self._norm_qk(q, k), start)
+        q = self._temper_q(q, start)
         v = self._norm_v(v)
         if past is not None:
             k, v = past.extend(k, v)  # [batch, n_pos + pos, kv_head, d_head]: the cached keys, then these
@@ -281,6 +320,12 @@ class Attention(HeadCircuits, nn.Module):
 
     def _apply_flat_qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
+
+    def _apply_temperature(self, q: torch.Tensor, start: int) -> torch.Tensor:
+        """q [batch, pos, head, d_head] times each position's `temperature`, in float32 and cast back as transformers
+        does; positions count from the first cached one, as the rotary ones do."""
+        positions = torch.arange(start, start + q.shape[1], device=q.device)
+        return (q * temperature(positions, *self.temperature_tuning)[:, None, None]).to(q.dtype)
 
     def _output_gate(self, z: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return z * self.hook_gate(torch.sigmoid(gate))
@@ -377,6 +422,10 @@ def _unchanged(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 def _unrotated(q: torch.Tensor, k: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, k
+
+
+def _untempered(q: torch.Tensor, start: int) -> torch.Tensor:
+    return q
 
 
 def _ungated(z: torch.Tensor) -> torch.Tensor:

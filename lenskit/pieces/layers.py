@@ -24,7 +24,7 @@ from .mlp import MLP, MLP_CLASSES, FusedSwiGLU, GeluMLP, SwiGLU
 from .moe import MoE
 from .norms import LayerNorm, RMSNorm, make_norm, norm_params
 from .per_layer import PerLayerWrite
-from .shared_experts import SharedExpertsMoE
+from .shared_experts import ScoredInputMoE, SharedExpertsMoE
 
 __all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "MLP", "MoE", "ParallelBlock", "PostNormBlock", "RMSNorm", "RescaledSandwichBlock", "SandwichBlock",
            "SwiGLU", "TransformerBlock", "make_block", "make_mlp", "make_norm"]
@@ -32,12 +32,14 @@ __all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "MLP", "MoE", "Pa
 
 def mlp_class(cfg: ModelConfig, layer: int = 0) -> type[MLP] | type[MoE]:
     """The piece of block `layer`'s MLP: a mixture of experts where the config makes that block sparse (SharedExpertsMoE
-    under DeepSeek's `sigmoid_group_topk` routing and wherever there are shared experts), the dense MLP with experts
-    beside it (Gemma 4 26B-A4B), else the dense MLP."""
+    under DeepSeek's `sigmoid_group_topk` routing and wherever there are shared experts; Llama 4's ScoredInputMoE under
+    `sigmoid_topk`), the dense MLP with experts beside it (Gemma 4 26B-A4B), else the dense MLP."""
     if cfg.block.experts_beside_mlp:
         return DenseAndExperts
     if not cfg.is_moe_layer(layer):
         return MLP_CLASSES[cfg.mlp]
+    if cfg.moe.routing == "sigmoid_topk":
+        return ScoredInputMoE
     shared = cfg.moe.routing.startswith("sigmoid_group_topk") or cfg.moe.n_shared_experts
     return SharedExpertsMoE if shared else MoE
 

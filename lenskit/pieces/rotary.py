@@ -1,7 +1,8 @@
 """Rotary position embedding: the frequencies (plain, or rescaled as Llama 3.1 or YaRN do) and the rotation.
 
 The rotation pairs dimension i with i + rotary_dim/2 (the "rotate half" convention of GPT-NeoX and
-Llama checkpoints). With partial rotary (Pythia's `rotary_pct`), only the first `rotary_dim`
+Llama checkpoints); with `rope.adjacent_pairs` it pairs dims 2i and 2i + 1 instead (Llama 4's complex pairs, whose
+rotated q and k keep that layout). With partial rotary (Pythia's `rotary_pct`), only the first `rotary_dim`
 dimensions of each head rotate; the rest pass through. Gemma 4's "proportional" rotary instead pairs dims across the
 whole head and gives the pairs past `rope_proportion` of them a zero speed, so they do not turn.
 """
@@ -107,8 +108,10 @@ class Rotary(nn.Module):
         self.rotary_dim = cfg.rope.dim if d_head == cfg.d_head else d_head
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self.attention_factor = attention_factor(cfg, local)
-        # Chosen once: full rotary needs no split and re-join of the passed-through dims.
+        # Chosen once: full rotary needs no split and re-join of the passed-through dims; which dims pair up.
         self._rotate = self._rotate_all if self.rotary_dim == d_head else self._rotate_part
+        self._pairs = cfg.rope.adjacent_pairs
+        self._partner = _adjacent_partner if self._pairs else _half_partner
 
     def tables(self, n_pos: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin, each [pos, rotary_dim], for positions 0..n_pos-1."""
@@ -123,7 +126,8 @@ class Rotary(nn.Module):
         inference tensors, which no later forward that autograd records may save for backward."""
         inv_freq = inverse_frequencies(self.cfg, self.local, self.rotary_dim).to(like.device)
         angles = torch.outer(torch.arange(n_pos, device=like.device, dtype=torch.float32), inv_freq)  # [pos, rotary_dim/2]
-        angles = torch.cat([angles, angles], dim=-1)  # [pos, rotary_dim]
+        # [pos, rotary_dim]: each pair's angle on both of its dims
+        angles = angles.repeat_interleave(2, dim=-1) if self._pairs else torch.cat([angles, angles], dim=-1)
         scale = self.attention_factor  # YaRN's, applied in fp32 before the cast as transformers applies it (1: exact)
         return (angles.cos() * scale).to(like.dtype), (angles.sin() * scale).to(like.dtype)
 
@@ -133,16 +137,26 @@ class Rotary(nn.Module):
         cos, sin = cos[start:], sin[start:]  # [pos, rotary_dim]
         return self._rotate(x, cos[:, None, :], sin[:, None, :])  # [pos, 1, rotary_dim], broadcast over heads
 
-    @staticmethod
-    def _rotate_all(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        first, second = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-second, first], dim=-1) * sin
+    def _rotate_all(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + self._partner(x) * sin
 
     def _rotate_part(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
         return torch.cat([self._rotate_all(rot, cos, sin), rest], dim=-1)
 
     def extra_repr(self) -> str:
+        pairs = ", adjacent pairs" if self._pairs else ""
         if self.local and self.cfg.rope.local_base is not None:
             return f"rotary_dim={self.rotary_dim}, base={self.cfg.rope.local_base}, rope_type='default' (local)"
-        return f"rotary_dim={self.rotary_dim}, base={self.cfg.rope.base}, rope_type={self.cfg.rope.type!r}"
+        return f"rotary_dim={self.rotary_dim}, base={self.cfg.rope.base}, rope_type={self.cfg.rope.type!r}{pairs}"
+
+
+def _half_partner(x: torch.Tensor) -> torch.Tensor:
+    """Each dim's partner in the rotation, signed: (-x[half:], x[:half]) ("rotate half")."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def _adjacent_partner(x: torch.Tensor) -> torch.Tensor:
+    """Each dim's partner in the rotation, signed, where dims 2i and 2i + 1 pair up: (-x1, x0, -x3, x2, ...)."""
+    return torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)

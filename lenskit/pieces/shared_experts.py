@@ -24,6 +24,9 @@ shared MLP's own hooks (`shared.hook_pre`, `shared.hook_post` ...) are its dense
 
 The k experts are listed best choice first (transformers leaves their order to `topk(sorted=False)`; the sum is the
 same set of terms).
+
+Llama 4's MoE (`ScoredInputMoE`) has one shared expert too, but routes by the sigmoid of the top k logits and scales
+each routed expert's input, not its output, by that weight.
 """
 
 from __future__ import annotations
@@ -129,3 +132,79 @@ class SharedExpertsMoE(MoE):
         if self.shared_gate is not None:
             shared = self.hook_shared_gate(torch.sigmoid(self.shared_gate(x))) * shared
         return routed + self.hook_shared_out(shared)
+
+
+# ------------------------------------------------------------------------------------------------- Llama 4
+def sigmoid_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's rule: the k largest logits [..., k], best first, and as weights their sigmoids (float32), which need
+    not sum to 1."""
+    top, indices = logits.topk(k, dim=-1)
+    return top.float().sigmoid(), indices
+
+
+class ScoredInputMoE(MoE):
+    """Llama 4's MoE MLP: `MoE`'s router and SwiGLU experts routed by `sigmoid_topk`, each routed expert reading the
+    stream scaled by its weight (not its output scaled), and a shared dense SwiGLU MLP `n_shared_experts * d_expert`
+    wide (Llama 4's one `shared_expert`) beside them:
+
+        mlp_out = Σ_j expert_{experts_j}(weights_j · x) + shared(x)           [batch, pos, d_model]
+
+    Hooks: `MoE`'s `hook_router_logits`, `hook_expert_indices` and `hook_expert_weights` (the sigmoids, what scales each
+    expert's input); `hook_expert_out` [batch, pos, k, d_model] on request, each slot's output expert(weight · x),
+    which the sum adds as it is (a weight of 0, expert ablation's "zero", makes it 0: the experts have no biases); and
+    `hook_routed_out` and `hook_shared_out` [batch, pos, d_model] as in `SharedExpertsMoE`, whose sum is the write."""
+
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """Its parameters by accounting row, as (weights, biases): the router, every routed expert and the shared MLP."""
+        return SharedExpertsMoE.params(cfg, layer)
+
+    @classmethod
+    def active_weights(cls, cfg: ModelConfig, layer: int = 0) -> int:
+        """The weights one token's forward multiplies: the router, its k routed experts and the shared experts."""
+        return SharedExpertsMoE.active_weights(cfg, layer)
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        moe = cfg.moe
+        if moe.routing != "sigmoid_topk" or cfg.mlp != "swiglu":
+            raise ValueError(f"ScoredInputMoE routes as Llama 4 does (routing 'sigmoid_topk', SwiGLU experts), got "
+                             f"routing={moe.routing!r}, mlp={cfg.mlp!r}; use lenskit.pieces.moe.MoE")
+        super().__init__(cfg)
+        self.shared = SwiGLU(cfg, moe.n_shared_experts * moe.d_expert) if moe.n_shared_experts else None
+        self.hook_routed_out = HookPoint()  # [batch, pos, d_model]
+        self.hook_shared_out = HookPoint()  # [batch, pos, d_model]
+
+    def routing_rule(self, cfg: ModelConfig) -> Route:
+        return sigmoid_topk
+
+    def norm_readers(self) -> list[nn.Linear]:
+        """The router's, every routed expert's and the shared MLP's projections that read the normalised stream."""
+        return [*super().norm_readers(), *([] if self.shared is None else self.shared.norm_readers())]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch, pos, d_model]
+        logits = self.hook_router_logits(self.router(x))  # [batch, pos, expert]
+        weights, chosen = self.route(logits, self.k)  # [batch, pos, k] each
+        chosen = self.hook_expert_indices(chosen)
+        weights = self.hook_expert_weights(weights.to(x.dtype))
+        ones = torch.ones_like(weights)  # the weights are inside each slot's output; times 1 leaves it bit for bit
+        if self.hook_expert_out.has_hooks():
+            out = self.hook_expert_out(self.scored_outputs(x, weights, chosen))  # [batch, pos, k, d_model]
+            by_slot = out.reshape(-1, out.shape[-1])  # [token * k, d_model]
+            routed = self._summed(x, ones, chosen, lambda e, slots: by_slot[slots])
+        else:
+            routed = self._summed(x, ones, chosen, self._slot_output(x, weights))
+        shared = self.shared(x) if self.shared is not None else torch.zeros_like(x)
+        return self.hook_routed_out(routed) + self.hook_shared_out(shared)
+
+    def _slot_output(self, x: torch.Tensor, weights: torch.Tensor):
+        """(expert, slots) -> expert(weight · x) [n, d_model] for those slots, each expert run once on all of them."""
+        flat, w = x.reshape(-1, x.shape[-1]), weights.reshape(-1, 1)  # [token, d_model], [token * k, 1]
+        return lambda e, slots: self.experts[e](flat[slots // self.k] * w[slots])
+
+    def scored_outputs(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Each slot's output expert(weight · x) [batch, pos, k, d_model]."""
+        output = self._slot_output(x, weights)
+        out = x.new_empty(chosen.numel(), x.shape[-1])  # [token * k, d_model]
+        for e, slots in self._groups(chosen):
+            out[slots] = output(e, slots)
+        return out.view(*chosen.shape, x.shape[-1])

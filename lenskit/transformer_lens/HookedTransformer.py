@@ -9,8 +9,9 @@ The computation is `lenskit.HookedTransformer`'s. This class only sets what Tran
 - `run_with_cache` returns the namespace's `ActivationCache` (TransformerLens's layer-0 remainder);
 - where TransformerLens asserts (a hook on a point whose `set_use_*` switch is off, `get_token_position` of a
   token not in the prompt, `remove_batch_dim` of several sequences), the error is also an `AssertionError`;
-- each attention module has TransformerLens's `attn_type` ("global", or "local" for a sliding window) beside its
-  `mask` (lenskit's mask object, which code may share between layers of one type, as circuit-tracer does);
+- each attention module has TransformerLens's `attn_type` ("global", or "local" for a sliding window or Llama 4's
+  chunks) beside its `mask` (lenskit's mask object, which code may share between layers of one type, as
+  circuit-tracer does);
 - `cfg.to_dict()` gives TransformerLens's field names, and `cfg.output_logits_soft_cap` (the final logit cap, 0.0
   for none) can be written, as code written for TransformerLens does to run without the cap for a while (writing
   it changes this model's forward, nothing else);
@@ -43,7 +44,7 @@ from lenskit.io.text import check_padding_side
 from lenskit.observe.hook_context import HOOK_CONTEXT
 from lenskit.observe.hooks import HookedRootModule, HookPoint  # noqa: F401 - HookedRootModule: imported from here by SAELens
 from lenskit.observe.slices import Slice
-from lenskit.pieces.attention import SlidingWindowMask
+from lenskit.pieces.attention import ChunkedMask, SlidingWindowMask
 from lenskit.pieces.embeddings import Unembed
 from lenskit.pieces.forward_state import ForwardState
 from lenskit.pieces.norms import LayerNorm, RMSNorm
@@ -95,7 +96,7 @@ class HookedTransformer(lenskit.HookedTransformer):
         for block in self.blocks:  # TransformerLens's name for the kind of mask a layer's attention applies
             mask = getattr(getattr(block, "attn", None), "mask", None)
             if mask is not None:
-                block.attn.attn_type = "local" if isinstance(mask, SlidingWindowMask) else "global"
+                block.attn.attn_type = "local" if isinstance(mask, (SlidingWindowMask, ChunkedMask)) else "global"
         if tl_cfg is not None:
             for switch in ("use_attn_result", "use_split_qkv_input", "use_hook_mlp_in", "use_attn_in"):
                 if getattr(tl_cfg, switch):
