@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from .config_checks import (
     check_gemma4_extras,
     check_latent_attention,
     check_linear,
+    check_scales,
     kv_sources,
     shrunk_kv_sharing,
 )
@@ -51,7 +53,8 @@ LEARNED_ACTIVATIONS = ("xielu",)  # with parameters of their own, so only a fami
 _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
                 "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate", "router_bias", "attn_output_gate",
-                "full_k_is_v", "v_norm", "layer_scalar", "double_wide_mlp", "experts_beside_mlp", "rope_interleave")
+                "full_k_is_v", "v_norm", "layer_scalar", "double_wide_mlp", "experts_beside_mlp", "rope_interleave",
+                "mamba_beside_attention")
 _POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rotary_base",
                      "rope_attention_factor", "rope_mscale_all_dim")
 _ORGANISATION = re.compile(r"[A-Za-z0-9][\w.-]*")  # a hub organisation: no path separators, no leading "." or "~"
@@ -163,10 +166,31 @@ class BlockConfig:
     n_kv_shared_layers: int = 0  # the last blocks reuse the keys and values of the last earlier block of their type
     double_wide_mlp: bool = False  # those kv-sharing blocks' MLPs are 2 * d_mlp wide
     experts_beside_mlp: bool = False  # each block's MLP has experts beside it, with norms of their own (26B-A4B)
+    mamba_beside_attention: bool = False  # each block's attention has a Mamba-2 mixer beside it on ln1's output (Falcon-H1)
+
+
+@dataclass(frozen=True)
+class ScalesConfig:
+    """Constant multipliers on the model's activations (`cfg.scales`): muP-trained models (Falcon-H1, Granite) keep their
+    weights at one scale and multiply the activations instead. They are applied where the reference applies them, never
+    folded into weights, so hooks and saved checkpoints see what transformers sees; all 1.0 for other models. The Mamba-2
+    mixer's own (its input, its in_proj parts, its write) are `cfg.mamba`'s."""
+
+    embedding: float = 1.0  # the token embedding times this before the first block (hook_embed sees the product)
+    residual: float = 1.0  # each sublayer's write times this before it is added to the stream (Granite)
+    logits: float = 1.0  # the unembedding's output times this, in the readout (Falcon-H1's lm_head_multiplier)
+    # Falcon-H1's attention: its input (ln1's output) times attention_in before q, k and v; each key times key (before
+    # rotary, so hook_k shows the scaled key); its write times attention_out (hook_result shares the factor)
+    attention_in: float = 1.0
+    key: float = 1.0
+    attention_out: float = 1.0
+    # Falcon-H1's MLP: the gate's pre-activation times mlp_gate (hook_pre shows the product); the write times mlp_down
+    mlp_gate: float = 1.0
+    mlp_down: float = 1.0
 
 
 GROUPS: dict[str, type] = {"rope": RopeConfig, "attention": AttentionConfig, "moe": MoEConfig, "linear": LinearConfig,
-                           "block": BlockConfig, "mla": MLAConfig}
+                           "block": BlockConfig, "mla": MLAConfig, "scales": ScalesConfig}
 # Each grouped setting's flat keyword (the name ModelConfig(...), replace(...) and the error messages use) -> its group
 # and its name there. tools that rename reads (config_rename.py) parse this literal, so keep it one plain dict.
 FLAT_NAMES: dict[str, tuple[str, str]] = {
@@ -194,6 +218,11 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "double_wide_mlp": ("block", "double_wide_mlp"), "experts_beside_mlp": ("block", "experts_beside_mlp"),
     "kv_lora_rank": ("mla", "kv_lora_rank"), "q_lora_rank": ("mla", "q_lora_rank"),
     "qk_nope_head_dim": ("mla", "qk_nope_head_dim"), "rope_interleave": ("mla", "rope_interleave"),
+    "mamba_beside_attention": ("block", "mamba_beside_attention"),
+    "embedding_multiplier": ("scales", "embedding"), "residual_multiplier": ("scales", "residual"),
+    "logits_multiplier": ("scales", "logits"), "attention_in_multiplier": ("scales", "attention_in"),
+    "key_multiplier": ("scales", "key"), "attention_out_multiplier": ("scales", "attention_out"),
+    "mlp_gate_multiplier": ("scales", "mlp_gate"), "mlp_down_multiplier": ("scales", "mlp_down"),
 }
 _GROUPED = {group: {name: flat for flat, (g, name) in FLAT_NAMES.items() if g == group} for group in GROUPS}
 
@@ -246,7 +275,7 @@ class ModelConfig(TransformerLensNames):
 
     The settings of one part of the model are grouped in frozen sub-configs: `cfg.rope` (RopeConfig),
     `cfg.attention` (AttentionConfig), `cfg.moe` (MoEConfig), `cfg.linear` (LinearConfig), `cfg.block`
-    (BlockConfig) and `cfg.mla` (MLAConfig). `FLAT_NAMES` maps each one's flat keyword (`rope_factor`, `attn_softcap`, `linear_d_k`, ...) to its
+    (BlockConfig), `cfg.mla` (MLAConfig) and `cfg.scales` (ScalesConfig). `FLAT_NAMES` maps each one's flat keyword (`rope_factor`, `attn_softcap`, `linear_d_k`, ...) to its
     place (`cfg.rope.factor`); `ModelConfig(...)`, `replace(...)` and `dataclasses.replace` take the flat keywords and
     the groups alike (a flat keyword wins over its group's value). A flat name also reads, as a read-only alias
     resolved in one place (`__getattr__`), so code written before the groups keeps running; lenskit's own code reads
@@ -291,6 +320,7 @@ class ModelConfig(TransformerLensNames):
     linear: LinearConfig = LinearConfig()
     block: BlockConfig = BlockConfig()
     mla: MLAConfig = MLAConfig()
+    scales: ScalesConfig = ScalesConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Take today's flat keywords (`rope_factor=8.0`), the groups (`rope=RopeConfig(...)` or a mapping), or both."""
@@ -422,6 +452,11 @@ class ModelConfig(TransformerLensNames):
                                                 and rope.dim % 2 == 0):
             bound = f"(0, d_head={self.d_head}]" if widest == self.d_head else "above 0 (latent attention's rotated part)"
             raise ValueError(f"ModelConfig.rotary_dim={rope.dim!r} must be an even int {bound}")
+        for flat_name, (group, name) in FLAT_NAMES.items():
+            value = flat[flat_name]
+            if group == "scales" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise ValueError(f"ModelConfig.{flat_name} must be a finite number, got {value!r}")
         for field in _POSITIVE:  # transformers computes NaN or inf frequencies from a base or factor <= 0
             value = flat[field]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
@@ -452,6 +487,7 @@ class ModelConfig(TransformerLensNames):
         check_experts(self)
         check_latent_attention(self)
         check_linear(self)
+        check_scales(self)
         check_full_heads(self)
         check_gemma4_extras(self)
 

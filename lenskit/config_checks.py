@@ -200,3 +200,21 @@ def check_latent_attention(cfg: "ModelConfig") -> None:
         raise ValueError(f"ModelConfig.{unsupported[0]} is not implemented with latent attention (kv_lora_rank); "
                          "leave it unset")
 
+
+
+def check_scales(cfg: "ModelConfig") -> None:
+    """Falcon-H1's muP multipliers (`cfg.scales`) only where a piece applies them: attention's on three separate q, k,
+    v projections (lenskit.pieces.qkv.ScaledSplitQKV; not fused, gated, latent or kv-sharing ones), the MLP's on a
+    dense SwiGLU (lenskit.pieces.mlp.ScaledSwiGLU). A multiplier no piece reads is refused rather than ignored."""
+    scales = cfg.scales
+    if scales.attention_in != 1.0 or scales.key != 1.0:
+        odd = [name for name, on in (("fused_qkv", cfg.attention.fused_qkv), ("attn_output_gate", cfg.attention.output_gate),
+                                     ("kv_lora_rank", cfg.mla.kv_lora_rank is not None),
+                                     ("n_kv_shared_layers", cfg.block.n_kv_shared_layers > 0),
+                                     ("full_k_is_v", cfg.attention.full_k_is_v)) if on]
+        if odd:
+            raise ValueError(f"ModelConfig.attention_in_multiplier / key_multiplier apply to three separate q, k, v "
+                             f"projections (Falcon-H1's), but this config sets {odd[0]}; leave the multipliers at 1.0")
+    if (scales.mlp_gate != 1.0 or scales.mlp_down != 1.0) and (cfg.mlp != "swiglu" or cfg.moe.n_experts is not None):
+        raise ValueError(f"ModelConfig.mlp_gate_multiplier / mlp_down_multiplier apply to a dense SwiGLU MLP (Falcon-H1's), "
+                         f"got mlp={cfg.mlp!r}{' with experts' if cfg.moe.n_experts is not None else ''}; leave them at 1.0")

@@ -20,7 +20,7 @@ from .dense_and_experts import DenseAndExperts
 from .forward_state import ForwardState, needed
 from .kv_sharing import SharedKVAttention
 from .latent_attention import LatentAttention
-from .mlp import MLP, MLP_CLASSES, FusedSwiGLU, GeluMLP, SwiGLU
+from .mlp import MLP, MLP_CLASSES, FusedSwiGLU, GeluMLP, ScaledSwiGLU, SwiGLU
 from .moe import MoE
 from .norms import LayerNorm, RMSNorm, make_norm, norm_params
 from .per_layer import PerLayerWrite
@@ -37,7 +37,8 @@ def mlp_class(cfg: ModelConfig, layer: int = 0) -> type[MLP] | type[MoE]:
     if cfg.block.experts_beside_mlp:
         return DenseAndExperts
     if not cfg.is_moe_layer(layer):
-        return MLP_CLASSES[cfg.mlp]
+        scaled = cfg.scales.mlp_gate != 1.0 or cfg.scales.mlp_down != 1.0
+        return ScaledSwiGLU if scaled and cfg.mlp == "swiglu" else MLP_CLASSES[cfg.mlp]
     return SharedExpertsMoE if cfg.moe.routing.startswith("sigmoid_group_topk") else MoE
 
 
