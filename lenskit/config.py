@@ -452,7 +452,7 @@ class ModelConfig(TransformerLensNames):
                                                 and rope.dim % 2 == 0):
             bound = f"(0, d_head={self.d_head}]" if widest == self.d_head else "above 0 (latent attention's rotated part)"
             raise ValueError(f"ModelConfig.rotary_dim={rope.dim!r} must be an even int {bound}")
-        for flat_name, (group, name) in FLAT_NAMES.items():
+        for flat_name, (group, _) in FLAT_NAMES.items():
             value = flat[flat_name]
             if group == "scales" and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value)):
