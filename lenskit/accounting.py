@@ -59,7 +59,7 @@ from typing import Any, Iterable, Mapping, Union
 import pandas as pd
 
 from .config import ModelConfig
-from .pieces.layers import attention_class, block_class, mlp_class, summed_counts
+from .pieces.layers import attention_class, block_class, mixer_classes, mlp_class, summed_counts
 from .pieces.moe import MoE
 from .pieces.norms import norm_params
 from .pieces.per_layer import PerLayerInputs
@@ -273,8 +273,8 @@ def flops_per_token(model_or_cfg: ConfigLike, n_ctx: int | None = None, causal: 
     n_keys = (n_ctx + 1) / 2 if causal else n_ctx  # mean number of keys a query attends to
     kinds = _kinds(cfg)
     # each token mixer's own core: softmax attention's grows with the keys, linear attention's does not
-    per_kind = [{row: (n * core, 0) for row, core in attention_class(cfg, layer).core_flops(cfg, layer, n_keys).items()}
-                for layer, n in kinds.items()]
+    per_kind = [{row: (n * core, 0) for row, core in mixer.core_flops(cfg, layer, n_keys).items()}
+                for layer, n in kinds.items() for mixer in mixer_classes(cfg, layer)]
     cores: dict[str, int] = {"attn_core": 0, **{row: total for row, (total, _) in summed_counts(*per_kind).items()}}
     forward = {
         "attn_proj": 2 * sum(int(block_params(cfg, layer).loc["attn", "weights"]) * n for layer, n in kinds.items()),

@@ -20,8 +20,8 @@ from .config_checks import (
     check_gemma4_extras,
     check_latent_attention,
     check_linear,
-    check_scales,
     check_mamba,
+    check_scales,
     kv_sources,
     shrunk_kv_sharing,
 )

@@ -126,7 +126,7 @@ def check_mamba(cfg: "ModelConfig") -> None:
     """The Mamba-2 fields, where layer_types has a "mamba" block: positive widths, heads a multiple of the groups,
     an ordered step-size range, a known norm, five finite multipliers. (Without one they are unused.)"""
     mamba = cfg.mamba
-    if cfg.layer_types is None or "mamba" not in cfg.layer_types:
+    if not cfg.block.mamba_beside_attention and (cfg.layer_types is None or "mamba" not in cfg.layer_types):
         return
     for field, value in (("mamba_n_heads", mamba.n_heads), ("mamba_d_head", mamba.d_head),
                          ("mamba_d_state", mamba.d_state), ("mamba_n_groups", mamba.n_groups),

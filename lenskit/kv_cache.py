@@ -142,10 +142,14 @@ class KVCache:
         self.entries: list[KeyValues | Latents | DeltaNetState] = [
             recurrent[cfg.layer_type(layer)]() if cfg.layer_type(layer) in recurrent else Latents()
             if cfg.mla.kv_lora_rank is not None else KeyValues() for layer in range(cfg.n_layers)]
+        # Falcon-H1: the Mamba-2 mixer beside each block's attention carries its own state, by block
+        self.beside: dict[int, MambaState] = ({layer: MambaState() for layer in range(cfg.n_layers)}
+                                              if cfg.block.mamba_beside_attention else {})
         self.n_pos = 0
         self.frozen = False
         self._model: weakref.ref | None = None
         self._layer_of: dict[nn.Module, int] = {}
+        self._beside_of: dict[nn.Module, int] = {}
 
     def __getitem__(self, layer: int) -> KeyValues | Latents | DeltaNetState:
         return self.entries[layer]
@@ -156,18 +160,25 @@ class KVCache:
     def freeze(self) -> None:
         """Read the cache without extending it: each later forward sees the cached prefix and its own tokens."""
         self.frozen = True
-        for entry in self.entries:
+        for entry in self.all_entries():
             entry.frozen = True
 
     def unfreeze(self) -> None:
         self.frozen = False
-        for entry in self.entries:
+        for entry in self.all_entries():
             entry.frozen = False
 
+    def all_entries(self) -> list[KeyValues | Latents | DeltaNetState]:
+        """Every block's entry, then the states of the Mamba-2 mixers beside attention (Falcon-H1), if any."""
+        return [*self.entries, *self.beside.values()]
+
     def entry_of(self, module: "nn.Module") -> KeyValues | Latents | DeltaNetState | None:
-        """The entry of the block whose token mixer (`blocks[l].attn`) is `module`."""
+        """The entry of the block whose token mixer (`blocks[l].attn`, or the Mamba-2 mixer beside it) is `module`."""
         layer = self._layer_of.get(module)
-        return None if layer is None else self.entries[layer]
+        if layer is None:
+            layer = self._beside_of.get(module)
+            return None if layer is None else self.beside[layer]
+        return self.entries[layer]
 
     def _bind(self, model: "nn.Module", tokens: torch.Tensor, stop_at_layer: int | None) -> int:
         """Check that this forward may use the cache; the position its tokens start at."""
@@ -190,6 +201,7 @@ class KVCache:
         if bound is None:
             self._model = weakref.ref(model)
             self._layer_of = {block.attn: layer for layer, block in enumerate(model.blocks)}
+            self._beside_of = {block.mamba: layer for layer, block in enumerate(model.blocks) if layer in self.beside}
         return self.n_pos
 
 
@@ -200,11 +212,11 @@ def extending(cache: KVCache | None, new_pos: int) -> Iterator[None]:
     if cache is None:
         yield
         return
-    saved = [entry._saved() for entry in cache.entries]
+    saved = [entry._saved() for entry in cache.all_entries()]
     try:
         yield
     except BaseException:
-        for entry, s in zip(cache.entries, saved):
+        for entry, s in zip(cache.all_entries(), saved):
             entry._restore(s)
         raise
     if not cache.frozen:

@@ -63,7 +63,7 @@ class HookedTransformer(HookedRootModule):
     torch.Size([1, 5, 192])
     """
 
-    ON_REQUEST = ("attn.hook_result", "mlp.hook_expert_out", "attn.hook_state")
+    ON_REQUEST = ("attn.hook_result", "mlp.hook_expert_out", "attn.hook_state", "mamba.hook_state")
     cfg: ModelConfig  # declared here too: the mixins' `cfg: object` would otherwise be its type for mypy
     # The files from_pretrained left the weights memory-mapped from (lenskit.io.mapped), checked before each forward.
     weight_files = None
