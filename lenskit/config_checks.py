@@ -242,6 +242,9 @@ def check_scales(cfg: "ModelConfig") -> None:
     v projections (lenskit.pieces.qkv.ScaledSplitQKV; not fused, gated, latent or kv-sharing ones), the MLP's on a
     dense SwiGLU (lenskit.pieces.mlp.ScaledSwiGLU). A multiplier no piece reads is refused rather than ignored."""
     scales = cfg.scales
+    if scales.residual != 1.0:  # Granite's; refused rather than ignored until a block form applies it
+        raise ValueError(f"ModelConfig.residual_multiplier={scales.residual!r}: no block form applies a multiplier to the "
+                         "sublayers' writes yet; leave it at 1.0")
     if scales.attention_in != 1.0 or scales.key != 1.0:
         odd = [name for name, on in (("fused_qkv", cfg.attention.fused_qkv), ("attn_output_gate", cfg.attention.output_gate),
                                      ("kv_lora_rank", cfg.mla.kv_lora_rank is not None),

@@ -47,7 +47,9 @@ def test_the_published_config_reads_as_the_preset():
         read.mamba, in_multiplier=defaults.in_multiplier, multipliers=defaults.multipliers,
         out_multiplier=defaults.out_multiplier))
     assert shape == preset
-    assert read.to_hf_dict()["time_step_limit"] == [0.0, {"__float__": "Infinity"}]  # as transformers writes inf
+    assert read.mamba.dt_max == float("inf")
+    tagged = ModelConfig.from_hf_config({**PUBLISHED, "time_step_limit": [0.0, {"__float__": "Infinity"}]})
+    assert tagged == read  # transformers' own files spell inf so
 
 
 @pytest.mark.parametrize("change, words", [
@@ -72,6 +74,8 @@ def test_a_multiplier_no_piece_reads_is_refused():
         ModelConfig.from_name("gpt2").replace(key_multiplier=0.5)
     with pytest.raises(ValueError, match="mlp_gate_multiplier / mlp_down_multiplier apply to a dense SwiGLU"):
         ModelConfig.from_name("gpt2").replace(mlp_down_multiplier=0.5)
+    with pytest.raises(ValueError, match="residual_multiplier=0.5: no block form applies"):
+        ModelConfig.from_name("falcon-h1-0.5b").replace(residual_multiplier=0.5)
 
 
 def _hf_outputs(hf, tokens, modules: dict[str, str]) -> dict[str, torch.Tensor]:

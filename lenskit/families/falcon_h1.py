@@ -33,7 +33,8 @@ def _multipliers(r: ConfigReader, key: str, n: int) -> tuple[float, ...]:
     return tuple(float(v) for v in value)
 
 
-# transformers writes a float JSON cannot hold as {"__float__": "Infinity"} (time_step_limit's usual upper end)
+# transformers' config files spell a float JSON cannot hold as {"__float__": "Infinity"} (time_step_limit's usual upper
+# end); read from a dict rather than through transformers' file reader, the tag is still there
 _FLOAT_TAGS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
 
 
@@ -111,7 +112,7 @@ def write(cfg: ModelConfig) -> dict[str, Any]:
         "mamba_n_groups": m.n_groups, "mamba_d_state": m.d_state, "mamba_d_conv": m.conv_width,
         "mamba_chunk_size": m.chunk_size, "mamba_conv_bias": m.conv_bias, "mamba_proj_bias": m.in_bias,
         "projectors_bias": m.out_bias, "mamba_rms_norm": rms, "mamba_norm_before_gate": before,
-        "time_step_limit": [m.dt_min, m.dt_max if m.dt_max < float("inf") else {"__float__": "Infinity"}],
+        "time_step_limit": [m.dt_min, m.dt_max],  # inf as a float: the file writer spells it, as transformers' does
         "embedding_multiplier": s.embedding, "lm_head_multiplier": s.logits,
         "attention_in_multiplier": s.attention_in, "key_multiplier": s.key, "attention_out_multiplier": s.attention_out,
         "mlp_multipliers": [s.mlp_gate, s.mlp_down], "ssm_in_multiplier": m.in_multiplier,
