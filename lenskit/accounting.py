@@ -222,7 +222,8 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
                    "linear" in cfg.layer_types else "blocks of several shapes (per_block*: block 0's)"),
         "per_block": (per_block, "12 d^2 + 13 d for GPT-2 shapes" if cfg.is_gpt2 and cfg.d_mlp == 4 * cfg.d_model else ""),
         "per_block_attn": (int(block.loc["attn", "params"]), "q, k, v and out projections" +
-                           (f" (k, v: {cfg.n_kv_heads} of {cfg.n_heads} heads)" if cfg.n_kv_heads != cfg.n_heads else "")),
+                           (f" (k, v: {cfg.n_kv_heads} of {cfg.n_heads} heads)" if cfg.n_kv_heads != cfg.n_heads else "") +
+                           (", and the Mamba-2 mixer beside them" if cfg.block.mamba_beside_attention else "")),
         "per_block_mlp": (int(block.loc["mlp", "params"]), ("dense MLP, and router and every expert beside it"
                            if cfg.block.experts_beside_mlp else "router and every expert") if cfg.is_moe_layer(0) else
                            "fc_in and fc_out" if cfg.mlp == "gelu" else "gate, fc_in, fc_out (gated MLP)"),

@@ -1,5 +1,5 @@
 """The blocks that put the pieces together: sequential (pre-norm, sandwich, post-norm, Gemma 4's sandwich
-with a stored scale of the stream) or parallel.
+with a stored scale of the stream), parallel, or attention with a Mamba-2 mixer beside it (Falcon-H1).
 
 Architecture options are separate classes chosen once from the config (`make_norm` in norms.py,
 `Attention`'s pieces in attention.py, `make_mlp` and `make_block` here), so each forward reads
