@@ -171,3 +171,30 @@ def test_a_saved_config_reads_back_as_transformers_reads_it(tmp_path):
     model.save_pretrained(tmp_path)
     again = HookedTransformer.from_pretrained(tmp_path)
     assert again.cfg.scales == model.cfg.scales and again.cfg.mamba == model.cfg.mamba
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(attention_bias=True, mlp_bias=True, projectors_bias=True, mamba_proj_bias=True),
+    dict(mamba_rms_norm=True, mamba_norm_before_gate=True),
+    dict(mamba_rms_norm=True, mamba_norm_before_gate=False, mamba_conv_bias=False, tie_word_embeddings=True),
+    dict(time_step_limit=(0.05, 0.6), mamba_n_groups=1, mamba_d_ssm=None, mamba_expand=2, mamba_n_heads=8,
+         mamba_d_head="auto"),
+], ids=["biases", "norm-then-gate", "gate-then-norm-tied", "step-limits-expand"])
+def test_config_variants_match_transformers(overrides):
+    """Every bias, each gated-norm form, a tied head, clamped step sizes and a mixer width from mamba_expand: logits and
+    every block's output equal transformers' (fp32)."""
+    from conftest import make_hf_family
+
+    hf = make_hf_family("falcon_h1", seed=4, **overrides)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith((".D", ".A_log")):
+                p.add_(torch.randn_like(p) * 0.3)
+    model = HookedTransformer.from_hf(hf)
+    tokens = torch.randint(0, 101, (2, 19), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out = hf(tokens, output_hidden_states=True)
+        logits, cache = model.run_with_cache(tokens)
+    for i in range(model.cfg.n_layers - 1):
+        torch.testing.assert_close(cache["resid_post", i], out.hidden_states[i + 1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=0)

@@ -126,8 +126,8 @@ _MIXER = {"in_proj.weight": "in_proj.weight", "in_proj.bias": "in_proj.bias", "c
 _BLOCK = {
     **{ours: theirs for ours, theirs in LLAMA_BLOCK.items() if ours.startswith("attn.") and "_norm" not in ours},
     "ln1.weight": "input_layernorm.weight", "ln2.weight": "pre_ff_layernorm.weight",
-    **{f"mlp.{ours}.weight": f"feed_forward.{theirs}.weight" for ours, theirs in (("gate", "gate_proj"),
-                                                                              ("fc_in", "up_proj"), ("fc_out", "down_proj"))},
+    **{f"mlp.{ours}.{p}": f"feed_forward.{theirs}.{p}" for ours, theirs in (("gate", "gate_proj"), ("fc_in", "up_proj"),
+                                                                          ("fc_out", "down_proj")) for p in ("weight", "bias")},
     **{f"mamba.{ours}": f"mamba.{theirs}" for ours, theirs in _MIXER.items()},
 }
 LAYOUT = Layout(prefix="model.", blocks="layers",
