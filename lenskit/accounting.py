@@ -59,7 +59,7 @@ from typing import Any, Iterable, Mapping, Union
 import pandas as pd
 
 from .config import ModelConfig
-from .pieces.layers import attention_class, block_class, mlp_class, summed_counts
+from .pieces.layers import attention_class, block_class, mixer_classes, mlp_class, summed_counts
 from .pieces.moe import MoE
 from .pieces.norms import norm_params
 from .pieces.per_layer import PerLayerInputs
@@ -230,7 +230,8 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
                    "linear" in cfg.layer_types else "blocks of several shapes (per_block*: block 0's)"),
         "per_block": (per_block, "12 d^2 + 13 d for GPT-2 shapes" if cfg.is_gpt2 and cfg.d_mlp == 4 * cfg.d_model else ""),
         "per_block_attn": (int(block.loc["attn", "params"]), "q, k, v and out projections" +
-                           (f" (k, v: {cfg.n_kv_heads} of {cfg.n_heads} heads)" if cfg.n_kv_heads != cfg.n_heads else "")),
+                           (f" (k, v: {cfg.n_kv_heads} of {cfg.n_heads} heads)" if cfg.n_kv_heads != cfg.n_heads else "") +
+                           (", and the Mamba-2 mixer beside them" if cfg.block.mamba_beside_attention else "")),
         "per_block_mlp": (int(block.loc["mlp", "params"]), ("dense MLP, and router and every expert beside it"
                            if cfg.block.experts_beside_mlp else "router and every expert" + _shared_note(cfg))
                           if cfg.is_moe_layer(0) else
@@ -282,8 +283,8 @@ def flops_per_token(model_or_cfg: ConfigLike, n_ctx: int | None = None, causal: 
     n_keys = (n_ctx + 1) / 2 if causal else n_ctx  # mean number of keys a query attends to
     kinds = _kinds(cfg)
     # each token mixer's own core: softmax attention's grows with the keys, linear attention's does not
-    per_kind = [{row: (n * core, 0) for row, core in attention_class(cfg, layer).core_flops(cfg, layer, n_keys).items()}
-                for layer, n in kinds.items()]
+    per_kind = [{row: (n * core, 0) for row, core in mixer.core_flops(cfg, layer, n_keys).items()}
+                for layer, n in kinds.items() for mixer in mixer_classes(cfg, layer)]
     cores: dict[str, int] = {"attn_core": 0, **{row: total for row, (total, _) in summed_counts(*per_kind).items()}}
     forward = {
         "attn_proj": 2 * sum(int(block_params(cfg, layer).loc["attn", "weights"]) * n for layer, n in kinds.items()),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from .config_checks import (
     check_latent_attention,
     check_linear,
     check_llama4_attention,
+    check_mamba,
+    check_scales,
     kv_sources,
     shrunk_kv_sharing,
 )
@@ -38,8 +41,8 @@ NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")  # rmsnorm_offset: gain (1 + 
 MLPS = ("gelu", "swiglu", "geglu", "swiglu_fused", "swiglu_clamped")
 NORM_PLACEMENTS = ("pre", "sandwich", "post")  # before each sublayer; before and after (Gemma); after only (OLMo 2)
 # linear: a Gated DeltaNet block (Qwen 3.5), lenskit.pieces.deltanet; chunked: a query sees the keys of its own chunk of
-# `attention.chunk_size` positions only (Llama 4's rotary blocks)
-LAYER_TYPES = ("full", "sliding", "linear", "chunked")
+# `attention.chunk_size` positions only (Llama 4's rotary blocks); mamba: a Mamba-2 mixer, lenskit.pieces.mamba2
+LAYER_TYPES = ("full", "sliding", "linear", "chunked", "mamba")
 # Router logits -> k expert weights (lenskit.pieces.moe): softmax over all experts then the top k (Qwen3-MoE and
 # OLMoE without norm_topk_prob), the same renormalised to sum to 1 (Mixtral; norm_topk_prob), or the top k logits
 # then a softmax over them (gpt-oss).
@@ -57,7 +60,8 @@ _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
                 "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate", "router_bias", "attn_output_gate",
                 "full_k_is_v", "v_norm", "layer_scalar", "double_wide_mlp", "experts_beside_mlp", "rope_interleave",
-                "shared_expert_gate", "linear_fused", "rope_adjacent_pairs", "qk_unit_norm")
+                "shared_expert_gate", "linear_fused", "rope_adjacent_pairs", "qk_unit_norm", "mamba_beside_attention",
+                "mamba_conv_bias", "mamba_in_bias", "mamba_out_bias")
 _POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rotary_base",
                      "rope_attention_factor", "rope_mscale_all_dim")
 _ORGANISATION = re.compile(r"[A-Za-z0-9][\w.-]*")  # a hub organisation: no path separators, no leading "." or "~"
@@ -174,6 +178,31 @@ class LinearConfig:
 
 
 @dataclass(frozen=True)
+class MambaConfig:
+    """The Mamba-2 mixers (`cfg.mamba`; layer_types "mamba", lenskit.pieces.mamba2); n_heads None without them. The
+    mixer's inner width is n_heads * d_head; B and C are n_groups * d_state wide, each group serving n_heads / n_groups
+    consecutive heads, and the gated norm normalises each of n_groups equal slices of the inner width."""
+
+    n_heads: int | None = None  # mamba_num_heads / mamba_n_heads
+    d_head: int | None = None  # each head's width (mamba_head_dim / mamba_d_head)
+    d_state: int | None = None  # the state's width per head (ssm_state_size / mamba_d_state)
+    n_groups: int = 1
+    conv_width: int = 4  # the causal convolution's kernel (conv_kernel / mamba_d_conv)
+    conv_bias: bool = True
+    in_bias: bool = False  # in_proj's bias (use_bias / mamba_proj_bias)
+    out_bias: bool = False  # out_proj's bias (use_bias / Falcon-H1's projectors_bias)
+    chunk_size: int = 256  # positions per chunk of the prompt's scan; the function does not depend on it
+    dt_min: float = 0.0  # time_step_limit: each step size is clamped to [dt_min, dt_max]
+    dt_max: float = float("inf")
+    norm: str = "gate_then_norm"  # see MAMBA_NORMS (lenskit.config_checks)
+    # Falcon-H1's muP multipliers: the normed stream times in_multiplier before in_proj, in_proj's z, x, B, C and dt
+    # parts times multipliers[0..4], the mixer's write times out_multiplier
+    in_multiplier: float = 1.0
+    multipliers: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    out_multiplier: float = 1.0
+
+
+@dataclass(frozen=True)
 class BlockConfig:
     """What a block adds beside its attention and MLP (`cfg.block`): Gemma 4's per-layer inputs, kv sharing, rescaled
     stream and experts beside the MLP (lenskit.pieces.per_layer, kv_sharing, dense_and_experts); off by default."""
@@ -184,10 +213,31 @@ class BlockConfig:
     n_kv_shared_layers: int = 0  # the last blocks reuse the keys and values of the last earlier block of their type
     double_wide_mlp: bool = False  # those kv-sharing blocks' MLPs are 2 * d_mlp wide
     experts_beside_mlp: bool = False  # each block's MLP has experts beside it, with norms of their own (26B-A4B)
+    mamba_beside_attention: bool = False  # each block's attention has a Mamba-2 mixer beside it on ln1's output (Falcon-H1)
+
+
+@dataclass(frozen=True)
+class ScalesConfig:
+    """Constant multipliers on the model's activations (`cfg.scales`): muP-trained models (Falcon-H1, Granite) keep their
+    weights at one scale and multiply the activations instead. They are applied where the reference applies them, never
+    folded into weights, so hooks and saved checkpoints see what transformers sees; all 1.0 for other models. The Mamba-2
+    mixer's own (its input, its in_proj parts, its write) are `cfg.mamba`'s."""
+
+    embedding: float = 1.0  # the token embedding times this before the first block (hook_embed sees the product)
+    residual: float = 1.0  # each sublayer's write times this before it is added to the stream (Granite)
+    logits: float = 1.0  # the unembedding's output times this, in the readout (Falcon-H1's lm_head_multiplier)
+    # Falcon-H1's attention: its input (ln1's output) times attention_in before q, k and v; each key times key (before
+    # rotary, so hook_k shows the scaled key); its write times attention_out (hook_result shares the factor)
+    attention_in: float = 1.0
+    key: float = 1.0
+    attention_out: float = 1.0
+    # Falcon-H1's MLP: the gate's pre-activation times mlp_gate (hook_pre shows the product); the write times mlp_down
+    mlp_gate: float = 1.0
+    mlp_down: float = 1.0
 
 
 GROUPS: dict[str, type] = {"rope": RopeConfig, "attention": AttentionConfig, "moe": MoEConfig, "linear": LinearConfig,
-                           "block": BlockConfig, "mla": MLAConfig}
+                           "block": BlockConfig, "mla": MLAConfig, "mamba": MambaConfig, "scales": ScalesConfig}
 # Each grouped setting's flat keyword (the name ModelConfig(...), replace(...) and the error messages use) -> its group
 # and its name there. tools that rename reads (config_rename.py) parse this literal, so keep it one plain dict.
 FLAT_NAMES: dict[str, tuple[str, str]] = {
@@ -220,6 +270,18 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "double_wide_mlp": ("block", "double_wide_mlp"), "experts_beside_mlp": ("block", "experts_beside_mlp"),
     "kv_lora_rank": ("mla", "kv_lora_rank"), "q_lora_rank": ("mla", "q_lora_rank"),
     "qk_nope_head_dim": ("mla", "qk_nope_head_dim"), "rope_interleave": ("mla", "rope_interleave"),
+    "mamba_beside_attention": ("block", "mamba_beside_attention"),
+    "embedding_multiplier": ("scales", "embedding"), "residual_multiplier": ("scales", "residual"),
+    "logits_multiplier": ("scales", "logits"), "attention_in_multiplier": ("scales", "attention_in"),
+    "key_multiplier": ("scales", "key"), "attention_out_multiplier": ("scales", "attention_out"),
+    "mlp_gate_multiplier": ("scales", "mlp_gate"), "mlp_down_multiplier": ("scales", "mlp_down"),
+    "mamba_n_heads": ("mamba", "n_heads"), "mamba_d_head": ("mamba", "d_head"), "mamba_d_state": ("mamba", "d_state"),
+    "mamba_n_groups": ("mamba", "n_groups"), "mamba_conv_width": ("mamba", "conv_width"),
+    "mamba_conv_bias": ("mamba", "conv_bias"), "mamba_in_bias": ("mamba", "in_bias"),
+    "mamba_out_bias": ("mamba", "out_bias"), "mamba_chunk_size": ("mamba", "chunk_size"),
+    "mamba_dt_min": ("mamba", "dt_min"), "mamba_dt_max": ("mamba", "dt_max"), "mamba_norm": ("mamba", "norm"),
+    "mamba_in_multiplier": ("mamba", "in_multiplier"), "mamba_multipliers": ("mamba", "multipliers"),
+    "mamba_out_multiplier": ("mamba", "out_multiplier"),
 }
 _GROUPED = {group: {name: flat for flat, (g, name) in FLAT_NAMES.items() if g == group} for group in GROUPS}
 
@@ -272,7 +334,7 @@ class ModelConfig(TransformerLensNames):
 
     The settings of one part of the model are grouped in frozen sub-configs: `cfg.rope` (RopeConfig),
     `cfg.attention` (AttentionConfig), `cfg.moe` (MoEConfig), `cfg.linear` (LinearConfig), `cfg.block`
-    (BlockConfig) and `cfg.mla` (MLAConfig). `FLAT_NAMES` maps each one's flat keyword (`rope_factor`, `attn_softcap`, `linear_d_k`, ...) to its
+    (BlockConfig), `cfg.mla` (MLAConfig), `cfg.mamba` (MambaConfig) and `cfg.scales` (ScalesConfig). `FLAT_NAMES` maps each one's flat keyword (`rope_factor`, `attn_softcap`, `linear_d_k`, ...) to its
     place (`cfg.rope.factor`); `ModelConfig(...)`, `replace(...)` and `dataclasses.replace` take the flat keywords and
     the groups alike (a flat keyword wins over its group's value). A flat name also reads, as a read-only alias
     resolved in one place (`__getattr__`), so code written before the groups keeps running; lenskit's own code reads
@@ -317,6 +379,8 @@ class ModelConfig(TransformerLensNames):
     linear: LinearConfig = LinearConfig()
     block: BlockConfig = BlockConfig()
     mla: MLAConfig = MLAConfig()
+    scales: ScalesConfig = ScalesConfig()
+    mamba: MambaConfig = MambaConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Take today's flat keywords (`rope_factor=8.0`), the groups (`rope=RopeConfig(...)` or a mapping), or both."""
@@ -388,6 +452,8 @@ class ModelConfig(TransformerLensNames):
         if self.layer_types is not None:
             self._set(None, "layer_types", tuple(self.layer_types))
         self._set(None, "nope_layers", tuple(self.nope_layers))
+        if isinstance(self.mamba.multipliers, list):  # as config.json and asdict give it
+            self._set("mamba", "multipliers", tuple(self.mamba.multipliers))
         if self.rope.dim is None and self.positional == "rotary":
             self._set("rope", "dim", self.d_head)
         if self.moe.n_experts is not None:
@@ -449,6 +515,11 @@ class ModelConfig(TransformerLensNames):
                                                 and rope.dim % 2 == 0):
             bound = f"(0, d_head={self.d_head}]" if widest == self.d_head else "above 0 (latent attention's rotated part)"
             raise ValueError(f"ModelConfig.rotary_dim={rope.dim!r} must be an even int {bound}")
+        for flat_name, (group, _) in FLAT_NAMES.items():
+            value = flat[flat_name]
+            if group == "scales" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise ValueError(f"ModelConfig.{flat_name} must be a finite number, got {value!r}")
         for field in _POSITIVE:  # transformers computes NaN or inf frequencies from a base or factor <= 0
             value = flat[field]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
@@ -479,6 +550,8 @@ class ModelConfig(TransformerLensNames):
         check_experts(self)
         check_latent_attention(self)
         check_linear(self)
+        check_scales(self)
+        check_mamba(self)
         check_full_heads(self)
         check_gemma4_extras(self)
 

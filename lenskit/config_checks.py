@@ -10,6 +10,11 @@ from typing import Any
 # lenskit.config imports this module, so `cfg` here is typed Any: always a ModelConfig in the middle of its checks.
 ModelConfig = Any
 
+# How a Mamba-2 mixer's scan output y meets its gate z (lenskit.pieces.mamba2): RMS-normalise y * SiLU(z) per group
+# (Nemotron-H, Granite 4, Falcon-H1's norm_before_gate=False), normalise y then times SiLU(z) (norm_before_gate=True),
+# or no norm at all, y * SiLU(z) (Falcon-H1's mamba_rms_norm=False)
+MAMBA_NORMS = ("gate_then_norm", "norm_then_gate", "gate_only")
+
 
 def check_full_heads(cfg: "ModelConfig") -> None:
     """Gemma 4's fields: positive ints or None, whole heads turning where the full blocks' heads differ, a
@@ -138,6 +143,36 @@ def check_linear(cfg: "ModelConfig") -> None:
         raise ValueError(f"ModelConfig.linear_n_v_heads={linear.n_v_heads} is not a multiple of linear_n_k_heads="
                          f"{linear.n_k_heads}: each q/k head serves a whole group of value heads")
 
+def check_mamba(cfg: "ModelConfig") -> None:
+    """The Mamba-2 fields, where layer_types has a "mamba" block: positive widths, heads a multiple of the groups,
+    an ordered step-size range, a known norm, five finite multipliers. (Without one they are unused.)"""
+    mamba = cfg.mamba
+    if not cfg.block.mamba_beside_attention and (cfg.layer_types is None or "mamba" not in cfg.layer_types):
+        return
+    for field, value in (("mamba_n_heads", mamba.n_heads), ("mamba_d_head", mamba.d_head),
+                         ("mamba_d_state", mamba.d_state), ("mamba_n_groups", mamba.n_groups),
+                         ("mamba_conv_width", mamba.conv_width), ("mamba_chunk_size", mamba.chunk_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"ModelConfig.{field} must be a positive int for Mamba-2 blocks, got {value!r}")
+    if mamba.n_heads % mamba.n_groups:
+        raise ValueError(f"ModelConfig.mamba_n_heads={mamba.n_heads} is not a multiple of mamba_n_groups="
+                         f"{mamba.n_groups}: each group's B and C serve a whole run of heads")
+    for field, value in (("mamba_dt_min", mamba.dt_min), ("mamba_dt_max", mamba.dt_max)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"ModelConfig.{field} must be a number >= 0 (inf allowed for dt_max), got {value!r}")
+    if not mamba.dt_min <= mamba.dt_max or mamba.dt_min == float("inf"):
+        raise ValueError(f"ModelConfig.mamba_dt_min={mamba.dt_min!r} must be finite and <= mamba_dt_max={mamba.dt_max!r}")
+    if mamba.norm not in MAMBA_NORMS:
+        raise ValueError(f"ModelConfig.mamba_norm={mamba.norm!r}; supported: {MAMBA_NORMS}")
+    multipliers = mamba.multipliers
+    if not isinstance(multipliers, tuple) or len(multipliers) != 5 or any(
+            isinstance(m, bool) or not isinstance(m, (int, float)) or not abs(m) < float("inf")
+            for m in (*multipliers, mamba.in_multiplier, mamba.out_multiplier)):
+        raise ValueError(f"ModelConfig.mamba_multipliers must be a tuple of 5 finite numbers (z, x, B, C, dt) and "
+                         f"mamba_in_multiplier, mamba_out_multiplier finite numbers, got {multipliers!r}, "
+                         f"{mamba.in_multiplier!r}, {mamba.out_multiplier!r}")
+
+
 def check_experts(cfg: "ModelConfig") -> None:
     """The MoE fields: all unset for a dense model; else n_experts >= k >= 1, blocks in range. (ModelConfig checks the
     routing rule against ROUTINGS.)"""
@@ -238,3 +273,24 @@ def check_latent_attention(cfg: "ModelConfig") -> None:
         raise ValueError(f"ModelConfig.{unsupported[0]} is not implemented with latent attention (kv_lora_rank); "
                          "leave it unset")
 
+
+
+def check_scales(cfg: "ModelConfig") -> None:
+    """Falcon-H1's muP multipliers (`cfg.scales`) only where a piece applies them: attention's on three separate q, k,
+    v projections (lenskit.pieces.qkv.ScaledSplitQKV; not fused, gated, latent or kv-sharing ones), the MLP's on a
+    dense SwiGLU (lenskit.pieces.mlp.ScaledSwiGLU). A multiplier no piece reads is refused rather than ignored."""
+    scales = cfg.scales
+    if scales.residual != 1.0:  # Granite's; refused rather than ignored until a block form applies it
+        raise ValueError(f"ModelConfig.residual_multiplier={scales.residual!r}: no block form applies a multiplier to the "
+                         "sublayers' writes yet; leave it at 1.0")
+    if scales.attention_in != 1.0 or scales.key != 1.0:
+        odd = [name for name, on in (("fused_qkv", cfg.attention.fused_qkv), ("attn_output_gate", cfg.attention.output_gate),
+                                     ("kv_lora_rank", cfg.mla.kv_lora_rank is not None),
+                                     ("n_kv_shared_layers", cfg.block.n_kv_shared_layers > 0),
+                                     ("full_k_is_v", cfg.attention.full_k_is_v)) if on]
+        if odd:
+            raise ValueError(f"ModelConfig.attention_in_multiplier / key_multiplier apply to three separate q, k, v "
+                             f"projections (Falcon-H1's), but this config sets {odd[0]}; leave the multipliers at 1.0")
+    if (scales.mlp_gate != 1.0 or scales.mlp_down != 1.0) and (cfg.mlp != "swiglu" or cfg.moe.n_experts is not None):
+        raise ValueError(f"ModelConfig.mlp_gate_multiplier / mlp_down_multiplier apply to a dense SwiGLU MLP (Falcon-H1's), "
+                         f"got mlp={cfg.mlp!r}{' with experts' if cfg.moe.n_experts is not None else ''}; leave them at 1.0")

@@ -15,6 +15,7 @@ import copy
 import math
 import os
 import warnings
+from functools import partial
 from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Iterator, Sequence, Union
 
 import torch
@@ -62,7 +63,7 @@ class HookedTransformer(HookedRootModule):
     torch.Size([1, 5, 192])
     """
 
-    ON_REQUEST = ("attn.hook_result", "mlp.hook_expert_out", "attn.hook_state")
+    ON_REQUEST = ("attn.hook_result", "mlp.hook_expert_out", "attn.hook_state", "mamba.hook_state")
     cfg: ModelConfig  # declared here too: the mixins' `cfg: object` would otherwise be its type for mypy
     # The files from_pretrained left the weights memory-mapped from (lenskit.io.mapped), checked before each forward.
     weight_files = None
@@ -81,7 +82,8 @@ class HookedTransformer(HookedRootModule):
             self.pos_embed = PosEmbed(cfg.n_ctx, cfg.d_model)
             self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
         self._stream_start = self._embed_learned if cfg.positional == "learned" else self._embed_tokens
-        self._embed_scale = _embed_scaled if cfg.scale_embed else _embed_as_is
+        self._embed_scale = (_embed_scaled if cfg.scale_embed else _embed_as_is if cfg.scales.embedding == 1
+                             else partial(_embed_times, cfg.scales.embedding))
         self.dropout = nn.Dropout(dropout)
         if cfg.block.d_per_layer is not None:  # Gemma 4 E2B/E4B: an input per block, from the tokens (lenskit.pieces.per_layer)
             self.per_layer_inputs = PerLayerInputs(cfg)
@@ -90,7 +92,7 @@ class HookedTransformer(HookedRootModule):
         self.ln_final = make_norm(cfg)
         self.unembed = Unembed(cfg.d_model, cfg.d_vocab, bias=False)
         # Not a submodule: it holds ln_final and unembed themselves, so state dicts and hook names are unchanged.
-        self.readout = Readout(self.ln_final, self.unembed, cfg.final_softcap)
+        self.readout = Readout(self.ln_final, self.unembed, cfg.final_softcap, cfg.scales.logits)
         self.tie_weights()
         self.setup_hooks()
         self.init_weights()
@@ -505,8 +507,10 @@ class HookedTransformer(HookedRootModule):
 
     @property
     def W_U(self) -> torch.Tensor:
-        """Unembedding [d_model, d_vocab] (a transposed view of the parameter)."""
-        return self.unembed.weight.T
+        """Unembedding [d_model, d_vocab] (a transposed view of the parameter), times the logits multiplier of a muP
+        model (Falcon-H1's `cfg.scales.logits`, a copy then), so that `x @ W_U + b_U` is the readout's logits."""
+        multiplier = self.readout.multiplier
+        return self.unembed.weight.T if multiplier == 1.0 else self.unembed.weight.T * multiplier
 
     @property
     def b_U(self) -> torch.Tensor:
@@ -651,3 +655,8 @@ def _embed_scaled(x: torch.Tensor) -> torch.Tensor:
 
 def _embed_as_is(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _embed_times(multiplier: float, x: torch.Tensor) -> torch.Tensor:
+    """x times a muP embedding multiplier (Falcon-H1's `embedding_multiplier`), a Python float as transformers has it."""
+    return x * multiplier

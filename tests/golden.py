@@ -63,6 +63,8 @@ def hf_writes(block) -> tuple:
     norm after each sublayer (Gemma 2/3, OLMo 2: `post_attention_layernorm` follows attention there), those norms."""
     if hasattr(block, "post_feedforward_layernorm"):
         return block.post_attention_layernorm, block.post_feedforward_layernorm
+    if hasattr(block, "mamba") and hasattr(block, "feed_forward"):  # Falcon-H1: see `_beside_attention`
+        return None, block.feed_forward
     return hf_attention(block), getattr(block, "mlp", None) or block.feed_forward  # Llama 4's is `feed_forward`
 
 
@@ -96,14 +98,27 @@ def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torc
             name = {p: Stream(i, p).hook_name(n) for p in STREAM_POINTS}
             handles.append(block.register_forward_pre_hook(save_in(name["resid_pre"]), with_kwargs=True))
             attn_write, mlp_write = hf_writes(block)
-            handles.append(attn_write.register_forward_hook(save_out(name["attn_out"])))
+            if attn_write is None:
+                handles.append(block.pre_ff_layernorm.register_forward_pre_hook(save_in(f"{i}.resid_mid"), with_kwargs=True))
+            else:
+                handles.append(attn_write.register_forward_hook(save_out(name["attn_out"])))
             handles.append(mlp_write.register_forward_hook(save_write(name["mlp_out"])))
             handles.append(block.register_forward_hook(save_out(name["resid_post"])))
         logits = hf(tokens).logits
     finally:
         for h in handles:
             h.remove()
+    _beside_attention(acts, len(hf_blocks(hf)))
     return logits, acts
+
+
+def _beside_attention(acts: dict[str, torch.Tensor], n: int) -> None:
+    """Falcon-H1's blocks scale and add their attention's and Mamba-2 mixer's writes inside the block's own forward, so
+    no module outputs the sum: it is read as the block's stream after it (the MLP's norm's input) less the stream before."""
+    for i in range(n):
+        mid = acts.pop(f"{i}.resid_mid", None)
+        if mid is not None:
+            acts[Stream(i, "attn_out").hook_name(n)] = mid - acts[Stream(i, "resid_pre").hook_name(n)]
 
 
 def rounding(model: lenskit.HookedTransformer, tokens: torch.Tensor) -> float:

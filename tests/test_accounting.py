@@ -162,6 +162,17 @@ _HF_PRESETS = {
     "kimi-k2": ("DeepseekV3Config", dict(num_attention_heads=64, num_key_value_heads=64, vocab_size=163840, n_routed_experts=384, n_group=1, topk_group=1, routed_scaling_factor=2.827, first_k_dense_replace=1, max_position_embeddings=131072, bos_token_id=163584, eos_token_id=163585, rope_parameters=dict(rope_type="yarn", rope_theta=50000.0, factor=32.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0, beta_fast=1.0, beta_slow=1.0))),
     "llama-4-scout": ("Llama4TextConfig", dict(max_position_embeddings=10485760, bos_token_id=200000, eos_token_id=200001, rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0, original_max_position_embeddings=8192))),
     "llama-4-maverick": ("Llama4TextConfig", dict(max_position_embeddings=1048576, num_local_experts=128, interleave_moe_layer_step=2, use_qk_norm=False, bos_token_id=200000, eos_token_id=200001)),
+    # Falcon-H1: attention and a Mamba-2 mixer in every block (transformers' defaults: no gated norm, one group)
+    **{name: ("FalconH1Config", dict(num_hidden_layers=L, hidden_size=d, num_attention_heads=h, num_key_value_heads=kv,
+                                     head_dim=dh, intermediate_size=m, vocab_size=v, mamba_d_ssm=sh * sd, mamba_n_heads=sh,
+                                     mamba_d_head=sd, mamba_d_state=n))
+       for name, L, d, h, kv, dh, m, v, sh, sd, n in (
+           ("falcon-h1-0.5b", 36, 1024, 8, 2, 64, 2048, 32784, 24, 64, 128),
+           ("falcon-h1-1.5b", 24, 2048, 8, 2, 128, 4608, 65536, 48, 64, 256),
+           ("falcon-h1-1.5b-deep", 66, 1280, 6, 2, 128, 3072, 65536, 24, 64, 256),
+           ("falcon-h1-3b", 32, 2560, 10, 2, 128, 6144, 65536, 32, 128, 256),
+           ("falcon-h1-7b", 44, 3072, 12, 2, 128, 12288, 130048, 24, 128, 256),
+           ("falcon-h1-34b", 72, 5120, 20, 4, 128, 21504, 261120, 32, 128, 256))},
 }
 # Published sizes (model cards), to 2 significant digits, as a check on the table above.
 _PUBLISHED_TOTAL = {"pythia-70m": 70e6, "pythia-160m": 162e6, "pythia-12b": 11.8e9, "llama-3.2-1b": 1.24e9,
@@ -170,7 +181,9 @@ _PUBLISHED_TOTAL = {"pythia-70m": 70e6, "pythia-160m": 162e6, "pythia-12b": 11.8
                     "olmo-2-7b": 7.30e9, "phi-3-mini": 3.82e9, "olmo-3-7b": 7.30e9, "olmo-3-32b": 32.2e9, "smollm3-3b": 3.08e9,
                     "gemma-4-31b": 30.7e9, "apertus-8b": 8.05e9, "apertus-70b": 70.6e9, "phi-4": 14.7e9,
                     "deepseek-v3": 671e9, "kimi-k2": 1.04e12, "qwen3-next-80b-a3b": 80e9,
-                    "llama-4-scout": 109e9, "llama-4-maverick": 400e9}  # Llama 4's cards count the vision encoder too
+                    "llama-4-scout": 109e9, "llama-4-maverick": 400e9,  # Llama 4's cards count the vision encoder too
+                    "falcon-h1-0.5b": 0.52e9, "falcon-h1-1.5b": 1.55e9,
+                    "falcon-h1-1.5b-deep": 1.55e9, "falcon-h1-3b": 3.15e9, "falcon-h1-7b": 7.59e9, "falcon-h1-34b": 33.6e9}
 
 
 @pytest.mark.parametrize("name", sorted(_HF_PRESETS))

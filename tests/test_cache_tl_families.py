@@ -44,8 +44,9 @@ def test_head_results_are_the_models_own_and_sum_to_the_attention_write(model, r
             assert name not in cache and name not in recorded
             continue
         close(cache[name], recorded[name])  # computed from z and W_O = what the model's hook saw
-        if not attn_normed:
-            close(cache[name].sum(-2) + model.blocks[l].attn.b_O.detach(), cache["attn_out", l])
+        if not attn_normed:  # Falcon-H1: its Mamba-2 mixer's write joins the heads' in attn_out
+            beside = cache[f"blocks.{l}.hook_mamba_out"] if f"blocks.{l}.hook_mamba_out" in cache else 0
+            close(cache[name].sum(-2) + model.blocks[l].attn.b_O.detach() + beside, cache["attn_out", l])
 
 
 @every_family

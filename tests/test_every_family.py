@@ -47,8 +47,9 @@ def every(family_model, tokens):
 def hf_readout(hf, h: torch.Tensor) -> torch.Tensor:
     """transformers' own final norm and output embedding (and final soft-cap, where the config has one) on h."""
     base = getattr(hf, "transformer", None) or getattr(hf, "gpt_neox", None) or hf.model
-    norm = getattr(base, "ln_f", None) or getattr(base, "final_layer_norm", None) or base.norm
-    logits = hf.get_output_embeddings()(norm(h))
+    norm = (getattr(base, "ln_f", None) or getattr(base, "final_layer_norm", None)
+            or getattr(base, "final_layernorm", None) or base.norm)
+    logits = hf.get_output_embeddings()(norm(h)) * getattr(base, "lm_head_multiplier", 1.0)  # Falcon-H1's muP
     cap = getattr(hf.config, "final_logit_softcapping", None)
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
@@ -233,7 +234,9 @@ def test_head_ablation_removes_exactly_that_query_heads_write(family_model, toke
     # The head's write by hand: its z through its d_head-column block of the output projection.
     d = model.cfg.d_head
     z = clean["blocks.1.attn.hook_z"][:, :, head]  # [batch, pos, d_head]
-    by_hand = z @ model.blocks[1].attn.out.weight[:, head * d:(head + 1) * d].T
+    by_hand = z @ model.blocks[1].attn.W_O[head]  # the view: out's columns, times any multiplier (Falcon-H1's)
+    torch.testing.assert_close(model.blocks[1].attn.W_O[head] / model.blocks[1].attn.out_multiplier,
+                               model.blocks[1].attn.out.weight[:, head * d:(head + 1) * d].T, atol=1e-6, rtol=0)
     torch.testing.assert_close(clean_result[:, :, head], by_hand, atol=1e-5, rtol=0)
     assert cache["blocks.1.attn.hook_k"].shape[2] == model.cfg.n_kv_heads  # kv heads are not ablated
 
@@ -257,7 +260,7 @@ def test_neuron_ablation(family_model, tokens, every):
     # Each neuron writes its activation times its column of fc_out; the ablated write lacks exactly those.
     # Where the block normalises the MLP's output (ln2_post), the write is that norm of the MLP's output.
     block = model.blocks[layer]
-    w_out = block.mlp.fc_out.weight[:, neurons]  # [d_model, 2]
+    w_out = block.mlp.W_out[neurons].T  # [d_model, 2]: fc_out's columns, times any multiplier (Falcon-H1's)
     if block.POST_NORMS:
         kept = clean_post.clone()
         kept[..., neurons] = 0
@@ -372,7 +375,7 @@ def test_direct_logit_attribution_of_one_part_by_hand(family_model, every):
         return (v.pow(2).mean() + ln.eps).sqrt()
 
     with torch.no_grad():
-        by_hand = ((ln(e) - (0 if bias is None else bias)) * scale(e) / scale(x)) @ model.unembed.weight[5]
+        by_hand = ((ln(e) - (0 if bias is None else bias)) * scale(e) / scale(x)) @ model.W_U[:, 5]  # any multiplier in
     got = dla[(dla.batch == 0) & (dla.kind == "embed")].attribution.item()
     assert got == pytest.approx(by_hand.item(), abs=1e-5)
 

@@ -78,8 +78,11 @@ def test_stream_identities(pair, tokens):
     # The per-head writes and the head-summed output agree under every projection layout; where a norm
     # follows attention (Gemma, OLMo 2), hook_result is before it and hook_attn_out after it.
     block = model.blocks[0]
-    summed = cache["blocks.0.attn.hook_result"].sum(2) + (0 if block.attn.out.bias is None else block.attn.out.bias)
+    summed = cache["blocks.0.attn.hook_result"].sum(2) + (0 if block.attn.out.bias is None else block.attn.b_O)
     write = block.ln1_post(summed) if hasattr(block, "ln1_post") else summed
+    if "blocks.0.hook_mamba_out" in cache:  # Falcon-H1: the heads write hook_heads_out, the Mamba-2 mixer beside them the rest
+        torch.testing.assert_close(write, cache["blocks.0.hook_heads_out"], atol=1e-5, rtol=0)
+        write = write + cache["blocks.0.hook_mamba_out"]
     torch.testing.assert_close(write, cache["blocks.0.hook_attn_out"], atol=1e-5, rtol=0)
 
 

@@ -19,6 +19,8 @@ def refusal(model, switch: str) -> str | None:
         return None
     if model.cfg.mla.kv_lora_rank is not None:  # DeepSeek V3: a norm between the stream and q, k, v
         return "attention is latent"
+    if model.cfg.block.mamba_beside_attention:  # Falcon-H1: ln1's output feeds a Mamba-2 mixer beside the heads
+        return "Mamba-2 mixer beside"
     if any(not hasattr(b.attn, "n_heads") or not hasattr(b.attn, "qkv") for b in model.blocks):
         return "layers, which have no per-head"
     if any(getattr(b.attn, "kv_source", None) is not None for b in model.blocks):

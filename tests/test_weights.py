@@ -159,13 +159,17 @@ def test_mlp_views_match_transformers_parameters(family_model):
         pytest.skip("a mixture of experts' MLP views are per expert: tests/test_moe.py checks them")
     layers = hf.transformer.h if family == "gpt2" else hf.gpt_neox.layers if family == "gpt_neox" else hf.model.layers
     for l, layer in enumerate(layers):
-        mlp = layer.mlp
+        mlp = getattr(layer, "mlp", None)
         if family == "gpt2":  # Conv1D weights are already x @ W
             assert torch.equal(model.W_in[l], mlp.c_fc.weight) and torch.equal(model.b_in[l], mlp.c_fc.bias)
             assert torch.equal(model.W_out[l], mlp.c_proj.weight) and torch.equal(model.b_out[l], mlp.c_proj.bias)
         elif family == "gpt_neox":
             assert torch.equal(model.W_in[l], mlp.dense_h_to_4h.weight.T) and torch.equal(model.b_in[l], mlp.dense_h_to_4h.bias)
             assert torch.equal(model.W_out[l], mlp.dense_4h_to_h.weight.T)
+        elif family == "falcon_h1":  # its muP multipliers ride on the views: x @ W_gate is the gate's pre-activation
+            mlp, ours, (gate, down) = layer.feed_forward, model.blocks[l].mlp, hf.config.mlp_multipliers
+            assert torch.equal(ours.W_gate, mlp.gate_proj.weight.T * gate) and torch.equal(ours.W_in, mlp.up_proj.weight.T)
+            assert torch.equal(ours.W_out, mlp.down_proj.weight.T * down)
         elif family == "apertus":  # an ungated MLP (xIELU): up_proj in, down_proj out, no biases
             ours = model.blocks[l].mlp
             assert ours.W_gate is None and torch.equal(ours.W_in, mlp.up_proj.weight.T)

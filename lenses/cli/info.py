@@ -14,6 +14,7 @@ from lenskit.config import ModelConfig
 from lenskit.families import FAMILIES
 from lenskit.io.files import check_output_file, open_output
 from lenskit.io.loading import read_safetensors, resolve_model_folder
+from lenskit.pieces.layers import mixer_classes
 
 
 def model_help() -> str:
@@ -184,10 +185,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"  forward / params = {flops.loc['total', 'forward'] / total:.2f} "
           f"({(flops.loc['total', 'forward'] - core) / total:.2f} without the attention core); "
           f"attention core = {core / (2 * non_emb):.1%} of 2N (N non-embedding), {core / (2 * total):.1%} of 2N (N all)")
-    if "linear_core" in flops.index:
-        print(f"  linear attention ({cfg.layer_types.count('linear')} of {cfg.n_layers} blocks): linear_core is the same per "
-              "token at any context, so its cost is linear in the context; only attn_core (the full-attention blocks) "
-              "grows with n_ctx")
+    if "linear_core" in flops.index:  # Gated DeltaNet or Mamba-2 blocks, or a Mamba-2 mixer beside attention (Falcon-H1)
+        linear = sum(any("linear_core" in m.core_flops(cfg, l, 1) for m in mixer_classes(cfg, l)) for l in range(cfg.n_layers))
+        print(f"  linear-time mixers ({linear} of {cfg.n_layers} blocks): linear_core is the same per "
+              "token at any context, so its cost is linear in the context; only attn_core (the softmax-attention "
+              "blocks) grows with n_ctx")
     if args.tokens is not None:
         print(f"\ntraining compute 6ND for D={args.tokens:.3g} tokens: "
               f"{accounting.six_nd(cfg, args.tokens):.3g} FLOPs (N non-embedding)")

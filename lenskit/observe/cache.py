@@ -357,7 +357,8 @@ class ActivationCache(Mapping):
                                      return_labels: bool = False, project_output_onto: torch.Tensor | None = None,
                                      ) -> Stacked:
         """The input of block `layer` (its MLP's with `mlp_input`) as every head's write ("L0H0" ...), every
-        neuron's ("L0N0" ..., or each MLP's whole write "0_mlp_out" without `expand_neurons`), "embed", "pos_embed"
+        neuron's ("L0N0" ..., or each MLP's whole write "0_mlp_out" without `expand_neurons`), each Mamba-2 mixer's
+        write beside attention (Falcon-H1: "0_mamba_out" ...), "embed", "pos_embed"
         (learned positions only) and "bias", the output biases those writes leave out: [component, batch, pos,
         d_model]; the components sum to that stream.
 
@@ -376,6 +377,12 @@ class ActivationCache(Mapping):
 
         heads, labels = self.stack_head_results(layer + mlp_input, return_labels=True, pos_slice=pos_slice)
         parts = [finish(heads)]
+        names = self if self.model is None else self.model.hook_dict
+        beside = [l for l in range(layer + mlp_input) if hook_name("mamba_out", l) in names]  # Falcon-H1's Mamba-2 writes
+        if beside:
+            why = "get_full_resid_decomposition"
+            parts.append(finish(self._stack([need(self, hook_name("mamba_out", l), why) for l in beside], pos_slice, -2)))
+            labels += [f"{l}_mamba_out" for l in beside]
         if expand_neurons:
             neurons, neuron_labels = self.stack_neuron_results(layer, pos_slice=pos_slice, return_labels=True,
                                                                apply_ln=apply_ln, project_output_onto=project,

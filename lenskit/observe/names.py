@@ -32,6 +32,7 @@ BLOCK_SHORT: dict[str, str] = {
     "shared_gate": "mlp.hook_shared_gate",  # Qwen3-Next: the sigmoid gate on the shared expert's output
     "rescale_out": "hook_rescale_out",  # Gemma 4: (layer_scalar - 1) * stream, the block's last write
     "per_layer_in": "hook_per_layer_in", "per_layer_out": "hook_per_layer_out",  # Gemma 4 E2B/E4B's per-layer input
+    "heads_out": "hook_heads_out", "mamba_out": "hook_mamba_out",  # Falcon-H1: attention's and the Mamba-2 mixer's writes
     "scale1": "ln1.hook_scale", "normalized1": "ln1.hook_normalized",
     "scale2": "ln2.hook_scale", "normalized2": "ln2.hook_normalized",
 }
@@ -39,7 +40,7 @@ BLOCK_SHORT: dict[str, str] = {
 # ([batch, head, query_pos, ...]) or per recurrent state (a linear-attention block's final state); every other
 # hook is per token, [batch, pos, ...] (what can be exported as rows, or patched by position).
 LAYOUTS = {"attn.hook_attn_scores": "per-head", "attn.hook_pattern": "per-head", "attn.hook_sink": "per-head",
-           "attn.hook_state": "per-state"}
+           "attn.hook_state": "per-state", "mamba.hook_state": "per-state"}  # mamba: Falcon-H1's mixer beside attention
 HOOK_AXES = {"per-token": ("batch", "pos", "..."), "per-head": ("batch", "head", "query_pos", "..."),
              "per-state": ("batch", "v_head", "d_k", "d_v")}
 # Hooks outside the blocks, by short name.

@@ -82,7 +82,12 @@ def resid_parts(cache: "ActivationCache", s: Stream, per_head: bool = False) -> 
         if per_head and not headless(cache, i):  # a linear-attention block has no heads: its write stays whole
             result = need(cache, hook_name("result", i), "a per-head decomposition")  # [..., pos, head, d_model]
             parts += [Part(result[..., h, :], head_label(i, h), "head", i, h) for h in range(result.shape[-2])]
-            parts.append(Part(attn_out - result.sum(-2), f"{i}_attn_bias", "attn_bias", i, None))
+            beside = []  # Falcon-H1: the Mamba-2 mixer's write, added beside the heads'
+            if hook_name("mamba_out", i) in (cache if cache.model is None else cache.model.hook_dict):
+                beside = [Part(need(cache, hook_name("mamba_out", i), why), f"{i}_mamba_out", "mamba", i, None)]
+            parts += beside
+            rest = attn_out - result.sum(-2) - sum(p.tensor for p in beside)
+            parts.append(Part(rest, f"{i}_attn_bias", "attn_bias", i, None))
         else:
             parts.append(Part(attn_out, f"{i}_attn_out", "attn", i, None))
         if i < n_mlp:

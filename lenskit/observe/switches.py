@@ -75,6 +75,10 @@ def _refuse_where_not_applicable(model: nn.Module, kind: str) -> None:
         raise ValueError(f"{name}: blocks {linear} are {getattr(model.blocks[linear[0]].attn, 'LAYER_TYPE', 'other')} "
                          "layers, which have no per-head q, k, v projections to give separate inputs; "
                          "hook their attn.hook_q/k/v instead")
+    if model.cfg.block.mamba_beside_attention:
+        raise ValueError(f"{name}: this model's blocks feed ln1's one output to attention and to the Mamba-2 mixer beside "
+                         "it (Falcon-H1), so a per-head input would leave the mixer's reading behind; hook attn.hook_q / "
+                         "hook_k / hook_v instead")
     sharing = [l for l, b in enumerate(model.blocks) if getattr(b.attn, "kv_source", None) is not None]
     if sharing:
         raise ValueError(f"{name}: blocks {sharing} read an earlier block's keys and values (Gemma 4's kv sharing), so "

@@ -105,6 +105,7 @@ class Attention(HeadCircuits, nn.Module):
     """
 
     OWN_KV = True  # whether the block projects its own keys and values (not: kv_sharing.SharedKVAttention)
+    out_multiplier = 1.0  # the class's, for subclasses with an __init__ of their own (latent attention)
 
     @classmethod
     def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
@@ -128,7 +129,8 @@ class Attention(HeadCircuits, nn.Module):
         if option == "refactor_factored_attn_matrices":
             for bad, why in ((cfg.n_kv_heads != cfg.n_heads, "grouped-query heads share k and v"),
                              (cfg.attention.qk_norm, "q/k norms sit between W_Q, W_K and the scores"),
-                             (cfg.attention.output_gate, "its heads are gated or linear")):
+                             (cfg.attention.output_gate, "its heads are gated or linear"),
+                             (_scaled(cfg), "its weight views carry Falcon-H1's multipliers")):
                 if bad:
                     return (f"refactor_factored_attn_matrices is not defined for {cfg.family}: {why}; pass "
                             "refactor_factored_attn_matrices=False", False)
@@ -136,7 +138,8 @@ class Attention(HeadCircuits, nn.Module):
             for bad, why in ((cfg.attention.sinks, "attention sinks make each pattern sum to less than 1"),
                              (cfg.attention.output_gate, "each head's output gate scales its value bias per position"),
                              (cfg.attention.v_norm and cfg.attention.qkv_bias,  # without a value bias there is nothing to fold
-                              "the value norm (Gemma 4's) normalises each value, its bias included")):
+                              "the value norm (Gemma 4's) normalises each value, its bias included"),
+                             (_scaled(cfg), "its weight views carry Falcon-H1's multipliers")):
                 if bad:
                     return f"fold_value_biases is not exact for {cfg.family}: {why}; pass fold_value_biases=False", False
         return None
@@ -165,6 +168,9 @@ class Attention(HeadCircuits, nn.Module):
         self.mask = make_mask(cfg, layer)
         self.scale = (d_head if cfg.attention.query_pre_attn_scalar is None else cfg.attention.query_pre_attn_scalar) ** -0.5
         self.softcap = cfg.attention.softcap
+        self.out_multiplier = cfg.scales.attention_out  # Falcon-H1's: the write (each head's share too) times this
+        if self.out_multiplier != 1.0:
+            self._times_out = self._scale_write
         self.hook_q = HookPoint()  # [batch, pos, head, d_head]
         self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
         self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
@@ -249,7 +255,7 @@ class Attention(HeadCircuits, nn.Module):
             z = self._fused(q, k, v)
         z = self.hook_z(self._gate_z(z, *gate))
         flat = z.reshape(batch, pos, self.n_heads * self.d_head)
-        return self.out(flat) if not self.hook_result.has_hooks() else self._with_result(z, flat)
+        return self._times_out(self.out(flat)) if not self.hook_result.has_hooks() else self._with_result(z, flat)
 
     def _with_result(self, z: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         """The write [batch, pos, d_model] with hook_result [batch, pos, head, d_model], each head's share of it. If
@@ -260,8 +266,8 @@ class Attention(HeadCircuits, nn.Module):
         before = result.clone()  # to see an edit in place (inference tensors count no writes, so values are compared)
         hooked = self.hook_result(result)
         if hooked is result and torch.equal(result, before) and not self.hook_result.has_hooks("bwd"):
-            return self.out(flat)
-        return hooked.sum(2) if self.out.bias is None else hooked.sum(2) + self.out.bias
+            return self._times_out(self.out(flat))
+        return hooked.sum(2) if self.out.bias is None else hooked.sum(2) + self.b_O
 
     # TransformerLens's views of the weights (`x @ W + b`, stacked over layers by lenskit.pieces.weights). Under GQA
     # W_K, W_V, b_K, b_V have one entry per query head, query head h reading kv head h // group, as
@@ -298,13 +304,16 @@ class Attention(HeadCircuits, nn.Module):
 
     @property
     def W_O(self) -> torch.Tensor:
-        """[head, d_head, d_model]: head h's slice of the output projection (a view of it)"""
-        return self.out.weight.T.reshape(self.n_heads, self.d_head, -1)
+        """[head, d_head, d_model]: head h's slice of the output projection (a view of it; times Falcon-H1's
+        attention_out multiplier, a copy, where there is one)"""
+        w_o = self.out.weight.T.reshape(self.n_heads, self.d_head, -1)
+        return w_o if self.out_multiplier == 1.0 else w_o * self.out_multiplier
 
     @property
     def b_O(self) -> torch.Tensor:
         """[d_model]"""
-        return self.out.weight.new_zeros(self.out.out_features) if self.out.bias is None else self.out.bias
+        b_o = self.out.weight.new_zeros(self.out.out_features) if self.out.bias is None else self.out.bias
+        return b_o if self.out_multiplier == 1.0 else b_o * self.out_multiplier
 
     def _per_head(self, i: int, bias: bool = False) -> torch.Tensor:
         """q (0), k (1) or v (2): weight [head, d_model, d_head] or bias [head, d_head], kv heads repeated."""
@@ -329,6 +338,12 @@ class Attention(HeadCircuits, nn.Module):
 
     def _output_gate(self, z: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return z * self.hook_gate(torch.sigmoid(gate))
+
+    def _times_out(self, write: torch.Tensor) -> torch.Tensor:
+        return write  # no multiplier: the write as the output projection gives it
+
+    def _scale_write(self, write: torch.Tensor) -> torch.Tensor:
+        return write * self.out_multiplier
 
     def _keep_for_sharing(self, k: torch.Tensor, v: torch.Tensor, state: ForwardState | None) -> None:
         needed(state, f"block {self.layer}'s keys for the blocks that share them").keep_kv(self.layer, k, v)
@@ -414,6 +429,12 @@ def _fused_agrees(q: torch.Tensor, k: torch.Tensor) -> bool:
     """
     # detached: only a number is read, and the sum must not join a graph (a Jacobian-lens fit runs with grad)
     return not q.is_cpu or math.isfinite((q.detach().sum(dtype=torch.float32) + k.detach().sum(dtype=torch.float32)).item())
+
+
+def _scaled(cfg: ModelConfig) -> bool:
+    """Whether the config has multipliers on attention's input, keys or write (Falcon-H1's), which the views carry."""
+    scales = cfg.scales
+    return scales.attention_in != 1.0 or scales.key != 1.0 or scales.attention_out != 1.0
 
 
 def _unchanged(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

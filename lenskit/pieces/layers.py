@@ -1,5 +1,5 @@
 """The blocks that put the pieces together: sequential (pre-norm, sandwich, post-norm, Gemma 4's sandwich
-with a stored scale of the stream) or parallel.
+with a stored scale of the stream), parallel, or attention with a Mamba-2 mixer beside it (Falcon-H1).
 
 Architecture options are separate classes chosen once from the config (`make_norm` in norms.py,
 `Attention`'s pieces in attention.py, `make_mlp` and `make_block` here), so each forward reads
@@ -20,13 +20,14 @@ from .dense_and_experts import DenseAndExperts
 from .forward_state import ForwardState, needed
 from .kv_sharing import SharedKVAttention
 from .latent_attention import LatentAttention
-from .mlp import MLP, MLP_CLASSES, FusedSwiGLU, GeluMLP, SwiGLU
+from .mamba2 import Mamba2Mixer
+from .mlp import MLP, MLP_CLASSES, FusedSwiGLU, GeluMLP, ScaledSwiGLU, SwiGLU
 from .moe import MoE
 from .norms import LayerNorm, RMSNorm, make_norm, norm_params
 from .per_layer import PerLayerWrite
 from .shared_experts import ScoredInputMoE, SharedExpertsMoE
 
-__all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "MLP", "MoE", "ParallelBlock", "PostNormBlock", "RMSNorm", "RescaledSandwichBlock", "SandwichBlock",
+__all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "MLP", "MambaBesideAttentionBlock", "MoE", "ParallelBlock", "PostNormBlock", "RMSNorm", "RescaledSandwichBlock", "SandwichBlock",
            "SwiGLU", "TransformerBlock", "make_block", "make_mlp", "make_norm"]
 
 
@@ -37,7 +38,8 @@ def mlp_class(cfg: ModelConfig, layer: int = 0) -> type[MLP] | type[MoE]:
     if cfg.block.experts_beside_mlp:
         return DenseAndExperts
     if not cfg.is_moe_layer(layer):
-        return MLP_CLASSES[cfg.mlp]
+        scaled = cfg.scales.mlp_gate != 1.0 or cfg.scales.mlp_down != 1.0
+        return ScaledSwiGLU if scaled and cfg.mlp == "swiglu" else MLP_CLASSES[cfg.mlp]
     if cfg.moe.routing == "sigmoid_topk":
         return ScoredInputMoE
     shared = cfg.moe.routing.startswith("sigmoid_group_topk") or cfg.moe.n_shared_experts
@@ -52,23 +54,32 @@ def make_mlp(cfg: ModelConfig, layer: int = 0) -> MLP | MoE:
     return cls(cfg, cfg.d_mlp_of(layer))
 
 
-def attention_class(cfg: ModelConfig, layer: int = 0) -> type[Attention] | type[GatedDeltaNet]:
+def attention_class(cfg: ModelConfig, layer: int = 0) -> type[Attention] | type[GatedDeltaNet] | type[Mamba2Mixer]:
     """The piece of block `layer`'s token mixer: softmax attention (with an earlier block's keys and values where it
-    shares them, `cfg.kv_source`; latent attention where the config has `mla.kv_lora_rank`), or linear attention where
-    the config makes that block linear."""
+    shares them, `cfg.kv_source`; latent attention where the config has `mla.kv_lora_rank`), or linear attention or a
+    Mamba-2 mixer where the config makes that block "linear" or "mamba"."""
     if cfg.layer_type(layer) == "linear":
         return GatedDeltaNet
+    if cfg.layer_type(layer) == "mamba":
+        return Mamba2Mixer
     if cfg.mla.kv_lora_rank is not None:
         return LatentAttention
     return SharedKVAttention if cfg.kv_source(layer) is not None else Attention
 
 
-def make_attention(cfg: ModelConfig, layer: int = 0) -> Attention | GatedDeltaNet:
+def make_attention(cfg: ModelConfig, layer: int = 0) -> Attention | GatedDeltaNet | Mamba2Mixer:
     """Block `layer`'s token mixer (`attention_class`)."""
     cls = attention_class(cfg, layer)
-    if issubclass(cls, GatedDeltaNet):  # one shape for every linear block
+    if issubclass(cls, (GatedDeltaNet, Mamba2Mixer)):  # one shape for every linear or Mamba-2 block
         return cls(cfg)
     return cls(cfg, layer)
+
+
+def mixer_classes(cfg: ModelConfig, layer: int = 0) -> tuple[type[Attention] | type[GatedDeltaNet] | type[Mamba2Mixer], ...]:
+    """Block `layer`'s token mixers: its `attention_class`, then the Mamba-2 mixer beside it where the block has one
+    (Falcon-H1's `block.mamba_beside_attention`). Accounting sums their FLOPs and processing asks each for refusals."""
+    own = attention_class(cfg, layer)
+    return (own, Mamba2Mixer) if cfg.block.mamba_beside_attention else (own,)
 
 
 def summed_counts(*counts: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
@@ -204,6 +215,35 @@ class RescaledSandwichBlock(SandwichBlock):
         return x + self.hook_per_layer_out(self.dropout(self.per_layer(x, per_layer_in)))
 
 
+class MambaBesideAttentionBlock(TransformerBlock):
+    """Falcon-H1's block: ln1's output feeds attention and a Mamba-2 mixer (lenskit.pieces.mamba2) side by side, and
+    their writes, each with its multipliers (the attention's in `cfg.scales`, the mixer's in `cfg.mamba`), are summed
+    into the block's one attention-position write, then the MLP reads resid_mid as in a pre-norm block:
+
+        resid_mid = resid_pre + attn_out,   attn_out = heads_out + mamba_out
+
+    hook_heads_out is the attention's write (its heads' `hook_result` sum to it less the output bias), hook_mamba_out
+    the mixer's; hook_attn_out, their sum, is exactly what is added to the stream."""
+
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """The pre-norm block's, and the Mamba-2 mixer's (under `attn`, beside the attention's)."""
+        return summed_counts(super().params(cfg, layer), Mamba2Mixer.params(cfg, layer))
+
+    def __init__(self, cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> None:
+        super().__init__(cfg, dropout, layer)
+        self.mamba = Mamba2Mixer(cfg)
+        self.hook_heads_out = HookPoint()  # [batch, pos, d_model]
+        self.hook_mamba_out = HookPoint()  # [batch, pos, d_model]
+
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
+        x = self.hook_resid_pre(x)
+        normed = self.ln1(x)
+        mixed = self.hook_heads_out(self.attn(normed, state)) + self.hook_mamba_out(self.mamba(normed, state))
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(mixed)))
+        return self.hook_resid_post(x + self.hook_mlp_out(self.dropout(self.mlp(self.ln2(x)))))
+
+
 def _same_stream(x: torch.Tensor, state: ForwardState | None) -> torch.Tensor:
     return x
 
@@ -238,6 +278,8 @@ BLOCK_CLASSES = {"pre": TransformerBlock, "sandwich": SandwichBlock, "post": Pos
 
 def block_class(cfg: ModelConfig) -> type[TransformerBlock]:
     """The block form the config chooses."""
+    if cfg.block.mamba_beside_attention:
+        return MambaBesideAttentionBlock
     return ParallelBlock if cfg.parallel_block else RescaledSandwichBlock if cfg.block.layer_scalar else BLOCK_CLASSES[cfg.norm_placement]
 
 

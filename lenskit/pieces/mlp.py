@@ -178,6 +178,33 @@ class SwiGLU(MLP):
         return self.gate.weight, self.gate.bias
 
 
+class ScaledSwiGLU(SwiGLU):
+    """SwiGLU under Falcon-H1's muP multipliers (`cfg.scales`): the gate's pre-activation times `mlp_gate` (hook_pre
+    shows the product), the write times `mlp_down`. The weight views carry the factors (copies), so `x @ W_gate`
+    is hook_pre and `post @ W_out + b_out` the write."""
+
+    def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
+        super().__init__(cfg, d_mlp)
+        self.gate_multiplier, self.down_multiplier = cfg.scales.mlp_gate, cfg.scales.mlp_down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pre = self.hook_pre(self.gate(x) * self.gate_multiplier)
+        linear = self.hook_pre_linear(self.fc_in(x))
+        return self.fc_out(self.hook_post(self.act(pre) * linear)) * self.down_multiplier
+
+    def _gate_in(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        bias = self.gate.bias
+        return self.gate.weight * self.gate_multiplier, None if bias is None else bias * self.gate_multiplier
+
+    @property
+    def W_out(self) -> torch.Tensor:
+        return self.fc_out.weight.T * self.down_multiplier
+
+    @property
+    def b_out(self) -> torch.Tensor:
+        return _or_zeros(self.fc_out.weight, self.fc_out.bias) * self.down_multiplier
+
+
 class FusedSwiGLU(SwiGLU):
     """SwiGLU whose gate and up projections are one matrix `gate_up`, [gate rows | up rows] (Phi-3),
     kept as the checkpoint stores it. Same hooks and weight views as SwiGLU (`W_gate`, `W_in` are its halves)."""

@@ -1,6 +1,7 @@
 """The q/k/v projections of attention, one class per layout, chosen once by `make_qkv`: one fused projection
 (`FusedQKV`: GPT-2, NeoX), three (`SplitQKV`), three with each head's output gate in q's (`GatedSplitQKV`, Qwen 3.5),
-keys that are also the values (`KeyValueQK`, Gemma 4's full blocks) and a query only (`QueryOnly`, Gemma 4's blocks
+three under Falcon-H1's input and key multipliers (`ScaledSplitQKV`), keys that are also the values (`KeyValueQK`,
+Gemma 4's full blocks) and a query only (`QueryOnly`, Gemma 4's blocks
 that read an earlier block's keys and values). Each returns q [batch, pos, head * d_head], k and v [batch, pos,
 kv_head * d_head] (and the gate), and `parts()` gives its (weight, bias) per output for the weight views."""
 
@@ -74,6 +75,26 @@ class GatedSplitQKV(SplitQKV):
         return (rows(weight), None if bias is None else rows(bias)), k, v
 
 
+class ScaledSplitQKV(SplitQKV):
+    """SplitQKV under Falcon-H1's muP multipliers (`cfg.scales`): the input times `attention_in` before the three
+    projections, the keys times `key` after theirs (before rotary, as transformers scales them). `parts()` gives the
+    weights with the factors in (copies), so the weight views keep `x @ W_K + b_K` equal to what hook_k shows."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+        super().__init__(cfg, layer)
+        self.in_multiplier, self.key_multiplier = cfg.scales.attention_in, cfg.scales.key
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().forward(x * self.in_multiplier)
+        return q, k * self.key_multiplier, v
+
+    def parts(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        """(weight [out, d_model], bias [out] or None) of q, k and v, with the multipliers in."""
+        a, key = self.in_multiplier, self.key_multiplier
+        (wq, bq), (wk, bk), (wv, bv) = super().parts()
+        return ((wq * a, bq), (wk * (a * key), None if bk is None else bk * key), (wv * a, bv))
+
+
 class KeyValueQK(SplitQKV):
     """SplitQKV with no `v`: the values are the keys' projection itself, before the key norm and rotary (Gemma 4's
     full blocks, `attention_k_eq_v`). forward returns q, k and k again; hook_k and hook_v both see it."""
@@ -118,4 +139,6 @@ def make_qkv(cfg: ModelConfig, layer: int = 0) -> nn.Module:
         return FusedQKV(cfg, layer)
     if cfg.attention.output_gate:
         return GatedSplitQKV(cfg, layer)
+    if cfg.scales.attention_in != 1.0 or cfg.scales.key != 1.0:
+        return ScaledSplitQKV(cfg, layer)
     return KeyValueQK(cfg, layer) if cfg.k_is_v(layer) else SplitQKV(cfg, layer)

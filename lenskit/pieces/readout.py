@@ -26,7 +26,8 @@ from .linear import linear, linear_into
 
 
 class Readout:
-    """`cap(unembed(norm(h)))`, with the norm's scale computed on this `h`.
+    """`cap(multiplier * unembed(norm(h)))`, with the norm's scale computed on this `h`; `multiplier` is a muP model's
+    logits multiplier (Falcon-H1's `lm_head_multiplier`, `cfg.scales.logits`), 1.0 elsewhere.
 
     It holds the model's own `ln_final` and `unembed` modules (not copies), so moving or editing the
     model moves and edits its readout. `softcap` is the final logit cap c (logits = c tanh(z / c)) or None.
@@ -43,12 +44,12 @@ class Readout:
                     f"c*tanh(z/c) (c={cfg.final_softcap}) is not shift-invariant; pass center_unembed=False", False)
         return None
 
-    def __init__(self, norm: nn.Module, unembed: nn.Linear, softcap: float | None) -> None:
-        self.norm, self.unembed, self.softcap = norm, unembed, softcap
+    def __init__(self, norm: nn.Module, unembed: nn.Linear, softcap: float | None, multiplier: float = 1.0) -> None:
+        self.norm, self.unembed, self.softcap, self.multiplier = norm, unembed, softcap, multiplier
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d_model] -> logits [..., d_vocab] in the model's dtype."""
-        return self.cap_(self.unembed(self.norm(h.to(self.unembed.weight.device))))
+        return self.cap_(self.uncapped(h))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """What lenses hand back: h cast to the model's dtype, read out, and half-precision logits upcast to
@@ -58,7 +59,7 @@ class Readout:
 
     def uncapped(self, h: torch.Tensor) -> torch.Tensor:
         """The logits before any final soft-cap (the same as calling the readout for a model without one)."""
-        return self.unembed(self.norm(h.to(self.unembed.weight.device)))
+        return self.times_(self.unembed(self.norm(h.to(self.unembed.weight.device))))
 
     @property
     def weight(self) -> torch.Tensor:
@@ -83,8 +84,16 @@ class Readout:
         A half-precision model's logits are computed, capped included, in its dtype, as its forward does."""
         weight, bias = self.unembed.weight, self.unembed.bias
         if weight.dtype != out.dtype:
-            return out.copy_(self.cap_(linear(x.to(weight.dtype), weight, bias)))
-        return self.cap_(linear_into(x, weight, bias, out))
+            return out.copy_(self.cap_(self.times_(linear(x.to(weight.dtype), weight, bias))))
+        return self.cap_(self.times_(linear_into(x, weight, bias, out)))
+
+    def times_(self, z: torch.Tensor) -> torch.Tensor:
+        """z times the logits multiplier, in place where autograd allows; z itself where the multiplier is 1."""
+        if self.multiplier == 1.0:
+            return z
+        if torch.is_grad_enabled() and z.requires_grad:
+            return z * self.multiplier
+        return z.mul_(self.multiplier)
 
     def cap_(self, z: torch.Tensor) -> torch.Tensor:
         """The final soft-cap applied to z in place where the model has one; z itself otherwise."""
@@ -96,7 +105,8 @@ class Readout:
 
     def cap_backward_(self, grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """grad w.r.t. the capped logits -> grad w.r.t. the unembedding's output, in place. With logits =
-        c tanh(z / c), d logits / d z = 1 - (logits / c)^2, read off the capped logits themselves."""
-        if self.softcap is None:
-            return grad
-        return grad.mul_(1 - (logits / self.softcap).square_())
+        c tanh(z / c), d logits / d z = 1 - (logits / c)^2, read off the capped logits themselves; z is the
+        unembedding's output times the logits multiplier, whose factor the gradient takes too."""
+        if self.softcap is not None:
+            grad.mul_(1 - (logits / self.softcap).square_())
+        return self.times_(grad)
