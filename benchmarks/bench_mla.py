@@ -1,0 +1,97 @@
+"""Multi-head latent attention: a DeepSeek-V3-shaped small model (latent q and kv, a shared rotated key part, YaRN;
+the first block dense, then 16 sigmoid-routed experts in 4 groups, top-2, plus a shared expert), fp32 on the CPU, one
+thread: our forward vs transformers' own `DeepseekV3ForCausalLM` on its torch path (sdpa; its default experts
+kernel, and its eager one), and run_with_cache of every residual write vs our forward. One process, interleaved
+rounds, medians; targets: forward <= 1.0x transformers, caching <= 1.05x.
+
+    python benchmarks/bench_mla.py --repeats 7
+
+Prints a markdown section for benchmarks/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+import transformers
+from bench_families import interleaved_times  # benchmarks/ is the script's folder, so on sys.path
+
+from lenskit import HookedTransformer
+
+# DeepSeek V3's proportions at d_model 512: 8 heads of 32 + 16 (rotary) query/key features and 32 value features,
+# latents of 192 (q) and 128 (kv), experts a quarter of the dense MLP's width, a vocabulary 18 times d_model
+SHAPE = dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1024,
+             vocab_size=9216, max_position_embeddings=4096, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=32,
+             qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=2,
+             moe_intermediate_size=256, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+             tie_word_embeddings=False,
+             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024,
+                                  mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--pos", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    load_before = os.getloadavg()[0]
+
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**SHAPE)).eval()  # sdpa, default experts
+    with torch.no_grad():
+        for layer in hf.model.layers[SHAPE["first_k_dense_replace"]:]:  # a trained model's bias steers the choice
+            layer.mlp.gate.e_score_correction_bias.normal_(std=0.3)
+    hf_eager = transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(**SHAPE, experts_implementation="eager")).eval()
+    hf_eager.load_state_dict(hf.state_dict())
+    ours = HookedTransformer.from_hf(hf)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (args.batch, args.pos), generator=torch.Generator().manual_seed(0))
+    names = [f"blocks.{i}.hook_{p}" for i in range(SHAPE["num_hidden_layers"])
+             for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")]
+    with torch.inference_mode():
+        gap = max((ours(tokens) - hf(tokens).logits).abs().max().item(),
+                  (ours(tokens) - hf_eager(tokens).logits).abs().max().item())
+    cases = {
+        "lenskit_forward": lambda: ours(tokens),
+        "transformers_forward": lambda: hf(tokens).logits,
+        "transformers_forward_eager_experts": lambda: hf_eager(tokens).logits,
+        "lenskit_cache_all_resid": lambda: ours.run_with_cache(tokens, names_filter=names),
+    }
+    times = interleaved_times(cases, args.repeats)
+    med = {k: statistics.median(v) for k, v in times.items()}
+
+    print("## Multi-head latent attention: a DeepSeek-V3-shaped model (benchmarks/bench_mla.py)\n")
+    print(f"{SHAPE['num_hidden_layers']} blocks (the first dense), d_model {SHAPE['hidden_size']}, "
+          f"{SHAPE['num_attention_heads']} heads of {SHAPE['qk_nope_head_dim']} + {SHAPE['qk_rope_head_dim']} "
+          f"query/key and {SHAPE['v_head_dim']} value features, latents {SHAPE['q_lora_rank']} (q) and "
+          f"{SHAPE['kv_lora_rank']} (kv), YaRN; {SHAPE['n_routed_experts']} experts of width "
+          f"{SHAPE['moe_intermediate_size']} in {SHAPE['n_group']} groups, top-{SHAPE['num_experts_per_tok']} within the "
+          f"best {SHAPE['topk_group']}, one shared; vocabulary {SHAPE['vocab_size']}; fp32, CPU, torch "
+          f"{torch.__version__} ({torch.get_num_threads()} thread(s)), transformers {transformers.__version__} (sdpa, "
+          f"default experts kernel: {hf.config._experts_implementation}); batch {args.batch} x {args.pos} tokens; median "
+          f"of {args.repeats} interleaved rounds; load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after. "
+          f"Largest logit gap to transformers: {gap:.2g}.\n")
+    print("| case | median s | ratio |")
+    print("|---|---|---|")
+    print(f"| lenskit forward | {med['lenskit_forward']:.3f} | 1.00 |")
+    print(f"| transformers forward (default experts) | {med['transformers_forward']:.3f} | "
+          f"lenskit / this = {med['lenskit_forward'] / med['transformers_forward']:.2f} (target ≤ 1.0) |")
+    print(f"| transformers forward (eager experts) | {med['transformers_forward_eager_experts']:.3f} | "
+          f"lenskit / this = {med['lenskit_forward'] / med['transformers_forward_eager_experts']:.2f} |")
+    print(f"| lenskit run_with_cache, every residual write | {med['lenskit_cache_all_resid']:.3f} | "
+          f"this / lenskit forward = {med['lenskit_cache_all_resid'] / med['lenskit_forward']:.2f} (target ≤ 1.05) |")
+    rounds = [(f / t, c / f) for f, t, c in zip(times["lenskit_forward"], times["transformers_forward"],
+                                                 times["lenskit_cache_all_resid"])]
+    print(f"\nPer-round ratios, as a check on noise: forward / transformers "
+          f"{', '.join(f'{r[0]:.2f}' for r in rounds)}; cache / forward {', '.join(f'{r[1]:.2f}' for r in rounds)}.")
+
+
+if __name__ == "__main__":
+    main()
