@@ -54,13 +54,6 @@ from .rotary import Rotary
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, which the latent norms keep (no config field)
 
 
-def _cat_head_major(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.cat([a, b], dim=-1) of two [batch, pos, head, d] tensors, stored head by head (a transposed view of a
-    contiguous [batch, head, pos, d]): the layout the attention kernel reads, which spares it a copy per call (about 6%
-    of the kernel's time at DeepSeek-V3-like widths, benchmarks/bench_mla.py). The values are the same."""
-    return torch.cat([a.transpose(1, 2), b.transpose(1, 2)], dim=-1).transpose(1, 2)
-
-
 def softmax_scale(cfg: ModelConfig) -> float:
     """The scores' scale: (qk_nope_head_dim + rope.dim) ** -0.5, times YaRN's mscale squared where the rotary is
     rescaled and `rope.mscale_all_dim` is set, in transformers' order of operations."""
@@ -178,7 +171,7 @@ class LatentAttention(Attention):
         start = 0 if past is None else past.n_pos
         q_rope = self.rotary(self._lay_out(q_rope), start)
         k_rope = self.hook_k_rope(self.rotary(self._lay_out(k_rope)[:, :, None], start)[:, :, 0])  # [batch, pos, d_rope]
-        q = self.hook_q(_cat_head_major(q_nope, q_rope))
+        q = self.hook_q(torch.cat([q_nope, q_rope], dim=-1))
         k, v = self.expand(latent, k_rope)
         k, v = self.hook_k(k), self.hook_v(v)
         if past is not None:
@@ -195,7 +188,7 @@ class LatentAttention(Attention):
         batch, pos = latent.shape[:2]
         kv = self.kv_b(latent).view(batch, pos, self.n_heads, self.d_nope + self.d_head)
         k_nope, v = kv.split([self.d_nope, self.d_head], dim=-1)
-        k = _cat_head_major(k_nope, k_rope[:, :, None].expand(-1, -1, self.n_heads, -1))
+        k = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, self.n_heads, -1)], dim=-1)
         return k, v
 
     def _full_query(self, x: torch.Tensor) -> torch.Tensor:
