@@ -173,6 +173,9 @@ _HF_PRESETS = {
            ("falcon-h1-3b", 32, 2560, 10, 2, 128, 6144, 65536, 32, 128, 256),
            ("falcon-h1-7b", 44, 3072, 12, 2, 128, 12288, 130048, 24, 128, 256),
            ("falcon-h1-34b", 72, 5120, 20, 4, 128, 21504, 261120, 32, 128, 256))},
+    "glm-4.5": ("Glm4MoeConfig", dict(num_hidden_layers=92, hidden_size=5120, head_dim=128, intermediate_size=12288, n_routed_experts=160, moe_intermediate_size=1536, routed_scaling_factor=2.5, first_k_dense_replace=3, use_qk_norm=True, attention_bias=True)),
+    "glm-4.5-air": ("Glm4MoeConfig", dict(head_dim=128, attention_bias=True)),  # transformers' defaults are 4.5-Air's
+    "glm-4.6": ("Glm4MoeConfig", dict(num_hidden_layers=92, hidden_size=5120, head_dim=128, intermediate_size=12288, n_routed_experts=160, moe_intermediate_size=1536, routed_scaling_factor=2.5, first_k_dense_replace=3, use_qk_norm=True, attention_bias=True, max_position_embeddings=202752)),
 }
 # Published sizes (model cards), to 2 significant digits, as a check on the table above.
 _PUBLISHED_TOTAL = {"pythia-70m": 70e6, "pythia-160m": 162e6, "pythia-12b": 11.8e9, "llama-3.2-1b": 1.24e9,
@@ -183,7 +186,8 @@ _PUBLISHED_TOTAL = {"pythia-70m": 70e6, "pythia-160m": 162e6, "pythia-12b": 11.8
                     "deepseek-v3": 671e9, "kimi-k2": 1.04e12, "qwen3-next-80b-a3b": 80e9,
                     "llama-4-scout": 109e9, "llama-4-maverick": 400e9,  # Llama 4's cards count the vision encoder too
                     "falcon-h1-0.5b": 0.52e9, "falcon-h1-1.5b": 1.55e9,
-                    "falcon-h1-1.5b-deep": 1.55e9, "falcon-h1-3b": 3.15e9, "falcon-h1-7b": 7.59e9, "falcon-h1-34b": 33.6e9}
+                    "falcon-h1-1.5b-deep": 1.55e9, "falcon-h1-3b": 3.15e9, "falcon-h1-7b": 7.59e9, "falcon-h1-34b": 33.6e9,
+                    "glm-4.5": 355e9, "glm-4.5-air": 106e9}  # GLM's totals count the MTP block transformers does not build
 
 
 @pytest.mark.parametrize("name", sorted(_HF_PRESETS))

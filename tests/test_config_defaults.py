@@ -34,8 +34,9 @@ REQUIRED = {"model_type", "n_layer", "n_embd", "n_head", "n_positions", "vocab_s
 
 # Fields whose transformers default turns on a piece lenskit refuses by name: their absence is refused, and the
 # no-argument config is compared with them turned off on both sides. None now (Gemma 4's per-layer inputs, on by
-# default at 256, are implemented).
-DEFAULT_REFUSED: dict[str, dict] = {}
+# default at 256, are implemented). GLM-4.5's class has no head_dim, so its defaults derive 4096 // 96 = 42 and rotate
+# an odd 21 features: refused, and compared at the published 128.
+DEFAULT_REFUSED: dict[str, dict] = {"glm4_moe": {"head_dim": 128}}
 
 
 def hf_config_class(family: str) -> type:
@@ -258,6 +259,14 @@ ROPE = [
     ("llama4_text", {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
                                                          "high_freq_factor": 1.0, "original_max_position_embeddings": 16}},
      None),
+    # GLM-4.5: half of each head rotates by default; the published 4.x spelling; a whole rotation; linear scaling
+    ("glm4_moe", {}, None),
+    ("glm4_moe", {"rope_theta": 1e6, "partial_rotary_factor": 0.5}, None),
+    ("glm4_moe", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}}, None),
+    ("glm4_moe", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 2e5}, None),
+    # Falcon-H1: every feature of a head rotates; the published configs' base 1e11 in 4.x's top-level spelling
+    ("falcon_h1", {}, None),
+    ("falcon_h1", {"rope_theta": 1e11, "rope_scaling": None}, None),
     # both spellings, agreeing
     ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_theta": 5e5}, None),
     ("gemma2", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
@@ -272,7 +281,8 @@ ROPE = [
     ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e4},
      ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")),
     *((f, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e4},
-       ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")) for f in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")),
+       ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")) for f in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3",
+                                                                        "glm4_moe", "falcon_h1")),
     ("apertus", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e4},
      ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")),
     ("llama4_text", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 5e5},

@@ -1,7 +1,8 @@
 """Mixture-of-experts families (Mixtral, Qwen3-MoE, OLMoE; lenskit.pieces.moe): the router and expert hooks against
 transformers' own router, the identity mlp_out = Σ_k weight_k · expert_out_k, what makes each family itself
 (Mixtral's window, Qwen3-MoE's dense blocks and norm_topk_prob, OLMoE's renormalisation), both checkpoint
-spellings of the experts, the weight views, and the routing rules by hand.
+spellings of the experts, the weight views, and the routing rules by hand, DeepSeek V3's (DeepSeek V3, GLM-4.5) among
+them, alone and inside whole models.
 
 Golden parity of the whole stream (tied and untied, padded batches, save_pretrained both ways) runs for these
 families in test_families.py, through the registry.
@@ -10,6 +11,7 @@ families in test_families.py, through the registry.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from safetensors.torch import save_file
 
 from lenskit import HookedTransformer
 from lenskit.pieces.moe import MoE, softmax_topk, softmax_topk_renorm, topk_softmax
+from lenskit.pieces.shared_experts import grouped_sigmoid_topk
 
 MOE_FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]
 EVERY_HOOK = lambda name: True  # noqa: E731 - includes the on-request hook_expert_out
@@ -209,6 +212,62 @@ def test_routing_rules_by_hand():
     w, i = topk_softmax(logits, 2)  # the top two logits 2 and 1, then a softmax over them: the renormalised rule here
     assert i.tolist() == [[0, 2]] and w[0].tolist() == pytest.approx([1 / (1 + torch.e ** -1), 1 / (1 + torch.e)])
     assert w.dtype == torch.float32 and softmax_topk(logits.bfloat16(), 2)[0].dtype == torch.float32
+
+
+def sigmoid_groups_by_hand(logits: list[float], bias: list[float], k: int, n_group: int, topk_group: int,
+                           renorm: bool, scaling: float) -> tuple[list[int], list[float]]:
+    """One token's experts (best choice first) and weights under DeepSeek V3's rule, in plain Python floats: sigmoid
+    scores; the correction bias added for the choice alone; each group scored by its two best choices and only the
+    topk_group best groups open; the k best choices among their experts, weighted by their scores (over their sum,
+    with `renorm`) times `scaling`. A -inf logit (an expert taken away) is never chosen."""
+    inf = float("inf")
+    score = [0.0 if v == -inf else 1 / (1 + math.exp(-v)) for v in logits]
+    choice = [-inf if v == -inf else s + b for v, s, b in zip(logits, score, bias)]
+    size = len(logits) // n_group
+    group_score = [sum(sorted(choice[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(n_group)]
+    open_groups = sorted(range(n_group), key=lambda g: -group_score[g])[:topk_group]
+    chosen = sorted((j for j in range(len(logits)) if j // size in open_groups), key=lambda j: -choice[j])[:k]
+    weights = [score[j] for j in chosen]
+    total = sum(weights) if renorm else 1.0
+    return chosen, [w / total * scaling for w in weights]
+
+
+@pytest.mark.parametrize("n_experts, k, n_group, topk_group, renorm, scaling", [
+    (16, 4, 4, 2, True, 2.5),  # DeepSeek V3's shape in small: half the groups open, renormalised, scaled
+    (8, 2, 1, 1, False, 1.0),  # GLM-4.5-Air's: one group, scores as they are
+    (16, 3, 8, 3, True, 1.5),  # groups of two: a group's score is its whole sum
+])
+def test_deepseek_routing_is_the_rule_by_hand(n_experts, k, n_group, topk_group, renorm, scaling):
+    g = torch.Generator().manual_seed(n_experts + k)
+    logits, bias = torch.randn(64, n_experts, generator=g), 0.3 * torch.randn(n_experts, generator=g)
+    weights, indices = grouped_sigmoid_topk(logits, k, bias, n_group, topk_group, renorm, scaling)
+    unbiased = grouped_sigmoid_topk(logits, k, torch.zeros(n_experts), n_group, topk_group, renorm, scaling)[1]
+    assert weights.dtype == torch.float32 and indices.shape == weights.shape == (64, k)
+    for row, chosen, w in zip(logits.tolist(), indices.tolist(), weights.tolist()):
+        want, want_w = sigmoid_groups_by_hand(row, bias.tolist(), k, n_group, topk_group, renorm, scaling)
+        assert chosen == want and w == pytest.approx(want_w, rel=1e-6)
+    assert not torch.equal(indices, unbiased)  # the bias moved some token's choice
+    if n_group > 1:  # and the group limit passed over some token's globally best experts
+        assert not torch.equal(indices.sort(-1).values, (logits.sigmoid() + bias).topk(k).indices.sort(-1).values)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_a_deepseek_routed_models_hooks_are_the_rule_by_hand(family, tokens):
+    """In a whole model: each token's router logits, through the block's correction bias and settings by hand, give
+    the experts and weights its hooks record (what multiplies each expert's output)."""
+    model = HookedTransformer.from_hf(make_hf_family(family, seed=2))
+    moe = model.cfg.moe
+    _, cache = model.run_with_cache(tokens, names_filter=lambda n: "mlp.hook_" in n)
+    for layer in moe_layers(model):
+        bias = model.blocks[layer].mlp.e_score_correction_bias.tolist()
+        assert any(bias)  # conftest's perturbation: a bias that steers
+        logits = cache[f"blocks.{layer}.mlp.hook_router_logits"].flatten(0, 1).tolist()
+        indices = cache[f"blocks.{layer}.mlp.hook_expert_indices"].flatten(0, 1).tolist()
+        weights = cache[f"blocks.{layer}.mlp.hook_expert_weights"].flatten(0, 1).tolist()
+        for row, chosen, w in zip(logits, indices, weights):
+            want, want_w = sigmoid_groups_by_hand(row, bias, moe.n_experts_per_token, moe.n_group, moe.topk_group,
+                                                  moe.routing.endswith("_renorm"), moe.routed_scaling_factor)
+            assert chosen == want and w == pytest.approx(want_w, rel=1e-5)
 
 
 def test_a_hook_routing_outside_the_experts_is_refused(tokens):

@@ -113,3 +113,55 @@ def test_a_dense_model_has_no_experts_to_ablate():
     dense = HookedTransformer.from_hf(make_hf_family("llama"))
     with pytest.raises(ValueError, match=r"has no experts \(a dense model\)"):
         expert_ablation_hooks(dense, Expert(0, 0))
+
+
+# ------------------------------------------------------------- DeepSeek V3's routing and shared experts, whole models
+SHARED_FAMILIES = ["deepseek_v3", "glm4_moe"]
+
+
+@pytest.fixture(scope="module", params=SHARED_FAMILIES)
+def shared_model(request) -> HookedTransformer:
+    return HookedTransformer.from_hf(make_hf_family(request.param, seed=4))
+
+
+def test_ablating_the_shared_experts_leaves_the_routed_write_and_moves_the_rest(shared_model, tokens):
+    """Expert(L, "shared") zeroes what every token's shared experts add to the block's write: mlp_out becomes the
+    routed experts' sum alone, the blocks before are untouched and the logits move."""
+    model, layer = shared_model, shared_model.cfg.moe.dense_layers[-1] + 1  # the first block with experts
+    logits, clean = model.run_with_cache(tokens, names_filter=EVERY_HOOK)
+    ablated_logits, cache = model.run_with_cache(tokens, names_filter=EVERY_HOOK,
+                                                 fwd_hooks=expert_ablation_hooks(model, Expert(layer, "shared")))
+    assert clean[hook(layer, "shared_out")].abs().amin(-1).min() > 0  # every token's shared experts wrote something
+    assert cache[hook(layer, "shared_out")].abs().max() == 0
+    torch.testing.assert_close(cache["mlp_out", layer], clean[hook(layer, "routed_out")], atol=1e-6, rtol=0)
+    torch.testing.assert_close(cache["resid_post", layer],
+                               clean["resid_post", layer] - clean[hook(layer, "shared_out")], atol=1e-5, rtol=0)
+    assert torch.equal(cache["resid_mid", layer], clean["resid_mid", layer])
+    assert (ablated_logits - logits).abs().max() > 1e-3
+
+
+def test_a_deepseek_reroute_is_the_rule_by_hand_without_the_expert(shared_model, tokens):
+    """Rerouting under sigmoid routing: each token's experts and weights are the rule run by hand with the expert's
+    logit at -inf (it is never chosen, whatever its correction bias), then the experts and the shared ones."""
+    from test_moe import sigmoid_groups_by_hand
+
+    model = shared_model
+    moe, layer = model.cfg.moe, model.cfg.moe.dense_layers[-1] + 1
+    _, clean = model.run_with_cache(tokens, names_filter=EVERY_HOOK)
+    gone = clean[hook(layer, "expert_indices")].flatten().mode().values.item()  # the most chosen expert
+    _, cache = model.run_with_cache(tokens, names_filter=EVERY_HOOK,
+                                    fwd_hooks=expert_ablation_hooks(model, Expert(layer, gone), mode="reroute"))
+    mlp = model.blocks[layer].mlp
+    x, logits = clean[f"blocks.{layer}.ln2.hook_normalized"], clean[hook(layer, "router_logits")]
+    bias = mlp.e_score_correction_bias.tolist()
+    want = torch.zeros_like(x)
+    with torch.no_grad():
+        for b in range(x.shape[0]):
+            for p in range(x.shape[1]):
+                row = [float("-inf") if j == gone else v for j, v in enumerate(logits[b, p].tolist())]
+                order, weights = sigmoid_groups_by_hand(row, bias, moe.n_experts_per_token, moe.n_group, moe.topk_group,
+                                                        moe.routing.endswith("_renorm"), moe.routed_scaling_factor)
+                assert gone not in order and cache[hook(layer, "expert_indices")][b, p].tolist() == order
+                want[b, p] = sum(w * mlp.experts[j](x[b, p][None])[0] for j, w in zip(order, weights))
+    torch.testing.assert_close(cache[hook(layer, "routed_out")], want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(cache["mlp_out", layer], want + clean[hook(layer, "shared_out")], atol=1e-5, rtol=0)

@@ -106,3 +106,18 @@ def test_a_misshapen_fused_expert_tensor_is_refused(folder):
         rewrite(folder, lambda t: t.__setitem__(key, t[key][:3].clone()))
         refused(r"tensor 'layers.0.mlp.experts.gate_up_proj' has shape \(3, 96, 32\), but config.json implies "
                 r"\(4, 96, 32\)", HookedTransformer.from_pretrained, folder)
+
+
+def test_deepseek_v3s_published_fp8_checkpoint_is_refused_naming_fp8(tmp_path):
+    """deepseek-ai/DeepSeek-V3's config.json as published, with its block-scaled fp8 weights: refused in one line
+    naming the method, from the config alone and from a checkpoint folder."""
+    from test_deepseek_v3 import PUBLISHED
+
+    fp8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    message = refused(r"quantization_config\.quant_method='fp8' is not supported.*unquantized",
+                      ModelConfig.from_hf_config, {**PUBLISHED, "quantization_config": fp8})
+    hf = make_hf_family("deepseek_v3")
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": fp8}))
+    assert refused("fp8", HookedTransformer.from_pretrained, tmp_path) == message

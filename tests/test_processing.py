@@ -18,7 +18,7 @@ LAYERNORM = ("gpt2", "gpt_neox")
 # Every family: each option either applies or is refused by name below.
 FAMILIES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "olmo3", "phi3",
             "smollm3", "mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_5_text", "gemma4_text", "apertus",
-            "deepseek_v3", "qwen3_next", "llama4_text", "falcon_h1")
+            "deepseek_v3", "qwen3_next", "llama4_text", "falcon_h1", "glm4_moe")
 # (family, option) -> words the refusal must contain.
 REFUSED = {
     ("llama", "center_writing_weights"): "needs LayerNorm",
@@ -40,6 +40,7 @@ REFUSED = {
     ("falcon_h1", "fold_ln"): "Mamba-2 blocks",  # the mixer beside each block's attention reads ln1 too
     ("falcon_h1", "center_writing_weights"): "needs LayerNorm",
     ("falcon_h1", "fold_value_biases"): "Falcon-H1's multipliers",
+    ("glm4_moe", "center_writing_weights"): "needs LayerNorm",
 }
 
 

@@ -7,16 +7,15 @@ leaves it."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from ..config import ModelConfig
 from . import writers
 from .family import Family
-from .fields import REFUSED, ConfigReader
-from .layouts import LLAMA, FusedExperts, Layout
+from .fields import ConfigReader
+from .layouts import LLAMA, SHARED_EXPERTS_BLOCK, FusedExperts, Layout, past_the_blocks
 from .presets import named_presets
-from .readers import common_fields
+from .readers import common_fields, grouped_sigmoid_experts
 from .rope import rope
 
 
@@ -45,25 +44,10 @@ def read(r: ConfigReader) -> dict[str, Any]:
         params = r.d.get("rope_scaling") or r.d.get("rope_parameters") or {}
         mscale_all = ConfigReader(params, r.family, where="rope_parameters.").float("mscale_all_dim", None, null=None)
         fields["rope_mscale_all_dim"] = mscale_all or None  # 0 is absent, as transformers reads it
-    n_experts = r.int("n_routed_experts", 256)
-    if "num_local_experts" in r.d and r.int("num_local_experts") != n_experts:
-        raise ValueError(f"config fields n_routed_experts={n_experts} and num_local_experts={r.d['num_local_experts']!r} "
-                         f"disagree: both spell the number of experts (model_type={r.family!r}); keep one of them")
-    k = r.int("num_experts_per_tok", 8, null=REFUSED)
-    if k > n_experts:
-        raise ValueError(f"config field num_experts_per_tok={k} exceeds n_routed_experts={n_experts}: each token is "
-                         f"routed to k of the experts (model_type={r.family!r}); fix config.json")
-    n_group, topk_group = r.int("n_group", 8, null=REFUSED), r.int("topk_group", 4, null=REFUSED)
-    if n_experts % n_group or topk_group > n_group or topk_group * (n_experts // n_group) < k:
-        raise ValueError(f"config fields n_routed_experts={n_experts}, n_group={n_group}, topk_group={topk_group} and "
-                         f"num_experts_per_tok={k}: n_group must divide the experts, and the topk_group best groups must "
-                         f"hold at least num_experts_per_tok experts (model_type={r.family!r}); fix config.json")
-    first_dense = r.int("first_k_dense_replace", 3, positive=False, null=REFUSED)
+    experts = grouped_sigmoid_experts(r, n_layers, n=256, d_expert=2048, n_group=8, topk_group=4, first_dense=3,
+                                      scaling=2.5)
     r.float("aux_loss_alpha", 0.0)  # typed only: a training loss, not part of the forward
-    r.int("num_nextn_predict_layers", 1, positive=False)  # typed only: the MTP block transformers does not build
-    r.int("num_mtp_layers", 1, positive=False)
     bias = r.bool("attention_bias", False)
-    renorm = r.bool("norm_topk_prob", True)
     return {
         **common_fields(r, bos=0, eos=1), **fields,
         "n_layers": n_layers, "d_model": r.int("hidden_size"), "n_heads": n_heads, "n_kv_heads": n_heads,
@@ -74,18 +58,8 @@ def read(r: ConfigReader) -> dict[str, Any]:
         "out_bias": False, "mlp_bias": False,
         "kv_lora_rank": r.int("kv_lora_rank", 512), "q_lora_rank": r.int("q_lora_rank", 1536, null=None),
         "qk_nope_head_dim": d_nope, "rope_interleave": r.bool("rope_interleave", True),
-        "n_experts": n_experts, "n_experts_per_token": k, "d_expert": r.int("moe_intermediate_size", 2048),
-        "routing": "sigmoid_group_topk_renorm" if renorm else "sigmoid_group_topk",
-        "n_group": n_group, "topk_group": topk_group,
-        "routed_scaling_factor": r.float("routed_scaling_factor", 2.5, positive=True),
-        "n_shared_experts": r.int("n_shared_experts", 1, positive=False),
-        "dense_layers": tuple(range(min(first_dense, n_layers))),
+        **experts,
     }
-
-
-def _dense_prefix(cfg: ModelConfig) -> int:
-    """first_k_dense_replace: DeepSeek V3's dense blocks are the first ones; any other set is refused on saving."""
-    return len(cfg.moe.dense_layers)
 
 
 def write(cfg: ModelConfig) -> dict[str, Any]:
@@ -93,7 +67,7 @@ def write(cfg: ModelConfig) -> dict[str, Any]:
     params.pop("partial_rotary_factor", None)  # qk_rope_head_dim is the rotary width
     if cfg.rope.mscale_all_dim is not None:
         params["mscale_all_dim"] = cfg.rope.mscale_all_dim
-    mla, moe = cfg.mla, cfg.moe
+    mla = cfg.mla
     return {
         "hidden_size": cfg.d_model, "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_heads, "hidden_act": "silu",
@@ -101,15 +75,10 @@ def write(cfg: ModelConfig) -> dict[str, Any]:
         "rope_parameters": params, "rope_interleave": mla.rope_interleave, "attention_bias": cfg.attention.qkv_bias,
         "attention_dropout": 0.0, "kv_lora_rank": mla.kv_lora_rank, "q_lora_rank": mla.q_lora_rank,
         "qk_rope_head_dim": cfg.rope.dim, "qk_nope_head_dim": mla.qk_nope_head_dim, "v_head_dim": cfg.d_head,
-        "n_routed_experts": moe.n_experts, "num_experts_per_tok": moe.n_experts_per_token,
-        "moe_intermediate_size": moe.d_expert, "n_group": moe.n_group, "topk_group": moe.topk_group,
-        "routed_scaling_factor": moe.routed_scaling_factor, "n_shared_experts": moe.n_shared_experts,
-        "norm_topk_prob": moe.routing == "sigmoid_group_topk_renorm", "first_k_dense_replace": _dense_prefix(cfg),
-        "output_router_logits": False,
+        **writers.grouped_sigmoid_experts(cfg),
     }
 
 
-_PROJECTIONS = (("gate", "gate_proj"), ("fc_in", "up_proj"), ("fc_out", "down_proj"))
 _BLOCK = {
     "ln1.weight": "input_layernorm.weight", "ln2.weight": "post_attention_layernorm.weight",
     "attn.q_proj.weight": "self_attn.q_proj.weight", "attn.q_a.weight": "self_attn.q_a_proj.weight",
@@ -117,22 +86,12 @@ _BLOCK = {
     "attn.q_b.weight": "self_attn.q_b_proj.weight", "attn.kv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
     "attn.kv_a.bias": "self_attn.kv_a_proj_with_mqa.bias", "attn.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attn.kv_b.weight": "self_attn.kv_b_proj.weight", "attn.out.weight": "self_attn.o_proj.weight",
-    **{f"mlp.{ours}.weight": f"mlp.{theirs}.weight" for ours, theirs in _PROJECTIONS},
-    "mlp.router.weight": "mlp.gate.weight", "mlp.e_score_correction_bias": "mlp.gate.e_score_correction_bias",
-    **{f"mlp.shared.{ours}.weight": f"mlp.shared_experts.{theirs}.weight" for ours, theirs in _PROJECTIONS},
-    **{f"mlp.experts.{{e}}.{ours}.weight": f"mlp.experts.{{e}}.{theirs}.weight" for ours, theirs in _PROJECTIONS},
+    **SHARED_EXPERTS_BLOCK,
 }
-_BLOCK_INDEX = re.compile(r"layers\.(\d+)\.")
-
-
-def _past_the_blocks(name: str, cfg: ModelConfig) -> bool:
-    """The multi-token-prediction block of a published checkpoint (`layers.61.` for 61 blocks): no forward reads it."""
-    m = _BLOCK_INDEX.match(name)
-    return m is not None and int(m.group(1)) >= cfg.n_layers
 
 
 LAYOUT = Layout(prefix="model.", blocks="layers", top=LLAMA.top, block=_BLOCK, buffers=LLAMA.buffers,
-                fused=FusedExperts(), unread=_past_the_blocks)
+                fused=FusedExperts(), unread=past_the_blocks)
 
 
 def _preset(name: str, n_heads: int, d_vocab: int, n_ctx: int, n_experts: int, n_group: int, topk_group: int,

@@ -35,6 +35,24 @@ _MOE_BLOCK = {
        for ours, theirs in (("gate", "gate_proj"), ("fc_in", "up_proj"), ("fc_out", "down_proj"))},
 }
 
+# DeepSeek V3's MLP, which GLM-4.5 shares (lenskit.pieces.shared_experts): the routed experts and router of `_MOE_BLOCK`,
+# the router's correction bias beside its weight, and the shared experts as one dense MLP.
+SHARED_EXPERTS_BLOCK = {
+    "mlp.router.weight": "mlp.gate.weight", "mlp.e_score_correction_bias": "mlp.gate.e_score_correction_bias",
+    **{f"mlp.{part}{ours}.weight": f"mlp.{theirs_part}{theirs}.weight"
+       for part, theirs_part in (("", ""), ("shared.", "shared_experts."), ("experts.{e}.", "experts.{e}."))
+       for ours, theirs in (("gate", "gate_proj"), ("fc_in", "up_proj"), ("fc_out", "down_proj"))},
+}
+
+_BLOCK_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+def past_the_blocks(name: str, cfg) -> bool:
+    """A `Layout.unread` for checkpoints that hold multi-token-prediction blocks after the model's own (DeepSeek V3's
+    `layers.61.` of 61 blocks, GLM-4.5's `layers.92.` of 92), which transformers neither builds nor reads."""
+    m = _BLOCK_INDEX.match(name)
+    return m is not None and int(m.group(1)) >= cfg.n_layers
+
 
 def _transposed(t: torch.Tensor, cfg) -> torch.Tensor:
     """A view, not a copy: a transposed weight is as fast in F.linear (benchmarks/results.md, "Big checkpoints")

@@ -174,6 +174,38 @@ def routed_experts(r: ConfigReader, key: str, alias: str, n: int, k: int, renorm
             "routing": "softmax_topk_renorm" if renorm else "softmax_topk"}
 
 
+def grouped_sigmoid_experts(r: ConfigReader, n_layers: int, *, n: int, d_expert: int, n_group: int, topk_group: int,
+                            first_dense: int, scaling: float) -> dict[str, Any]:
+    """DeepSeek V3's routed and shared experts (lenskit.pieces.shared_experts), as DeepSeek V3 and GLM-4.5 spell them:
+    `n_routed_experts` (or `num_local_experts`, the alias both config classes map onto it), k of them per token among
+    the `topk_group` best of `n_group` groups, `routed_scaling_factor`, `n_shared_experts`, and the first
+    `first_k_dense_replace` blocks dense. The keywords are the family's transformers defaults."""
+    n_experts = r.int("n_routed_experts", n)
+    if "num_local_experts" in r.d and r.int("num_local_experts") != n_experts:
+        raise ValueError(f"config fields n_routed_experts={n_experts} and num_local_experts={r.d['num_local_experts']!r} "
+                         f"disagree: both spell the number of experts (model_type={r.family!r}); keep one of them")
+    k = r.int("num_experts_per_tok", 8, null=REFUSED)
+    if k > n_experts:
+        raise ValueError(f"config field num_experts_per_tok={k} exceeds n_routed_experts={n_experts}: each token is "
+                         f"routed to k of the experts (model_type={r.family!r}); fix config.json")
+    n_group, topk_group = r.int("n_group", n_group, null=REFUSED), r.int("topk_group", topk_group, null=REFUSED)
+    if n_experts % n_group or topk_group > n_group or topk_group * (n_experts // n_group) < k:
+        raise ValueError(f"config fields n_routed_experts={n_experts}, n_group={n_group}, topk_group={topk_group} and "
+                         f"num_experts_per_tok={k}: n_group must divide the experts, and the topk_group best groups must "
+                         f"hold at least num_experts_per_tok experts (model_type={r.family!r}); fix config.json")
+    first_dense = r.int("first_k_dense_replace", first_dense, positive=False, null=REFUSED)
+    r.int("num_nextn_predict_layers", 1, positive=False)  # typed only: the MTP block transformers does not build
+    r.int("num_mtp_layers", 1, positive=False)
+    return {
+        "n_experts": n_experts, "n_experts_per_token": k, "d_expert": r.int("moe_intermediate_size", d_expert),
+        "routing": "sigmoid_group_topk_renorm" if r.bool("norm_topk_prob", True) else "sigmoid_group_topk",
+        "n_group": n_group, "topk_group": topk_group,
+        "routed_scaling_factor": r.float("routed_scaling_factor", scaling, positive=True),
+        "n_shared_experts": r.int("n_shared_experts", 1, positive=False),
+        "dense_layers": tuple(range(min(first_dense, n_layers))),
+    }
+
+
 def rotary_base_default(r: ConfigReader, fields: dict[str, Any], theta: float) -> dict[str, Any]:
     """`fields` with the family's own rotary base where config.json gives none anywhere (Mixtral's is 1e6)."""
     given = r.d.get("rope_theta") is not None or any(

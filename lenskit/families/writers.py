@@ -81,6 +81,19 @@ def norm_topk(cfg: "ModelConfig") -> bool:
     return cfg.moe.routing == "softmax_topk_renorm"
 
 
+def grouped_sigmoid_experts(cfg: "ModelConfig") -> dict[str, Any]:
+    """The way back from `readers.grouped_sigmoid_experts`. Its dense blocks are the first ones: any other set would
+    not read back, and `Family.hf_config` refuses it."""
+    moe = cfg.moe
+    return {
+        "n_routed_experts": moe.n_experts, "num_experts_per_tok": moe.n_experts_per_token,
+        "moe_intermediate_size": moe.d_expert, "n_group": moe.n_group, "topk_group": moe.topk_group,
+        "routed_scaling_factor": moe.routed_scaling_factor, "n_shared_experts": moe.n_shared_experts,
+        "norm_topk_prob": moe.routing == "sigmoid_group_topk_renorm", "first_k_dense_replace": len(moe.dense_layers),
+        "output_router_logits": False,
+    }
+
+
 def gemma_like(cfg: "ModelConfig") -> dict[str, Any]:
     return {
         "hidden_size": cfg.d_model, "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.n_layers,

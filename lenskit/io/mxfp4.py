@@ -46,7 +46,7 @@ def check_quantization_config(config: Mapping[str, Any]) -> bool:
     method = q.get("quant_method")
     if method != "mxfp4":
         raise ValueError(f"config field quantization_config.quant_method={method!r} is not supported; lenskit dequantizes "
-                         "only 'mxfp4' on load: use the unquantized checkpoint")
+                         "only 'mxfp4' on load: use an unquantized (bf16 or fp32) copy of the checkpoint")
     return True
 
 

@@ -59,9 +59,9 @@ ROUTES: dict[str, Route] = {"softmax_topk": softmax_topk, "softmax_topk_renorm":
                             "topk_softmax": topk_softmax}
 
 
-def expert_groups(chosen: torch.Tensor, n_experts: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """(expert, the flat slot indices [n] routed to it) for each expert that has tokens, in expert order: `chosen`
-    [..., k] flattened, so slot s is token s // k's (s % k)-th choice."""
+def expert_slots(chosen: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """The flat slot indices [token * k] sorted by expert (stably) and each expert's count of them: `chosen` [..., k]
+    flattened, so slot s is token s // k's (s % k)-th choice."""
     flat = chosen.reshape(-1)  # [token * k]
     # Checked before bincount, which refuses a negative index with its own message and counts a large one silently.
     if flat.is_floating_point() or flat.dtype == torch.bool:
@@ -71,10 +71,15 @@ def expert_groups(chosen: torch.Tensor, n_experts: int) -> Iterator[tuple[int, t
     if lo < 0 or hi >= n_experts:
         raise ValueError(f"expert indices must lie in [0, {n_experts}), got {lo}..{hi}; "
                          "a hook on hook_expert_indices returned an index outside the experts")
-    counts = torch.bincount(flat, minlength=n_experts)
-    order = flat.argsort(stable=True)  # slots sorted by their expert
+    return flat.argsort(stable=True), torch.bincount(flat, minlength=n_experts).tolist()
+
+
+def expert_groups(chosen: torch.Tensor, n_experts: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(expert, the flat slot indices [n] routed to it) for each expert that has tokens, in expert order (see
+    `expert_slots`)."""
+    order, counts = expert_slots(chosen, n_experts)
     start = 0
-    for e, n in enumerate(counts.tolist()):
+    for e, n in enumerate(counts):
         if n:
             yield e, order[start:start + n]
         start += n
@@ -196,23 +201,29 @@ class MoE(nn.Module):
         if self.hook_expert_out.has_hooks():
             out = self.hook_expert_out(self.expert_outputs(x, chosen))  # [batch, pos, k, d_model]
             by_slot = out.reshape(-1, out.shape[-1])  # [token * k, d_model]
-            return self._summed(x, weights, chosen, lambda e, slots: by_slot[slots])
+            return self._summed(x, weights, chosen, lambda e, slots, tokens: by_slot[slots])
         return self.mixed(x, weights, chosen)
 
     def mixed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Σ_j weights_j · expert_{chosen_j}(x) [batch, pos, d_model], each expert run once on all its tokens."""
         flat = x.reshape(-1, x.shape[-1])  # [token, d_model]
-        return self._summed(x, weights, chosen, lambda e, slots: self.experts[e](flat[slots // self.k]))
+        return self._summed(x, weights, chosen, lambda e, slots, tokens: self.experts[e](flat[tokens]))
 
     def _summed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
-                output: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Σ_j weights_j · output(expert, slots) [batch, pos, d_model], added expert by expert: the one order of the
-        sum whether the outputs are computed here or read from hook_expert_out, so that hooking it only to read leaves
-        mlp_out bit for bit as it was."""
-        w = weights.reshape(-1, 1)  # [token * k, 1]
+                output: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Σ_j weights_j · output(expert, slots, their tokens) [batch, pos, d_model], added expert by expert: the one
+        order of the sum whether the outputs are computed here or read from hook_expert_out, so that hooking it only to
+        read leaves mlp_out bit for bit as it was. The slots' tokens and weights are taken once for all the experts:
+        per expert, views of them (few tokens per expert make the per-expert ops count)."""
+        order, counts = expert_slots(chosen, len(self.experts))
+        tokens, w = order // self.k, weights.reshape(-1, 1)[order]  # [token * k], [token * k, 1]
         out = x.new_zeros(x.shape[:-1].numel(), x.shape[-1])  # [token, d_model]
-        for e, slots in self._groups(chosen):
-            out.index_add_(0, slots // self.k, output(e, slots) * w[slots])
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                end = start + n
+                out.index_add_(0, tokens[start:end], output(e, order[start:end], tokens[start:end]) * w[start:end])
+            start += n
         return out.view_as(x)
 
     def expert_outputs(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

@@ -190,21 +190,22 @@ class ScoredInputMoE(MoE):
         if self.hook_expert_out.has_hooks():
             out = self.hook_expert_out(self.scored_outputs(x, weights, chosen))  # [batch, pos, k, d_model]
             by_slot = out.reshape(-1, out.shape[-1])  # [token * k, d_model]
-            routed = self._summed(x, ones, chosen, lambda e, slots: by_slot[slots])
+            routed = self._summed(x, ones, chosen, lambda e, slots, tokens: by_slot[slots])
         else:
             routed = self._summed(x, ones, chosen, self._slot_output(x, weights))
         shared = self.shared(x) if self.shared is not None else torch.zeros_like(x)
         return self.hook_routed_out(routed) + self.hook_shared_out(shared)
 
     def _slot_output(self, x: torch.Tensor, weights: torch.Tensor):
-        """(expert, slots) -> expert(weight · x) [n, d_model] for those slots, each expert run once on all of them."""
+        """(expert, slots, their tokens) -> expert(weight · x) [n, d_model] for those slots, each expert run once on all
+        of them."""
         flat, w = x.reshape(-1, x.shape[-1]), weights.reshape(-1, 1)  # [token, d_model], [token * k, 1]
-        return lambda e, slots: self.experts[e](flat[slots // self.k] * w[slots])
+        return lambda e, slots, tokens: self.experts[e](flat[tokens] * w[slots])
 
     def scored_outputs(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Each slot's output expert(weight · x) [batch, pos, k, d_model]."""
         output = self._slot_output(x, weights)
         out = x.new_empty(chosen.numel(), x.shape[-1])  # [token * k, d_model]
         for e, slots in self._groups(chosen):
-            out[slots] = output(e, slots)
+            out[slots] = output(e, slots, slots // self.k)
         return out.view(*chosen.shape, x.shape[-1])
