@@ -519,6 +519,10 @@ class ModelConfig(TransformerLensNames):
         mixer, or no mixer at all)."""
         return self.layer_type(layer) in HEADED_LAYER_TYPES
 
+    def has_mlp(self, layer: int) -> bool:
+        """Whether block `layer` has an MLP: all but a one-sublayer model's mixer-only blocks (Nemotron-H)."""
+        return not self.block.one_sublayer or self.layer_type(layer) == "mlp"
+
     def rotates(self, layer: int) -> bool:
         """Whether block `layer`'s attention rotates q and k (rotary positions, and not one of `nope_layers`)."""
         return self.positional == "rotary" and layer not in self.nope_layers

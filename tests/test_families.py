@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 from conftest import FAMILIES, make_hf_family
+from families import NEVER_TIED
 from fixtures import unchanged_copy
 from golden import assert_golden, hf_attention, hf_blocks, max_diff
 
@@ -19,9 +20,6 @@ from lenskit import HookedTransformer
 from lenskit.observe.resid import late_writes
 
 ALL_HOOKS = lambda name: True  # noqa: E731 - every hook on: the eager attention path
-# Families whose transformers class never ties lm_head to the embedding, whatever tie_word_embeddings says: they read
-# as untied, and the parity below holds against the untied model transformers builds.
-NEVER_TIED = {"nemotron_h"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -78,13 +78,16 @@ def read(r: ConfigReader) -> dict[str, Any]:
     if "attention_head_dim" in r.d and r.int("attention_head_dim") != d_head:  # the remote-code configs' spelling
         raise ValueError(f"config fields attention_head_dim={r.d['attention_head_dim']!r} and head_dim={d_head} disagree "
                          f"(model_type={r.family!r}); transformers reads head_dim: fix config.json")
-    n_heads = r.int("num_attention_heads", 32)
-    n_kv = r.int("num_key_value_heads", 8, null=None)
+    n_heads = r.int("num_attention_heads")
+    n_kv = r.int("num_key_value_heads", 8, null=REFUSED)
+    if n_heads % n_kv:
+        raise ValueError(f"config fields num_attention_heads={n_heads} and num_key_value_heads={n_kv}: each kv head "
+                         f"serves a whole group of query heads (model_type={r.family!r}); fix config.json")
     # typed only: what transformers' forward never reads (initialisation, kernels, training, the multi-token-prediction
     # layers it does not build, fields its attention and mixer ignore: attention_bias, sliding_window, mamba_proj_bias,
     # residual_in_fp32, rms_norm_eps), or reads only to round its cached state (mamba_ssm_cache_dtype)
-    for key in ("time_step_min", "time_step_max", "time_step_floor"):
-        r.float(key, None, null=None)
+    for key, default in (("time_step_min", 0.001), ("time_step_max", 0.1), ("time_step_floor", 1e-4)):
+        r.float(key, default, null=REFUSED)
     for key in ("use_mamba_kernels", "rescale_prenorm_residual", "attention_bias", "mamba_proj_bias", "residual_in_fp32"):
         r.bool(key, False)
     r.int("sliding_window", None, null=None)
@@ -102,9 +105,8 @@ def read(r: ConfigReader) -> dict[str, Any]:
     bias = r.bool("use_bias", False)
     return {
         **common_fields(r, bos=1, eos=2),
-        "n_layers": n_layers, "d_model": r.int("hidden_size", 4096), "n_heads": n_heads,
-        "n_kv_heads": n_heads if n_kv is None else n_kv, "d_head": d_head, "d_vocab": r.int("vocab_size", 131072),
-        "n_ctx": r.int("max_position_embeddings", 4096), "d_mlp": r.int("intermediate_size", 21504),
+        "n_layers": n_layers, "d_model": r.int("hidden_size"), "n_heads": n_heads, "n_kv_heads": n_kv, "d_head": d_head,
+        "d_vocab": r.int("vocab_size"), "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
         "norm_eps": r.float("layer_norm_epsilon", 1e-5, positive=True), "norm": "rmsnorm", "mlp": "gelu",
         "activation": "relu2", "mlp_bias": r.bool("mlp_bias", False), "positional": "none",
         "tie_word_embeddings": False, "fused_qkv": False, "qkv_bias": False,

@@ -156,6 +156,10 @@ def target_sites(model: HookedTransformer, target: Target) -> list[Site]:
     if isinstance(target, Head):
         heads = _check_units(target, target.heads, cfg.n_heads, "head")
         return [Site(hook_name("z", layer), axis=2, units=heads)]  # z: [batch, pos, head, d_head]
+    if not cfg.has_mlp(layer):
+        raise ValueError(f"{target!r}: block {layer} is a {cfg.layer_type(layer)} block with no MLP (one sublayer per "
+                         f"block, Nemotron-H's), so it has no neurons; ablate the neurons of an 'mlp' block "
+                         f"({[l for l in range(cfg.n_layers) if cfg.has_mlp(l)]})")
     if cfg.is_moe_layer(layer):
         raise ValueError(f"{target!r}: block {layer} is a mixture of experts, whose MLP has no single d_mlp neurons; "
                          "ablate an expert instead (lenskit.intervene.experts.Expert)")
