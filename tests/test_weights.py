@@ -227,7 +227,7 @@ def test_mlp_biases_enter_the_views(mlp):
     assert model.b_in.abs().min() > 0 and model.b_out.abs().min() > 0
     assert mlp == "gelu" or model.b_gate.abs().min() > 0
     seen, _ = mlp_io(model, TOKENS)
-    for l, (x, out) in enumerate(seen):
+    for l, (x, out) in seen.items():
         linear = x @ model.W_in[l] + model.b_in[l]
         post = act(cfg, linear) if mlp == "gelu" else act(cfg, x @ model.W_gate[l] + model.b_gate[l]) * linear
         close(post @ model.W_out[l] + model.b_out[l], out)
