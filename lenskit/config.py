@@ -131,6 +131,7 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
+    d_shared: int | None = None  # the shared experts' whole width; None: n_shared_experts * d_expert (DeepSeek's)
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,7 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "router_bias": ("moe", "router_bias"), "swiglu_alpha": ("moe", "swiglu_alpha"), "swiglu_limit": ("moe", "swiglu_limit"),
     "n_group": ("moe", "n_group"), "topk_group": ("moe", "topk_group"),
     "routed_scaling_factor": ("moe", "routed_scaling_factor"), "n_shared_experts": ("moe", "n_shared_experts"),
+    "d_shared_expert": ("moe", "d_shared"),
     "linear_n_k_heads": ("linear", "n_k_heads"), "linear_n_v_heads": ("linear", "n_v_heads"),
     "linear_d_k": ("linear", "d_k"), "linear_d_v": ("linear", "d_v"), "linear_conv_width": ("linear", "conv_width"),
     "layer_scalar": ("block", "layer_scalar"), "d_per_layer": ("block", "d_per_layer"),

@@ -190,6 +190,10 @@ def check_grouped_routing(cfg: "ModelConfig") -> None:
                               ("n_shared_experts", moe.n_shared_experts, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"ModelConfig.{field} must be an int >= {low}, got {value!r}")
+    if moe.d_shared is not None and (isinstance(moe.d_shared, bool) or not isinstance(moe.d_shared, int)
+                                     or moe.d_shared <= 0 or not moe.n_shared_experts):
+        raise ValueError(f"ModelConfig.d_shared_expert={moe.d_shared!r} must be None or a positive int, with "
+                         f"n_shared_experts >= 1 (got {moe.n_shared_experts!r})")
     if not moe.routing.startswith("sigmoid_group_topk"):
         changed = [f for f, v, default in (("n_group", moe.n_group, 1), ("topk_group", moe.topk_group, 1),
                                            ("routed_scaling_factor", moe.routed_scaling_factor, 1.0),
@@ -204,9 +208,9 @@ def check_grouped_routing(cfg: "ModelConfig") -> None:
     if moe.topk_group > moe.n_group or moe.topk_group * (moe.n_experts // moe.n_group) < moe.n_experts_per_token:
         raise ValueError(f"ModelConfig.topk_group={moe.topk_group} must be <= n_group={moe.n_group} and its groups must "
                          f"hold at least n_experts_per_token={moe.n_experts_per_token} experts; raise topk_group or lower k")
-    if cfg.mlp != "swiglu":
-        raise ValueError(f"ModelConfig.routing={moe.routing!r} is DeepSeek V3's, whose experts are SwiGLU; got "
-                         f"mlp={cfg.mlp!r}: use mlp='swiglu'")
+    if cfg.mlp not in ("swiglu", "gelu"):  # DeepSeek's SwiGLU experts, Nemotron-H's ungated squared-ReLU ones
+        raise ValueError(f"ModelConfig.routing={moe.routing!r} is DeepSeek V3's (and Nemotron-H's), whose experts are "
+                         f"SwiGLU (or ungated); got mlp={cfg.mlp!r}: use mlp='swiglu' or 'gelu'")
 
 
 def check_latent_attention(cfg: "ModelConfig") -> None:
