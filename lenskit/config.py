@@ -41,8 +41,10 @@ NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")  # rmsnorm_offset: gain (1 + 
 MLPS = ("gelu", "swiglu", "geglu", "swiglu_fused", "swiglu_clamped")
 NORM_PLACEMENTS = ("pre", "sandwich", "post")  # before each sublayer; before and after (Gemma); after only (OLMo 2)
 # linear: a Gated DeltaNet block (Qwen 3.5), lenskit.pieces.deltanet; chunked: a query sees the keys of its own chunk of
-# `attention.chunk_size` positions only (Llama 4's rotary blocks); mamba: a Mamba-2 mixer, lenskit.pieces.mamba2
-LAYER_TYPES = ("full", "sliding", "linear", "chunked", "mamba")
+# `attention.chunk_size` positions only (Llama 4's rotary blocks); mamba: a Mamba-2 mixer, lenskit.pieces.mamba2;
+# mlp: no token mixer at all, an MLP-only block (Nemotron-H's "-" layers, under block.one_sublayer)
+LAYER_TYPES = ("full", "sliding", "linear", "chunked", "mamba", "mlp")
+HEADED_LAYER_TYPES = ("full", "sliding", "chunked")  # the blocks whose token mixer has attention heads
 # Router logits -> k expert weights (lenskit.pieces.moe): softmax over all experts then the top k (Qwen3-MoE and
 # OLMoE without norm_topk_prob), the same renormalised to sum to 1 (Mixtral; norm_topk_prob), or the top k logits
 # then a softmax over them (gpt-oss).
@@ -51,17 +53,17 @@ LAYER_TYPES = ("full", "sliding", "linear", "chunked", "mamba")
 # Llama 4: the top k logits, each weight the sigmoid of its logit, scaling the expert's input (lenskit.pieces.shared_experts).
 ROUTINGS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax", "sigmoid_group_topk", "sigmoid_group_topk_renorm",
             "sigmoid_topk")
-POSITIONALS = ("learned", "rotary")
+POSITIONALS = ("learned", "rotary", "none")  # none: no positions at all, the Mamba-2 blocks order the tokens (Nemotron-H)
 # The activation by the name transformers' configs give it: a GELU form, or ReLU (a plain MLP's only: GPT-2 and
 # GPT-NeoX configs may name it, as TransformerLens's act_fn="relu" models do).
-ACTIVATIONS = (*GELU_ACTIVATIONS, "relu")
+ACTIVATIONS = (*GELU_ACTIVATIONS, "relu", "relu2")  # relu2: ReLU squared (Nemotron-H's MLP)
 LEARNED_ACTIVATIONS = ("xielu",)  # with parameters of their own, so only a family that stores them (Apertus) reads one
 _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
                 "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate", "router_bias", "attn_output_gate",
                 "full_k_is_v", "v_norm", "layer_scalar", "double_wide_mlp", "experts_beside_mlp", "rope_interleave",
                 "shared_expert_gate", "linear_fused", "rope_adjacent_pairs", "qk_unit_norm", "mamba_beside_attention",
-                "mamba_conv_bias", "mamba_in_bias", "mamba_out_bias")
+                "mamba_conv_bias", "mamba_in_bias", "mamba_out_bias", "one_sublayer")
 _POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rotary_base",
                      "rope_attention_factor", "rope_mscale_all_dim")
 _ORGANISATION = re.compile(r"[A-Za-z0-9][\w.-]*")  # a hub organisation: no path separators, no leading "." or "~"
@@ -214,6 +216,9 @@ class BlockConfig:
     double_wide_mlp: bool = False  # those kv-sharing blocks' MLPs are 2 * d_mlp wide
     experts_beside_mlp: bool = False  # each block's MLP has experts beside it, with norms of their own (26B-A4B)
     mamba_beside_attention: bool = False  # each block's attention has a Mamba-2 mixer beside it on ln1's output (Falcon-H1)
+    # each block is one of transformers' layers, a token mixer or an MLP and never both, behind one norm (Nemotron-H):
+    # layer type "mlp" is an MLP-only block, any other a mixer-only one (lenskit.pieces.layers.OneSublayerBlock)
+    one_sublayer: bool = False
 
 
 @dataclass(frozen=True)
@@ -268,6 +273,7 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "layer_scalar": ("block", "layer_scalar"), "d_per_layer": ("block", "d_per_layer"),
     "d_vocab_per_layer": ("block", "d_vocab_per_layer"), "n_kv_shared_layers": ("block", "n_kv_shared_layers"),
     "double_wide_mlp": ("block", "double_wide_mlp"), "experts_beside_mlp": ("block", "experts_beside_mlp"),
+    "one_sublayer": ("block", "one_sublayer"),
     "kv_lora_rank": ("mla", "kv_lora_rank"), "q_lora_rank": ("mla", "q_lora_rank"),
     "qk_nope_head_dim": ("mla", "qk_nope_head_dim"), "rope_interleave": ("mla", "rope_interleave"),
     "mamba_beside_attention": ("block", "mamba_beside_attention"),
@@ -371,7 +377,7 @@ class ModelConfig(TransformerLensNames):
     norm_placement: str = "pre"  # see NORM_PLACEMENTS; "sandwich" and "post" add ln1_post / ln2_post
     scale_embed: bool = False  # the embedding is multiplied by sqrt(d_model), in the model's dtype (Gemma)
     final_softcap: float | None = None  # logits -> c * tanh(logits / c) at the end of the readout (Gemma 2)
-    layer_types: tuple[str, ...] | None = None  # per block, "full", "sliding" or "linear"; None: every block uses sliding_window
+    layer_types: tuple[str, ...] | None = None  # per block, one of LAYER_TYPES; None: every block uses sliding_window
     nope_layers: tuple[int, ...] = ()  # blocks whose attention has no rotary embedding at all ("NoPE", SmolLM3)
     rope: RopeConfig = RopeConfig()
     attention: AttentionConfig = AttentionConfig()
@@ -498,6 +504,9 @@ class ModelConfig(TransformerLensNames):
                                              or any(t not in LAYER_TYPES for t in self.layer_types)):
             raise ValueError(f"ModelConfig.layer_types must name one of {LAYER_TYPES} for each of the {self.n_layers} blocks, "
                              f"got {self.layer_types!r}")
+        if self.layer_types is not None and "mlp" in self.layer_types and not self.block.one_sublayer:
+            raise ValueError("ModelConfig.layer_types has 'mlp' blocks (no token mixer), which only one_sublayer=True "
+                             "builds; set one_sublayer or give each block a mixer")
         if self.layer_types is not None and "sliding" in self.layer_types and self.sliding_window is None:
             raise ValueError("ModelConfig.layer_types has 'sliding' blocks but sliding_window is None; give the window")
         check_llama4_attention(self)
@@ -565,6 +574,15 @@ class ModelConfig(TransformerLensNames):
         if self.layer_types is not None:
             return self.layer_types[layer]
         return "full" if self.sliding_window is None else "sliding"
+
+    def has_heads(self, layer: int) -> bool:
+        """Whether block `layer`'s token mixer is softmax attention with heads (not linear attention, a Mamba-2
+        mixer, or no mixer at all)."""
+        return self.layer_type(layer) in HEADED_LAYER_TYPES
+
+    def has_mlp(self, layer: int) -> bool:
+        """Whether block `layer` has an MLP: all but a one-sublayer model's mixer-only blocks (Nemotron-H)."""
+        return not self.block.one_sublayer or self.layer_type(layer) == "mlp"
 
     def rotates(self, layer: int) -> bool:
         """Whether block `layer`'s attention rotates q and k (rotary positions, and not one of `nope_layers`)."""

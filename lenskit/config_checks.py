@@ -229,9 +229,9 @@ def check_grouped_routing(cfg: "ModelConfig") -> None:
     if moe.topk_group > moe.n_group or moe.topk_group * (moe.n_experts // moe.n_group) < moe.n_experts_per_token:
         raise ValueError(f"ModelConfig.topk_group={moe.topk_group} must be <= n_group={moe.n_group} and its groups must "
                          f"hold at least n_experts_per_token={moe.n_experts_per_token} experts; raise topk_group or lower k")
-    if cfg.mlp != "swiglu":
-        raise ValueError(f"ModelConfig.routing={moe.routing!r} is DeepSeek V3's, whose experts are SwiGLU; got "
-                         f"mlp={cfg.mlp!r}: use mlp='swiglu'")
+    if cfg.mlp not in ("swiglu", "gelu"):  # DeepSeek's SwiGLU experts, Nemotron-H's ungated squared-ReLU ones
+        raise ValueError(f"ModelConfig.routing={moe.routing!r} is DeepSeek V3's (and Nemotron-H's), whose experts are "
+                         f"SwiGLU (or ungated); got mlp={cfg.mlp!r}: use mlp='swiglu' or 'gelu'")
 
 
 def check_shared_expert(cfg: "ModelConfig") -> None:
@@ -242,9 +242,10 @@ def check_shared_expert(cfg: "ModelConfig") -> None:
     if not moe.n_shared_experts and (moe.d_shared is not None or moe.shared_gate):
         raise ValueError("ModelConfig.n_shared_experts is 0, so d_shared_expert and shared_expert_gate must be unset; "
                          "give n_shared_experts for a shared expert")
-    if moe.n_shared_experts and cfg.mlp != "swiglu":
-        raise ValueError(f"ModelConfig.n_shared_experts={moe.n_shared_experts}: lenskit's shared experts are SwiGLU "
-                         f"MLPs beside SwiGLU experts; got mlp={cfg.mlp!r}: use mlp='swiglu'")
+    if moe.n_shared_experts and cfg.mlp not in ("swiglu", "gelu"):
+        raise ValueError(f"ModelConfig.n_shared_experts={moe.n_shared_experts}: lenskit's shared experts are dense MLPs "
+                         f"of the experts' kind, SwiGLU or ungated (Nemotron-H's); got mlp={cfg.mlp!r}: use mlp='swiglu' "
+                         "or 'gelu'")
 
 
 def check_latent_attention(cfg: "ModelConfig") -> None:

@@ -97,13 +97,22 @@ def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torc
         for i, block in enumerate(hf_blocks(hf)):
             name = {p: Stream(i, p).hook_name(n) for p in STREAM_POINTS}
             handles.append(block.register_forward_pre_hook(save_in(name["resid_pre"]), with_kwargs=True))
-            attn_write, mlp_write = hf_writes(block)
-            if attn_write is None:
-                handles.append(block.pre_ff_layernorm.register_forward_pre_hook(save_in(f"{i}.resid_mid"), with_kwargs=True))
+            absent = None
+            if hasattr(block, "mixer"):  # Nemotron-H: one sublayer per layer, the other half writes nothing
+                present, absent = ("mlp_out", "attn_out") if block.block_type in ("mlp", "moe") else ("attn_out", "mlp_out")
+                handles.append(block.mixer.register_forward_hook(save_out(name[present])))
             else:
-                handles.append(attn_write.register_forward_hook(save_out(name["attn_out"])))
-            handles.append(mlp_write.register_forward_hook(save_write(name["mlp_out"])))
+                attn_write, mlp_write = hf_writes(block)
+                if attn_write is None:  # Falcon-H1: attention and the mixer beside it, read as the MLP's input
+                    handles.append(block.pre_ff_layernorm.register_forward_pre_hook(save_in(f"{i}.resid_mid"),
+                                                                                    with_kwargs=True))
+                else:
+                    handles.append(attn_write.register_forward_hook(save_out(name["attn_out"])))
+                handles.append(mlp_write.register_forward_hook(save_write(name["mlp_out"])))
             handles.append(block.register_forward_hook(save_out(name["resid_post"])))
+            if absent is not None:
+                handles.append(block.register_forward_hook(
+                    lambda mod, args, out, n=name[absent]: acts.__setitem__(n, torch.zeros_like(first(out)))))
         logits = hf(tokens).logits
     finally:
         for h in handles:

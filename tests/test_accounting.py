@@ -176,6 +176,10 @@ _HF_PRESETS = {
     "glm-4.5": ("Glm4MoeConfig", dict(num_hidden_layers=92, hidden_size=5120, head_dim=128, intermediate_size=12288, n_routed_experts=160, moe_intermediate_size=1536, routed_scaling_factor=2.5, first_k_dense_replace=3, use_qk_norm=True, attention_bias=True)),
     "glm-4.5-air": ("Glm4MoeConfig", dict(head_dim=128, attention_bias=True)),  # transformers' defaults are 4.5-Air's
     "glm-4.6": ("Glm4MoeConfig", dict(num_hidden_layers=92, hidden_size=5120, head_dim=128, intermediate_size=12288, n_routed_experts=160, moe_intermediate_size=1536, routed_scaling_factor=2.5, first_k_dense_replace=3, use_qk_norm=True, attention_bias=True, max_position_embeddings=202752)),
+    # the remote-code spelling of nvidia/Nemotron-H-*-Base-8K's config.json (hybrid_override_pattern, mamba_* names)
+    "nemotron-h-8b": ("NemotronHConfig", dict(hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-", hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=21504, vocab_size=131072, mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, mamba_n_groups=8, mamba_d_conv=4, mamba_conv_bias=True, use_bias=False, mlp_bias=False, max_position_embeddings=8192)),
+    "nemotron-h-47b": ("NemotronHConfig", dict(hybrid_override_pattern="M-M-M-M-M-M-M-M-M*-M-M-M-M-M-M-M-M-M*-M-M-M-M-M-M-M-M-M*-M-M-M-M-M-M-M-M-M*-M-M-M-M-M-M-M-M-M*-M--", hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=30720, vocab_size=131072, mamba_num_heads=256, mamba_head_dim=64, ssm_state_size=256, mamba_n_groups=8, mamba_d_conv=4, mamba_conv_bias=True, use_bias=False, mlp_bias=False, max_position_embeddings=8192)),
+    "nemotron-h-56b": ("NemotronHConfig", dict(hybrid_override_pattern="M-M-M-M*-" + "M-M-M-M-M*-" * 9 + "M-M-M-M-M-", hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=32768, vocab_size=131072, mamba_num_heads=256, mamba_head_dim=64, ssm_state_size=256, mamba_n_groups=8, mamba_d_conv=4, mamba_conv_bias=True, use_bias=False, mlp_bias=False, max_position_embeddings=8192)),
 }
 # Published sizes (model cards), to 2 significant digits, as a check on the table above.
 _PUBLISHED_TOTAL = {"pythia-70m": 70e6, "pythia-160m": 162e6, "pythia-12b": 11.8e9, "llama-3.2-1b": 1.24e9,
@@ -187,7 +191,8 @@ _PUBLISHED_TOTAL = {"pythia-70m": 70e6, "pythia-160m": 162e6, "pythia-12b": 11.8
                     "llama-4-scout": 109e9, "llama-4-maverick": 400e9,  # Llama 4's cards count the vision encoder too
                     "falcon-h1-0.5b": 0.52e9, "falcon-h1-1.5b": 1.55e9,
                     "falcon-h1-1.5b-deep": 1.55e9, "falcon-h1-3b": 3.15e9, "falcon-h1-7b": 7.59e9, "falcon-h1-34b": 33.6e9,
-                    "glm-4.5": 355e9, "glm-4.5-air": 106e9}  # GLM's totals count the MTP block transformers does not build
+                    "glm-4.5": 355e9, "glm-4.5-air": 106e9,  # GLM's totals count the MTP block transformers does not build
+                    "nemotron-h-8b": 8.1e9, "nemotron-h-56b": 56e9}
 
 
 @pytest.mark.parametrize("name", sorted(_HF_PRESETS))

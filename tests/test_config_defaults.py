@@ -32,10 +32,10 @@ REQUIRED = {"model_type", "n_layer", "n_embd", "n_head", "n_positions", "vocab_s
             "num_attention_heads", "intermediate_size", "max_position_embeddings"}
 
 
-# Fields whose transformers default turns on a piece lenskit refuses by name: their absence is refused, and the
-# no-argument config is compared with them turned off on both sides. None now (Gemma 4's per-layer inputs, on by
-# default at 256, are implemented). GLM-4.5's class has no head_dim, so its defaults derive 4096 // 96 = 42 and rotate
-# an odd 21 features: refused, and compared at the published 128.
+# Fields whose transformers default turns on a piece lenskit refuses by name, or gives a shape it refuses: their
+# absence is refused, and the no-argument config is compared with them set on both sides. Gemma 4's per-layer inputs
+# (on by default at 256) and Nemotron-H's MoE layer in its default layers are implemented. GLM-4.5's class has no
+# head_dim, so its defaults derive 4096 // 96 = 42 and rotate an odd 21 features: refused, and compared at 128.
 DEFAULT_REFUSED: dict[str, dict] = {"glm4_moe": {"head_dim": 128}}
 
 

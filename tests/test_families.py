@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 from conftest import FAMILIES, make_hf_family
+from families import NEVER_TIED
 from fixtures import unchanged_copy
 from golden import assert_golden, hf_attention, hf_blocks, max_diff
 
@@ -36,6 +37,7 @@ def pair(family):
 def test_golden_fast_and_eager_paths(family, tied, tokens):
     hf = make_hf_family(family, tie_word_embeddings=tied)
     model = HookedTransformer.from_hf(hf)
+    tied = tied and family not in NEVER_TIED
     assert model.cfg.family == family and model.cfg.tie_word_embeddings == tied
     assert (model.unembed.weight is model.embed.weight) == tied
     assert_golden(model, hf, tokens)  # fused sdpa: only residual hooks are attached
@@ -110,7 +112,7 @@ def test_hook_shapes_follow_gqa_and_the_family(pair, tokens):
     assert cache["blocks.0.attn.hook_pattern"].shape == (batch, c.n_heads, pos, pos)
     rotary = c.positional == "rotary"
     assert ("blocks.0.attn.hook_rot_q" in model.hook_dict) == rotary
-    assert ("hook_pos_embed" in model.hook_dict) == (not rotary)
+    assert ("hook_pos_embed" in model.hook_dict) == (c.positional == "learned")
     assert ("blocks.0.attn.q_norm.hook_normalized" in model.hook_dict) == (model.cfg.family in ("qwen3", "gemma3_text", "olmo2", "qwen3_moe", "olmoe", "olmo3", "qwen3_5_text", "gemma4_text", "apertus", "qwen3_next", "llama4_text", "glm4_moe"))
     if rotary:
         rot_q, q = cache["blocks.0.attn.hook_rot_q"], cache["blocks.0.attn.hook_q"]

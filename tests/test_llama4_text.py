@@ -251,7 +251,7 @@ def test_weight_views_are_transformers_parameters():
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"mlp": "swiglu_clamped"}, "shared experts are SwiGLU"),  # the shared expert's SwiGLU rule speaks first
+    ({"mlp": "swiglu_clamped"}, "shared experts are dense MLPs of the experts. kind"),  # the shared expert's rule speaks first
     ({"attn_chunk_size": None}, "'chunked' blocks but attn_chunk_size is None"),
     ({"attn_temperature_floor": 0}, "attn_temperature_floor must be None or a positive int"),
     ({"qk_norm": True}, "qk_unit_norm and qk_norm"),

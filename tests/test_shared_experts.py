@@ -191,7 +191,7 @@ def test_params_count_the_modules_weights():
     (dict(n_group=4, topk_group=1, k=3), "must hold at least n_experts_per_token=3"),
     (dict(shared=-1), "n_shared_experts must be an int >= 0"),
     (dict(routing="softmax_topk_renorm"), "n_group is a setting of DeepSeek's routing"),
-    (dict(mlp="geglu"), "experts are SwiGLU"),
+    (dict(mlp="geglu"), "shared experts are dense MLPs of the experts. kind"),
 ])
 def test_bad_configs_are_refused_in_one_line(fields, match):
     with pytest.raises(ValueError, match=match) as e:

@@ -1,5 +1,5 @@
 """The dense MLPs, each a separate class chosen once from the config (`cfg.mlp`, `MLP_CLASSES`): GPT-2's GELU MLP
-(or ReLU, or Apertus's learned xIELU, `XIELU`), the gated SwiGLU / GeGLU, and Phi-3's with a fused gate and input
+(or ReLU, squared ReLU, or Apertus's learned xIELU, `XIELU`), the gated SwiGLU / GeGLU, and Phi-3's with a fused gate and input
 projection. `lenskit.pieces.layers.make_mlp`
 picks one for each block (or a mixture of experts, lenskit.pieces.moe)."""
 
@@ -115,9 +115,24 @@ class XIELU(nn.Module):
                            (torch.expm1(torch.minimum(x, self.eps)) - x) * a_n + self.beta * x)
 
 
+def _relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+def activation(cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The ungated MLP's activation the config names (a module where it has parameters: xIELU)."""
+    if cfg.activation == "relu":
+        return F.relu
+    if cfg.activation == "relu2":
+        return _relu_squared
+    if cfg.activation == "xielu":
+        return XIELU()
+    return partial(F.gelu, approximate=cfg.gelu_approximate)
+
+
 class GeluMLP(MLP):
-    """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> the config's activation (a GELU form, ReLU, or Apertus's
-    xIELU with its two learned scalars) -> d_model.
+    """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> the config's activation (a GELU form, ReLU, Nemotron-H's
+    squared ReLU, or Apertus's xIELU with its two learned scalars) -> d_model.
     Each MLP piece takes its width, `d_mlp` (None: the config's), where a block's differs (`cfg.d_mlp_of`)."""
 
     @classmethod
@@ -129,9 +144,7 @@ class GeluMLP(MLP):
     def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
         super().__init__()
         d_mlp = cfg.d_mlp if d_mlp is None else d_mlp
-        self.act: Callable[[torch.Tensor], torch.Tensor] = (
-            F.relu if cfg.activation == "relu" else XIELU() if cfg.activation == "xielu"
-            else partial(F.gelu, approximate=cfg.gelu_approximate))
+        self.act = activation(cfg)
         self.fc_in = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
         self.fc_out = Linear(d_mlp, cfg.d_model, bias=cfg.mlp_bias)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]

@@ -10,11 +10,12 @@ output a sigmoid gate scales per token).
     weights  = scores[experts] (/ their sum, for routing "_renorm") * routed_scaling_factor
     mlp_out  = Σ_j weights_j · expert_{experts_j}(x) + shared(x)          [batch, pos, d_model]
 
-`shared` is one dense SwiGLU MLP `n_shared_experts * d_expert` wide (transformers' `shared_experts`, which stores the
-shared experts fused), or `moe.d_shared` wide where the config gives its own width (Qwen3-Next's
-shared_expert_intermediate_size). Qwen3-Next routes by `lenskit.pieces.moe.ROUTES[moe.routing]` and gates the shared
-MLP: with `moe.shared_gate`, its output is times sigmoid(x @ w_shared_gate) [batch, pos, 1] (`hook_shared_gate`), and
-`hook_shared_out` is the gated output, what is added. The routed experts, their grouped run, weight views and hooks are `lenskit.pieces.moe.MoE`'s:
+`shared` is one dense MLP of the config's kind (SwiGLU for DeepSeek and Qwen3-Next, Nemotron-H's squared-ReLU one),
+`n_shared_experts * d_expert` wide (transformers' `shared_experts`, which stores the shared experts fused), or
+`moe.d_shared` wide where the config gives its own width (Qwen3-Next's shared_expert_intermediate_size, Nemotron-H's).
+Qwen3-Next routes by `lenskit.pieces.moe.ROUTES[moe.routing]` and gates the shared MLP: with `moe.shared_gate`, its
+output is times sigmoid(x @ w_shared_gate) [batch, pos, 1] (`hook_shared_gate`), and `hook_shared_out` is the gated
+output, what is added. The routed experts, their grouped run, weight views and hooks are `lenskit.pieces.moe.MoE`'s:
 `hook_router_logits` [batch, pos, expert] (before the sigmoid; a hook may edit it, and an expert whose logit it sets
 to -inf, as expert ablation's reroute does, is never chosen, whatever its bias), `hook_expert_indices` and
 `hook_expert_weights` [batch, pos, k] (after the scaling factor: what multiplies each expert's output),
@@ -37,7 +38,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
 from .linear import Linear
-from .mlp import SwiGLU
+from .mlp import MLP_CLASSES, SwiGLU
 from .moe import MoE, Route
 
 
@@ -61,10 +62,25 @@ def grouped_sigmoid_topk(logits: torch.Tensor, k: int, correction: torch.Tensor,
     return weights * scaling, indices
 
 
+def shared_width(cfg: ModelConfig) -> int:
+    """The shared MLP's hidden width: `moe.d_shared` where given (Qwen3-Next's, Nemotron-H's), else n_shared_experts
+    experts' widths side by side."""
+    return cfg.moe.d_shared if cfg.moe.d_shared is not None else cfg.moe.n_shared_experts * cfg.moe.d_expert
+
+
+def _shared_params(cfg: ModelConfig) -> tuple[int, int]:
+    """The shared MLP's and its gate's (weights, biases): a dense MLP of the config's kind, `shared_width` wide, and
+    d_model weights for a gate; none without a shared expert."""
+    if not cfg.moe.n_shared_experts:
+        return 0, 0
+    weights, biases = MLP_CLASSES[cfg.mlp].params(cfg.replace(d_mlp=shared_width(cfg)))["mlp"]
+    return weights + (cfg.d_model if cfg.moe.shared_gate else 0), biases
+
+
 class SharedExpertsMoE(MoE):
-    """MoE with shared experts (see the module docstring): `MoE`'s router and SwiGLU experts and the dense `shared`
-    MLP beside them (absent where n_shared_experts is 0, when `hook_shared_out` reads zeros), with its sigmoid gate
-    `shared_gate` where `moe.shared_gate`. Under DeepSeek's routing ("sigmoid_group_topk") the routing is
+    """MoE with shared experts (see the module docstring): `MoE`'s router and experts and the dense `shared` MLP of
+    the config's kind beside them (absent where n_shared_experts is 0, when `hook_shared_out` reads zeros), with its
+    sigmoid gate `shared_gate` where `moe.shared_gate`. Under DeepSeek's routing ("sigmoid_group_topk") the routing is
     `grouped_sigmoid_topk` with the buffer `e_score_correction_bias` [expert] (a checkpoint's, fixed: it is updated
     outside of gradient descent in training); under another it is MoE's."""
 
@@ -80,37 +96,27 @@ class SharedExpertsMoE(MoE):
             self.register_buffer("e_score_correction_bias", torch.zeros(moe.n_experts))  # [expert]
         self.n_group, self.topk_group = moe.n_group, moe.topk_group
         self.renorm, self.scaling = moe.routing.endswith("_renorm"), moe.routed_scaling_factor
-        self.shared = SwiGLU(cfg, self.shared_width(cfg)) if moe.n_shared_experts else None
+        self.shared = MLP_CLASSES[cfg.mlp](cfg, shared_width(cfg)) if moe.n_shared_experts else None
         self.shared_gate = Linear(cfg.d_model, 1, bias=False) if moe.shared_gate else None
         if moe.shared_gate:
             self.hook_shared_gate = HookPoint()  # [batch, pos, 1], in (0, 1)
         self.hook_routed_out = HookPoint()  # [batch, pos, d_model]
         self.hook_shared_out = HookPoint()  # [batch, pos, d_model]
 
-    @staticmethod
-    def shared_width(cfg: ModelConfig) -> int:
-        """The shared MLP's hidden width: `moe.d_shared`, or n_shared_experts experts' widths side by side."""
-        moe = cfg.moe
-        return moe.n_shared_experts * moe.d_expert if moe.d_shared is None else moe.d_shared
-
-    @classmethod
-    def _shared_weights(cls, cfg: ModelConfig) -> int:
-        """The shared MLP's weights and its gate's."""
-        d = cfg.d_model
-        return (3 * d * cls.shared_width(cfg) if cfg.moe.n_shared_experts else 0) + (d if cfg.moe.shared_gate else 0)
-
     @classmethod
     def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
         """Its parameters by accounting row, as (weights, biases): the router, every routed expert, the shared MLP and
         its gate under `mlp` (the correction bias is a buffer, as in transformers, and not counted)."""
-        d, m, moe = cfg.d_model, cfg.moe.d_expert, cfg.moe
-        return {"mlp": (d * moe.n_experts + moe.n_experts * 3 * d * m + cls._shared_weights(cfg), 0)}
+        moe = cfg.moe
+        expert, _ = cls.expert_params(cfg)
+        shared_w, shared_b = _shared_params(cfg)
+        return {"mlp": (cfg.d_model * moe.n_experts + moe.n_experts * expert + shared_w, shared_b)}
 
     @classmethod
     def active_weights(cls, cfg: ModelConfig, layer: int = 0) -> int:
         """The weights one token's forward multiplies: the router, its k routed experts, the shared MLP and its gate."""
-        d, m, moe = cfg.d_model, cfg.moe.d_expert, cfg.moe
-        return d * moe.n_experts + moe.n_experts_per_token * 3 * d * m + cls._shared_weights(cfg)
+        moe = cfg.moe
+        return cfg.d_model * moe.n_experts + moe.n_experts_per_token * cls.expert_params(cfg)[0] + _shared_params(cfg)[0]
 
     def norm_readers(self) -> list[nn.Linear]:
         """The router's, every routed expert's, the shared MLP's and its gate's projections that read the normalised
@@ -170,7 +176,7 @@ class ScoredInputMoE(MoE):
             raise ValueError(f"ScoredInputMoE routes as Llama 4 does (routing 'sigmoid_topk', SwiGLU experts), got "
                              f"routing={moe.routing!r}, mlp={cfg.mlp!r}; use lenskit.pieces.moe.MoE")
         super().__init__(cfg)
-        self.shared = SwiGLU(cfg, moe.n_shared_experts * moe.d_expert) if moe.n_shared_experts else None
+        self.shared = SwiGLU(cfg, shared_width(cfg)) if moe.n_shared_experts else None
         self.hook_routed_out = HookPoint()  # [batch, pos, d_model]
         self.hook_shared_out = HookPoint()  # [batch, pos, d_model]
 
