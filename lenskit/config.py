@@ -56,7 +56,8 @@ _POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "
                      "rope_attention_factor", "rope_mscale_all_dim")
 _ORGANISATION = re.compile(r"[A-Za-z0-9][\w.-]*")  # a hub organisation: no path separators, no leading "." or "~"
 _POSITIVE = ("rotary_base", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
-             "rope_beta_slow", "swiglu_alpha", "swiglu_limit", "routed_scaling_factor")
+             "rope_beta_slow", "swiglu_alpha", "swiglu_limit", "routed_scaling_factor", "embedding_scale",
+             "residual_scale", "logits_scale")
 
 
 
@@ -165,8 +166,21 @@ class BlockConfig:
     experts_beside_mlp: bool = False  # each block's MLP has experts beside it, with norms of their own (26B-A4B)
 
 
+@dataclass(frozen=True)
+class ScalesConfig:
+    """Constant multipliers on the stream's writes and on the logits (`cfg.scales`; Granite's muP scalars), 1 where a
+    family has none. Each is where a researcher reads it: `hook_embed` is the embedding after `embedding`; each
+    sublayer's write (`hook_attn_out`, `hook_mlp_out`, and every head's, expert's and neuron's share of it) is after
+    `residual`, which its output projection applies (lenskit.pieces.linear.ScaledLinear), so W_O, W_out and the
+    per-head results are the writes as they reach the stream; the readout's logits (and `W_U`) are after `logits`."""
+
+    embedding: float = 1.0  # the stream after the embedding is times this (Granite's embedding_multiplier)
+    residual: float = 1.0  # each sublayer's output is times this before it joins the stream (residual_multiplier)
+    logits: float = 1.0  # the logits are times this (Granite's 1 / logits_scaling)
+
+
 GROUPS: dict[str, type] = {"rope": RopeConfig, "attention": AttentionConfig, "moe": MoEConfig, "linear": LinearConfig,
-                           "block": BlockConfig, "mla": MLAConfig}
+                           "block": BlockConfig, "mla": MLAConfig, "scales": ScalesConfig}
 # Each grouped setting's flat keyword (the name ModelConfig(...), replace(...) and the error messages use) -> its group
 # and its name there. tools that rename reads (config_rename.py) parse this literal, so keep it one plain dict.
 FLAT_NAMES: dict[str, tuple[str, str]] = {
@@ -194,6 +208,8 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "double_wide_mlp": ("block", "double_wide_mlp"), "experts_beside_mlp": ("block", "experts_beside_mlp"),
     "kv_lora_rank": ("mla", "kv_lora_rank"), "q_lora_rank": ("mla", "q_lora_rank"),
     "qk_nope_head_dim": ("mla", "qk_nope_head_dim"), "rope_interleave": ("mla", "rope_interleave"),
+    "embedding_scale": ("scales", "embedding"), "residual_scale": ("scales", "residual"),
+    "logits_scale": ("scales", "logits"),
 }
 _GROUPED = {group: {name: flat for flat, (g, name) in FLAT_NAMES.items() if g == group} for group in GROUPS}
 
@@ -246,7 +262,7 @@ class ModelConfig(TransformerLensNames):
 
     The settings of one part of the model are grouped in frozen sub-configs: `cfg.rope` (RopeConfig),
     `cfg.attention` (AttentionConfig), `cfg.moe` (MoEConfig), `cfg.linear` (LinearConfig), `cfg.block`
-    (BlockConfig) and `cfg.mla` (MLAConfig). `FLAT_NAMES` maps each one's flat keyword (`rope_factor`, `attn_softcap`, `linear_d_k`, ...) to its
+    (BlockConfig), `cfg.mla` (MLAConfig) and `cfg.scales` (ScalesConfig). `FLAT_NAMES` maps each one's flat keyword (`rope_factor`, `attn_softcap`, `linear_d_k`, ...) to its
     place (`cfg.rope.factor`); `ModelConfig(...)`, `replace(...)` and `dataclasses.replace` take the flat keywords and
     the groups alike (a flat keyword wins over its group's value). A flat name also reads, as a read-only alias
     resolved in one place (`__getattr__`), so code written before the groups keeps running; lenskit's own code reads
@@ -291,6 +307,7 @@ class ModelConfig(TransformerLensNames):
     linear: LinearConfig = LinearConfig()
     block: BlockConfig = BlockConfig()
     mla: MLAConfig = MLAConfig()
+    scales: ScalesConfig = ScalesConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Take today's flat keywords (`rope_factor=8.0`), the groups (`rope=RopeConfig(...)` or a mapping), or both."""

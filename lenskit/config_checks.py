@@ -156,9 +156,10 @@ def check_grouped_routing(cfg: "ModelConfig") -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"ModelConfig.{field} must be an int >= {low}, got {value!r}")
     if not moe.routing.startswith("sigmoid_group_topk"):
+        # shared experts beside softmax-routed ones are Granite 4's (lenskit.pieces.shared_experts); the groups and the
+        # scaling factor are DeepSeek's routing's alone
         changed = [f for f, v, default in (("n_group", moe.n_group, 1), ("topk_group", moe.topk_group, 1),
-                                           ("routed_scaling_factor", moe.routed_scaling_factor, 1.0),
-                                           ("n_shared_experts", moe.n_shared_experts, 0)) if v != default]
+                                           ("routed_scaling_factor", moe.routed_scaling_factor, 1.0)) if v != default]
         if changed:
             raise ValueError(f"ModelConfig.{changed[0]} is a setting of DeepSeek's routing; routing={moe.routing!r} does "
                              "not read it: use routing='sigmoid_group_topk' (or '_renorm'), or leave it at its default")

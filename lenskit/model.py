@@ -15,6 +15,7 @@ import copy
 import math
 import os
 import warnings
+from functools import partial
 from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Iterator, Sequence, Union
 
 import torch
@@ -81,7 +82,8 @@ class HookedTransformer(HookedRootModule):
             self.pos_embed = PosEmbed(cfg.n_ctx, cfg.d_model)
             self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
         self._stream_start = self._embed_learned if cfg.positional == "learned" else self._embed_tokens
-        self._embed_scale = _embed_scaled if cfg.scale_embed else _embed_as_is
+        self._embed_scale = (_embed_scaled if cfg.scale_embed else _embed_as_is if cfg.scales.embedding == 1.0
+                             else partial(_embed_times, cfg.scales.embedding))
         self.dropout = nn.Dropout(dropout)
         if cfg.block.d_per_layer is not None:  # Gemma 4 E2B/E4B: an input per block, from the tokens (lenskit.pieces.per_layer)
             self.per_layer_inputs = PerLayerInputs(cfg)
@@ -90,7 +92,7 @@ class HookedTransformer(HookedRootModule):
         self.ln_final = make_norm(cfg)
         self.unembed = Unembed(cfg.d_model, cfg.d_vocab, bias=False)
         # Not a submodule: it holds ln_final and unembed themselves, so state dicts and hook names are unchanged.
-        self.readout = Readout(self.ln_final, self.unembed, cfg.final_softcap)
+        self.readout = Readout(self.ln_final, self.unembed, cfg.final_softcap, cfg.scales.logits)
         self.tie_weights()
         self.setup_hooks()
         self.init_weights()
@@ -505,15 +507,16 @@ class HookedTransformer(HookedRootModule):
 
     @property
     def W_U(self) -> torch.Tensor:
-        """Unembedding [d_model, d_vocab] (a transposed view of the parameter)."""
-        return self.unembed.weight.T
+        """Unembedding [d_model, d_vocab] (a transposed view of the parameter; times the logits' scale where the
+        readout has one, `cfg.scales.logits`, a copy then)."""
+        return self.readout.scaled(self.unembed.weight.T)
 
     @property
     def b_U(self) -> torch.Tensor:
         """Unembedding bias [d_vocab]: zeros, since no supported family has one, unless `fold_ln` folded a
         LayerNorm's bias into it (lenskit.processing)."""
         bias = self.unembed.bias
-        return self.unembed.weight.new_zeros(self.cfg.d_vocab) if bias is None else bias
+        return self.unembed.weight.new_zeros(self.cfg.d_vocab) if bias is None else self.readout.scaled(bias)
 
     @property
     def W_E_pos(self) -> torch.Tensor:
@@ -651,3 +654,8 @@ def _embed_scaled(x: torch.Tensor) -> torch.Tensor:
 
 def _embed_as_is(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _embed_times(scale: float, x: torch.Tensor) -> torch.Tensor:
+    """x * scale (`cfg.scales.embedding`, Granite's embedding_multiplier), a Python float as transformers multiplies."""
+    return x * scale

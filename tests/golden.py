@@ -92,15 +92,38 @@ def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torc
         for i, block in enumerate(hf_blocks(hf)):
             name = {p: Stream(i, p).hook_name(n) for p in STREAM_POINTS}
             handles.append(block.register_forward_pre_hook(save_in(name["resid_pre"]), with_kwargs=True))
-            attn_write, mlp_write = hf_writes(block)
-            handles.append(attn_write.register_forward_hook(save_out(name["attn_out"])))
-            handles.append(mlp_write.register_forward_hook(save_out(name["mlp_out"])))
+            if hasattr(block, "residual_multiplier"):  # Granite 4: the block adds each sublayer's output times it
+                handles += granite_writes(block, name, acts)
+            else:
+                attn_write, mlp_write = hf_writes(block)
+                handles.append(attn_write.register_forward_hook(save_out(name["attn_out"])))
+                handles.append(mlp_write.register_forward_hook(save_out(name["mlp_out"])))
             handles.append(block.register_forward_hook(save_out(name["resid_post"])))
         logits = hf(tokens).logits
     finally:
         for h in handles:
             h.remove()
     return logits, acts
+
+
+def granite_writes(block, name: dict[str, str], acts: dict[str, torch.Tensor]) -> list:
+    """Hooks that record a Granite 4 block's writes as it adds them: its mixer's (Mamba-2 or attention) output times
+    `residual_multiplier`, and the sum of its experts' and shared MLP's outputs times it."""
+    m = block.residual_multiplier
+    mixer = block.mamba if block.mamba is not None else block.self_attn
+
+    def mixed(mod, args, out):
+        acts[name["attn_out"]] = (out[0] if isinstance(out, tuple) else out).detach() * m
+
+    parts = [block.shared_mlp] + ([block.block_sparse_moe] if block.has_experts else [])
+    outs: list[torch.Tensor] = []
+
+    def part(mod, args, out):
+        outs.append(out.detach())
+        if len(outs) == len(parts):
+            acts[name["mlp_out"]] = sum(outs[::-1]) * m  # transformers adds the experts' output to the shared MLP's
+
+    return [mixer.register_forward_hook(mixed), *(p.register_forward_hook(part) for p in parts)]
 
 
 def rounding(model: lenskit.HookedTransformer, tokens: torch.Tensor) -> float:

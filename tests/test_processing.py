@@ -18,7 +18,7 @@ LAYERNORM = ("gpt2", "gpt_neox")
 # Every family: each option either applies or is refused by name below.
 FAMILIES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "olmo3", "phi3",
             "smollm3", "mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_5_text", "gemma4_text", "apertus",
-            "deepseek_v3")
+            "deepseek_v3", "granitemoehybrid")
 # (family, option) -> words the refusal must contain.
 REFUSED = {
     ("llama", "center_writing_weights"): "needs LayerNorm",
@@ -34,6 +34,7 @@ REFUSED = {
     ("apertus", "center_writing_weights"): "needs LayerNorm",  # RMSNorm's; xIELU itself leaves every option exact
     ("deepseek_v3", "center_writing_weights"): "needs LayerNorm",
     ("deepseek_v3", "fold_value_biases"): "nothing to fold in latent attention",
+    ("granitemoehybrid", "center_writing_weights"): "needs LayerNorm",
 }
 
 

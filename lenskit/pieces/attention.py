@@ -21,7 +21,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
 from .forward_state import ForwardState, needed
-from .linear import Linear
+from .linear import write_projection, written
 from .norms import UnitRMSNorm, make_norm
 from .qkv import make_qkv
 from .rotary import Rotary
@@ -132,7 +132,7 @@ class Attention(HeadCircuits, nn.Module):
         self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, n_kv, d_head
         self.group = cfg.n_heads // n_kv
         self.qkv = make_qkv(cfg, layer)
-        self.out = Linear(cfg.n_heads * d_head, cfg.d_model, bias=cfg.attention.out_bias)
+        self.out = write_projection(cfg.n_heads * d_head, cfg.d_model, cfg.attention.out_bias, cfg.scales.residual)
         self.mask = make_mask(cfg, layer)
         self.scale = (d_head if cfg.attention.query_pre_attn_scalar is None else cfg.attention.query_pre_attn_scalar) ** -0.5
         self.softcap = cfg.attention.softcap
@@ -222,7 +222,7 @@ class Attention(HeadCircuits, nn.Module):
         hooked = self.hook_result(result)
         if hooked is result and torch.equal(result, before) and not self.hook_result.has_hooks("bwd"):
             return self.out(flat)
-        return hooked.sum(2) if self.out.bias is None else hooked.sum(2) + self.out.bias
+        return hooked.sum(2) if self.out.bias is None else hooked.sum(2) + self.b_O
 
     # TransformerLens's views of the weights (`x @ W + b`, stacked over layers by lenskit.pieces.weights). Under GQA
     # W_K, W_V, b_K, b_V have one entry per query head, query head h reading kv head h // group, as
@@ -259,13 +259,14 @@ class Attention(HeadCircuits, nn.Module):
 
     @property
     def W_O(self) -> torch.Tensor:
-        """[head, d_head, d_model]: head h's slice of the output projection (a view of it)"""
-        return self.out.weight.T.reshape(self.n_heads, self.d_head, -1)
+        """[head, d_head, d_model]: head h's slice of the output projection (a view of it; times the residual scale
+        where the write has one, `cfg.scales.residual`)"""
+        return written(self.out, self.out.weight.T).reshape(self.n_heads, self.d_head, -1)
 
     @property
     def b_O(self) -> torch.Tensor:
         """[d_model]"""
-        return self.out.weight.new_zeros(self.out.out_features) if self.out.bias is None else self.out.bias
+        return self.out.weight.new_zeros(self.out.out_features) if self.out.bias is None else written(self.out, self.out.bias)
 
     def _per_head(self, i: int, bias: bool = False) -> torch.Tensor:
         """q (0), k (1) or v (2): weight [head, d_model, d_head] or bias [head, d_head], kv heads repeated."""

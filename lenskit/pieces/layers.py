@@ -31,14 +31,14 @@ __all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "MLP", "MoE", "Pa
 
 
 def mlp_class(cfg: ModelConfig, layer: int = 0) -> type[MLP] | type[MoE]:
-    """The piece of block `layer`'s MLP: a mixture of experts where the config makes that block sparse (with DeepSeek's
-    routing and shared experts under a `sigmoid_group_topk` routing), the dense MLP with experts beside it (Gemma 4
+    """The piece of block `layer`'s MLP: a mixture of experts where the config makes that block sparse (with shared
+    experts under a `sigmoid_group_topk` routing, DeepSeek's, or where n_shared_experts says so, Granite 4's), the dense MLP with experts beside it (Gemma 4
     26B-A4B), else the dense MLP."""
     if cfg.block.experts_beside_mlp:
         return DenseAndExperts
     if not cfg.is_moe_layer(layer):
         return MLP_CLASSES[cfg.mlp]
-    return SharedExpertsMoE if cfg.moe.routing.startswith("sigmoid_group_topk") else MoE
+    return SharedExpertsMoE if cfg.moe.routing.startswith("sigmoid_group_topk") or cfg.moe.n_shared_experts else MoE
 
 
 def make_mlp(cfg: ModelConfig, layer: int = 0) -> MLP | MoE:

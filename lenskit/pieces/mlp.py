@@ -14,7 +14,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
-from .linear import Linear
+from .linear import Linear, write_projection, written
 
 
 class MLP(nn.Module):
@@ -72,11 +72,11 @@ class MLP(nn.Module):
 
     @property
     def W_out(self) -> torch.Tensor:
-        return self.fc_out.weight.T
+        return written(self.fc_out, self.fc_out.weight.T)  # times the residual scale where the write has one
 
     @property
     def b_out(self) -> torch.Tensor:
-        return _or_zeros(self.fc_out.weight, self.fc_out.bias)
+        return written(self.fc_out, _or_zeros(self.fc_out.weight, self.fc_out.bias))
 
 
 def _or_zeros(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -133,7 +133,7 @@ class GeluMLP(MLP):
             F.relu if cfg.activation == "relu" else XIELU() if cfg.activation == "xielu"
             else partial(F.gelu, approximate=cfg.gelu_approximate))
         self.fc_in = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
-        self.fc_out = Linear(d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        self.fc_out = write_projection(d_mlp, cfg.d_model, cfg.mlp_bias, cfg.scales.residual)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
 
@@ -161,7 +161,7 @@ class SwiGLU(MLP):
         self.act = F.silu if cfg.mlp.startswith("swiglu") else partial(F.gelu, approximate=cfg.gelu_approximate)
         self.gate = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
         self.fc_in = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
-        self.fc_out = Linear(d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        self.fc_out = write_projection(d_mlp, cfg.d_model, cfg.mlp_bias, cfg.scales.residual)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp], the gate's pre-activation
         self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]

@@ -26,7 +26,9 @@ from .linear import linear, linear_into
 
 
 class Readout:
-    """`cap(unembed(norm(h)))`, with the norm's scale computed on this `h`.
+    """`cap(scale * unembed(norm(h)))`, with the norm's scale computed on this `h`; `scale` is the logits' constant
+    multiplier (`cfg.scales.logits`, Granite's 1 / logits_scaling; 1 elsewhere), part of the logits every lens and
+    attribution reads.
 
     It holds the model's own `ln_final` and `unembed` modules (not copies), so moving or editing the
     model moves and edits its readout. `softcap` is the final logit cap c (logits = c tanh(z / c)) or None.
@@ -43,12 +45,12 @@ class Readout:
                     f"c*tanh(z/c) (c={cfg.final_softcap}) is not shift-invariant; pass center_unembed=False", False)
         return None
 
-    def __init__(self, norm: nn.Module, unembed: nn.Linear, softcap: float | None) -> None:
-        self.norm, self.unembed, self.softcap = norm, unembed, softcap
+    def __init__(self, norm: nn.Module, unembed: nn.Linear, softcap: float | None, scale: float = 1.0) -> None:
+        self.norm, self.unembed, self.softcap, self.scale = norm, unembed, softcap, scale
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d_model] -> logits [..., d_vocab] in the model's dtype."""
-        return self.cap_(self.unembed(self.norm(h.to(self.unembed.weight.device))))
+        return self.cap_(self.uncapped(h))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """What lenses hand back: h cast to the model's dtype, read out, and half-precision logits upcast to
@@ -58,7 +60,11 @@ class Readout:
 
     def uncapped(self, h: torch.Tensor) -> torch.Tensor:
         """The logits before any final soft-cap (the same as calling the readout for a model without one)."""
-        return self.unembed(self.norm(h.to(self.unembed.weight.device)))
+        return self.scaled(self.unembed(self.norm(h.to(self.unembed.weight.device))))
+
+    def scaled(self, z: torch.Tensor) -> torch.Tensor:
+        """The unembedding's output z [..., d_vocab] times the logits' scale (z itself where it is 1)."""
+        return z if self.scale == 1.0 else z * self.scale
 
     @property
     def weight(self) -> torch.Tensor:
@@ -83,8 +89,9 @@ class Readout:
         A half-precision model's logits are computed, capped included, in its dtype, as its forward does."""
         weight, bias = self.unembed.weight, self.unembed.bias
         if weight.dtype != out.dtype:
-            return out.copy_(self.cap_(linear(x.to(weight.dtype), weight, bias)))
-        return self.cap_(linear_into(x, weight, bias, out))
+            return out.copy_(self.cap_(self.scaled(linear(x.to(weight.dtype), weight, bias))))
+        z = linear_into(x, weight, bias, out)
+        return self.cap_(z if self.scale == 1.0 else z.mul_(self.scale))
 
     def cap_(self, z: torch.Tensor) -> torch.Tensor:
         """The final soft-cap applied to z in place where the model has one; z itself otherwise."""
@@ -95,8 +102,9 @@ class Readout:
         return z.div_(self.softcap).tanh_().mul_(self.softcap)
 
     def cap_backward_(self, grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """grad w.r.t. the capped logits -> grad w.r.t. the unembedding's output, in place. With logits =
-        c tanh(z / c), d logits / d z = 1 - (logits / c)^2, read off the capped logits themselves."""
-        if self.softcap is None:
-            return grad
-        return grad.mul_(1 - (logits / self.softcap).square_())
+        """grad w.r.t. the capped logits -> grad w.r.t. the unembedding's output, in place: through the cap, then the
+        logits' scale. With logits = c tanh(z / c), d logits / d z = 1 - (logits / c)^2, read off the capped logits
+        themselves."""
+        if self.softcap is not None:
+            grad = grad.mul_(1 - (logits / self.softcap).square_())
+        return grad if self.scale == 1.0 else grad.mul_(self.scale)

@@ -1,5 +1,5 @@
-"""DeepSeek V3's mixture of experts: routed experts chosen by sigmoid scores within the best groups, plus shared
-experts that every token runs.
+"""Routed experts plus shared experts that every token runs: DeepSeek V3's (routed by sigmoid scores within the best
+groups) and Granite 4's (routed by `lenskit.pieces.moe`'s rules, its shared MLP fused as its dense MLP is).
 
     logits   = x @ W_router.T                                              [batch, pos, expert] (float32)
     scores   = sigmoid(logits)
@@ -10,7 +10,9 @@ experts that every token runs.
     mlp_out  = Σ_j weights_j · expert_{experts_j}(x) + shared(x)          [batch, pos, d_model]
 
 `shared` is one dense SwiGLU MLP `n_shared_experts * d_expert` wide (transformers' `shared_experts`, which stores the
-shared experts fused). The routed experts, their grouped run, weight views and hooks are `lenskit.pieces.moe.MoE`'s:
+shared experts fused; Granite's `shared_mlp`, a `FusedSwiGLU` under mlp="swiglu_fused"). Under another routing rule
+(Granite 4: the top k logits then a softmax) the routed experts are `MoE`'s, with no correction bias, and the shared MLP
+is added to them the same way. The routed experts, their grouped run, weight views and hooks are `lenskit.pieces.moe.MoE`'s:
 `hook_router_logits` [batch, pos, expert] (before the sigmoid; a hook may edit it, and an expert whose logit it sets
 to -inf, as expert ablation's reroute does, is never chosen, whatever its bias), `hook_expert_indices` and
 `hook_expert_weights` [batch, pos, k] (after the scaling factor: what multiplies each expert's output),
@@ -29,7 +31,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
-from .mlp import SwiGLU
+from .mlp import FusedSwiGLU, SwiGLU
 from .moe import MoE, Route
 
 
@@ -54,21 +56,25 @@ def grouped_sigmoid_topk(logits: torch.Tensor, k: int, correction: torch.Tensor,
 
 
 class SharedExpertsMoE(MoE):
-    """DeepSeek V3's MoE MLP (see the module docstring): `MoE`'s router and SwiGLU experts, its routing replaced by
-    `grouped_sigmoid_topk` with the buffer `e_score_correction_bias` [expert] (a checkpoint's, fixed: it is updated
-    outside of gradient descent in training), and the dense `shared` MLP beside them (absent where n_shared_experts
-    is 0, when `hook_shared_out` reads zeros)."""
+    """The MoE MLP with shared experts (see the module docstring): `MoE`'s router and SwiGLU experts and the dense
+    `shared` MLP beside them (absent where n_shared_experts is 0, when `hook_shared_out` reads zeros). Under DeepSeek
+    V3's routing (`sigmoid_group_topk`) the routing is `grouped_sigmoid_topk`, with the buffer
+    `e_score_correction_bias` [expert] (a checkpoint's, fixed: it is updated outside of gradient descent in training);
+    under another rule (Granite 4's) it is `MoE`'s."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         moe = cfg.moe
-        if not moe.routing.startswith("sigmoid_group_topk"):
-            raise ValueError(f"SharedExpertsMoE routes as DeepSeek V3 does (routing 'sigmoid_group_topk' or "
-                             f"'sigmoid_group_topk_renorm'), got routing={moe.routing!r}; use lenskit.pieces.moe.MoE")
+        grouped = moe.routing.startswith("sigmoid_group_topk")
+        if not grouped and not moe.n_shared_experts:
+            raise ValueError(f"SharedExpertsMoE under routing={moe.routing!r} needs shared experts (n_shared_experts > 0), "
+                             "got none; use lenskit.pieces.moe.MoE")
         super().__init__(cfg)
-        self.register_buffer("e_score_correction_bias", torch.zeros(moe.n_experts))  # [expert]
+        if grouped:
+            self.register_buffer("e_score_correction_bias", torch.zeros(moe.n_experts))  # [expert]
         self.n_group, self.topk_group = moe.n_group, moe.topk_group
         self.renorm, self.scaling = moe.routing.endswith("_renorm"), moe.routed_scaling_factor
-        self.shared = SwiGLU(cfg, moe.n_shared_experts * moe.d_expert) if moe.n_shared_experts else None
+        shared = FusedSwiGLU if cfg.mlp == "swiglu_fused" else SwiGLU
+        self.shared = shared(cfg, moe.n_shared_experts * moe.d_expert) if moe.n_shared_experts else None
         self.hook_routed_out = HookPoint()  # [batch, pos, d_model]
         self.hook_shared_out = HookPoint()  # [batch, pos, d_model]
 
@@ -90,7 +96,7 @@ class SharedExpertsMoE(MoE):
         return [*super().norm_readers(), *([] if self.shared is None else self.shared.norm_readers())]
 
     def routing_rule(self, cfg: ModelConfig) -> Route:
-        return self._route
+        return self._route if cfg.moe.routing.startswith("sigmoid_group_topk") else super().routing_rule(cfg)
 
     def _route(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights and indices [..., k] from logits [..., expert]: `grouped_sigmoid_topk` with this block's settings."""
