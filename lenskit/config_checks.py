@@ -155,6 +155,11 @@ def check_grouped_routing(cfg: "ModelConfig") -> None:
                               ("n_shared_experts", moe.n_shared_experts, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"ModelConfig.{field} must be an int >= {low}, got {value!r}")
+    if (moe.d_shared is None) != (moe.n_shared_experts == 0) or (
+            moe.d_shared is not None and (not isinstance(moe.d_shared, int) or isinstance(moe.d_shared, bool)
+                                          or moe.d_shared <= 0)):
+        raise ValueError(f"ModelConfig.d_shared={moe.d_shared!r} must be a positive int where there are shared experts "
+                         f"(n_shared_experts={moe.n_shared_experts}) and None where there are none")
     if not moe.routing.startswith("sigmoid_group_topk"):
         # shared experts beside softmax-routed ones are Granite 4's (lenskit.pieces.shared_experts); the groups and the
         # scaling factor are DeepSeek's routing's alone

@@ -45,10 +45,11 @@ def every(family_model, tokens):
 
 
 def hf_readout(hf, h: torch.Tensor) -> torch.Tensor:
-    """transformers' own final norm and output embedding (and final soft-cap, where the config has one) on h."""
+    """transformers' own final norm and output embedding (and final soft-cap, or Granite's logits divisor, where the
+    config has one) on h."""
     base = getattr(hf, "transformer", None) or getattr(hf, "gpt_neox", None) or hf.model
     norm = getattr(base, "ln_f", None) or getattr(base, "final_layer_norm", None) or base.norm
-    logits = hf.get_output_embeddings()(norm(h))
+    logits = hf.get_output_embeddings()(norm(h)) / getattr(hf.config, "logits_scaling", 1.0)  # Granite's divisor
     cap = getattr(hf.config, "final_logit_softcapping", None)
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
@@ -230,10 +231,11 @@ def test_head_ablation_removes_exactly_that_query_heads_write(family_model, toke
     else:
         want = clean["attn_out", 1] - clean_result[:, :, head]
     torch.testing.assert_close(cache["attn_out", 1], want, atol=1e-5, rtol=1e-5)
-    # The head's write by hand: its z through its d_head-column block of the output projection.
+    # The head's write by hand: its z through its d_head-column block of the output projection (times the residual
+    # multiplier, Granite's).
     d = model.cfg.d_head
     z = clean["blocks.1.attn.hook_z"][:, :, head]  # [batch, pos, d_head]
-    by_hand = z @ model.blocks[1].attn.out.weight[:, head * d:(head + 1) * d].T
+    by_hand = z @ model.blocks[1].attn.out.weight[:, head * d:(head + 1) * d].T * model.cfg.scales.residual  # Granite's
     torch.testing.assert_close(clean_result[:, :, head], by_hand, atol=1e-5, rtol=0)
     assert cache["blocks.1.attn.hook_k"].shape[2] == model.cfg.n_kv_heads  # kv heads are not ablated
 

@@ -78,8 +78,8 @@ def _mamba(r: ConfigReader, d_model: int) -> dict[str, Any]:
 
 
 def _mlp(r: ConfigReader, d_model: int) -> dict[str, Any]:
-    """Routed experts beside the shared MLP (num_local_experts > 0), or the shared MLP alone. The shared MLP is
-    n_shared_experts experts' width, so shared_intermediate_size must be a multiple of intermediate_size."""
+    """Routed experts beside the shared MLP, one shared expert shared_intermediate_size wide (num_local_experts > 0),
+    or the shared MLP alone."""
     n_experts = r.int("num_local_experts", 8, positive=False)
     d_shared = r.int("shared_intermediate_size", 1024)
     d_expert = r.int("intermediate_size", 11008)
@@ -91,12 +91,8 @@ def _mlp(r: ConfigReader, d_model: int) -> dict[str, Any]:
     if k > n_experts:
         raise ValueError(f"config field num_experts_per_tok={k} exceeds num_local_experts={n_experts}: each token is "
                          f"routed to k of the experts (model_type={r.family!r}); fix config.json")
-    if d_shared % d_expert:
-        raise ValueError(f"config fields shared_intermediate_size={d_shared} and intermediate_size={d_expert}: lenskit "
-                         f"builds the shared MLP as whole experts' width, so the first must be a multiple of the second "
-                         f"(model_type={r.family!r}); granite-4.0-h-small and -h-tiny are")
     return {"d_mlp": d_expert, "n_experts": n_experts, "n_experts_per_token": k, "d_expert": d_expert,
-            "routing": "topk_softmax", "n_shared_experts": d_shared // d_expert}
+            "routing": "topk_softmax", "n_shared_experts": 1, "d_shared": d_shared}
 
 
 def read(r: ConfigReader) -> dict[str, Any]:
@@ -137,7 +133,7 @@ def write(cfg: ModelConfig) -> dict[str, Any]:
     experts = {"num_local_experts": 0, "intermediate_size": cfg.d_mlp, "shared_intermediate_size": cfg.d_mlp} \
         if moe.n_experts is None else {
         "num_local_experts": moe.n_experts, "num_experts_per_tok": moe.n_experts_per_token,
-        "intermediate_size": moe.d_expert, "shared_intermediate_size": moe.n_shared_experts * moe.d_expert}
+        "intermediate_size": moe.d_expert, "shared_intermediate_size": moe.d_shared}
     out = {
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "hidden_act": "silu", "max_position_embeddings": cfg.n_ctx,
@@ -217,7 +213,7 @@ def _preset(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: in
     types = None if attention is None else tuple("full" if i in attention else "mamba" for i in range(n_layers))
     experts = {} if n_experts is None else dict(
         n_experts=n_experts, n_experts_per_token=k, d_expert=d_expert, routing="topk_softmax",
-        n_shared_experts=d_shared // d_expert)
+        n_shared_experts=1, d_shared=d_shared)
     mamba = {} if mamba_heads is None else dict(
         mamba_n_heads=mamba_heads, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_conv_width=4,
         mamba_conv_bias=True, mamba_in_bias=False, mamba_out_bias=False, mamba_chunk_size=256, mamba_norm="gate_then_norm")
@@ -244,10 +240,10 @@ PRESETS = named_presets(
             (12.0, 0.22, 0.015625, 10.0)),
 )
 
-# Routed experts (4, top 2, 16 wide) beside a shared MLP two experts wide; the muP scalars away from 1 and from powers
+# Routed experts (4, top 2, 16 wide) beside a shared MLP 24 wide; the muP scalars away from 1 and from powers
 # of two; attention without positions. conftest's 3-block model adds a block.
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=16,
-            shared_intermediate_size=32, vocab_size=101, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+            shared_intermediate_size=24, vocab_size=101, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
             num_local_experts=4, num_experts_per_tok=2, layer_types=["attention", "attention"],
             position_embedding_type="nope", embedding_multiplier=2.5, residual_multiplier=0.7, attention_multiplier=0.3,
             logits_scaling=3.0, initializer_range=0.1, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,

@@ -9,7 +9,7 @@ groups) and Granite 4's (routed by `lenskit.pieces.moe`'s rules, its shared MLP 
     weights  = scores[experts] (/ their sum, for routing "_renorm") * routed_scaling_factor
     mlp_out  = Σ_j weights_j · expert_{experts_j}(x) + shared(x)          [batch, pos, d_model]
 
-`shared` is one dense SwiGLU MLP `n_shared_experts * d_expert` wide (transformers' `shared_experts`, which stores the
+`shared` is one dense SwiGLU MLP `d_shared` wide (`n_shared_experts * d_expert` unless the config says otherwise) (transformers' `shared_experts`, which stores the
 shared experts fused; Granite's `shared_mlp`, a `FusedSwiGLU` under mlp="swiglu_fused"). Under another routing rule
 (Granite 4: the top k logits then a softmax) the routed experts are `MoE`'s, with no correction bias, and the shared MLP
 is added to them the same way. The routed experts, their grouped run, weight views and hooks are `lenskit.pieces.moe.MoE`'s:
@@ -74,7 +74,7 @@ class SharedExpertsMoE(MoE):
         self.n_group, self.topk_group = moe.n_group, moe.topk_group
         self.renorm, self.scaling = moe.routing.endswith("_renorm"), moe.routed_scaling_factor
         shared = FusedSwiGLU if cfg.mlp == "swiglu_fused" else SwiGLU
-        self.shared = shared(cfg, moe.n_shared_experts * moe.d_expert) if moe.n_shared_experts else None
+        self.shared = shared(cfg, moe.d_shared) if moe.n_shared_experts else None
         self.hook_routed_out = HookPoint()  # [batch, pos, d_model]
         self.hook_shared_out = HookPoint()  # [batch, pos, d_model]
 
@@ -83,13 +83,13 @@ class SharedExpertsMoE(MoE):
         """Its parameters by accounting row, as (weights, biases): the router, every routed expert and the shared MLP
         under `mlp` (the correction bias is a buffer, as in transformers, and not counted)."""
         d, m, moe = cfg.d_model, cfg.moe.d_expert, cfg.moe
-        return {"mlp": (d * moe.n_experts + (moe.n_experts + moe.n_shared_experts) * 3 * d * m, 0)}
+        return {"mlp": (d * moe.n_experts + moe.n_experts * 3 * d * m + 3 * d * (moe.d_shared or 0), 0)}
 
     @classmethod
     def active_weights(cls, cfg: ModelConfig, layer: int = 0) -> int:
         """The weights one token's forward multiplies: the router, its k routed experts and the shared experts."""
         d, m, moe = cfg.d_model, cfg.moe.d_expert, cfg.moe
-        return d * moe.n_experts + (moe.n_experts_per_token + moe.n_shared_experts) * 3 * d * m
+        return d * moe.n_experts + moe.n_experts_per_token * 3 * d * m + 3 * d * (moe.d_shared or 0)
 
     def norm_readers(self) -> list[nn.Linear]:
         """The router's, every routed expert's and the shared MLP's projections that read the normalised stream."""
