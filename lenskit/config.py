@@ -19,6 +19,7 @@ from .config_checks import (
     check_gemma4_extras,
     check_latent_attention,
     check_linear,
+    check_mamba,
     kv_sources,
     shrunk_kv_sharing,
 )
@@ -36,7 +37,8 @@ NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")  # rmsnorm_offset: gain (1 + 
 # gate and up clamped at swiglu_limit, sigmoid gain swiglu_alpha), for mixture-of-experts blocks only
 MLPS = ("gelu", "swiglu", "geglu", "swiglu_fused", "swiglu_clamped")
 NORM_PLACEMENTS = ("pre", "sandwich", "post")  # before each sublayer; before and after (Gemma); after only (OLMo 2)
-LAYER_TYPES = ("full", "sliding", "linear")  # linear: a Gated DeltaNet block (Qwen 3.5), lenskit.pieces.deltanet
+# linear: a Gated DeltaNet block (Qwen 3.5), lenskit.pieces.deltanet; mamba: a Mamba-2 mixer, lenskit.pieces.mamba2
+LAYER_TYPES = ("full", "sliding", "linear", "mamba")
 # Router logits -> k expert weights (lenskit.pieces.moe): softmax over all experts then the top k (Qwen3-MoE and
 # OLMoE without norm_topk_prob), the same renormalised to sum to 1 (Mixtral; norm_topk_prob), or the top k logits
 # then a softmax over them (gpt-oss).
@@ -51,7 +53,8 @@ LEARNED_ACTIVATIONS = ("xielu",)  # with parameters of their own, so only a fami
 _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
                 "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate", "router_bias", "attn_output_gate",
-                "full_k_is_v", "v_norm", "layer_scalar", "double_wide_mlp", "experts_beside_mlp", "rope_interleave")
+                "full_k_is_v", "v_norm", "layer_scalar", "double_wide_mlp", "experts_beside_mlp", "rope_interleave",
+                "mamba_conv_bias", "mamba_in_bias", "mamba_out_bias")
 _POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rotary_base",
                      "rope_attention_factor", "rope_mscale_all_dim")
 _ORGANISATION = re.compile(r"[A-Za-z0-9][\w.-]*")  # a hub organisation: no path separators, no leading "." or "~"
@@ -155,6 +158,31 @@ class LinearConfig:
 
 
 @dataclass(frozen=True)
+class MambaConfig:
+    """The Mamba-2 mixers (`cfg.mamba`; layer_types "mamba", lenskit.pieces.mamba2); n_heads None without them. The
+    mixer's inner width is n_heads * d_head; B and C are n_groups * d_state wide, each group serving n_heads / n_groups
+    consecutive heads, and the gated norm normalises each of n_groups equal slices of the inner width."""
+
+    n_heads: int | None = None  # mamba_num_heads / mamba_n_heads
+    d_head: int | None = None  # each head's width (mamba_head_dim / mamba_d_head)
+    d_state: int | None = None  # the state's width per head (ssm_state_size / mamba_d_state)
+    n_groups: int = 1
+    conv_width: int = 4  # the causal convolution's kernel (conv_kernel / mamba_d_conv)
+    conv_bias: bool = True
+    in_bias: bool = False  # in_proj's bias (use_bias / mamba_proj_bias)
+    out_bias: bool = False  # out_proj's bias (use_bias / Falcon-H1's projectors_bias)
+    chunk_size: int = 256  # positions per chunk of the prompt's scan; the function does not depend on it
+    dt_min: float = 0.0  # time_step_limit: each step size is clamped to [dt_min, dt_max]
+    dt_max: float = float("inf")
+    norm: str = "gate_then_norm"  # see MAMBA_NORMS (lenskit.config_checks)
+    # Falcon-H1's muP multipliers: the normed stream times in_multiplier before in_proj, in_proj's z, x, B, C and dt
+    # parts times multipliers[0..4], the mixer's write times out_multiplier
+    in_multiplier: float = 1.0
+    multipliers: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    out_multiplier: float = 1.0
+
+
+@dataclass(frozen=True)
 class BlockConfig:
     """What a block adds beside its attention and MLP (`cfg.block`): Gemma 4's per-layer inputs, kv sharing, rescaled
     stream and experts beside the MLP (lenskit.pieces.per_layer, kv_sharing, dense_and_experts); off by default."""
@@ -181,7 +209,7 @@ class ScalesConfig:
 
 
 GROUPS: dict[str, type] = {"rope": RopeConfig, "attention": AttentionConfig, "moe": MoEConfig, "linear": LinearConfig,
-                           "block": BlockConfig, "mla": MLAConfig, "scales": ScalesConfig}
+                           "block": BlockConfig, "mla": MLAConfig, "mamba": MambaConfig, "scales": ScalesConfig}
 # Each grouped setting's flat keyword (the name ModelConfig(...), replace(...) and the error messages use) -> its group
 # and its name there. tools that rename reads (config_rename.py) parse this literal, so keep it one plain dict.
 FLAT_NAMES: dict[str, tuple[str, str]] = {
@@ -210,6 +238,13 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "double_wide_mlp": ("block", "double_wide_mlp"), "experts_beside_mlp": ("block", "experts_beside_mlp"),
     "kv_lora_rank": ("mla", "kv_lora_rank"), "q_lora_rank": ("mla", "q_lora_rank"),
     "qk_nope_head_dim": ("mla", "qk_nope_head_dim"), "rope_interleave": ("mla", "rope_interleave"),
+    "mamba_n_heads": ("mamba", "n_heads"), "mamba_d_head": ("mamba", "d_head"), "mamba_d_state": ("mamba", "d_state"),
+    "mamba_n_groups": ("mamba", "n_groups"), "mamba_conv_width": ("mamba", "conv_width"),
+    "mamba_conv_bias": ("mamba", "conv_bias"), "mamba_in_bias": ("mamba", "in_bias"),
+    "mamba_out_bias": ("mamba", "out_bias"), "mamba_chunk_size": ("mamba", "chunk_size"),
+    "mamba_dt_min": ("mamba", "dt_min"), "mamba_dt_max": ("mamba", "dt_max"), "mamba_norm": ("mamba", "norm"),
+    "mamba_in_multiplier": ("mamba", "in_multiplier"), "mamba_multipliers": ("mamba", "multipliers"),
+    "mamba_out_multiplier": ("mamba", "out_multiplier"),
     "embedding_scale": ("scales", "embedding"), "residual_scale": ("scales", "residual"),
     "logits_scale": ("scales", "logits"),
 }
@@ -264,7 +299,7 @@ class ModelConfig(TransformerLensNames):
 
     The settings of one part of the model are grouped in frozen sub-configs: `cfg.rope` (RopeConfig),
     `cfg.attention` (AttentionConfig), `cfg.moe` (MoEConfig), `cfg.linear` (LinearConfig), `cfg.block`
-    (BlockConfig), `cfg.mla` (MLAConfig) and `cfg.scales` (ScalesConfig). `FLAT_NAMES` maps each one's flat keyword (`rope_factor`, `attn_softcap`, `linear_d_k`, ...) to its
+    (BlockConfig), `cfg.mla` (MLAConfig), `cfg.mamba` (MambaConfig) and `cfg.scales` (ScalesConfig). `FLAT_NAMES` maps each one's flat keyword (`rope_factor`, `attn_softcap`, `linear_d_k`, ...) to its
     place (`cfg.rope.factor`); `ModelConfig(...)`, `replace(...)` and `dataclasses.replace` take the flat keywords and
     the groups alike (a flat keyword wins over its group's value). A flat name also reads, as a read-only alias
     resolved in one place (`__getattr__`), so code written before the groups keeps running; lenskit's own code reads
@@ -309,6 +344,7 @@ class ModelConfig(TransformerLensNames):
     linear: LinearConfig = LinearConfig()
     block: BlockConfig = BlockConfig()
     mla: MLAConfig = MLAConfig()
+    mamba: MambaConfig = MambaConfig()
     scales: ScalesConfig = ScalesConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -381,6 +417,8 @@ class ModelConfig(TransformerLensNames):
         if self.layer_types is not None:
             self._set(None, "layer_types", tuple(self.layer_types))
         self._set(None, "nope_layers", tuple(self.nope_layers))
+        if isinstance(self.mamba.multipliers, list):  # as config.json and asdict give it
+            self._set("mamba", "multipliers", tuple(self.mamba.multipliers))
         if self.rope.dim is None and self.positional == "rotary":
             self._set("rope", "dim", self.d_head)
         if self.moe.n_experts is not None:
@@ -473,6 +511,7 @@ class ModelConfig(TransformerLensNames):
         check_experts(self)
         check_latent_attention(self)
         check_linear(self)
+        check_mamba(self)
         check_full_heads(self)
         check_gemma4_extras(self)
 

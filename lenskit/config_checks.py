@@ -9,6 +9,11 @@ from typing import Any
 # lenskit.config imports this module, so `cfg` here is typed Any: always a ModelConfig in the middle of its checks.
 ModelConfig = Any
 
+# How a Mamba-2 mixer's scan output y meets its gate z (lenskit.pieces.mamba2): RMS-normalise y * SiLU(z) per group
+# (Nemotron-H, Granite 4, Falcon-H1's norm_before_gate=False), normalise y then times SiLU(z) (norm_before_gate=True),
+# or no norm at all, y * SiLU(z) (Falcon-H1's mamba_rms_norm=False)
+MAMBA_NORMS = ("gate_then_norm", "norm_then_gate", "gate_only")
+
 
 def check_full_heads(cfg: "ModelConfig") -> None:
     """Gemma 4's fields: positive ints or None, whole heads turning where the full blocks' heads differ, a
@@ -116,6 +121,36 @@ def check_linear(cfg: "ModelConfig") -> None:
     if linear.n_v_heads % linear.n_k_heads:
         raise ValueError(f"ModelConfig.linear_n_v_heads={linear.n_v_heads} is not a multiple of linear_n_k_heads="
                          f"{linear.n_k_heads}: each q/k head serves a whole group of value heads")
+
+def check_mamba(cfg: "ModelConfig") -> None:
+    """The Mamba-2 fields, where layer_types has a "mamba" block: positive widths, heads a multiple of the groups,
+    an ordered step-size range, a known norm, five finite multipliers. (Without one they are unused.)"""
+    mamba = cfg.mamba
+    if cfg.layer_types is None or "mamba" not in cfg.layer_types:
+        return
+    for field, value in (("mamba_n_heads", mamba.n_heads), ("mamba_d_head", mamba.d_head),
+                         ("mamba_d_state", mamba.d_state), ("mamba_n_groups", mamba.n_groups),
+                         ("mamba_conv_width", mamba.conv_width), ("mamba_chunk_size", mamba.chunk_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"ModelConfig.{field} must be a positive int for Mamba-2 blocks, got {value!r}")
+    if mamba.n_heads % mamba.n_groups:
+        raise ValueError(f"ModelConfig.mamba_n_heads={mamba.n_heads} is not a multiple of mamba_n_groups="
+                         f"{mamba.n_groups}: each group's B and C serve a whole run of heads")
+    for field, value in (("mamba_dt_min", mamba.dt_min), ("mamba_dt_max", mamba.dt_max)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"ModelConfig.{field} must be a number >= 0 (inf allowed for dt_max), got {value!r}")
+    if not mamba.dt_min <= mamba.dt_max or mamba.dt_min == float("inf"):
+        raise ValueError(f"ModelConfig.mamba_dt_min={mamba.dt_min!r} must be finite and <= mamba_dt_max={mamba.dt_max!r}")
+    if mamba.norm not in MAMBA_NORMS:
+        raise ValueError(f"ModelConfig.mamba_norm={mamba.norm!r}; supported: {MAMBA_NORMS}")
+    multipliers = mamba.multipliers
+    if not isinstance(multipliers, tuple) or len(multipliers) != 5 or any(
+            isinstance(m, bool) or not isinstance(m, (int, float)) or not abs(m) < float("inf")
+            for m in (*multipliers, mamba.in_multiplier, mamba.out_multiplier)):
+        raise ValueError(f"ModelConfig.mamba_multipliers must be a tuple of 5 finite numbers (z, x, B, C, dt) and "
+                         f"mamba_in_multiplier, mamba_out_multiplier finite numbers, got {multipliers!r}, "
+                         f"{mamba.in_multiplier!r}, {mamba.out_multiplier!r}")
+
 
 def check_experts(cfg: "ModelConfig") -> None:
     """The MoE fields: all unset for a dense model; else n_experts >= k >= 1, blocks in range. (ModelConfig checks the

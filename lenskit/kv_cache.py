@@ -2,8 +2,8 @@
 
 `model(tokens, past_kv_cache=cache)` runs only the new positions: they continue from the cache's `n_pos` (learned
 positions, rotary angles and the causal mask all start there), each attention block attends to its cached keys and
-values followed by the new ones (a latent-attention block caches its latents, `Latents`, and expands them again), and each Gated DeltaNet block (Qwen 3.5) carries its causal-convolution inputs and
-recurrent state. Hooks see the new positions only ([batch, new_pos, ...]; attention scores and patterns
+values followed by the new ones (a latent-attention block caches its latents, `Latents`, and expands them again), and each Gated DeltaNet block (Qwen 3.5) or Mamba-2 block (`MambaState`) carries its
+causal-convolution inputs and recurrent state. Hooks see the new positions only ([batch, new_pos, ...]; attention scores and patterns
 [batch, head, new_pos, n_pos + new_pos]). Without a cache the forward is exactly what it is without this module.
 
 >>> cache = KVCache(model.cfg, batch_size=1)
@@ -119,8 +119,14 @@ class DeltaNetState:
         self.conv, self.state = saved
 
 
+class MambaState(DeltaNetState):
+    """One Mamba-2 block's carried state (lenskit.pieces.mamba2): the last `width - 1` inputs of its causal
+    convolution `conv` [batch, width - 1, d_inner + 2 n_groups d_state] (x, B and C before the convolution) and the
+    SSM state `state` [batch, head, d_head, d_state] (float32); both None before any position (the fresh, zero state)."""
+
+
 class KVCache:
-    """Every block's cached keys and values (or DeltaNet state) for `batch_size` sequences of one model.
+    """Every block's cached keys and values (or DeltaNet or Mamba-2 state) for `batch_size` sequences of one model.
 
     Made for a config (`KVCache(model.cfg, batch_size)`); the first forward binds it to that model instance for the
     cache's life, and any other model (even one of equal config, also once the first is garbage-collected), batch
@@ -132,9 +138,10 @@ class KVCache:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.cfg, self.batch_size = cfg, batch_size
         self.device = None if device is None else torch.device(device)  # where the caller meant it; entries follow their block
+        recurrent = {"linear": DeltaNetState, "mamba": MambaState}
         self.entries: list[KeyValues | Latents | DeltaNetState] = [
-            DeltaNetState() if cfg.layer_type(layer) == "linear" else Latents() if cfg.mla.kv_lora_rank is not None
-            else KeyValues() for layer in range(cfg.n_layers)]
+            recurrent[cfg.layer_type(layer)]() if cfg.layer_type(layer) in recurrent else Latents()
+            if cfg.mla.kv_lora_rank is not None else KeyValues() for layer in range(cfg.n_layers)]
         self.n_pos = 0
         self.frozen = False
         self._model: weakref.ref | None = None

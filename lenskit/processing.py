@@ -43,6 +43,7 @@ from torch import nn
 
 from .pieces.deltanet import GatedDeltaNet
 from .pieces.layers import attention_class, block_class
+from .pieces.mamba2 import Mamba2Mixer
 from .pieces.norms import NORM_CLASSES
 from .pieces.readout import Readout
 from .pieces.rotary import Rotary
@@ -66,9 +67,9 @@ def refusal(cfg, option: str) -> tuple[str, bool] | None:
 
 def _pieces(cfg) -> list[Any]:
     """The kinds of piece a model of `cfg` is made of, in the order their refusals are checked: rotary positions,
-    the token mixers (softmax attention before linear attention), the block form, the norm, the readout."""
+    the token mixers (softmax attention before linear attention and Mamba-2), the block form, the norm, the readout."""
     mixers = sorted({attention_class(cfg, layer) for layer in range(cfg.n_layers)},
-                    key=lambda piece: (issubclass(piece, GatedDeltaNet), piece.__name__))
+                    key=lambda piece: (issubclass(piece, (GatedDeltaNet, Mamba2Mixer)), piece.__name__))
     return [*([Rotary] if cfg.positional == "rotary" else []), *mixers, block_class(cfg), NORM_CLASSES[cfg.norm], Readout]
 
 

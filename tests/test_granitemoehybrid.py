@@ -14,7 +14,8 @@ import torch
 import transformers
 from conftest import make_hf_family
 
-from lenskit import HookedTransformer, ModelConfig, accounting
+from lenskit import HookedTransformer, ModelConfig, Stream, accounting
+from lenskit.observe.resid import resid_parts
 
 _H = ["mamba"] * 5 + ["attention"] + ["mamba"] * 4  # one attention block in ten, at 5, 15, 25, 35
 _COMMON = {
@@ -120,6 +121,8 @@ def test_the_scalars_are_where_a_researcher_reads_them(pair):
     torch.testing.assert_close(cache["hook_embed"], model.W_E[tokens] * config.embedding_multiplier, atol=0, rtol=0)
     torch.testing.assert_close(cache["blocks.0.hook_resid_pre"], cache["hook_embed"], atol=0, rtol=0)
     for l, layer in enumerate(hf.model.layers):
+        if layer.mamba is not None:  # the Mamba-2 mixer's out_proj writes times the multiplier too
+            assert model.blocks[l].attn.out_proj.scale == config.residual_multiplier
         if layer.self_attn is not None:  # W_O is the write as it reaches the stream: o_proj times the multiplier
             o_proj = layer.self_attn.o_proj.weight.T.reshape(config.num_attention_heads, -1, config.hidden_size)
             torch.testing.assert_close(model.blocks[l].attn.W_O, o_proj * config.residual_multiplier)
@@ -144,7 +147,8 @@ def test_the_decomposition_and_logit_attribution_sum_exactly(pair):
     tokens = torch.randint(0, model.cfg.d_vocab, (2, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         logits, cache = model.run_with_cache(tokens, names_filter=ALL)
-        parts = cache.get_full_resid_decomposition(expand_neurons=False)  # every head, the experts, the embedding
+        # every head of the attention blocks, the Mamba-2 blocks' and the MLPs' whole writes, the embedding
+        parts = torch.stack([p.tensor for p in resid_parts(cache, Stream(model.cfg.n_layers), per_head=True)])
         attrs = cache.logit_attrs(cache.decompose_resid(), tokens[:, -1])
     torch.testing.assert_close(parts.sum(0), cache.stream(model.cfg.n_layers), atol=1e-5, rtol=0)
     expected = (cache["ln_final.hook_normalized"] * model.W_U[:, tokens[:, -1]].T[:, None]).sum(-1)
@@ -171,9 +175,11 @@ def test_the_tuned_lens_step_through_the_logits_scale_equals_autograd(pair):
 
 
 def test_folding_value_biases_keeps_the_function_under_the_residual_multiplier():
-    hf = make_hf_family("granitemoehybrid", attention_bias=True)
+    # attention blocks only: the Mamba-2 piece refuses fold_value_biases by name (it has no values)
+    hf = make_hf_family("granitemoehybrid", attention_bias=True, layer_types=["attention", "attention"])
     raw = HookedTransformer.from_hf(hf)
-    processed = raw.process_weights(fold_value_biases=True)
+    processed = raw.process_weights(fold_ln=False, center_writing_weights=False, center_unembed=False,
+                                    fold_value_biases=True)
     tokens = torch.randint(0, raw.cfg.d_vocab, (2, 7), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         a, b = raw(tokens).log_softmax(-1), processed(tokens).log_softmax(-1)

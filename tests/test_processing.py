@@ -35,6 +35,7 @@ REFUSED = {
     ("deepseek_v3", "center_writing_weights"): "needs LayerNorm",
     ("deepseek_v3", "fold_value_biases"): "nothing to fold in latent attention",
     ("granitemoehybrid", "center_writing_weights"): "needs LayerNorm",
+    ("granitemoehybrid", "fold_ln"): "Mamba-2 blocks",
 }
 
 

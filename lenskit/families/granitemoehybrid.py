@@ -147,7 +147,7 @@ def write(cfg: ModelConfig) -> dict[str, Any]:
     if "mamba" not in types:  # transformers checks the Mamba-2 widths without Mamba-2 blocks too: one head, whole
         return {**out, "mamba_n_heads": 1, "mamba_d_head": "auto"}
     if "mamba" in types:
-        mamba = cfg.mamba  # type: ignore[attr-defined]  # TODO(granite): the Mamba-2 group arrives with its piece
+        mamba = cfg.mamba
         out.update(mamba_n_heads=mamba.n_heads, mamba_d_head=mamba.d_head, mamba_d_state=mamba.d_state,
                    mamba_n_groups=mamba.n_groups, mamba_d_conv=mamba.conv_width, mamba_conv_bias=mamba.conv_bias,
                    mamba_proj_bias=mamba.in_bias, mamba_expand=mamba.n_heads * mamba.d_head // cfg.d_model,
@@ -194,8 +194,8 @@ _BLOCK = {
     "mlp.shared.fc_out.weight": "shared_mlp.output_linear.weight", "mlp.router.weight": _MOE + "router.layer.weight",
     **{f"mlp.experts.{{e}}.{ours}.weight": f"{_MOE}experts.{{e}}.{ours}.weight" for ours in ("gate", "fc_in", "fc_out")},
     **{f"attn.{ours}": f"mamba.{theirs}" for ours, theirs in (
-        ("in_proj.weight", "in_proj.weight"), ("in_proj.bias", "in_proj.bias"), ("conv.weight", "conv1d.weight"),
-        ("conv.bias", "conv1d.bias"), ("dt_bias", "dt_bias"), ("A_log", "A_log"), ("D", "D"),
+        ("in_proj.weight", "in_proj.weight"), ("in_proj.bias", "in_proj.bias"), ("conv_weight", "conv1d.weight"),
+        ("conv_bias", "conv1d.bias"), ("dt_bias", "dt_bias"), ("A_log", "A_log"), ("D", "D"),
         ("norm.weight", "norm.weight"), ("out_proj.weight", "out_proj.weight"), ("out_proj.bias", "out_proj.bias"))},
 }
 LAYOUT = Layout(prefix="model.", blocks="layers", top=LLAMA.top, block=_BLOCK, fused=_EXPERTS, aliases=InMemoryNames())
@@ -228,27 +228,28 @@ def _preset(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: in
 
 
 _H_ATTENTION = (5, 15, 25, 35)  # the H models: one attention block in ten, the rest Mamba-2
-_MAMBA_PRESETS = lambda: (  # noqa: E731  TODO(granite): in PRESETS once the Mamba-2 piece is merged
+PRESETS = named_presets(
     _preset("granite-4.0-h-small", 40, 4096, 32, 8, _H_ATTENTION, 72, 10, 768, 768, 128, True, 10000.0,
             (12.0, 0.246, 0.0078125, 16.0)),
     _preset("granite-4.0-h-tiny", 40, 1536, 12, 4, _H_ATTENTION, 64, 6, 512, 1024, 48, True, 10000.0,
             (12.0, 0.22, 0.0078125, 6.0)),
     _preset("granite-4.0-h-micro", 40, 2048, 16, 4, _H_ATTENTION, None, None, 8192, 8192, 64, True, 10000.0,
-            (12.0, 0.246, 0.0078125, 8.0)))
-PRESETS = named_presets(
+            (12.0, 0.246, 0.0078125, 8.0)),
     _preset("granite-4.0-micro", 40, 2560, 40, 8, None, None, None, 8192, 8192, None, False, 10_000_000.0,
             (12.0, 0.22, 0.015625, 10.0)),
 )
 
-# Routed experts (4, top 2, 16 wide) beside a shared MLP 24 wide; the muP scalars away from 1 and from powers
-# of two; attention without positions. conftest's 3-block model adds a block.
+# An attention block (grouped-query, no positions) then a Mamba-2 one (4 heads of 16, a state 8 wide, chunks of 8 so
+# that prompts span several), and with 3 blocks Mamba-2, attention, Mamba-2 (the tests look at block 0's heads in the
+# first, block 1's in the second); routed experts (4, top 2, 16 wide) beside a shared MLP 24 wide; the muP scalars
+# away from 1 and from powers of two.
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=16,
             shared_intermediate_size=24, vocab_size=101, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
-            num_local_experts=4, num_experts_per_tok=2, layer_types=["attention", "attention"],
+            num_local_experts=4, num_experts_per_tok=2, layer_types=["attention", "mamba"],
             position_embedding_type="nope", embedding_multiplier=2.5, residual_multiplier=0.7, attention_multiplier=0.3,
             logits_scaling=3.0, initializer_range=0.1, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
             mamba_chunk_size=8)
 
 FAMILY = Family("granitemoehybrid", "GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
                 "Granite 4.0 (H-Small, H-Tiny, H-Micro, Micro)", read, write, LAYOUT, PRESETS, TINY,
-                tiny_3_blocks=dict(num_hidden_layers=3, layer_types=["attention", "attention", "attention"]))
+                tiny_3_blocks=dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"]))

@@ -95,14 +95,15 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.view(batch, heads, total, -1)[:, :, :pos].transpose(1, 2), state
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor | None = None) -> torch.Tensor:
-    """SiLU of a causal depthwise convolution along positions: x [batch, pos, channel], weight [channel, 1, width];
-    position t sees positions t - width + 1 .. t, with zeros before the prompt (a fresh state), or after `past`
-    [batch, width - 1, channel], the inputs just before x (a carried state)."""
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU of a causal depthwise convolution along positions: x [batch, pos, channel], weight [channel, 1, width],
+    bias [channel] or None; position t sees positions t - width + 1 .. t, with zeros before the prompt (a fresh state),
+    or after `past` [batch, width - 1, channel], the inputs just before x (a carried state)."""
     if past is not None:
-        return causal_conv(torch.cat([past.to(x.dtype), x], dim=1), weight)[:, past.shape[1]:]
+        return causal_conv(torch.cat([past.to(x.dtype), x], dim=1), weight, bias=bias)[:, past.shape[1]:]
     width = weight.shape[-1]
-    y = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, padding=width - 1, groups=x.shape[-1])  # [batch, channel, pos + width - 1]
+    y = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, bias, padding=width - 1, groups=x.shape[-1])  # [batch, channel, pos + width - 1]
     return F.silu(y[..., : x.shape[1]]).transpose(1, 2).to(x.dtype)  # [batch, pos, channel]
 
 

@@ -20,6 +20,7 @@ from .dense_and_experts import DenseAndExperts
 from .forward_state import ForwardState, needed
 from .kv_sharing import SharedKVAttention
 from .latent_attention import LatentAttention
+from .mamba2 import Mamba2Mixer
 from .mlp import MLP, MLP_CLASSES, FusedSwiGLU, GeluMLP, SwiGLU
 from .moe import MoE
 from .norms import LayerNorm, RMSNorm, make_norm, norm_params
@@ -49,21 +50,23 @@ def make_mlp(cfg: ModelConfig, layer: int = 0) -> MLP | MoE:
     return cls(cfg, cfg.d_mlp_of(layer))
 
 
-def attention_class(cfg: ModelConfig, layer: int = 0) -> type[Attention] | type[GatedDeltaNet]:
+def attention_class(cfg: ModelConfig, layer: int = 0) -> type[Attention] | type[GatedDeltaNet] | type[Mamba2Mixer]:
     """The piece of block `layer`'s token mixer: softmax attention (with an earlier block's keys and values where it
-    shares them, `cfg.kv_source`; latent attention where the config has `mla.kv_lora_rank`), or linear attention where
-    the config makes that block linear."""
+    shares them, `cfg.kv_source`; latent attention where the config has `mla.kv_lora_rank`), or linear attention or a
+    Mamba-2 mixer where the config makes that block "linear" or "mamba"."""
     if cfg.layer_type(layer) == "linear":
         return GatedDeltaNet
+    if cfg.layer_type(layer) == "mamba":
+        return Mamba2Mixer
     if cfg.mla.kv_lora_rank is not None:
         return LatentAttention
     return SharedKVAttention if cfg.kv_source(layer) is not None else Attention
 
 
-def make_attention(cfg: ModelConfig, layer: int = 0) -> Attention | GatedDeltaNet:
+def make_attention(cfg: ModelConfig, layer: int = 0) -> Attention | GatedDeltaNet | Mamba2Mixer:
     """Block `layer`'s token mixer (`attention_class`)."""
     cls = attention_class(cfg, layer)
-    if issubclass(cls, GatedDeltaNet):  # one shape for every linear block
+    if issubclass(cls, (GatedDeltaNet, Mamba2Mixer)):  # one shape for every linear or Mamba-2 block
         return cls(cfg)
     return cls(cfg, layer)
 
