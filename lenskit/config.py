@@ -39,6 +39,8 @@ MLPS = ("gelu", "swiglu", "geglu", "swiglu_fused", "swiglu_clamped")
 NORM_PLACEMENTS = ("pre", "sandwich", "post")  # before each sublayer; before and after (Gemma); after only (OLMo 2)
 # linear: a Gated DeltaNet block (Qwen 3.5), lenskit.pieces.deltanet; mamba: a Mamba-2 mixer, lenskit.pieces.mamba2
 LAYER_TYPES = ("full", "sliding", "linear", "mamba")
+# The layer types whose token mixer has no attention heads (no pattern, no per-head writes), by what each is
+HEADLESS = {"linear": "linear-attention (Gated DeltaNet)", "mamba": "Mamba-2"}
 # Router logits -> k expert weights (lenskit.pieces.moe): softmax over all experts then the top k (Qwen3-MoE and
 # OLMoE without norm_topk_prob), the same renormalised to sum to 1 (Mixtral; norm_topk_prob), or the top k logits
 # then a softmax over them (gpt-oss).
@@ -525,6 +527,11 @@ class ModelConfig(TransformerLensNames):
         if self.layer_types is not None:
             return self.layer_types[layer]
         return "full" if self.sliding_window is None else "sliding"
+
+    def has_heads(self, layer: int) -> bool:
+        """Whether block `layer`'s token mixer has attention heads: not a linear-attention (Gated DeltaNet) or Mamba-2
+        block, whose writes are whole (`HEADLESS`)."""
+        return self.layer_type(layer) not in HEADLESS
 
     def rotates(self, layer: int) -> bool:
         """Whether block `layer`'s attention rotates q and k (rotary positions, and not one of `nope_layers`)."""

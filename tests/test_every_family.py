@@ -374,7 +374,8 @@ def test_direct_logit_attribution_of_one_part_by_hand(family_model, every):
         return (v.pow(2).mean() + ln.eps).sqrt()
 
     with torch.no_grad():
-        by_hand = ((ln(e) - (0 if bias is None else bias)) * scale(e) / scale(x)) @ model.unembed.weight[5]
+        u = model.unembed.weight[5] * model.cfg.scales.logits  # the logits' scale, where there is one (Granite)
+        by_hand = ((ln(e) - (0 if bias is None else bias)) * scale(e) / scale(x)) @ u
     got = dla[(dla.batch == 0) & (dla.kind == "embed")].attribution.item()
     assert got == pytest.approx(by_hand.item(), abs=1e-5)
 

@@ -37,8 +37,10 @@ def test_seeded_sampling_of_equal_rows_is_the_same_with_the_cache(family):
     assert torch.equal(*runs)
 
 
-# gemma4: kv sharing; deepseek_v3: a cache of latents against transformers' cache of expanded keys and values
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3_5_text", "gpt_oss", "gemma4_text", "deepseek_v3"])
+# gemma4: kv sharing; deepseek_v3: a cache of latents against transformers' cache of expanded keys and values;
+# granitemoehybrid: Mamba-2 states beside attention's keys and values
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3_5_text", "gpt_oss", "gemma4_text", "deepseek_v3",
+                                    "granitemoehybrid"])
 def test_cached_generation_is_transformers_cached_generate(family):
     pair = build_family_model(family)  # fresh: its generation config is changed below
     pair.hf.generation_config.eos_token_id = None  # run all 10 steps, as stop_at_eos=False does

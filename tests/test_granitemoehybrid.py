@@ -7,7 +7,9 @@ name."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -98,6 +100,17 @@ def test_preset_totals_and_active_counts_equal_transformers_meta_model(name):
     card_total, card_active = CARDS[name]
     assert s["total"] == pytest.approx(card_total, rel=0.15)
     assert active - s["embed"] == pytest.approx(card_active, rel=0.5)  # the cards round 1.4B to "1B"
+
+
+def test_info_reports_total_and_active_params():
+    from lenses.cli import main as cli_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli_main(["info", "--model", "granite-4.0-h-small"]) == 0
+    text, s = out.getvalue(), accounting.param_summary("granite-4.0-h-small")["value"]
+    assert f"{s['total']:,}" in text and f"{s['active']:,}" in text and "active" in text
+    assert "scales: embedding=12 residual=0.246 logits=0.0625" in text and "shared_experts=1 d_shared=768" in text
 
 
 @pytest.fixture(scope="module")

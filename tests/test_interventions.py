@@ -227,7 +227,7 @@ def test_resample_is_deterministic_by_seed(model, tokens):
 def test_hooks_compose_with_cache_and_context_and_are_removed(model, tokens):
     clean = model(tokens)
     neurons = not model.cfg.is_moe_layer(1)  # a mixture of experts has no neurons
-    headed = next(l for l in range(model.cfg.n_layers) if model.cfg.layer_type(l) != "linear")  # Qwen 3.5: block 1
+    headed = next(l for l in range(model.cfg.n_layers) if model.cfg.layer_type(l) not in ("linear", "mamba"))  # Qwen 3.5, Granite 4: block 1
     hooks = ablation_hooks(model, [Head(headed, [1, 2])] + [Neurons(1, 4)] * neurons, positions=[0, 5])
     with model.hooks(hooks):
         inside = model(tokens)

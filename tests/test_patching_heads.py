@@ -25,7 +25,7 @@ def make_pair(vocab: int, n_pos: int = 7, seed: int = 3) -> tuple[torch.Tensor, 
 
 
 def full_layers(model) -> list[int]:
-    return [l for l in range(model.cfg.n_layers) if model.cfg.layer_type(l) != "linear"]
+    return [l for l in range(model.cfg.n_layers) if model.cfg.layer_type(l) not in ("linear", "mamba")]
 
 
 def hand_hook(value: torch.Tensor, where: tuple):

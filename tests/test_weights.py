@@ -63,9 +63,9 @@ def test_shapes(family_model):
         assert mlp["W_gate"].shape == (m, c.d_model, c.d_mlp) and mlp["b_gate"].shape == (m, c.d_mlp)
     else:
         assert mlp["W_gate"] is None and mlp["b_gate"] is None
-    headed = [l for l in range(c.n_layers) if c.layer_type(l) != "linear"]  # Qwen 3.5's linear blocks have no heads
+    headed = [l for l in range(c.n_layers) if c.layer_type(l) not in ("linear", "mamba")]  # Qwen 3.5's, Granite 4's: no heads
     if len(headed) < c.n_layers:
-        with pytest.raises(ValueError, match=r"model.W_Q cannot stack .* are linear-attention \(Gated DeltaNet\) layers"):
+        with pytest.raises(ValueError, match=r"model.W_Q cannot stack .* are (linear-attention \(Gated DeltaNet\)|Mamba-2) layers"):
             model.W_Q
     for l in (l for l in headed if c.kv_source(l) is not None):  # Gemma 4's kv sharing: the keys are another block's
         with pytest.raises(ValueError, match=rf"block {l} has no key or value weights: it reads block {c.kv_source(l)}'s"):
@@ -132,7 +132,7 @@ def test_attention_views_reproduce_q_k_v(family_model):
         for handle in handles:
             handle.remove()
     for l, (x, out) in enumerate(seen):
-        if c.layer_type(l) == "linear":  # Qwen 3.5's Gated DeltaNet has no heads' views (tests/test_deltanet.py)
+        if c.layer_type(l) in ("linear", "mamba"):  # Gated DeltaNet and Mamba-2 have no heads' views (their own tests)
             continue
         group = c.n_heads // c.n_kv_heads_of(l)  # Gemma 4's full blocks have their own kv heads
         a = model.blocks[l].attn  # its views are the stacks' rows (test_shapes)

@@ -134,10 +134,14 @@ def run(args: argparse.Namespace) -> int:
               f"sliding_blocks={cfg.layer_types.count('sliding')}/{cfg.n_layers}" if cfg.layer_types and "sliding" in
               cfg.layer_types else "",
               f"local_rotary_base={cfg.rope.local_base:g}" if cfg.rope.local_base else "",
-              f"no_rotary_blocks={list(cfg.nope_layers)}" if cfg.nope_layers else "",
+              ("no_rotary_blocks=all" if len(cfg.nope_layers) == cfg.n_layers else f"no_rotary_blocks={list(cfg.nope_layers)}")
+              if cfg.nope_layers else "",
               f"experts={cfg.moe.n_experts} top_k={cfg.moe.n_experts_per_token} d_expert={cfg.moe.d_expert} routing={cfg.moe.routing}"
               if cfg.moe.n_experts else "",
               f"dense_blocks={list(cfg.moe.dense_layers)}" if cfg.moe.dense_layers else "",
+              f"shared_experts={cfg.moe.n_shared_experts} d_shared={cfg.moe.d_shared}" if cfg.moe.n_shared_experts else "",
+              (f"scales: embedding={cfg.scales.embedding:g} residual={cfg.scales.residual:g} logits={cfg.scales.logits:g}"
+               if (cfg.scales.embedding, cfg.scales.residual, cfg.scales.logits) != (1.0, 1.0, 1.0) else ""),
               f"linear_attention_blocks={cfg.layer_types.count('linear')}/{cfg.n_layers} (Gated DeltaNet: "
               f"{cfg.linear.n_k_heads} q/k heads of {cfg.linear.d_k}, {cfg.linear.n_v_heads} value heads of {cfg.linear.d_v}, "
               f"conv width {cfg.linear.conv_width})" if cfg.layer_types and "linear" in cfg.layer_types else "",

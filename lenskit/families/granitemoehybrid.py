@@ -82,7 +82,7 @@ def _mlp(r: ConfigReader, d_model: int) -> dict[str, Any]:
     or the shared MLP alone."""
     n_experts = r.int("num_local_experts", 8, positive=False)
     d_shared = r.int("shared_intermediate_size", 1024)
-    d_expert = r.int("intermediate_size", 11008)
+    d_expert = r.int("intermediate_size")
     r.float("router_aux_loss_coef", 0.001)  # typed only: a training loss, not part of the forward
     r.bool("output_router_logits", False)
     if n_experts == 0:
@@ -113,8 +113,8 @@ def read(r: ConfigReader) -> dict[str, Any]:
     return {
         **common_fields(r, bos=1, eos=2), **positions,
         "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads, "d_head": d_head,
-        "n_kv_heads": read_kv_heads(r, n_heads, None), "d_vocab": r.int("vocab_size", 32000),
-        "n_ctx": r.int("max_position_embeddings", 2048), "norm_eps": r.float("rms_norm_eps", 1e-6, positive=True),
+        "n_kv_heads": read_kv_heads(r, n_heads, None), "d_vocab": r.int("vocab_size"),
+        "n_ctx": r.int("max_position_embeddings"), "norm_eps": r.float("rms_norm_eps", 1e-6, positive=True),
         "norm": "rmsnorm", "mlp": "swiglu_fused", "mlp_bias": False, "tie_word_embeddings": r.bool("tie_word_embeddings", False),
         "fused_qkv": False, "qkv_bias": bias, "out_bias": bias,
         "nope_layers": tuple(range(n_layers)) if nope else (),
@@ -247,7 +247,7 @@ TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_
             shared_intermediate_size=24, vocab_size=101, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
             num_local_experts=4, num_experts_per_tok=2, layer_types=["attention", "mamba"],
             position_embedding_type="nope", embedding_multiplier=2.5, residual_multiplier=0.7, attention_multiplier=0.3,
-            logits_scaling=3.0, initializer_range=0.1, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+            logits_scaling=1.25, initializer_range=0.1, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
             mamba_chunk_size=8)
 
 FAMILY = Family("granitemoehybrid", "GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",

@@ -92,7 +92,7 @@ def attribution_patching(
                                                     "attribution patching")
 
     n_layers = model.cfg.n_layers
-    layers = {s: [l for l in range(n_layers) if not (s in HEAD_SITES and model.cfg.layer_type(l) == "linear")] for s in sites}
+    layers = {s: [l for l in range(n_layers) if not (s in HEAD_SITES and not model.cfg.has_heads(l))] for s in sites}
     names = sorted({site_hook_name(s, l, n_layers) for s in sites for l in layers[s]})
     source_tokens, run_tokens = (clean, corrupted) if direction == "clean->corrupted" else (corrupted, clean)
     with torch.no_grad():

@@ -45,6 +45,7 @@ from typing import Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 
+from ..config import HEADLESS
 from ..model import HookedTransformer
 from ..observe.cache import hook_name
 from ..observe.hooks import HookFn
@@ -149,8 +150,8 @@ def target_sites(model: HookedTransformer, target: Target) -> list[Site]:
         return [Site(hook_name("attn_out", layer))]
     if isinstance(target, Mlp):
         return [Site(hook_name("mlp_out", layer))]
-    if isinstance(target, Head) and cfg.layer_type(layer) == "linear":
-        raise ValueError(f"{target!r}: block {layer} is a linear-attention (Gated DeltaNet) layer, which has no attention "
+    if isinstance(target, Head) and not cfg.has_heads(layer):
+        raise ValueError(f"{target!r}: block {layer} is a {HEADLESS[cfg.layer_type(layer)]} layer, which has no attention "
                          "heads to ablate; ablate the whole sublayer (Attn) or a full-attention block's heads")
     if isinstance(target, Head):
         heads = _check_units(target, target.heads, cfg.n_heads, "head")

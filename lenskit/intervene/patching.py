@@ -123,10 +123,11 @@ def n_heads_of(model: HookedTransformer, site: str, layer: int) -> int:
 
 
 def check_heads(model: HookedTransformer, site: str, layer: int, heads: Sequence[int] | None = None) -> None:
-    """ValueError if block `layer` has no heads (a linear-attention block); IndexError for a head out of range."""
-    if model.cfg.layer_type(layer) == "linear":
+    """ValueError if block `layer` has no heads (a linear-attention or Mamba-2 block); IndexError for a head out of
+    range."""
+    if not model.cfg.has_heads(layer):
         kind = getattr(model.blocks[layer].attn, "LAYER_TYPE", "linear-attention")
-        full = [l for l in range(model.cfg.n_layers) if model.cfg.layer_type(l) != "linear"]
+        full = [l for l in range(model.cfg.n_layers) if model.cfg.has_heads(l)]
         raise ValueError(f"site {site!r}: block {layer} is a {kind} layer, which has no attention heads; patch its "
                          f"'attn_out', or the heads of a full-attention block ({full})")
     n = n_heads_of(model, site, layer)
@@ -271,7 +272,7 @@ def activation_patching(
     jobs = []  # (site, layer, position or None, head or None)
     for site in sites:
         for layer in range(model.cfg.n_layers):
-            if site in HEAD_SITES and model.cfg.layer_type(layer) == "linear":
+            if site in HEAD_SITES and not model.cfg.has_heads(layer):
                 continue  # no attention heads there (patching_hooks refuses them)
             for head in (range(n_heads_of(model, site, layer)) if site in HEAD_SITES else [None]):
                 for position in (range(clean.shape[1]) if per_position else [None]):
