@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 from conftest import make_hf_family
+from golden import assert_golden
 
 from lenskit import HookedTransformer, ModelConfig, Stream, accounting
 from lenskit.observe.resid import resid_parts
@@ -100,6 +101,21 @@ def test_preset_totals_and_active_counts_equal_transformers_meta_model(name):
     card_total, card_active = CARDS[name]
     assert s["total"] == pytest.approx(card_total, rel=0.15)
     assert active - s["embed"] == pytest.approx(card_active, rel=0.5)  # the cards round 1.4B to "1B"
+
+
+@pytest.mark.parametrize("change", [
+    {"position_embedding_type": "rope"},  # rotary positions in the attention blocks
+    {"num_local_experts": 0},  # H-Micro's dense form: the shared MLP alone, its neurons the MLP's
+    {"mamba_n_groups": 2, "attention_bias": True},  # B and C per group of heads, the gated norm per group; biases
+], ids=["rope", "dense", "groups-and-biases"])
+def test_golden_variants(change, tokens, tmp_path):
+    hf = make_hf_family("granitemoehybrid", **change)
+    assert_golden(HookedTransformer.from_hf(hf), hf, tokens)
+    hf.save_pretrained(tmp_path / "model")
+    model = HookedTransformer.from_pretrained(tmp_path / "model")
+    assert_golden(model, hf, tokens)
+    model.save_pretrained(tmp_path / "ours")  # and back through our own files
+    assert_golden(HookedTransformer.from_pretrained(tmp_path / "ours"), hf, tokens)
 
 
 def test_info_reports_total_and_active_params():
@@ -217,6 +233,10 @@ _BASE = PUBLISHED["granite-4.0-micro"]
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e7, "factor": 2.0}}, "rope_type"),
     ({"attention_multiplier": 0}, "attention_multiplier=0"),
     ({"logits_scaling": None}, "logits_scaling=None"),
+    ({"residual_multiplier": -0.5}, "residual_multiplier=-0.5"),
+    ({"embedding_multiplier": float("nan")}, "embedding_multiplier=nan"),
+    ({"layer_types": ["mamba"] * 40, "mamba_n_heads": 128, "mamba_d_head": 64}, "mamba_n_heads=128 and mamba_d_head=64"),
+    ({"layer_types": ["mamba"] * 40, "time_step_limit": [1.0, 0.5]}, "time_step_limit"),
 ])
 def test_settings_outside_the_model_are_refused_by_name(change, words):
     with pytest.raises(ValueError, match=words) as e:
