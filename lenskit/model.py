@@ -90,9 +90,9 @@ class HookedTransformer(HookedRootModule):
         self._side_inputs = side_inputs(self, cfg)  # chosen once: what the blocks read beside the stream, if anything
         self.blocks = nn.ModuleList(make_block(cfg, dropout, i) for i in range(cfg.n_layers))
         self.ln_final = make_norm(cfg)
-        self.unembed = Unembed(cfg.d_model, cfg.d_vocab, bias=False)
+        self.unembed = Unembed(cfg.d_model, cfg.d_vocab, bias=False, scale=cfg.scales.logits)
         # Not a submodule: it holds ln_final and unembed themselves, so state dicts and hook names are unchanged.
-        self.readout = Readout(self.ln_final, self.unembed, cfg.final_softcap, cfg.scales.logits)
+        self.readout = Readout(self.ln_final, self.unembed, cfg.final_softcap)
         self.tie_weights()
         self.setup_hooks()
         self.init_weights()
@@ -509,14 +509,13 @@ class HookedTransformer(HookedRootModule):
     def W_U(self) -> torch.Tensor:
         """Unembedding [d_model, d_vocab] (a transposed view of the parameter; times the logits' scale where the
         readout has one, `cfg.scales.logits`, a copy then)."""
-        return self.readout.scaled(self.unembed.weight.T)
+        return self.unembed.W_U
 
     @property
     def b_U(self) -> torch.Tensor:
         """Unembedding bias [d_vocab]: zeros, since no supported family has one, unless `fold_ln` folded a
         LayerNorm's bias into it (lenskit.processing)."""
-        bias = self.unembed.bias
-        return self.unembed.weight.new_zeros(self.cfg.d_vocab) if bias is None else self.readout.scaled(bias)
+        return self.unembed.b_U
 
     @property
     def W_E_pos(self) -> torch.Tensor:

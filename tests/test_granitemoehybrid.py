@@ -169,6 +169,7 @@ def test_the_scalars_are_where_a_researcher_reads_them(pair):
     normed = cache["ln_final.hook_normalized"]
     torch.testing.assert_close(normed @ model.W_U, logits, atol=1e-5, rtol=0)
     torch.testing.assert_close(model.readout(cache.stream(model.cfg.n_layers)), logits, atol=0, rtol=0)
+    torch.testing.assert_close(model.unembed(normed), logits, atol=0, rtol=0)  # TransformerLens's model.unembed
 
 
 def test_the_decomposition_and_logit_attribution_sum_exactly(pair):
@@ -195,7 +196,7 @@ def test_the_tuned_lens_step_through_the_logits_scale_equals_autograd(pair):
     target = torch.randn(5, model.cfg.d_vocab, generator=g)
     kl, grad = readout_kl_and_grad(normed, target, model.readout)
     x = normed.clone().requires_grad_(True)
-    z = model.readout.scaled(model.unembed(x)).log_softmax(-1)
+    z = model.unembed(x).log_softmax(-1)  # the logits, over logits_scaling
     p = target.log_softmax(-1)
     want = (p.exp() * (p - z)).sum(-1).sum(-1)  # per stream
     want.sum().backward()

@@ -26,9 +26,9 @@ from .linear import linear, linear_into
 
 
 class Readout:
-    """`cap(scale * unembed(norm(h)))`, with the norm's scale computed on this `h`; `scale` is the logits' constant
-    multiplier (`cfg.scales.logits`, Granite's 1 / logits_scaling; 1 elsewhere), part of the logits every lens and
-    attribution reads.
+    """`cap(unembed(norm(h)))`, with the norm's scale computed on this `h`. The unembedding's output is the logits,
+    times the family's constant `scale` where it has one (`cfg.scales.logits`, Granite's 1 / logits_scaling; 1
+    elsewhere, `pieces.embeddings.Unembed`); the paths here that multiply by its weight themselves apply it too.
 
     It holds the model's own `ln_final` and `unembed` modules (not copies), so moving or editing the
     model moves and edits its readout. `softcap` is the final logit cap c (logits = c tanh(z / c)) or None.
@@ -45,8 +45,13 @@ class Readout:
                     f"c*tanh(z/c) (c={cfg.final_softcap}) is not shift-invariant; pass center_unembed=False", False)
         return None
 
-    def __init__(self, norm: nn.Module, unembed: nn.Linear, softcap: float | None, scale: float = 1.0) -> None:
-        self.norm, self.unembed, self.softcap, self.scale = norm, unembed, softcap, scale
+    def __init__(self, norm: nn.Module, unembed: nn.Linear, softcap: float | None) -> None:
+        self.norm, self.unembed, self.softcap = norm, unembed, softcap
+
+    @property
+    def scale(self) -> float:
+        """The logits' constant multiplier, the unembedding's (1 where it has none)."""
+        return getattr(self.unembed, "scale", 1.0)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d_model] -> logits [..., d_vocab] in the model's dtype."""
@@ -60,10 +65,11 @@ class Readout:
 
     def uncapped(self, h: torch.Tensor) -> torch.Tensor:
         """The logits before any final soft-cap (the same as calling the readout for a model without one)."""
-        return self.scaled(self.unembed(self.norm(h.to(self.unembed.weight.device))))
+        return self.unembed(self.norm(h.to(self.unembed.weight.device)))
 
     def scaled(self, z: torch.Tensor) -> torch.Tensor:
-        """The unembedding's output z [..., d_vocab] times the logits' scale (z itself where it is 1)."""
+        """z [..., d_vocab], computed with the unembedding's weight directly, times the logits' scale (z itself where
+        it is 1): what the unembedding's own forward gives."""
         return z if self.scale == 1.0 else z * self.scale
 
     @property
@@ -102,9 +108,9 @@ class Readout:
         return z.div_(self.softcap).tanh_().mul_(self.softcap)
 
     def cap_backward_(self, grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """grad w.r.t. the capped logits -> grad w.r.t. the unembedding's output, in place: through the cap, then the
-        logits' scale. With logits = c tanh(z / c), d logits / d z = 1 - (logits / c)^2, read off the capped logits
-        themselves."""
+        """grad w.r.t. the capped logits -> grad w.r.t. x W^T (the product with the unembedding's weight), in place:
+        through the cap, then the logits' scale. With logits = c tanh(z / c), d logits / d z = 1 - (logits / c)^2,
+        read off the capped logits themselves."""
         if self.softcap is not None:
             grad = grad.mul_(1 - (logits / self.softcap).square_())
         return grad if self.scale == 1.0 else grad.mul_(self.scale)
