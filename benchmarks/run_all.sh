@@ -40,6 +40,7 @@ run jacobian python benchmarks/bench_jacobian.py --prompts 2 --repeats 5 --threa
 run startup python benchmarks/bench_startup.py --runs 5
 run moe python benchmarks/bench_moe.py --repeats 7
 run qwen35 python benchmarks/bench_qwen35.py
+run mamba2 python benchmarks/bench_mamba2.py --threads 1
 run long_context python benchmarks/bench_long_context.py
 echo "done $(date -u +%H:%M:%S), $failed script(s) failed" | tee -a "$logs/run_all.txt"
 exit $((failed > 0))

@@ -27,6 +27,10 @@ Conventions (the ones of Kaplan et al., 2020, "Scaling Laws for Neural Language 
   per head) count as attention biases. MLP FLOPs count the active weights
   only (the router and the k routed experts); the dense blocks of a sparse model (Qwen3-MoE's mlp_only_layers)
   count their dense MLP.
+- A Mamba-2 block (`layer_types` "mamba", lenskit.pieces.mamba2) holds in_proj, its convolution and out_proj, with
+  their biases and A_log, dt_bias and D per head counted as biases; its core (row `linear_core`, as linear attention's)
+  is the scan's recurrence, `5 d_head d_state` FLOPs per token and head. Nemotron-H's blocks hold one sublayer each
+  (`block.one_sublayer`): the absent half counts nothing.
 - A linear-attention block (Qwen 3.5's Gated DeltaNet, `layer_types` "linear") holds its projections (q/k/v,
   the output gate z, beta and a: `in_qkv`, `in_z`, `in_b`, `in_a`), the depthwise causal convolution (2 FLOPs per
   weight per token, like a matmul's), `out_proj`, and per value head `A_log` and `dt_bias` (counted as biases);
@@ -212,7 +216,8 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
     values: dict[str, tuple[float, str]] = {
         "total": (total("params"), "every parameter once (a tied unembedding is not counted twice)"),
         "embed": (int(by["embed"]), "d_vocab * d_model"),
-        "pos_embed": (int(by["pos_embed"]), "n_ctx * d_model" if cfg.positional == "learned" else "rotary: none"),
+        "pos_embed": (int(by["pos_embed"]), "n_ctx * d_model" if cfg.positional == "learned" else
+                      f"{cfg.positional}: none" if cfg.positional == "rotary" else "no positions: none"),
         "unembed": (int(by["unembed"]), "tied to embed, counted once" if cfg.tie_word_embeddings else "d_model * d_vocab"),
         **({"per_layer_embed": (int(by["per_layer_embed"]), "per-layer inputs' table (an embedding): d_vocab_per_layer "
                                 "x n_layers x d_per_layer")} if cfg.block.d_per_layer is not None else {}),

@@ -37,26 +37,26 @@ NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")  # rmsnorm_offset: gain (1 + 
 # gate and up clamped at swiglu_limit, sigmoid gain swiglu_alpha), for mixture-of-experts blocks only
 MLPS = ("gelu", "swiglu", "geglu", "swiglu_fused", "swiglu_clamped")
 NORM_PLACEMENTS = ("pre", "sandwich", "post")  # before each sublayer; before and after (Gemma); after only (OLMo 2)
-# linear: a Gated DeltaNet block (Qwen 3.5), lenskit.pieces.deltanet; mamba: a Mamba-2 mixer, lenskit.pieces.mamba2
-LAYER_TYPES = ("full", "sliding", "linear", "mamba")
-# The layer types whose token mixer has no attention heads (no pattern, no per-head writes), by what each is
-HEADLESS = {"linear": "linear-attention (Gated DeltaNet)", "mamba": "Mamba-2"}
+# linear: a Gated DeltaNet block (Qwen 3.5), lenskit.pieces.deltanet; mamba: a Mamba-2 mixer, lenskit.pieces.mamba2;
+# mlp: no token mixer at all, an MLP-only block (Nemotron-H's "-" layers, under block.one_sublayer)
+LAYER_TYPES = ("full", "sliding", "linear", "mamba", "mlp")
+HEADED_LAYER_TYPES = ("full", "sliding")  # the blocks whose token mixer has attention heads
 # Router logits -> k expert weights (lenskit.pieces.moe): softmax over all experts then the top k (Qwen3-MoE and
 # OLMoE without norm_topk_prob), the same renormalised to sum to 1 (Mixtral; norm_topk_prob), or the top k logits
 # then a softmax over them (gpt-oss).
 # DeepSeek V3: sigmoid scores, the top k chosen (within the best groups) by score plus a correction bias but weighted by
 # the score alone, optionally renormalised (norm_topk_prob), then times routed_scaling_factor (lenskit.pieces.shared_experts).
 ROUTINGS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax", "sigmoid_group_topk", "sigmoid_group_topk_renorm")
-POSITIONALS = ("learned", "rotary")
+POSITIONALS = ("learned", "rotary", "none")  # none: no positions at all, the Mamba-2 blocks order the tokens (Nemotron-H)
 # The activation by the name transformers' configs give it: a GELU form, or ReLU (a plain MLP's only: GPT-2 and
 # GPT-NeoX configs may name it, as TransformerLens's act_fn="relu" models do).
-ACTIVATIONS = (*GELU_ACTIVATIONS, "relu")
+ACTIVATIONS = (*GELU_ACTIVATIONS, "relu", "relu2")  # relu2: ReLU squared (Nemotron-H's MLP)
 LEARNED_ACTIVATIONS = ("xielu",)  # with parameters of their own, so only a family that stores them (Apertus) reads one
 _INT_FIELDS = ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_mlp", "d_head", "n_kv_heads")
 _BOOL_FIELDS = ("tie_word_embeddings", "parallel_block", "fused_qkv", "qkv_bias", "out_bias", "mlp_bias", "qk_norm",
                 "qk_norm_per_head", "scale_embed", "attn_sinks", "rope_truncate", "router_bias", "attn_output_gate",
                 "full_k_is_v", "v_norm", "layer_scalar", "double_wide_mlp", "experts_beside_mlp", "rope_interleave",
-                "mamba_conv_bias", "mamba_in_bias", "mamba_out_bias")
+                "mamba_conv_bias", "mamba_in_bias", "mamba_out_bias", "one_sublayer")
 _POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rotary_base",
                      "rope_attention_factor", "rope_mscale_all_dim")
 _ORGANISATION = re.compile(r"[A-Za-z0-9][\w.-]*")  # a hub organisation: no path separators, no leading "." or "~"
@@ -195,6 +195,9 @@ class BlockConfig:
     n_kv_shared_layers: int = 0  # the last blocks reuse the keys and values of the last earlier block of their type
     double_wide_mlp: bool = False  # those kv-sharing blocks' MLPs are 2 * d_mlp wide
     experts_beside_mlp: bool = False  # each block's MLP has experts beside it, with norms of their own (26B-A4B)
+    # each block is one of transformers' layers, a token mixer or an MLP and never both, behind one norm (Nemotron-H):
+    # layer type "mlp" is an MLP-only block, any other a mixer-only one (lenskit.pieces.layers.OneSublayerBlock)
+    one_sublayer: bool = False
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,7 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "layer_scalar": ("block", "layer_scalar"), "d_per_layer": ("block", "d_per_layer"),
     "d_vocab_per_layer": ("block", "d_vocab_per_layer"), "n_kv_shared_layers": ("block", "n_kv_shared_layers"),
     "double_wide_mlp": ("block", "double_wide_mlp"), "experts_beside_mlp": ("block", "experts_beside_mlp"),
+    "one_sublayer": ("block", "one_sublayer"),
     "kv_lora_rank": ("mla", "kv_lora_rank"), "q_lora_rank": ("mla", "q_lora_rank"),
     "qk_nope_head_dim": ("mla", "qk_nope_head_dim"), "rope_interleave": ("mla", "rope_interleave"),
     "mamba_n_heads": ("mamba", "n_heads"), "mamba_d_head": ("mamba", "d_head"), "mamba_d_state": ("mamba", "d_state"),
@@ -338,7 +342,7 @@ class ModelConfig(TransformerLensNames):
     norm_placement: str = "pre"  # see NORM_PLACEMENTS; "sandwich" and "post" add ln1_post / ln2_post
     scale_embed: bool = False  # the embedding is multiplied by sqrt(d_model), in the model's dtype (Gemma)
     final_softcap: float | None = None  # logits -> c * tanh(logits / c) at the end of the readout (Gemma 2)
-    layer_types: tuple[str, ...] | None = None  # per block, "full", "sliding" or "linear"; None: every block uses sliding_window
+    layer_types: tuple[str, ...] | None = None  # per block, one of LAYER_TYPES; None: every block uses sliding_window
     nope_layers: tuple[int, ...] = ()  # blocks whose attention has no rotary embedding at all ("NoPE", SmolLM3)
     rope: RopeConfig = RopeConfig()
     attention: AttentionConfig = AttentionConfig()
@@ -467,6 +471,9 @@ class ModelConfig(TransformerLensNames):
                                              or any(t not in LAYER_TYPES for t in self.layer_types)):
             raise ValueError(f"ModelConfig.layer_types must name one of {LAYER_TYPES} for each of the {self.n_layers} blocks, "
                              f"got {self.layer_types!r}")
+        if self.layer_types is not None and "mlp" in self.layer_types and not self.block.one_sublayer:
+            raise ValueError("ModelConfig.layer_types has 'mlp' blocks (no token mixer), which only one_sublayer=True "
+                             "builds; set one_sublayer or give each block a mixer")
         if self.layer_types is not None and "sliding" in self.layer_types and self.sliding_window is None:
             raise ValueError("ModelConfig.layer_types has 'sliding' blocks but sliding_window is None; give the window")
         choices = [("norm", NORMS), ("mlp", MLPS), ("positional", POSITIONALS), ("rope_type", ROPE_TYPES_IMPLEMENTED),
@@ -529,9 +536,13 @@ class ModelConfig(TransformerLensNames):
         return "full" if self.sliding_window is None else "sliding"
 
     def has_heads(self, layer: int) -> bool:
-        """Whether block `layer`'s token mixer has attention heads: not a linear-attention (Gated DeltaNet) or Mamba-2
-        block, whose writes are whole (`HEADLESS`)."""
-        return self.layer_type(layer) not in HEADLESS
+        """Whether block `layer`'s token mixer is softmax attention with heads (not linear attention, a Mamba-2
+        mixer, or no mixer at all)."""
+        return self.layer_type(layer) in HEADED_LAYER_TYPES
+
+    def has_mlp(self, layer: int) -> bool:
+        """Whether block `layer` has an MLP: all but a one-sublayer model's mixer-only blocks (Nemotron-H)."""
+        return not self.block.one_sublayer or self.layer_type(layer) == "mlp"
 
     def rotates(self, layer: int) -> bool:
         """Whether block `layer`'s attention rotates q and k (rotary positions, and not one of `nope_layers`)."""

@@ -94,5 +94,5 @@ class TransformerLensNames:
 
     @property
     def positional_embedding_type(self) -> str:
-        """"standard" (a learned table) or "rotary"."""
-        return "standard" if self.positional == "learned" else "rotary"
+        """"standard" (a learned table), "rotary", or "none" (no positions at all: Nemotron-H)."""
+        return {"learned": "standard", "rotary": "rotary"}.get(self.positional, "none")

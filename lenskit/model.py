@@ -339,9 +339,10 @@ class HookedTransformer(HookedRootModule):
         if layer is not None and layer < len(self.blocks):
             attn = self.blocks[layer].attn
             if name.removeprefix(f"blocks.{layer}.attn.") in getattr(attn, "NO_HOOKS", ()):
+                own = [f"attn.{n}" for n, m in attn.named_modules() if n and isinstance(m, HookPoint)]
                 return KeyError(f"{name}: block {layer} is a {attn.LAYER_TYPE} layer, which has no attention scores, "
-                                f"pattern, rotary or per-head results; use its attn.hook_q/k/v, hook_beta, hook_g, hook_z "
-                                f"or hook_state, or a block whose layer type is 'full' ({self.cfg.layer_types})")
+                                f"pattern, rotary or per-head results; use its own hooks ({', '.join(own) or 'none'}), "
+                                f"or a block whose layer type is 'full' ({self.cfg.layer_types})")
         return switched_name_error(name) or super()._unknown(name)
 
     def _names_of(self, target: NameOrPredicate) -> list[str]:

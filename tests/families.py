@@ -38,6 +38,10 @@ def _builder(family: str) -> Callable[[int], transformers.PreTrainedModel]:
     return lambda vocab: make_hf_family(family, vocab_size=vocab, **FAMILIES[family].tiny_3_blocks)
 
 
+# Families whose transformers class never ties lm_head to the embedding, whatever tie_word_embeddings says: they read
+# as untied, and parity holds against the untied model transformers builds.
+NEVER_TIED = {"nemotron_h"}
+
 # Each builder gets the vocabulary size of the tiny tokenizer, so text works on every family model.
 FAMILY_BUILDERS: dict[str, Callable[[int], transformers.PreTrainedModel]] = {t: _builder(t) for t in FAMILIES}
 

@@ -92,13 +92,20 @@ def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torc
         for i, block in enumerate(hf_blocks(hf)):
             name = {p: Stream(i, p).hook_name(n) for p in STREAM_POINTS}
             handles.append(block.register_forward_pre_hook(save_in(name["resid_pre"]), with_kwargs=True))
-            if hasattr(block, "residual_multiplier"):  # Granite 4: the block adds each sublayer's output times it
+            absent = None
+            if hasattr(block, "mixer"):  # Nemotron-H: one sublayer per layer, the other half writes nothing
+                present, absent = ("mlp_out", "attn_out") if block.block_type in ("mlp", "moe") else ("attn_out", "mlp_out")
+                handles.append(block.mixer.register_forward_hook(save_out(name[present])))
+            elif hasattr(block, "residual_multiplier"):  # Granite 4: the block adds each sublayer's output times it
                 handles += granite_writes(block, name, acts)
             else:
                 attn_write, mlp_write = hf_writes(block)
                 handles.append(attn_write.register_forward_hook(save_out(name["attn_out"])))
                 handles.append(mlp_write.register_forward_hook(save_out(name["mlp_out"])))
             handles.append(block.register_forward_hook(save_out(name["resid_post"])))
+            if absent is not None:
+                handles.append(block.register_forward_hook(
+                    lambda mod, args, out, n=name[absent]: acts.__setitem__(n, torch.zeros_like(first(out)))))
         logits = hf(tokens).logits
     finally:
         for h in handles:

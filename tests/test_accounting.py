@@ -159,6 +159,10 @@ _HF_PRESETS = {
     "gemma-4-31b": ("Gemma4TextConfig", dict(num_hidden_layers=60, hidden_size=5376, num_attention_heads=32, num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=True, intermediate_size=21504, vocab_size=262144, hidden_size_per_layer_input=0, sliding_window=1024, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10)),
     "deepseek-v3": ("DeepseekV3Config", dict(max_position_embeddings=163840, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0))),
     "kimi-k2": ("DeepseekV3Config", dict(num_attention_heads=64, num_key_value_heads=64, vocab_size=163840, n_routed_experts=384, n_group=1, topk_group=1, routed_scaling_factor=2.827, first_k_dense_replace=1, max_position_embeddings=131072, bos_token_id=163584, eos_token_id=163585, rope_parameters=dict(rope_type="yarn", rope_theta=50000.0, factor=32.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0, beta_fast=1.0, beta_slow=1.0))),
+    # the remote-code spelling of nvidia/Nemotron-H-*-Base-8K's config.json (hybrid_override_pattern, mamba_* names)
+    "nemotron-h-8b": ("NemotronHConfig", dict(hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-", hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=21504, vocab_size=131072, mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, mamba_n_groups=8, mamba_d_conv=4, mamba_conv_bias=True, use_bias=False, mlp_bias=False, max_position_embeddings=8192)),
+    "nemotron-h-47b": ("NemotronHConfig", dict(hybrid_override_pattern="M-M-M-M-M-M-M-M-M*-M-M-M-M-M-M-M-M-M*-M-M-M-M-M-M-M-M-M*-M-M-M-M-M-M-M-M-M*-M-M-M-M-M-M-M-M-M*-M--", hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=30720, vocab_size=131072, mamba_num_heads=256, mamba_head_dim=64, ssm_state_size=256, mamba_n_groups=8, mamba_d_conv=4, mamba_conv_bias=True, use_bias=False, mlp_bias=False, max_position_embeddings=8192)),
+    "nemotron-h-56b": ("NemotronHConfig", dict(hybrid_override_pattern="M-M-M-M*-" + "M-M-M-M-M*-" * 9 + "M-M-M-M-M-", hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=32768, vocab_size=131072, mamba_num_heads=256, mamba_head_dim=64, ssm_state_size=256, mamba_n_groups=8, mamba_d_conv=4, mamba_conv_bias=True, use_bias=False, mlp_bias=False, max_position_embeddings=8192)),
 }
 # Published sizes (model cards), to 2 significant digits, as a check on the table above.
 _PUBLISHED_TOTAL = {"pythia-70m": 70e6, "pythia-160m": 162e6, "pythia-12b": 11.8e9, "llama-3.2-1b": 1.24e9,
@@ -166,7 +170,7 @@ _PUBLISHED_TOTAL = {"pythia-70m": 70e6, "pythia-160m": 162e6, "pythia-12b": 11.8
                     "qwen3-0.6b": 0.6e9, "qwen3-8b": 8.2e9, "gemma-2-2b": 2.61e9, "gemma-2-9b": 9.24e9, "gemma-3-1b": 1.0e9,
                     "olmo-2-7b": 7.30e9, "phi-3-mini": 3.82e9, "olmo-3-7b": 7.30e9, "olmo-3-32b": 32.2e9, "smollm3-3b": 3.08e9,
                     "gemma-4-31b": 30.7e9, "apertus-8b": 8.05e9, "apertus-70b": 70.6e9, "phi-4": 14.7e9,
-                    "deepseek-v3": 671e9, "kimi-k2": 1.04e12}
+                    "deepseek-v3": 671e9, "kimi-k2": 1.04e12, "nemotron-h-8b": 8.1e9, "nemotron-h-56b": 56e9}
 
 
 @pytest.mark.parametrize("name", sorted(_HF_PRESETS))

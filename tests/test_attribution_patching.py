@@ -134,7 +134,7 @@ def test_every_family(model, pair):
     clean, corrupted = pair
     metric = logit_diff(3, 50)
     df = attribution_patching(model, clean, corrupted, metric, sites=["resid_pre", "head"])
-    heads = sum(model.cfg.layer_type(l) not in ("linear", "mamba") for l in range(model.cfg.n_layers)) * model.cfg.n_heads
+    heads = sum(model.cfg.has_heads(l) for l in range(model.cfg.n_layers)) * model.cfg.n_heads
     assert len(df) == (model.cfg.n_layers + heads) * clean.shape[1]
     assert df["attribution"].notna().all() and df["attribution"].abs().max() > 0
     names = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_post"]

@@ -52,15 +52,17 @@ def test_head_results_are_the_models_own_and_sum_to_the_attention_write(model, r
 def test_neuron_results_sum_to_the_mlp_write_or_are_refused(model, run):
     cache, _ = run
     for l, (_, mlp_normed, _, experts) in enumerate(kinds(model)):
-        if experts or mlp_normed:
+        if experts or mlp_normed or not model.cfg.has_mlp(l):  # Nemotron-H's mixer-only blocks have no MLP
             with pytest.raises(ValueError) as caught:
                 cache.get_neuron_results(l)
-            assert f"block {l}" in one_line(caught) and ("mixture of experts" if experts else "ln2_post") in one_line(caught)
+            words = "mixture of experts" if experts else "ln2_post" if mlp_normed else "has no MLP"
+            assert f"block {l}" in one_line(caught) and words in one_line(caught)
             continue
         with torch.no_grad():
             neurons = cache.get_neuron_results(l)  # [batch, pos, d_mlp, d_model]
         close(neurons.sum(-2) + model.blocks[l].mlp.b_out.detach(), cache["mlp_out", l])
-        if all(not (k[1] or k[3]) for k in kinds(model)[:l]):  # every earlier block has neurons too
+        if all(not (k[1] or k[3]) and model.cfg.has_mlp(i) for i, k in enumerate(kinds(model)[:l])):  # every earlier
+            # block has neurons too
             with torch.no_grad():
                 stack = cache.stack_neuron_results(l + 1, neuron_slice=None)
             close(stack[-neurons.shape[-2]:], neurons.movedim(-2, 0))

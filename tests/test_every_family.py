@@ -48,7 +48,8 @@ def hf_readout(hf, h: torch.Tensor) -> torch.Tensor:
     """transformers' own final norm and output embedding (and final soft-cap, or Granite's logits divisor, where the
     config has one) on h."""
     base = getattr(hf, "transformer", None) or getattr(hf, "gpt_neox", None) or hf.model
-    norm = getattr(base, "ln_f", None) or getattr(base, "final_layer_norm", None) or base.norm
+    norm = (getattr(base, "ln_f", None) or getattr(base, "final_layer_norm", None) or getattr(base, "norm_f", None)
+            or base.norm)  # norm_f: Nemotron-H
     logits = hf.get_output_embeddings()(norm(h)) / getattr(hf.config, "logits_scaling", 1.0)  # Granite's divisor
     cap = getattr(hf.config, "final_logit_softcapping", None)
     return logits if cap is None else cap * torch.tanh(logits / cap)
@@ -246,7 +247,11 @@ def test_neuron_ablation(family_model, tokens, every):
     d_mlp = model.cfg.d_mlp
     neurons = [0, d_mlp - 1]
     moe = [i for i in range(model.cfg.n_layers) if model.cfg.is_moe_layer(i)]
-    dense = [i for i in range(model.cfg.n_layers) if i not in moe]
+    dense = [i for i in range(model.cfg.n_layers) if i not in moe and model.cfg.has_mlp(i)]
+    mixer_only = [i for i in range(model.cfg.n_layers) if not model.cfg.has_mlp(i)]  # Nemotron-H's one-sublayer blocks
+    if mixer_only:
+        with pytest.raises(ValueError, match=f"block {mixer_only[0]} is a .* block with no MLP"):
+            ablation_hooks(model, [Neurons(mixer_only[0], [0])])
     if moe:  # a mixture of experts has no neurons to name (its experts are ablated instead); its dense blocks do
         with pytest.raises(ValueError, match="is a mixture of experts, whose MLP has no single d_mlp neurons"):
             ablation_hooks(model, [Neurons(moe[0], [0])])

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 from conftest import FAMILIES, make_hf_family
+from families import NEVER_TIED
 from fixtures import unchanged_copy
 from golden import assert_golden, hf_attention, hf_blocks, max_diff
 
@@ -36,6 +37,7 @@ def pair(family):
 def test_golden_fast_and_eager_paths(family, tied, tokens):
     hf = make_hf_family(family, tie_word_embeddings=tied)
     model = HookedTransformer.from_hf(hf)
+    tied = tied and family not in NEVER_TIED
     assert model.cfg.family == family and model.cfg.tie_word_embeddings == tied
     assert (model.unembed.weight is model.embed.weight) == tied
     assert_golden(model, hf, tokens)  # fused sdpa: only residual hooks are attached

@@ -38,8 +38,9 @@ def test_seeded_sampling_of_equal_rows_is_the_same_with_the_cache(family):
 
 
 # gemma4: kv sharing; deepseek_v3: a cache of latents against transformers' cache of expanded keys and values;
-# granitemoehybrid: Mamba-2 states beside attention's keys and values
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3_5_text", "gpt_oss", "gemma4_text", "deepseek_v3",
+# nemotron_h: Mamba-2 convolution inputs and states (and attention without positions); granitemoehybrid: Mamba-2
+# states beside attention's keys and values, the muP scalars
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3_5_text", "gpt_oss", "gemma4_text", "deepseek_v3", "nemotron_h",
                                     "granitemoehybrid"])
 def test_cached_generation_is_transformers_cached_generate(family):
     pair = build_family_model(family)  # fresh: its generation config is changed below

@@ -226,16 +226,22 @@ def test_resample_is_deterministic_by_seed(model, tokens):
 @every_family
 def test_hooks_compose_with_cache_and_context_and_are_removed(model, tokens):
     clean = model(tokens)
-    neurons = not model.cfg.is_moe_layer(1)  # a mixture of experts has no neurons
-    headed = next(l for l in range(model.cfg.n_layers) if model.cfg.layer_type(l) not in ("linear", "mamba"))  # Qwen 3.5, Granite 4: block 1
-    hooks = ablation_hooks(model, [Head(headed, [1, 2])] + [Neurons(1, 4)] * neurons, positions=[0, 5])
+    dense = next((l for l in (1, 2) if model.cfg.has_mlp(l)), 1)  # Nemotron-H: block 2 is its MLP block
+    neurons = not model.cfg.is_moe_layer(dense)  # a mixture of experts has no neurons
+    headed = next(l for l in range(model.cfg.n_layers) if model.cfg.has_heads(l))  # Qwen 3.5, Nemotron-H, Granite 4: block 1
+    neuron = 4
+    if neurons:  # one that fires at position 1 in every row of the clean run (a ReLU MLP's often do not)
+        _, clean_cache = model.run_with_cache(tokens, names_filter=f"blocks.{dense}.mlp.hook_post")
+        neuron = int((clean_cache["post", dense][:, 1] != 0).all(0).nonzero()[0])
+    hooks = ablation_hooks(model, [Head(headed, [1, 2])] + [Neurons(dense, neuron)] * neurons, positions=[0, 5])
     with model.hooks(hooks):
         inside = model(tokens)
     _, cache = model.run_with_cache(tokens, fwd_hooks=hooks)
     z = cache["z", headed]  # [batch, pos, head, d_head]
     assert torch.equal(z[:, [0, 5]][:, :, [1, 2]], torch.zeros_like(z[:, [0, 5]][:, :, [1, 2]]))
     assert (z[:, 1].abs() > 0).all() and (z[:, :, 0].abs() > 0).all()
-    assert not neurons or ((cache["post", 1][:, [0, 5], 4] == 0).all() and (cache["post", 1][:, 1, 4] != 0).all())
+    assert not neurons or ((cache["post", dense][:, [0, 5], neuron] == 0).all()
+                           and (cache["post", dense][:, 1, neuron] != 0).all())
     assert torch.equal(model.run_with_hooks(tokens, fwd_hooks=hooks), inside)
     assert torch.equal(model(tokens), clean)  # nothing stayed attached
     assert not any(hp.has_hooks() for hp in model.hook_dict.values())

@@ -25,7 +25,7 @@ def make_pair(vocab: int, n_pos: int = 7, seed: int = 3) -> tuple[torch.Tensor, 
 
 
 def full_layers(model) -> list[int]:
-    return [l for l in range(model.cfg.n_layers) if model.cfg.layer_type(l) not in ("linear", "mamba")]
+    return [l for l in range(model.cfg.n_layers) if model.cfg.has_heads(l)]
 
 
 def hand_hook(value: torch.Tensor, where: tuple):
@@ -129,7 +129,7 @@ def test_head_sites_are_refused_on_linear_attention_blocks_and_work_on_full_ones
     model = family_model_of("qwen3_5_text").model
     clean, corrupted = make_pair(model.cfg.d_vocab)
     _, cache = model.run_with_cache(clean)
-    linear = [l for l in range(model.cfg.n_layers) if model.cfg.layer_type(l) == "linear"]
+    linear = [l for l in range(model.cfg.n_layers) if not model.cfg.has_heads(l)]
     for site in HEAD_SITES:
         for layer in linear:
             with pytest.raises(ValueError, match=rf"site '{site}': block {layer} is a linear-attention \(Gated DeltaNet\) "

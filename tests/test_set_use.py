@@ -50,7 +50,8 @@ def test_each_switch_leaves_the_outputs_unchanged_or_is_refused(family):
             assert (logits - clean).abs().max().item() < 1e-5, switch
             added = {"set_use_split_qkv_input": "hook_q_input", "set_use_attn_in": "hook_attn_in",
                      "set_use_hook_mlp_in": "hook_mlp_in", "set_use_attn_result": "attn.hook_result"}[switch]
-            layer = next(l for l, b in enumerate(model.blocks) if switch != "set_use_attn_result" or not hasattr(b.attn, "LAYER_TYPE"))
+            layer = next(l for l, b in enumerate(model.blocks) if (switch != "set_use_attn_result" or model.cfg.has_heads(l))
+                         and (switch != "set_use_hook_mlp_in" or model.cfg.has_mlp(l)))
             assert f"blocks.{layer}.{added}" in cache, switch
         finally:
             getattr(model, switch)(False)

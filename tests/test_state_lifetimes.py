@@ -20,7 +20,7 @@ from lenskit.intervene.interventions import Head, Mlp, ablation_hooks
 from lenskit.intervene.patching import logit_diff
 from lenskit.kv_cache import KVCache
 
-ROTARY = [f for f in FAMILY_BUILDERS if f != "gpt2"]  # every family but GPT-2's learned positions
+ROTARY = [f for f in FAMILY_BUILDERS if f not in ("gpt2", "nemotron_h")]  # but GPT-2's learned positions, Nemotron-H's none
 
 
 def tokens(pos: int = 8, seed: int = 0) -> torch.Tensor:

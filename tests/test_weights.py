@@ -3,6 +3,8 @@ layers, on every family. The views are checked as identities: they recompute wha
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ from fixtures import close
 
 import lenskit
 from lenskit import HookedTransformer, ModelConfig
+from lenskit.pieces.absent import NoMLP
 from lenskit.pieces.layers import MLP
 
 TOKENS = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(3))
@@ -23,14 +26,21 @@ def act(cfg: ModelConfig, pre: torch.Tensor, mlp: torch.nn.Module | None = None)
         return mlp.act(pre)
     if cfg.activation == "relu":
         return F.relu(pre)
+    if cfg.activation == "relu2":  # Nemotron-H's squared ReLU
+        return F.relu(pre).square()
     return F.silu(pre) if cfg.mlp in ("swiglu", "swiglu_fused") else F.gelu(pre, approximate=cfg.gelu_approximate)
 
 
-def mlp_io(model: HookedTransformer, tokens: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict]:
-    """Each block's MLP input and output [batch, pos, d_model] (whatever the block form), and the MLP hooks."""
-    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    handles = [block.mlp.register_forward_hook(lambda mod, args, out: seen.append((args[0], out)))
-               for block in model.blocks]
+def mlp_layers(model: HookedTransformer) -> list[int]:
+    """The blocks that have an MLP: all but Nemotron-H's mixer-only blocks."""
+    return [l for l, block in enumerate(model.blocks) if not isinstance(block.mlp, NoMLP)]
+
+
+def mlp_io(model: HookedTransformer, tokens: torch.Tensor) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]:
+    """Each MLP's input and output [batch, pos, d_model] by block (whatever the block form), and the MLP hooks."""
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    handles = [model.blocks[l].mlp.register_forward_hook(
+        lambda mod, args, out, l=l: seen.__setitem__(l, (args[0], out))) for l in mlp_layers(model)]
     try:
         with torch.no_grad():
             _, cache = model.run_with_cache(tokens, names_filter=lambda name: ".mlp.hook_" in name)
@@ -46,13 +56,16 @@ def test_shapes(family_model):
         pytest.skip("a mixture of experts' MLP views are per expert: tests/test_moe.py checks them")
     c = model.cfg
     gated = c.mlp != "gelu"
-    usual = [l for l in range(c.n_layers) if c.d_mlp_of(l) == c.d_mlp]
-    if len(usual) < c.n_layers:  # Gemma 4's kv-sharing blocks' MLPs are twice as wide (double_wide_mlp): no stack
+    usual = [l for l in mlp_layers(model) if c.d_mlp_of(l) == c.d_mlp]
+    if len(mlp_layers(model)) < c.n_layers:  # Nemotron-H's mixer-only blocks have no MLP: no stack
+        with pytest.raises(ValueError, match=r"model.W_in cannot stack .* are mixer-only \(no MLP\) layers"):
+            model.W_in
+    elif len(usual) < c.n_layers:  # Gemma 4's kv-sharing blocks' MLPs are twice as wide (double_wide_mlp): no stack
         with pytest.raises(ValueError, match=r"model.W_in cannot stack .* their shapes differ"):
             model.W_in
         for l in range(c.n_layers):
             assert model.blocks[l].mlp.W_in.shape == model.blocks[l].mlp.W_gate.shape == (c.d_model, c.d_mlp_of(l))
-    mlp = {name: (None if getattr(model.blocks[0].mlp, name) is None else
+    mlp = {name: (None if getattr(model.blocks[usual[0]].mlp, name) is None else
                   torch.stack([getattr(model.blocks[l].mlp, name) for l in usual])) if len(usual) < c.n_layers
            else getattr(model, name) for name in ("W_in", "W_gate", "W_out", "b_in", "b_gate", "b_out")}
     m = len(usual)
@@ -63,9 +76,10 @@ def test_shapes(family_model):
         assert mlp["W_gate"].shape == (m, c.d_model, c.d_mlp) and mlp["b_gate"].shape == (m, c.d_mlp)
     else:
         assert mlp["W_gate"] is None and mlp["b_gate"] is None
-    headed = [l for l in range(c.n_layers) if c.layer_type(l) not in ("linear", "mamba")]  # Qwen 3.5's, Granite 4's: no heads
+    headed = [l for l in range(c.n_layers) if c.has_heads(l)]  # Qwen 3.5's linear blocks, Nemotron-H's Mamba-2 and MLP blocks have no heads
     if len(headed) < c.n_layers:
-        with pytest.raises(ValueError, match=r"model.W_Q cannot stack .* are (linear-attention \(Gated DeltaNet\)|Mamba-2) layers"):
+        kind = re.escape(model.blocks[next(l for l in range(c.n_layers) if l not in headed)].attn.LAYER_TYPE)
+        with pytest.raises(ValueError, match=rf"model.W_Q cannot stack .* are {kind} layers"):
             model.W_Q
     for l in (l for l in headed if c.kv_source(l) is not None):  # Gemma 4's kv sharing: the keys are another block's
         with pytest.raises(ValueError, match=rf"block {l} has no key or value weights: it reads block {c.kv_source(l)}'s"):
@@ -85,10 +99,10 @@ def test_shapes(family_model):
     assert attn["b_Q"].shape == attn["b_K"].shape == attn["b_V"].shape == (n, c.n_heads, c.d_head)
     assert attn["W_O"].shape == (n, c.n_heads, c.d_head, c.d_model) and attn["b_O"].shape == (n, c.d_model)
     for l, block in enumerate(model.blocks):  # the stacks are the blocks' own views
-        assert isinstance(block.mlp, MLP)
+        assert isinstance(block.mlp, MLP) == (l in mlp_layers(model))
         for name in ("W_in", "W_gate", "W_out", "b_in", "b_gate", "b_out"):
-            view = getattr(block.mlp, name)
             if l in usual:
+                view = getattr(block.mlp, name)
                 assert (view is None) if name in ("W_gate", "b_gate") and not gated else torch.equal(view, mlp[name][usual.index(l)])
         for name in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O"):
             if l in headed:
@@ -103,8 +117,9 @@ def test_mlp_views_reproduce_the_mlp(family_model):
         pytest.skip("a mixture of experts' MLP views are per expert: tests/test_moe.py checks them")
     c = model.cfg
     seen, cache = mlp_io(model, TOKENS)
-    assert len(seen) == c.n_layers
-    for l, (x, out) in enumerate(seen):
+    # every block's MLP ran, but for Nemotron-H's mixer-only blocks, which have none
+    assert sorted(seen) == mlp_layers(model) == [l for l in range(c.n_layers) if not c.block.one_sublayer or c.layer_type(l) == "mlp"]
+    for l, (x, out) in seen.items():
         m = model.blocks[l].mlp  # its views are the stacks' rows (test_shapes); Gemma 4's may be wider
         linear = x @ m.W_in + m.b_in  # [batch, pos, d_mlp]
         if m.W_gate is None:
@@ -132,7 +147,7 @@ def test_attention_views_reproduce_q_k_v(family_model):
         for handle in handles:
             handle.remove()
     for l, (x, out) in enumerate(seen):
-        if c.layer_type(l) in ("linear", "mamba"):  # Gated DeltaNet and Mamba-2 have no heads' views (their own tests)
+        if not c.has_heads(l):  # Qwen 3.5's Gated DeltaNet, Nemotron-H's Mamba-2 have no heads' views (tests/test_deltanet.py)
             continue
         group = c.n_heads // c.n_kv_heads_of(l)  # Gemma 4's full blocks have their own kv heads
         a = model.blocks[l].attn  # its views are the stacks' rows (test_shapes)
@@ -159,6 +174,13 @@ def test_mlp_views_match_transformers_parameters(family_model):
         pytest.skip("a mixture of experts' MLP views are per expert: tests/test_moe.py checks them")
     layers = hf.transformer.h if family == "gpt2" else hf.gpt_neox.layers if family == "gpt_neox" else hf.model.layers
     for l, layer in enumerate(layers):
+        if family == "nemotron_h":  # one sublayer per layer: the MLP layers' mixer is the MLP (up_proj in, down_proj out)
+            if layer.block_type != "mlp":
+                continue
+            ours, mlp = model.blocks[l].mlp, layer.mixer
+            assert ours.W_gate is None and torch.equal(ours.W_in, mlp.up_proj.weight.T) and torch.equal(ours.b_in, mlp.up_proj.bias)
+            assert torch.equal(ours.W_out, mlp.down_proj.weight.T) and torch.equal(ours.b_out, mlp.down_proj.bias)
+            continue
         mlp = layer.mlp
         if family == "gpt2":  # Conv1D weights are already x @ W
             assert torch.equal(model.W_in[l], mlp.c_fc.weight) and torch.equal(model.b_in[l], mlp.c_fc.bias)
@@ -205,7 +227,7 @@ def test_mlp_biases_enter_the_views(mlp):
     assert model.b_in.abs().min() > 0 and model.b_out.abs().min() > 0
     assert mlp == "gelu" or model.b_gate.abs().min() > 0
     seen, _ = mlp_io(model, TOKENS)
-    for l, (x, out) in enumerate(seen):
+    for l, (x, out) in seen.items():
         linear = x @ model.W_in[l] + model.b_in[l]
         post = act(cfg, linear) if mlp == "gelu" else act(cfg, x @ model.W_gate[l] + model.b_gate[l]) * linear
         close(post @ model.W_out[l] + model.b_out[l], out)

@@ -145,6 +145,12 @@ def run(args: argparse.Namespace) -> int:
               f"linear_attention_blocks={cfg.layer_types.count('linear')}/{cfg.n_layers} (Gated DeltaNet: "
               f"{cfg.linear.n_k_heads} q/k heads of {cfg.linear.d_k}, {cfg.linear.n_v_heads} value heads of {cfg.linear.d_v}, "
               f"conv width {cfg.linear.conv_width})" if cfg.layer_types and "linear" in cfg.layer_types else "",
+              f"mamba_blocks={cfg.layer_types.count('mamba')}/{cfg.n_layers} (Mamba-2: {cfg.mamba.n_heads} heads of "
+              f"{cfg.mamba.d_head}, state {cfg.mamba.d_state}, {cfg.mamba.n_groups} groups, conv width "
+              f"{cfg.mamba.conv_width}, chunks of {cfg.mamba.chunk_size})" if cfg.layer_types and "mamba" in cfg.layer_types
+              else "",
+              f"one_sublayer (mixer-only and {cfg.layer_types.count('mlp')} MLP-only blocks)"
+              if cfg.block.one_sublayer and cfg.layer_types else "",
               "attn_output_gate" if cfg.attention.output_gate else "",
               f"per_layer_inputs={cfg.block.d_per_layer} (vocabulary {cfg.block.d_vocab_per_layer})" if cfg.block.d_per_layer else "",
               f"kv_shared_blocks={cfg.block.n_kv_shared_layers} (blocks {cfg.n_layers - cfg.block.n_kv_shared_layers}.."
@@ -162,7 +168,10 @@ def run(args: argparse.Namespace) -> int:
 
     hybrid = cfg.layer_types is not None and "linear" in cfg.layer_types
     shapes = len(accounting.block_kinds(cfg))  # Gemma 4's full and kv-sharing blocks have shapes of their own
-    print(f"\nper block (block 0, a {cfg.layer_type(0)}-attention block; the model mixes linear- and full-attention blocks)"
+    kinds = sorted(set(cfg.layer_types or ()))
+    print(f"\nper block (block 0, a {cfg.layer_type(0)} block; the model mixes {', '.join(kinds)} blocks)"
+          if cfg.block.one_sublayer or "mamba" in kinds else
+          f"\nper block (block 0, a {cfg.layer_type(0)}-attention block; the model mixes linear- and full-attention blocks)"
           if hybrid else f"\nper block (x{cfg.n_layers})" if shapes == 1 else
           f"\nper block (block 0, a {cfg.layer_type(0)}-attention block; the blocks have {shapes} shapes)"
           if not cfg.moe.dense_layers else
@@ -181,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
           f"({(flops.loc['total', 'forward'] - core) / total:.2f} without the attention core); "
           f"attention core = {core / (2 * non_emb):.1%} of 2N (N non-embedding), {core / (2 * total):.1%} of 2N (N all)")
     if "linear_core" in flops.index:
-        print(f"  linear attention ({cfg.layer_types.count('linear')} of {cfg.n_layers} blocks): linear_core is the same per "
+        recurrent = cfg.layer_types.count('linear') + cfg.layer_types.count('mamba')
+        print(f"  linear attention or Mamba-2 ({recurrent} of {cfg.n_layers} blocks): linear_core is the same per "
               "token at any context, so its cost is linear in the context; only attn_core (the full-attention blocks) "
               "grows with n_ctx")
     if args.tokens is not None:

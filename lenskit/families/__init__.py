@@ -33,6 +33,7 @@ from . import (
     llama,
     mistral,
     mixtral,
+    nemotron_h,
     olmo2,
     olmo3,
     olmoe,
@@ -50,7 +51,7 @@ __all__ = ["FAMILIES", "PRESETS", "Family", "config_fields", "family_of"]
 
 # The one list of family modules, in the README's order; each module's name is its model_type.
 _MODULES = (gpt2, gpt_neox, llama, mistral, qwen2, qwen3, gemma2, gemma3_text, olmo2, phi3, mixtral, qwen3_moe, olmoe,
-            gpt_oss, olmo3, smollm3, qwen3_5_text, gemma4_text, apertus, deepseek_v3, granitemoehybrid)
+            gpt_oss, olmo3, smollm3, qwen3_5_text, gemma4_text, apertus, deepseek_v3, granitemoehybrid, nemotron_h)
 
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in _MODULES}
 

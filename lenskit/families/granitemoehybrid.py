@@ -1,6 +1,6 @@
 """IBM Granite 4.0 (`granitemoehybrid`: H-Small, H-Tiny, H-Micro, and the attention-only Micro): pre-RMSNorm blocks
-whose token mixer is a Mamba-2 mixer (lenskit.pieces.mamba2) or grouped-query attention without positions (or with
-rotary ones, `position_embedding_type="rope"`), then routed experts (the top k router logits, then a softmax) beside a
+whose token mixer is a Mamba-2 mixer (lenskit.pieces.mamba2) or grouped-query attention without positions
+(`positional="none"`; rotary ones under `position_embedding_type="rope"`), then routed experts (the top k router logits, then a softmax) beside a
 shared SwiGLU MLP that every token runs (lenskit.pieces.shared_experts), or that shared MLP alone where
 `num_local_experts` is 0. Granite's muP scalars are `cfg.scales`: the embedding times `embedding_multiplier`, each
 sublayer's write times `residual_multiplier` (inside its output projection, so W_O, W_out and per-head results are
@@ -108,7 +108,8 @@ def read(r: ConfigReader) -> dict[str, Any]:
     if positions["rotary_dim"] != d_head:
         raise ValueError(f"config field partial_rotary_factor: transformers rotates all {d_head} features of each "
                          f"granitemoehybrid head; remove it (model_type={r.family!r})")
-    nope = r.d.get("position_embedding_type") != "rope"  # transformers builds rotary positions for "rope" alone
+    if r.d.get("position_embedding_type") != "rope":  # transformers builds rotary positions for "rope" alone
+        positions = {"positional": "none"}  # the rotary fields typed above, and unread, as transformers leaves them
     bias = r.bool("attention_bias", False)
     return {
         **common_fields(r, bos=1, eos=2), **positions,
@@ -117,7 +118,6 @@ def read(r: ConfigReader) -> dict[str, Any]:
         "n_ctx": r.int("max_position_embeddings"), "norm_eps": r.float("rms_norm_eps", 1e-6, positive=True),
         "norm": "rmsnorm", "mlp": "swiglu_fused", "mlp_bias": False, "tie_word_embeddings": r.bool("tie_word_embeddings", False),
         "fused_qkv": False, "qkv_bias": bias, "out_bias": bias,
-        "nope_layers": tuple(range(n_layers)) if nope else (),
         "layer_types": types if "mamba" in types else None,
         "query_pre_attn_scalar": r.float("attention_multiplier", 1.0, positive=True) ** -2,
         "embedding_scale": r.float("embedding_multiplier", 1.0, positive=True),
@@ -138,7 +138,7 @@ def write(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "hidden_act": "silu", "max_position_embeddings": cfg.n_ctx,
         "rms_norm_eps": cfg.norm_eps, **writers.common_fields(cfg), "rope_parameters": writers.rope_parameters(cfg),
-        "position_embedding_type": "nope" if cfg.nope_layers else "rope", "attention_bias": cfg.attention.qkv_bias,
+        "position_embedding_type": "rope" if cfg.positional == "rotary" else "nope", "attention_bias": cfg.attention.qkv_bias,
         "attention_dropout": 0.0, "attention_multiplier": (cfg.d_head if scalar is None else scalar) ** -0.5,
         "embedding_multiplier": cfg.scales.embedding, "residual_multiplier": cfg.scales.residual,
         "logits_scaling": 1 / cfg.scales.logits, "layer_types": [_HF_LAYER_TYPES[t] for t in types],
@@ -220,9 +220,9 @@ def _preset(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: in
     return ModelConfig(
         n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_model // n_heads,
         d_mlp=d_shared if n_experts is None else d_expert, d_vocab=100352, n_ctx=131072, norm="rmsnorm", norm_eps=1e-5,
-        mlp="swiglu_fused", mlp_bias=False, tie_word_embeddings=True, family="granitemoehybrid", positional="rotary",
-        rotary_base=base, fused_qkv=False, qkv_bias=False, out_bias=False,
-        nope_layers=tuple(range(n_layers)) if nope else (), layer_types=types,
+        mlp="swiglu_fused", mlp_bias=False, tie_word_embeddings=True, family="granitemoehybrid",
+        positional="none" if nope else "rotary", **({} if nope else {"rotary_base": base}), fused_qkv=False,
+        qkv_bias=False, out_bias=False, layer_types=types,
         query_pre_attn_scalar=attention_multiplier ** -2, embedding_scale=embedding, residual_scale=residual,
         logits_scale=1 / logits_scaling, bos_token_id=100257, eos_token_id=100257, name=name, **experts, **mamba)
 

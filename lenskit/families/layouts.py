@@ -125,6 +125,8 @@ class Layout:
     reshape: dict[str, Reshape] = field(default_factory=dict)  # block-local ours (as in `block`) -> how it is stored
     buffers: str = r"$^"  # regex, on unprefixed names, of stored buffers to skip
     aliases: dict[str, str] = field(default_factory=dict)  # other spellings -> the file's, e.g. in-memory names
+    # other spellings of the prefix: Nemotron-H's files say `backbone.` where transformers' model in memory says `model.`
+    other_prefixes: tuple[str, ...] = ()
     fused: FusedExperts | None = None  # the fused 3-D spelling of a MoE block's experts, where transformers has one
     # (unprefixed name, config) -> whether a stored tensor is one that no parameter of this config reads and that
     # transformers drops on load too (Gemma 4's kv-sharing blocks' k/v projections and norms); None: there are none
@@ -245,8 +247,16 @@ class Layout:
     def block_count(self, names: Iterable[str]) -> int:
         """How many distinct blocks checkpoint tensor `names` (with the base-model prefix or without) hold.
         O(len(names)) whatever a config claims, and a stray huge index counts as one block, not as its value."""
-        pattern = re.compile(rf"(?:{re.escape(self.prefix)})?{re.escape(self.blocks)}\.(\d+)\.")
+        prefixes = "|".join(re.escape(p) for p in (self.prefix, *self.other_prefixes))
+        pattern = re.compile(rf"(?:{prefixes})?{re.escape(self.blocks)}\.(\d+)\.")
         return len({m.group(1) for name in names if (m := pattern.match(name))})
+
+    def unprefixed(self, key: str) -> str:
+        """A checkpoint key without the base-model prefix (any of its spellings), if it has one."""
+        for prefix in (self.prefix, *self.other_prefixes):
+            if key.startswith(prefix):
+                return key[len(prefix):]
+        return key
 
     def is_buffer(self, name: str) -> bool:
         """Whether an unprefixed checkpoint name is a stored buffer without learned state."""

@@ -45,7 +45,6 @@ from typing import Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 
-from ..config import HEADLESS
 from ..model import HookedTransformer
 from ..observe.cache import hook_name
 from ..observe.hooks import HookFn
@@ -151,11 +150,16 @@ def target_sites(model: HookedTransformer, target: Target) -> list[Site]:
     if isinstance(target, Mlp):
         return [Site(hook_name("mlp_out", layer))]
     if isinstance(target, Head) and not cfg.has_heads(layer):
-        raise ValueError(f"{target!r}: block {layer} is a {HEADLESS[cfg.layer_type(layer)]} layer, which has no attention "
-                         "heads to ablate; ablate the whole sublayer (Attn) or a full-attention block's heads")
+        kind = getattr(model.blocks[layer].attn, "LAYER_TYPE", cfg.layer_type(layer))
+        raise ValueError(f"{target!r}: block {layer} is a {kind} layer, which has no attention heads to ablate; "
+                         "ablate the whole sublayer (Attn) or a full-attention block's heads")
     if isinstance(target, Head):
         heads = _check_units(target, target.heads, cfg.n_heads, "head")
         return [Site(hook_name("z", layer), axis=2, units=heads)]  # z: [batch, pos, head, d_head]
+    if not cfg.has_mlp(layer):
+        raise ValueError(f"{target!r}: block {layer} is a {cfg.layer_type(layer)} block with no MLP (one sublayer per "
+                         f"block, Nemotron-H's), so it has no neurons; ablate the neurons of an 'mlp' block "
+                         f"({[l for l in range(cfg.n_layers) if cfg.has_mlp(l)]})")
     if cfg.is_moe_layer(layer):
         raise ValueError(f"{target!r}: block {layer} is a mixture of experts, whose MLP has no single d_mlp neurons; "
                          "ablate an expert instead (lenskit.intervene.experts.Expert)")

@@ -85,7 +85,7 @@ def convert_hf_state_dict(raw: Mapping[str, torch.Tensor], cfg: ModelConfig,
     layout = family_of(cfg.family).layout
     stripped: dict[str, torch.Tensor] = {}
     for key, tensor in raw.items():
-        name = key.removeprefix(layout.prefix)
+        name = layout.unprefixed(key)
         name = layout.aliases.get(name, name)
         if name in stripped:
             raise CheckpointError(f"checkpoint holds {name!r} twice, under {key!r} and another spelling (prefix or alias)")

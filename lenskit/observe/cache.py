@@ -473,6 +473,10 @@ class ActivationCache(Mapping):
     def _neurons(self, layer: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Block `layer`'s neuron activations [batch, pos, d_mlp] and W_out [d_mlp, d_model], on the same device."""
         model = self._model(what)
+        if not model.cfg.has_mlp(layer):
+            raise ValueError(f"{what}: block {layer} has no MLP (a {model.cfg.layer_type(layer)} block; Nemotron-H's blocks "
+                             f"hold one sublayer each), so it has no neurons; use the blocks with an MLP "
+                             f"({[l for l in range(model.cfg.n_layers) if model.cfg.has_mlp(l)]}) or decompose_resid")
         if model.cfg.is_moe_layer(layer):
             raise ValueError(f"{what}: block {layer} is a mixture of experts, whose neurons are each expert's and "
                              "change with the routing; use decompose_resid (or expand_neurons=False) for its whole write")

@@ -152,7 +152,9 @@ def _unnormalised(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- the MLP's input
 def _switch_mlp_in(block: "TransformerBlock", kind: str | None) -> None:
     """Route what the MLP reads through `block.hook_mlp_in` (a copy of the stream before ln2), or (None) stop."""
-    reader = block.ln2 if block.PRE_NORMS else block.mlp  # the MLP's first step: ln2, or the MLP itself (OLMo 2)
+    reader = getattr(block, "ln2", None) if block.PRE_NORMS else block.mlp  # the MLP's first step: ln2, or the MLP itself (OLMo 2)
+    if reader is None:  # a mixer-only block (Nemotron-H's one sublayer): no MLP reads anything
+        return
     # Found by what it is, not by a kept handle, so a deep copy of the model (process_weights) switches off as well.
     for key, fn in list(reader._forward_pre_hooks.items()):
         if isinstance(fn, partial) and fn.func is _route_mlp_in:

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
+from .absent import NoMixer, NoMLP
 from .attention import Attention
 from .deltanet import GatedDeltaNet
 from .dense_and_experts import DenseAndExperts
@@ -31,10 +32,13 @@ __all__ = ["Attention", "FusedSwiGLU", "GeluMLP", "LayerNorm", "MLP", "MoE", "Pa
            "SwiGLU", "TransformerBlock", "make_block", "make_mlp", "make_norm"]
 
 
-def mlp_class(cfg: ModelConfig, layer: int = 0) -> type[MLP] | type[MoE]:
-    """The piece of block `layer`'s MLP: a mixture of experts where the config makes that block sparse (with shared
-    experts under a `sigmoid_group_topk` routing, DeepSeek's, or where n_shared_experts says so, Granite 4's), the dense MLP with experts beside it (Gemma 4
+def mlp_class(cfg: ModelConfig, layer: int = 0) -> type[MLP] | type[MoE] | type[NoMLP]:
+    """The piece of block `layer`'s MLP: none in a one-sublayer model's mixer-only block (Nemotron-H), a mixture of
+    experts where the config makes that block sparse (with shared experts under a `sigmoid_group_topk` routing,
+    DeepSeek's, or where n_shared_experts says so, Granite 4's), the dense MLP with experts beside it (Gemma 4
     26B-A4B), else the dense MLP."""
+    if cfg.block.one_sublayer and cfg.layer_type(layer) != "mlp":
+        return NoMLP
     if cfg.block.experts_beside_mlp:
         return DenseAndExperts
     if not cfg.is_moe_layer(layer):
@@ -45,7 +49,7 @@ def mlp_class(cfg: ModelConfig, layer: int = 0) -> type[MLP] | type[MoE]:
 def make_mlp(cfg: ModelConfig, layer: int = 0) -> MLP | MoE:
     """Block `layer`'s MLP (`mlp_class`), a dense one `cfg.d_mlp_of(layer)` wide."""
     cls = mlp_class(cfg, layer)
-    if issubclass(cls, MoE):  # routed experts only: their widths are the config's
+    if issubclass(cls, (MoE, NoMLP)):  # routed experts only: their widths are the config's
         return cls(cfg)
     return cls(cfg, cfg.d_mlp_of(layer))
 
@@ -58,6 +62,8 @@ def attention_class(cfg: ModelConfig, layer: int = 0) -> type[Attention] | type[
         return GatedDeltaNet
     if cfg.layer_type(layer) == "mamba":
         return Mamba2Mixer
+    if cfg.layer_type(layer) == "mlp":
+        return NoMixer
     if cfg.mla.kv_lora_rank is not None:
         return LatentAttention
     return SharedKVAttention if cfg.kv_source(layer) is not None else Attention
@@ -233,11 +239,52 @@ class PostNormBlock(TransformerBlock):
         return self.attn(x, state)  # no norm before the sublayer
 
 
+class OneSublayerBlock(TransformerBlock):
+    """One of Nemotron-H's layers as a block (`cfg.block.one_sublayer`): a pre-norm token mixer (Mamba-2 or attention,
+    `ln1`, `attn`) or a pre-norm MLP (layer type "mlp": `ln2`, `mlp`), never both; the missing half is a
+    `lenskit.pieces.absent` piece and writes zeros (`hook_mlp_out` or `hook_attn_out`), so resid_mid = resid_pre +
+    attn_out and resid_post = resid_mid + mlp_out hold, and resid_post is the transformers layer's output."""
+
+    @classmethod
+    def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """One norm, and what the one sublayer counts."""
+        norm_w, norm_b = norm_params(cfg)
+        return summed_counts({"norms": (norm_w, norm_b)}, attention_class(cfg, layer).params(cfg, layer),
+                             mlp_class(cfg, layer).params(cfg, layer))
+
+    @classmethod
+    def processing_refusal(cls, cfg: ModelConfig, option: str) -> tuple[str, bool] | None:
+        if option == "fold_ln":
+            return f"fold_ln is not implemented for {cfg.family}'s one-sublayer blocks; pass fold_ln=False", False
+        return None
+
+    def __init__(self, cfg: ModelConfig, dropout: float = 0.0, layer: int = 0) -> None:
+        super().__init__(cfg, dropout, layer)
+        mlp_only = cfg.layer_type(layer) == "mlp"
+        delattr(self, "ln1" if mlp_only else "ln2")  # the one norm stays, before the half that is there
+        self._sublayer = self._mlp_only if mlp_only else self._mixer_only  # chosen once
+
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
+        return self._sublayer(x, state)
+
+    def _mixer_only(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
+        x = self.hook_resid_pre(x)
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.dropout(self.read_attn(x, state))))
+        return self.hook_resid_post(x + self.hook_mlp_out(torch.zeros_like(x)))
+
+    def _mlp_only(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
+        x = self.hook_resid_pre(x)
+        x = self.hook_resid_mid(x + self.hook_attn_out(torch.zeros_like(x)))
+        return self.hook_resid_post(x + self.hook_mlp_out(self.dropout(self.mlp(self.ln2(x)))))
+
+
 BLOCK_CLASSES = {"pre": TransformerBlock, "sandwich": SandwichBlock, "post": PostNormBlock}
 
 
 def block_class(cfg: ModelConfig) -> type[TransformerBlock]:
     """The block form the config chooses."""
+    if cfg.block.one_sublayer:
+        return OneSublayerBlock
     return ParallelBlock if cfg.parallel_block else RescaledSandwichBlock if cfg.block.layer_scalar else BLOCK_CLASSES[cfg.norm_placement]
 
 

@@ -219,7 +219,7 @@ class Mamba2Mixer(nn.Module):
         self.hook_dt = HookPoint()  # [batch, pos, head], float32
         self.hook_ssm_out = HookPoint()  # [batch, pos, head, d_head], float32
         self.hook_gate = HookPoint()  # [batch, pos, head, d_head]
-        self.hook_state = HookPoint()  # [batch, head, d_head, d_state], float32, computed only when hooked
+        self.hook_state = HookPoint()  # [batch, head, d_head, d_state], float32, handed to its hook only when hooked
         # Falcon-H1's multipliers, chosen once: the plain projection wherever they are all 1
         scaled = m.in_multiplier != 1 or any(f != 1 for f in m.multipliers)
         self.in_multiplier, self.multipliers = m.in_multiplier, m.multipliers
@@ -240,10 +240,10 @@ class Mamba2Mixer(nn.Module):
         C = self.hook_C(C.view(batch, pos, self.n_groups, self.d_state))
         dt = self.hook_dt(F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_range))  # [batch, pos, head]
         A = -self.A_log.float().exp()  # [head]
-        if past is None or past.state is None:
-            y, recurrent = self.scan(xs, dt, A, B, C)
-        else:  # on from the carried state, by the recurrence: a chunk would pad a one-position step to chunk_size
-            y, recurrent = recurrent_scan(xs, dt, A, B, C, past.state)
+        start = None if past is None else past.state  # [batch, head, d_head, d_state]; None: a fresh state
+        # one new position steps by the recurrence (a chunk would pad it to chunk_size); more go a chunk at a time
+        scan = recurrent_scan if pos == 1 and start is not None else self.scan
+        y, recurrent = scan(xs, dt, A, B, C, state=start)
         if past is not None:
             past.update(xbc_in, self.conv_weight.shape[-1], recurrent)
         if self.hook_state.has_hooks():

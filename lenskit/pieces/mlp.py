@@ -1,5 +1,5 @@
 """The dense MLPs, each a separate class chosen once from the config (`cfg.mlp`, `MLP_CLASSES`): GPT-2's GELU MLP
-(or ReLU, or Apertus's learned xIELU, `XIELU`), the gated SwiGLU / GeGLU, and Phi-3's with a fused gate and input
+(or ReLU, squared ReLU, or Apertus's learned xIELU, `XIELU`), the gated SwiGLU / GeGLU, and Phi-3's with a fused gate and input
 projection. `lenskit.pieces.layers.make_mlp`
 picks one for each block (or a mixture of experts, lenskit.pieces.moe)."""
 
@@ -115,9 +115,13 @@ class XIELU(nn.Module):
                            (torch.expm1(torch.minimum(x, self.eps)) - x) * a_n + self.beta * x)
 
 
+def _relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
 class GeluMLP(MLP):
-    """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> the config's activation (a GELU form, ReLU, or Apertus's
-    xIELU with its two learned scalars) -> d_model.
+    """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> the config's activation (a GELU form, ReLU, Nemotron-H's
+    squared ReLU, or Apertus's xIELU with its two learned scalars) -> d_model.
     Each MLP piece takes its width, `d_mlp` (None: the config's), where a block's differs (`cfg.d_mlp_of`)."""
 
     @classmethod
@@ -130,8 +134,8 @@ class GeluMLP(MLP):
         super().__init__()
         d_mlp = cfg.d_mlp if d_mlp is None else d_mlp
         self.act: Callable[[torch.Tensor], torch.Tensor] = (
-            F.relu if cfg.activation == "relu" else XIELU() if cfg.activation == "xielu"
-            else partial(F.gelu, approximate=cfg.gelu_approximate))
+            F.relu if cfg.activation == "relu" else _relu_squared if cfg.activation == "relu2"
+            else XIELU() if cfg.activation == "xielu" else partial(F.gelu, approximate=cfg.gelu_approximate))
         self.fc_in = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
         self.fc_out = write_projection(d_mlp, cfg.d_model, cfg.mlp_bias, cfg.scales.residual)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]

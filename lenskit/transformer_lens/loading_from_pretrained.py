@@ -81,7 +81,7 @@ def tl_fields(cfg: ModelConfig) -> dict[str, Any]:
         "n_layers": cfg.n_layers, "n_ctx": cfg.n_ctx, "d_vocab": cfg.d_vocab, "eps": cfg.norm_eps,
         "act_fn": "silu" if cfg.mlp.startswith("swiglu") else cfg.activation,
         "normalization_type": "LN" if cfg.norm == "layernorm" else "RMS",
-        "positional_embedding_type": "standard" if cfg.positional == "learned" else "rotary",
+        "positional_embedding_type": cfg.positional_embedding_type,
         "rotary_dim": cfg.rope.dim, "rotary_base": cfg.rope.base, "n_key_value_heads": cfg.n_kv_heads,
         "gated_mlp": gated, "parallel_attn_mlp": cfg.parallel_block, "tie_word_embeddings": cfg.tie_word_embeddings,
         "original_architecture": cfg.family, "output_logits_soft_cap": cfg.final_softcap or -1.0,
