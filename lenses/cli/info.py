@@ -134,8 +134,7 @@ def run(args: argparse.Namespace) -> int:
               f"sliding_blocks={cfg.layer_types.count('sliding')}/{cfg.n_layers}" if cfg.layer_types and "sliding" in
               cfg.layer_types else "",
               f"local_rotary_base={cfg.rope.local_base:g}" if cfg.rope.local_base else "",
-              ("no_rotary_blocks=all" if len(cfg.nope_layers) == cfg.n_layers else f"no_rotary_blocks={list(cfg.nope_layers)}")
-              if cfg.nope_layers else "",
+              f"no_rotary_blocks={list(cfg.nope_layers)}" if cfg.nope_layers else "",
               f"experts={cfg.moe.n_experts} top_k={cfg.moe.n_experts_per_token} d_expert={cfg.moe.d_expert} routing={cfg.moe.routing}"
               if cfg.moe.n_experts else "",
               f"dense_blocks={list(cfg.moe.dense_layers)}" if cfg.moe.dense_layers else "",
