@@ -1,8 +1,8 @@
 """IBM Granite 4.0 (`granitemoehybrid`: H-Small, H-Tiny, H-Micro, and the attention-only Micro): pre-RMSNorm blocks
 whose token mixer is a Mamba-2 mixer (lenskit.pieces.mamba2) or grouped-query attention without positions
-(`positional="none"`; rotary ones under `position_embedding_type="rope"`), then routed experts (the top k router logits, then a softmax) beside a
-shared SwiGLU MLP that every token runs (lenskit.pieces.shared_experts), or that shared MLP alone where
-`num_local_experts` is 0. Granite's muP scalars are `cfg.scales`: the embedding times `embedding_multiplier`, each
+(`positional="none"`; rotary ones under `position_embedding_type="rope"`), then routed experts (the top k router
+logits, then a softmax) beside a shared SwiGLU MLP that every token runs (lenskit.pieces.shared_experts), or that
+shared MLP alone where `num_local_experts` is 0. Granite's muP scalars are `cfg.scales`: the embedding times `embedding_multiplier`, each
 sublayer's write times `residual_multiplier` (inside its output projection, so W_O, W_out and per-head results are
 the writes as they reach the stream), the logits divided by `logits_scaling`; `attention_multiplier` is the scores'
 scale itself (`query_pre_attn_scalar = attention_multiplier ** -2`). Its files hold the experts fused
@@ -77,7 +77,7 @@ def _mamba(r: ConfigReader, d_model: int) -> dict[str, Any]:
             "mamba_dt_min": dt_min, "mamba_dt_max": dt_max, "mamba_norm": "gate_then_norm"}
 
 
-def _mlp(r: ConfigReader, d_model: int) -> dict[str, Any]:
+def _mlp(r: ConfigReader) -> dict[str, Any]:
     """Routed experts beside the shared MLP, one shared expert shared_intermediate_size wide (num_local_experts > 0),
     or the shared MLP alone."""
     n_experts = r.int("num_local_experts", 8, positive=False)
@@ -123,7 +123,7 @@ def read(r: ConfigReader) -> dict[str, Any]:
         "embedding_scale": r.float("embedding_multiplier", 1.0, positive=True),
         "residual_scale": r.float("residual_multiplier", 1.0, positive=True),
         "logits_scale": 1 / r.float("logits_scaling", 1.0, positive=True),
-        **_mlp(r, d_model), **(_mamba(r, d_model) if "mamba" in types else {}),
+        **_mlp(r), **(_mamba(r, d_model) if "mamba" in types else {}),
     }
 
 
@@ -146,12 +146,11 @@ def write(cfg: ModelConfig) -> dict[str, Any]:
     }
     if "mamba" not in types:  # transformers checks the Mamba-2 widths without Mamba-2 blocks too: one head, whole
         return {**out, "mamba_n_heads": 1, "mamba_d_head": "auto"}
-    if "mamba" in types:
-        mamba = cfg.mamba
-        out.update(mamba_n_heads=mamba.n_heads, mamba_d_head=mamba.d_head, mamba_d_state=mamba.d_state,
-                   mamba_n_groups=mamba.n_groups, mamba_d_conv=mamba.conv_width, mamba_conv_bias=mamba.conv_bias,
-                   mamba_proj_bias=mamba.in_bias, mamba_expand=mamba.n_heads * mamba.d_head // cfg.d_model,
-                   mamba_chunk_size=mamba.chunk_size, time_step_limit=[mamba.dt_min, mamba.dt_max])
+    mamba = cfg.mamba
+    out.update(mamba_n_heads=mamba.n_heads, mamba_d_head=mamba.d_head, mamba_d_state=mamba.d_state,
+               mamba_n_groups=mamba.n_groups, mamba_d_conv=mamba.conv_width, mamba_conv_bias=mamba.conv_bias,
+               mamba_proj_bias=mamba.in_bias, mamba_expand=mamba.n_heads * mamba.d_head // cfg.d_model,
+               mamba_chunk_size=mamba.chunk_size, time_step_limit=[mamba.dt_min, mamba.dt_max])
     return out
 
 
