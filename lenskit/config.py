@@ -132,7 +132,7 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
-    d_shared: int | None = None  # the shared experts' width together; None: n_shared_experts * d_expert (Granite's differs)
+    d_shared: int | None = None  # the shared experts' whole width; None: n_shared_experts * d_expert (DeepSeek's)
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,7 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "router_bias": ("moe", "router_bias"), "swiglu_alpha": ("moe", "swiglu_alpha"), "swiglu_limit": ("moe", "swiglu_limit"),
     "n_group": ("moe", "n_group"), "topk_group": ("moe", "topk_group"),
     "routed_scaling_factor": ("moe", "routed_scaling_factor"), "n_shared_experts": ("moe", "n_shared_experts"),
-    "d_shared": ("moe", "d_shared"),
+    "d_shared_expert": ("moe", "d_shared"),
     "linear_n_k_heads": ("linear", "n_k_heads"), "linear_n_v_heads": ("linear", "n_v_heads"),
     "linear_d_k": ("linear", "d_k"), "linear_d_v": ("linear", "d_v"), "linear_conv_width": ("linear", "conv_width"),
     "layer_scalar": ("block", "layer_scalar"), "d_per_layer": ("block", "d_per_layer"),
@@ -430,8 +430,6 @@ class ModelConfig(TransformerLensNames):
         if self.moe.n_experts is not None:
             if self.moe.d_expert is None:
                 self._set("moe", "d_expert", self.d_mlp)
-            if self.moe.d_shared is None and self.moe.n_shared_experts and isinstance(self.moe.d_expert, int):
-                self._set("moe", "d_shared", self.moe.n_shared_experts * self.moe.d_expert)
             self._set("moe", "dense_layers", tuple(self.moe.dense_layers))
         if self.attention.full_d_head == self.d_head:  # one way to say "the full blocks' heads are the others'": None
             self._set("attention", "full_d_head", None)
@@ -660,9 +658,6 @@ class ModelConfig(TransformerLensNames):
             types = self.layer_types  # its shortest period repeats: blocks keep their types, new ones continue it
             period = next(p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types)))
             fields["layer_types"] = tuple(types[i % period] for i in range(changes["n_layers"]))
-        if ("d_expert" in changes or "n_shared_experts" in changes) and "d_shared" not in changes \
-                and old["d_shared"] == self.moe.n_shared_experts * (self.moe.d_expert or 0):
-            fields["d_shared"] = None  # __post_init__: the shared experts' width again, where it was theirs
         if given("n_layers") and "dense_layers" not in changes:  # dense blocks past the new depth are gone
             fields["dense_layers"] = tuple(i for i in old["dense_layers"] if i < changes["n_layers"])
         if given("n_layers") and "nope_layers" not in changes and self.nope_layers:  # as layer_types: the pattern goes on

@@ -190,11 +190,10 @@ def check_grouped_routing(cfg: "ModelConfig") -> None:
                               ("n_shared_experts", moe.n_shared_experts, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"ModelConfig.{field} must be an int >= {low}, got {value!r}")
-    if (moe.d_shared is None) != (moe.n_shared_experts == 0) or (
-            moe.d_shared is not None and (not isinstance(moe.d_shared, int) or isinstance(moe.d_shared, bool)
-                                          or moe.d_shared <= 0)):
-        raise ValueError(f"ModelConfig.d_shared={moe.d_shared!r} must be a positive int where there are shared experts "
-                         f"(n_shared_experts={moe.n_shared_experts}) and None where there are none")
+    if moe.d_shared is not None and (isinstance(moe.d_shared, bool) or not isinstance(moe.d_shared, int)
+                                     or moe.d_shared <= 0 or not moe.n_shared_experts):
+        raise ValueError(f"ModelConfig.d_shared_expert={moe.d_shared!r} must be None or a positive int, with "
+                         f"n_shared_experts >= 1 (got {moe.n_shared_experts!r})")
     if not moe.routing.startswith("sigmoid_group_topk"):
         # shared experts beside softmax-routed ones are Granite 4's (lenskit.pieces.shared_experts); the groups and the
         # scaling factor are DeepSeek's routing's alone
@@ -210,9 +209,9 @@ def check_grouped_routing(cfg: "ModelConfig") -> None:
     if moe.topk_group > moe.n_group or moe.topk_group * (moe.n_experts // moe.n_group) < moe.n_experts_per_token:
         raise ValueError(f"ModelConfig.topk_group={moe.topk_group} must be <= n_group={moe.n_group} and its groups must "
                          f"hold at least n_experts_per_token={moe.n_experts_per_token} experts; raise topk_group or lower k")
-    if cfg.mlp != "swiglu":
-        raise ValueError(f"ModelConfig.routing={moe.routing!r} is DeepSeek V3's, whose experts are SwiGLU; got "
-                         f"mlp={cfg.mlp!r}: use mlp='swiglu'")
+    if cfg.mlp not in ("swiglu", "gelu"):  # DeepSeek's SwiGLU experts, Nemotron-H's ungated squared-ReLU ones
+        raise ValueError(f"ModelConfig.routing={moe.routing!r} is DeepSeek V3's (and Nemotron-H's), whose experts are "
+                         f"SwiGLU (or ungated); got mlp={cfg.mlp!r}: use mlp='swiglu' or 'gelu'")
 
 
 def check_latent_attention(cfg: "ModelConfig") -> None:

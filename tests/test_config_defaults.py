@@ -33,9 +33,9 @@ REQUIRED = {"model_type", "n_layer", "n_embd", "n_head", "n_positions", "vocab_s
 
 
 # Fields whose transformers default turns on a piece lenskit refuses by name: their absence is refused, and the
-# no-argument config is compared with them turned off on both sides (Gemma 4's per-layer inputs, on by default at 256,
-# are implemented): Nemotron-H's default layers include a MoE layer, refused by name.
-DEFAULT_REFUSED: dict[str, dict] = {"nemotron_h": {"layers_block_type": ["linear_attention", "full_attention", "mlp"]}}
+# no-argument config is compared with them turned off on both sides. None now (Gemma 4's per-layer inputs, on by
+# default at 256, and Nemotron-H's MoE layer in its default layers are implemented).
+DEFAULT_REFUSED: dict[str, dict] = {}
 
 
 def hf_config_class(family: str) -> type:

@@ -53,7 +53,8 @@ def test_the_published_json_with_an_infinite_step_limit_reads(tmp_path):
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"hybrid_override_pattern": "M-E*"}, "'moe' layers .*E.* in hybrid_override_pattern"),
+    ({"hybrid_override_pattern": "M-E*", "moe_latent_size": 16}, "moe_latent_size=16: the experts' latent projection"),
+    ({"hybrid_override_pattern": "M-E*", "n_routed_experts": 6, "n_group": 4}, "n_routed_experts=6, n_group=4"),
     ({"hybrid_override_pattern": "M-X"}, "hybrid_override_pattern='M-X'"),
     ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act='gelu'"),
     ({"mlp_hidden_act": "silu"}, "mlp_hidden_act='silu'"),
@@ -127,3 +128,36 @@ def test_head_level_operations_on_other_blocks_are_refused_by_name():
         model.W_Q
     with pytest.raises(ValueError, match=r"model.W_in cannot stack.*blocks \[0, 1\] are mixer-only \(no MLP\)"):
         model.W_in
+
+
+def test_a_moe_layer_is_transformers_and_counts_its_active_experts(tmp_path):
+    """An "E" layer (Nemotron 3 Nano's): routed squared-ReLU experts chosen by grouped sigmoid scores with the correction
+    bias, beside one shared MLP; golden at every residual write, through transformers' files and ours, its parameters
+    and active parameters those of transformers' model, and its router's hooks what transformers' router returns."""
+    from golden import assert_golden, hf_module_outputs
+
+    from lenskit import accounting
+
+    hf = make_hf_family("nemotron_h", num_hidden_layers=4, layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                        moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1, routed_scaling_factor=2.0)
+    model = HookedTransformer.from_hf(hf)
+    assert model.cfg.is_moe_layer(1) and not model.cfg.is_moe_layer(3) and model.cfg.moe.d_shared == 24
+    tokens = torch.randint(0, 101, (2, 20), generator=torch.Generator().manual_seed(3))
+    assert_golden(model, hf, tokens)
+    hf.save_pretrained(tmp_path / "theirs")
+    assert_golden(HookedTransformer.from_pretrained(tmp_path / "theirs"), hf, tokens)
+    model.save_pretrained(tmp_path / "ours")
+    again, info = transformers.NemotronHForCausalLM.from_pretrained(tmp_path / "ours", output_loading_info=True)
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+    assert_golden(model, again.eval(), tokens)
+    counts = accounting.param_summary(model.cfg)["value"]
+    assert counts["total"] == sum(p.numel() for p in hf.parameters())
+    per_expert = 2 * 32 * 16  # up and down, no gate
+    assert counts["active"] == counts["total"] - (8 - 2) * per_expert
+    _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.startswith("blocks.1.mlp.hook_"))
+    _, weights, indices = hf_module_outputs(hf, tokens, "mixer.gate")[1]
+    ours = cache["blocks.1.mlp.hook_expert_indices"].reshape(-1, 2)
+    assert torch.equal(ours.sort(-1).values, indices.sort(-1).values)
+    assert max_diff(cache["blocks.1.mlp.hook_expert_weights"].reshape(-1, 2).sort(-1).values, weights.sort(-1).values) < 1e-6
+    assert model.blocks[1].mlp.W_gate is None and model.blocks[1].mlp.W_in.shape == (8, 32, 16)

@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
               f"experts={cfg.moe.n_experts} top_k={cfg.moe.n_experts_per_token} d_expert={cfg.moe.d_expert} routing={cfg.moe.routing}"
               if cfg.moe.n_experts else "",
               f"dense_blocks={list(cfg.moe.dense_layers)}" if cfg.moe.dense_layers else "",
-              f"shared_experts={cfg.moe.n_shared_experts} d_shared={cfg.moe.d_shared}" if cfg.moe.n_shared_experts else "",
+              f"shared_experts={cfg.moe.n_shared_experts} d_shared={cfg.moe.d_shared or cfg.moe.n_shared_experts * cfg.moe.d_expert}" if cfg.moe.n_shared_experts else "",
               (f"scales: embedding={cfg.scales.embedding:g} residual={cfg.scales.residual:g} logits={cfg.scales.logits:g}"
                if (cfg.scales.embedding, cfg.scales.residual, cfg.scales.logits) != (1.0, 1.0, 1.0) else ""),
               f"linear_attention_blocks={cfg.layer_types.count('linear')}/{cfg.n_layers} (Gated DeltaNet: "

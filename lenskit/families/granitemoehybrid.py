@@ -92,7 +92,7 @@ def _mlp(r: ConfigReader) -> dict[str, Any]:
         raise ValueError(f"config field num_experts_per_tok={k} exceeds num_local_experts={n_experts}: each token is "
                          f"routed to k of the experts (model_type={r.family!r}); fix config.json")
     return {"d_mlp": d_expert, "n_experts": n_experts, "n_experts_per_token": k, "d_expert": d_expert,
-            "routing": "topk_softmax", "n_shared_experts": 1, "d_shared": d_shared}
+            "routing": "topk_softmax", "n_shared_experts": 1, "d_shared_expert": d_shared}
 
 
 def read(r: ConfigReader) -> dict[str, Any]:
@@ -212,7 +212,7 @@ def _preset(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: in
     types = None if attention is None else tuple("full" if i in attention else "mamba" for i in range(n_layers))
     experts = {} if n_experts is None else dict(
         n_experts=n_experts, n_experts_per_token=k, d_expert=d_expert, routing="topk_softmax",
-        n_shared_experts=1, d_shared=d_shared)
+        n_shared_experts=1, d_shared_expert=d_shared)
     mamba = {} if mamba_heads is None else dict(
         mamba_n_heads=mamba_heads, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_conv_width=4,
         mamba_conv_bias=True, mamba_in_bias=False, mamba_out_bias=False, mamba_chunk_size=256, mamba_norm="gate_then_norm")

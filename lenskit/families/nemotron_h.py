@@ -2,25 +2,28 @@
 Mamba-2 mixer ("M", lenskit.pieces.mamba2), softmax attention without positions ("*") or a squared-ReLU MLP ("-"),
 as `hybrid_override_pattern` (transformers 5: `layers_block_type`) lists them. Each layer is one lenskit block
 (`block.one_sublayer`, lenskit.pieces.layers.OneSublayerBlock) whose other half is absent and writes zeros, so every
-block's resid_post is that layer's output. The MoE layers ("E", Nemotron 3's non-gated experts with a latent
-projection) are refused by name."""
+block's resid_post is that layer's output. The MoE layers ("E", as Nemotron 3 Nano's) are MLP-only blocks whose MLP
+is routed squared-ReLU experts, chosen by DeepSeek's grouped sigmoid rule, beside one shared squared-ReLU MLP
+(lenskit.pieces.shared_experts); a latent projection around the experts (moe_latent_size) is refused by name."""
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, Iterator
+
+import torch
 
 from ..config import ModelConfig
 from . import writers
 from .family import TINY_SHAPE, Family
 from .fields import REFUSED, ConfigReader
-from .layouts import Layout
+from .layouts import FusedExperts, Layout
 from .presets import named_presets
 from .readers import common_fields
 
 # transformers' layer kinds and the pattern letters of the published configs -> ModelConfig.layer_types
-_KINDS = {"linear_attention": "mamba", "full_attention": "full", "mlp": "mlp", "moe": "moe"}
+_KINDS = {"linear_attention": "mamba", "full_attention": "full", "mlp": "mlp", "moe": "mlp"}  # moe: a sparse MLP block
 _LETTERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 _TO_HF = {"mamba": "linear_attention", "full": "full_attention", "mlp": "mlp"}
 # transformers' spellings from the remote-code configs, which its config class renames on reading
@@ -66,10 +69,6 @@ def read(r: ConfigReader) -> dict[str, Any]:
     r.require("mamba_hidden_act", ("silu",), "silu")
     r.require("mlp_hidden_act", ("relu2",), "relu2")
     kinds = _layer_kinds(r)
-    if "moe" in kinds:
-        raise ValueError(f"config field layers_block_type has 'moe' layers ('E' in hybrid_override_pattern), which lenskit "
-                         f"does not implement for model_type={r.family!r} (Nemotron 3's non-gated ReLU^2 experts with a "
-                         "latent projection); load a Nemotron-H without them")
     n_layers = len(kinds)
     if r.n_blocks is not None and n_layers > r.n_blocks:
         raise ValueError(f"config field layers_block_type lists {n_layers} layers, but the checkpoint's tensor names hold "
@@ -103,7 +102,9 @@ def read(r: ConfigReader) -> dict[str, Any]:
                          f"of heads, so n_groups must divide mamba_num_heads (model_type={r.family!r}); fix config.json")
     dt_min, dt_max = _step_limit(r, "time_step_limit")
     bias = r.bool("use_bias", False)
+    moe = _experts(r, kinds) if "moe" in kinds else {}
     return {
+        **moe,
         **common_fields(r, bos=1, eos=2),
         "n_layers": n_layers, "d_model": r.int("hidden_size"), "n_heads": n_heads, "n_kv_heads": n_kv, "d_head": d_head,
         "d_vocab": r.int("vocab_size"), "n_ctx": r.int("max_position_embeddings"), "d_mlp": r.int("intermediate_size"),
@@ -119,11 +120,44 @@ def read(r: ConfigReader) -> dict[str, Any]:
     }
 
 
+def _experts(r: ConfigReader, kinds: list[str]) -> dict[str, Any]:
+    """The MoE layers' fields: routed squared-ReLU experts chosen by sigmoid scores within the best groups (DeepSeek's
+    rule, lenskit.pieces.shared_experts) and one shared squared-ReLU MLP; a latent projection around the experts
+    (moe_latent_size) is refused by name."""
+    if r.int("moe_latent_size", None, null=None) is not None:
+        raise ValueError(f"config field moe_latent_size={r.d['moe_latent_size']!r}: the experts' latent projection is not "
+                         f"implemented for model_type={r.family!r}; lenskit loads MoE layers without it (null)")
+    r.bool("moe_shared_expert_overlap", True)  # typed only: a parallelism setting
+    r.int("n_shared_experts", 1, positive=False)  # typed only: transformers builds one shared MLP whatever it says
+    n_experts, k = r.int("n_routed_experts", 8), r.int("num_experts_per_tok", 2)
+    n_group, topk_group = r.int("n_group", 1), r.int("topk_group", 1)
+    if k > n_experts or n_experts % n_group or topk_group > n_group or topk_group * (n_experts // n_group) < k:
+        raise ValueError(f"config fields n_routed_experts={n_experts}, n_group={n_group}, topk_group={topk_group} and "
+                         f"num_experts_per_tok={k}: n_group must divide the experts, and the topk_group best groups must "
+                         f"hold at least num_experts_per_tok experts (model_type={r.family!r}); fix config.json")
+    return {"n_experts": n_experts, "n_experts_per_token": k, "d_expert": r.int("moe_intermediate_size", 7688),
+            "routing": "sigmoid_group_topk_renorm" if r.bool("norm_topk_prob", True) else "sigmoid_group_topk",
+            "n_group": n_group, "topk_group": topk_group,
+            "routed_scaling_factor": r.float("routed_scaling_factor", 1.0, positive=True), "n_shared_experts": 1,
+            "d_shared_expert": r.int("moe_shared_expert_intermediate_size", 7688),
+            "dense_layers": tuple(i for i, kind in enumerate(kinds) if kind != "moe")}
+
+
+def _hf_kind(cfg: ModelConfig, layer: int) -> str:
+    return "moe" if cfg.layer_type(layer) == "mlp" and cfg.is_moe_layer(layer) else _TO_HF[cfg.layer_type(layer)]
+
+
 def write(cfg: ModelConfig) -> dict[str, Any]:
-    m = cfg.mamba
+    m, moe = cfg.mamba, cfg.moe
+    experts = {} if moe.n_experts is None else {
+        "n_routed_experts": moe.n_experts, "num_experts_per_tok": moe.n_experts_per_token,
+        "moe_intermediate_size": moe.d_expert, "norm_topk_prob": moe.routing.endswith("_renorm"), "n_group": moe.n_group,
+        "topk_group": moe.topk_group, "routed_scaling_factor": moe.routed_scaling_factor,
+        "moe_shared_expert_intermediate_size": moe.d_shared, "moe_latent_size": None}
     return {
+        **experts,
         **writers.common_fields(cfg), "pad_token_id": 0, "hidden_size": cfg.d_model,
-        "layers_block_type": [_TO_HF[t] for t in cfg.layer_types or ("full",) * cfg.n_layers],
+        "layers_block_type": [_hf_kind(cfg, i) for i in range(cfg.n_layers)],
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head,
         "max_position_embeddings": cfg.n_ctx, "intermediate_size": cfg.d_mlp, "mlp_hidden_act": "relu2",
         "mlp_bias": cfg.mlp_bias, "layer_norm_epsilon": cfg.norm_eps, "mamba_hidden_act": "silu",
@@ -142,9 +176,26 @@ _BLOCK = {
         ("norm.weight", "norm.weight"), ("out_proj.weight", "out_proj.weight"), ("out_proj.bias", "out_proj.bias"),
         ("qkv.q.weight", "q_proj.weight"), ("qkv.k.weight", "k_proj.weight"), ("qkv.v.weight", "v_proj.weight"),
         ("out.weight", "o_proj.weight"))},
-    **{f"mlp.{ours}.{p}": f"mixer.{theirs}.{p}" for ours, theirs in (("fc_in", "up_proj"), ("fc_out", "down_proj"))
-       for p in ("weight", "bias")},
+    **{f"mlp.{part}{ours}.{p}": f"mixer.{hf_part}{theirs}.{p}" for ours, theirs in (("fc_in", "up_proj"), ("fc_out", "down_proj"))
+       for p in ("weight", "bias") for part, hf_part in (("", ""), ("shared.", "shared_experts."))},
+    # the MoE layers: the router and its correction bias, each routed expert's two projections
+    "mlp.router.weight": "mixer.gate.weight", "mlp.e_score_correction_bias": "mixer.gate.e_score_correction_bias",
+    **{f"mlp.experts.{{e}}.{ours}.weight": f"mixer.experts.{{e}}.{theirs}.weight"
+       for ours, theirs in (("fc_in", "up_proj"), ("fc_out", "down_proj"))},
 }
+
+
+class UpDownExperts(FusedExperts):
+    """transformers' in-memory Nemotron-H experts: `up_proj` [expert, d_expert, d_model] and `down_proj`
+    [expert, d_model, d_expert], no gate."""
+
+    def shapes(self, cfg) -> tuple[tuple[int, ...], ...]:
+        return (cfg.moe.n_experts, cfg.moe.d_expert, cfg.d_model), (cfg.moe.n_experts, cfg.d_model, cfg.moe.d_expert)
+
+    def parts(self, up: torch.Tensor, down: torch.Tensor, cfg) -> Iterator[tuple[int, str, torch.Tensor]]:
+        for e in range(cfg.moe.n_experts):
+            yield e, "fc_in", up[e]
+            yield e, "fc_out", down[e]
 _MTP = re.compile(r"mtp\.")
 
 
@@ -156,6 +207,7 @@ def _multi_token_prediction(name: str, cfg: ModelConfig) -> bool:
 # transformers saves the base model as `backbone.` (the published checkpoints' names) and holds it as `model.`
 LAYOUT = Layout(prefix="backbone.", other_prefixes=("model.",), blocks="layers", block=_BLOCK,
                 unread=_multi_token_prediction,
+                fused=UpDownExperts(gate_up="mixer.experts.up_proj", down="mixer.experts.down_proj", router="mixer.gate.weight"),
                 top={"embed.weight": "embeddings.weight", "ln_final.weight": "norm_f.weight",
                      "unembed.weight": "lm_head.weight"})
 

@@ -119,6 +119,17 @@ def _relu_squared(x: torch.Tensor) -> torch.Tensor:
     return F.relu(x).square()
 
 
+def activation(cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The ungated MLP's activation the config names (a module where it has parameters: xIELU)."""
+    if cfg.activation == "relu":
+        return F.relu
+    if cfg.activation == "relu2":
+        return _relu_squared
+    if cfg.activation == "xielu":
+        return XIELU()
+    return partial(F.gelu, approximate=cfg.gelu_approximate)
+
+
 class GeluMLP(MLP):
     """GPT-2's and GPT-NeoX's MLP: d_model -> d_mlp -> the config's activation (a GELU form, ReLU, Nemotron-H's
     squared ReLU, or Apertus's xIELU with its two learned scalars) -> d_model.
@@ -133,9 +144,7 @@ class GeluMLP(MLP):
     def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
         super().__init__()
         d_mlp = cfg.d_mlp if d_mlp is None else d_mlp
-        self.act: Callable[[torch.Tensor], torch.Tensor] = (
-            F.relu if cfg.activation == "relu" else _relu_squared if cfg.activation == "relu2"
-            else XIELU() if cfg.activation == "xielu" else partial(F.gelu, approximate=cfg.gelu_approximate))
+        self.act = activation(cfg)
         self.fc_in = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
         self.fc_out = write_projection(d_mlp, cfg.d_model, cfg.mlp_bias, cfg.scales.residual)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]

@@ -17,8 +17,8 @@ slot's unweighted expert output, computed only when something is attached to it 
 ON_REQUEST list). `mlp_out = Σ_j weights_j · expert_out_j` either way, summed in the same order, so a hook that only
 reads expert_out leaves the numbers as they were.
 
-The kind of expert is `EXPERTS[cfg.mlp]`: the SwiGLU expert, or gpt-oss's biased one with the clamped SwiGLU
-(`ClampedSwiGLUExpert`); the router has a bias where `cfg.moe.router_bias` says so (gpt-oss).
+The kind of expert is `EXPERTS[cfg.mlp]`: the SwiGLU expert, gpt-oss's biased one with the clamped SwiGLU
+(`ClampedSwiGLUExpert`), or Nemotron-H's ungated one (`PlainExpert`, its `W_gate` None); the router has a bias where `cfg.moe.router_bias` says so (gpt-oss).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
 from .linear import Linear, write_projection, written
+from .mlp import activation
 
 
 # ------------------------------------------------------------------------------------ routing rules
@@ -130,10 +131,31 @@ class ClampedSwiGLUExpert(SwiGLUExpert):
         return self.fc_out(clamped_swiglu(self.gate(x), self.fc_in(x), self.alpha, self.limit))
 
 
+class PlainExpert(nn.Module):
+    """One ungated expert (mlp="gelu"): fc_out(act(fc_in(x))) with the config's activation (Nemotron-H's squared
+    ReLU), no biases; it has no `gate`, so the MoE's `W_gate` and `b_gate` are None."""
+
+    @classmethod
+    def params(cls, cfg: ModelConfig) -> tuple[int, int]:
+        return 2 * cfg.d_model * cfg.moe.d_expert, 0
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc_in = Linear(cfg.d_model, cfg.moe.d_expert, bias=False)
+        self.fc_out = write_projection(cfg.moe.d_expert, cfg.d_model, False, cfg.scales.residual)
+        self.act = activation(cfg)
+
+    def norm_readers(self) -> list[nn.Linear]:
+        return [self.fc_in]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [token, d_model] -> [token, d_model]
+        return self.fc_out(self.act(self.fc_in(x)))
+
+
 # cfg.mlp -> the expert piece (swiglu_fused: Granite's, whose dense MLP fuses gate and up; its experts are split per
 # expert from the fused file tensors, lenskit.families.layouts.FusedExperts)
-EXPERTS: dict[str, type[SwiGLUExpert]] = {"swiglu": SwiGLUExpert, "swiglu_fused": SwiGLUExpert,
-                                          "swiglu_clamped": ClampedSwiGLUExpert}
+EXPERTS: dict[str, type[SwiGLUExpert] | type[PlainExpert]] = {
+    "swiglu": SwiGLUExpert, "swiglu_fused": SwiGLUExpert, "swiglu_clamped": ClampedSwiGLUExpert, "gelu": PlainExpert}
 
 
 class MoE(nn.Module):
@@ -250,8 +272,8 @@ class MoE(nn.Module):
         return self._stack("fc_in")  # [expert, d_model, d_expert]
 
     @property
-    def W_gate(self) -> torch.Tensor:
-        return self._stack("gate")  # [expert, d_model, d_expert]
+    def W_gate(self) -> torch.Tensor | None:
+        return self._stack("gate") if hasattr(self.experts[0], "gate") else None  # [expert, d_model, d_expert]
 
     @property
     def W_out(self) -> torch.Tensor:
@@ -262,8 +284,8 @@ class MoE(nn.Module):
         return self._stack("fc_in", "bias")  # [expert, d_expert]
 
     @property
-    def b_gate(self) -> torch.Tensor:
-        return self._stack("gate", "bias")  # [expert, d_expert]
+    def b_gate(self) -> torch.Tensor | None:
+        return self._stack("gate", "bias") if hasattr(self.experts[0], "gate") else None  # [expert, d_expert]
 
     @property
     def b_out(self) -> torch.Tensor:

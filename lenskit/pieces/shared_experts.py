@@ -9,10 +9,11 @@ groups) and Granite 4's (routed by `lenskit.pieces.moe`'s rules, its shared MLP 
     weights  = scores[experts] (/ their sum, for routing "_renorm") * routed_scaling_factor
     mlp_out  = Σ_j weights_j · expert_{experts_j}(x) + shared(x)          [batch, pos, d_model]
 
-`shared` is one dense SwiGLU MLP `d_shared` wide (`n_shared_experts * d_expert` unless the config says otherwise) (transformers' `shared_experts`, which stores the
-shared experts fused; Granite's `shared_mlp`, a `FusedSwiGLU` under mlp="swiglu_fused"). Under another routing rule
-(Granite 4: the top k logits then a softmax) the routed experts are `MoE`'s, with no correction bias, and the shared MLP
-is added to them the same way. The routed experts, their grouped run, weight views and hooks are `lenskit.pieces.moe.MoE`'s:
+`shared` is one dense MLP of the config's kind (SwiGLU for DeepSeek, Nemotron-H's squared-ReLU one, Granite's fused
+SwiGLU), `n_shared_experts * d_expert` wide or `moe.d_shared` where given (transformers' `shared_experts`, which stores
+the shared experts fused; Granite's `shared_mlp`). Under another routing rule (Granite 4: the top k logits then a
+softmax) the routed experts are `MoE`'s, with no correction bias, and the shared MLP is added to them the same way.
+The routed experts, their grouped run, weight views and hooks are `lenskit.pieces.moe.MoE`'s:
 `hook_router_logits` [batch, pos, expert] (before the sigmoid; a hook may edit it, and an expert whose logit it sets
 to -inf, as expert ablation's reroute does, is never chosen, whatever its bias), `hook_expert_indices` and
 `hook_expert_weights` [batch, pos, k] (after the scaling factor: what multiplies each expert's output),
@@ -31,7 +32,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
-from .mlp import FusedSwiGLU, SwiGLU
+from .mlp import MLP_CLASSES
 from .moe import MoE, Route
 
 
@@ -55,8 +56,20 @@ def grouped_sigmoid_topk(logits: torch.Tensor, k: int, correction: torch.Tensor,
     return weights * scaling, indices
 
 
+def shared_width(cfg: ModelConfig) -> int:
+    """The shared MLP's width: `moe.d_shared` where given (Nemotron-H's), else n_shared_experts * d_expert."""
+    return cfg.moe.d_shared if cfg.moe.d_shared is not None else cfg.moe.n_shared_experts * cfg.moe.d_expert
+
+
+def _shared_params(cfg: ModelConfig) -> tuple[int, int]:
+    """The shared MLP's (weights, biases): a dense MLP of the config's kind, `shared_width` wide; none without one."""
+    if not cfg.moe.n_shared_experts:
+        return 0, 0
+    return MLP_CLASSES[cfg.mlp].params(cfg.replace(d_mlp=shared_width(cfg)))["mlp"]
+
+
 class SharedExpertsMoE(MoE):
-    """The MoE MLP with shared experts (see the module docstring): `MoE`'s router and SwiGLU experts and the dense
+    """The MoE MLP with shared experts (see the module docstring): `MoE`'s router and experts and the dense
     `shared` MLP beside them (absent where n_shared_experts is 0, when `hook_shared_out` reads zeros). Under DeepSeek
     V3's routing (`sigmoid_group_topk`) the routing is `grouped_sigmoid_topk`, with the buffer
     `e_score_correction_bias` [expert] (a checkpoint's, fixed: it is updated outside of gradient descent in training);
@@ -73,8 +86,7 @@ class SharedExpertsMoE(MoE):
             self.register_buffer("e_score_correction_bias", torch.zeros(moe.n_experts))  # [expert]
         self.n_group, self.topk_group = moe.n_group, moe.topk_group
         self.renorm, self.scaling = moe.routing.endswith("_renorm"), moe.routed_scaling_factor
-        shared = FusedSwiGLU if cfg.mlp == "swiglu_fused" else SwiGLU
-        self.shared = shared(cfg, moe.d_shared) if moe.n_shared_experts else None
+        self.shared = MLP_CLASSES[cfg.mlp](cfg, shared_width(cfg)) if moe.n_shared_experts else None
         self.hook_routed_out = HookPoint()  # [batch, pos, d_model]
         self.hook_shared_out = HookPoint()  # [batch, pos, d_model]
 
@@ -82,14 +94,16 @@ class SharedExpertsMoE(MoE):
     def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
         """Its parameters by accounting row, as (weights, biases): the router, every routed expert and the shared MLP
         under `mlp` (the correction bias is a buffer, as in transformers, and not counted)."""
-        d, m, moe = cfg.d_model, cfg.moe.d_expert, cfg.moe
-        return {"mlp": (d * moe.n_experts + moe.n_experts * 3 * d * m + 3 * d * (moe.d_shared or 0), 0)}
+        moe = cfg.moe
+        expert, _ = cls.expert_params(cfg)
+        shared_w, shared_b = _shared_params(cfg)
+        return {"mlp": (cfg.d_model * moe.n_experts + moe.n_experts * expert + shared_w, shared_b)}
 
     @classmethod
     def active_weights(cls, cfg: ModelConfig, layer: int = 0) -> int:
         """The weights one token's forward multiplies: the router, its k routed experts and the shared experts."""
-        d, m, moe = cfg.d_model, cfg.moe.d_expert, cfg.moe
-        return d * moe.n_experts + moe.n_experts_per_token * 3 * d * m + 3 * d * (moe.d_shared or 0)
+        moe = cfg.moe
+        return cfg.d_model * moe.n_experts + moe.n_experts_per_token * cls.expert_params(cfg)[0] + _shared_params(cfg)[0]
 
     def norm_readers(self) -> list[nn.Linear]:
         """The router's, every routed expert's and the shared MLP's projections that read the normalised stream."""
