@@ -179,7 +179,7 @@ def direct_logit_attribution(
     direction = model.unembed.weight[plus_ids]  # [batch, d_model]
     if minus_ids is not None:
         direction = direction - model.unembed.weight[minus_ids]
-    direction = direction * model.readout.multiplier  # a muP model's logits multiplier (Falcon-H1's), else 1
+    direction = model.readout.scaled(direction)  # times the logits' scale where the readout has one (Granite)
 
     parts = decompose_resid(cache, cache.n_layers, per_head=per_head)
     comps = parts.components[:, rows, p].to(direction.dtype)  # [component, batch, d_model]

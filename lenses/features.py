@@ -51,13 +51,13 @@ def first_stream(model: HookedTransformer, hook: str) -> int:
 
 
 def linear_readout(model: HookedTransformer, v: torch.Tensor) -> torch.Tensor:
-    """The readout's linear part on a direction v [..., d_model]: centring (LayerNorm), gain, unembedding, any logits
-    multiplier (Falcon-H1's)."""
+    """The readout's linear part on a direction v [..., d_model]: centring (LayerNorm), gain, unembedding, the logits'
+    scale (Granite's)."""
     ln = model.ln_final
     v = v.to(model.unembed.weight.dtype)
     if isinstance(ln, LayerNorm):  # it centres; RMSNorm does not
         v = v - v.mean(-1, keepdim=True)
-    return model.readout.times_((v * ln.gain) @ model.unembed.weight.T).float()
+    return model.readout.scaled((v * ln.gain) @ model.unembed.weight.T).float()
 
 
 @torch.no_grad()

@@ -163,7 +163,8 @@ class JacobianLens(BasisLens):
         J = self.matrix(s)
         W_U = self.model.unembed.weight.detach()
         with torch.no_grad():
-            return W_U[self.token_ids(tokens)].to(device=J.device, dtype=J.dtype) @ J  # [k, d_model]
+            rows = self.model.readout.scaled(W_U[self.token_ids(tokens)])  # the logits' scale too, where there is one
+            return rows.to(device=J.device, dtype=J.dtype) @ J  # [k, d_model]
 
     # ----------------------------------------------------------- interventions
     def steering_hooks(self, s: int | str | Stream, token: TokenLike, alpha: float,

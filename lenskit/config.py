@@ -68,7 +68,8 @@ _POSITIVE_OR_NONE = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "
                      "rope_attention_factor", "rope_mscale_all_dim")
 _ORGANISATION = re.compile(r"[A-Za-z0-9][\w.-]*")  # a hub organisation: no path separators, no leading "." or "~"
 _POSITIVE = ("rotary_base", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
-             "rope_beta_slow", "swiglu_alpha", "swiglu_limit", "routed_scaling_factor")
+             "rope_beta_slow", "swiglu_alpha", "swiglu_limit", "routed_scaling_factor", "embedding_multiplier",
+             "residual_multiplier", "logits_multiplier")
 
 
 
@@ -223,20 +224,25 @@ class BlockConfig:
 
 @dataclass(frozen=True)
 class ScalesConfig:
-    """Constant multipliers on the model's activations (`cfg.scales`): muP-trained models (Falcon-H1, Granite) keep their
-    weights at one scale and multiply the activations instead. They are applied where the reference applies them, never
-    folded into weights, so hooks and saved checkpoints see what transformers sees; all 1.0 for other models. The Mamba-2
+    """Constant multipliers on the model's activations (`cfg.scales`): muP-trained models (Granite, Falcon-H1) keep their
+    weights at one scale and multiply the activations instead; all 1.0 for other models. They are applied where the
+    reference applies them, never folded into the stored weights, and each is where a researcher reads it:
+    `hook_embed` is the embedding after `embedding`; a sublayer's write (`hook_attn_out`, `hook_mlp_out`, and every
+    head's, expert's and neuron's share of it) is after `residual` and the sublayer's own write multiplier, which its
+    output projection applies (lenskit.pieces.linear.ScaledLinear), so W_O, W_out and the per-head results are the
+    writes as they reach the stream; the logits (and `W_U`, `model.unembed(x)`) are after `logits`. The Mamba-2
     mixer's own (its input, its in_proj parts, its write) are `cfg.mamba`'s."""
 
-    embedding: float = 1.0  # the token embedding times this before the first block (hook_embed sees the product)
-    residual: float = 1.0  # each sublayer's write times this before it is added to the stream (Granite)
-    logits: float = 1.0  # the unembedding's output times this, in the readout (Falcon-H1's lm_head_multiplier)
+    embedding: float = 1.0  # the stream after the embedding is times this (embedding_multiplier)
+    residual: float = 1.0  # each sublayer's output is times this before it joins the stream (Granite's residual_multiplier)
+    logits: float = 1.0  # the logits are times this (Granite's 1 / logits_scaling, Falcon-H1's lm_head_multiplier)
     # Falcon-H1's attention: its input (ln1's output) times attention_in before q, k and v; each key times key (before
-    # rotary, so hook_k shows the scaled key); its write times attention_out (hook_result shares the factor)
+    # rotary, so hook_k shows the scaled key); its write times attention_out (the output projection's scale)
     attention_in: float = 1.0
     key: float = 1.0
     attention_out: float = 1.0
     # Falcon-H1's MLP: the gate's pre-activation times mlp_gate (hook_pre shows the product); the write times mlp_down
+    # (the output projection's scale)
     mlp_gate: float = 1.0
     mlp_down: float = 1.0
 

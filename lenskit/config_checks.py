@@ -242,10 +242,10 @@ def check_shared_expert(cfg: "ModelConfig") -> None:
     if not moe.n_shared_experts and (moe.d_shared is not None or moe.shared_gate):
         raise ValueError("ModelConfig.n_shared_experts is 0, so d_shared_expert and shared_expert_gate must be unset; "
                          "give n_shared_experts for a shared expert")
-    if moe.n_shared_experts and cfg.mlp not in ("swiglu", "gelu"):
+    if moe.n_shared_experts and cfg.mlp not in ("swiglu", "swiglu_fused", "gelu"):
         raise ValueError(f"ModelConfig.n_shared_experts={moe.n_shared_experts}: lenskit's shared experts are dense MLPs "
-                         f"of the experts' kind, SwiGLU or ungated (Nemotron-H's); got mlp={cfg.mlp!r}: use mlp='swiglu' "
-                         "or 'gelu'")
+                         f"of the experts' kind, SwiGLU (Granite's fused) or ungated (Nemotron-H's); got mlp={cfg.mlp!r}: "
+                         "use mlp='swiglu', 'swiglu_fused' or 'gelu'")
 
 
 def check_latent_attention(cfg: "ModelConfig") -> None:
@@ -277,13 +277,18 @@ def check_latent_attention(cfg: "ModelConfig") -> None:
 
 
 def check_scales(cfg: "ModelConfig") -> None:
-    """Falcon-H1's muP multipliers (`cfg.scales`) only where a piece applies them: attention's on three separate q, k,
+    """The muP multipliers (`cfg.scales`, Granite's and Falcon-H1's) only where a piece applies them: attention's on three separate q, k,
     v projections (lenskit.pieces.qkv.ScaledSplitQKV; not fused, gated, latent or kv-sharing ones), the MLP's on a
     dense SwiGLU (lenskit.pieces.mlp.ScaledSwiGLU). A multiplier no piece reads is refused rather than ignored."""
     scales = cfg.scales
-    if scales.residual != 1.0:  # Granite's; refused rather than ignored until a block form applies it
-        raise ValueError(f"ModelConfig.residual_multiplier={scales.residual!r}: no block form applies a multiplier to the "
-                         "sublayers' writes yet; leave it at 1.0")
+    if scales.residual != 1.0:  # Granite's: the output projections of attention, the MLPs, experts and Mamba-2 apply it
+        odd = [name for name, on in (("kv_lora_rank", cfg.mla.kv_lora_rank is not None),
+                                     ("layer_types 'linear'", "linear" in (cfg.layer_types or ())),
+                                     ("d_per_layer", cfg.block.d_per_layer is not None)) if on]
+        if odd:
+            raise ValueError(f"ModelConfig.residual_multiplier={scales.residual!r} scales the writes of attention, MLPs, "
+                             f"experts and Mamba-2 mixers (Granite's), but this config sets {odd[0]}, whose write has no "
+                             "such scale; leave it at 1.0")
     if scales.attention_in != 1.0 or scales.key != 1.0:
         odd = [name for name, on in (("fused_qkv", cfg.attention.fused_qkv), ("attn_output_gate", cfg.attention.output_gate),
                                      ("kv_lora_rank", cfg.mla.kv_lora_rank is not None),

@@ -82,7 +82,7 @@ class HookedTransformer(HookedRootModule):
             self.pos_embed = PosEmbed(cfg.n_ctx, cfg.d_model)
             self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
         self._stream_start = self._embed_learned if cfg.positional == "learned" else self._embed_tokens
-        self._embed_scale = (_embed_scaled if cfg.scale_embed else _embed_as_is if cfg.scales.embedding == 1
+        self._embed_scale = (_embed_scaled if cfg.scale_embed else _embed_as_is if cfg.scales.embedding == 1.0
                              else partial(_embed_times, cfg.scales.embedding))
         self.dropout = nn.Dropout(dropout)
         if cfg.block.d_per_layer is not None:  # Gemma 4 E2B/E4B: an input per block, from the tokens (lenskit.pieces.per_layer)
@@ -90,9 +90,9 @@ class HookedTransformer(HookedRootModule):
         self._side_inputs = side_inputs(self, cfg)  # chosen once: what the blocks read beside the stream, if anything
         self.blocks = nn.ModuleList(make_block(cfg, dropout, i) for i in range(cfg.n_layers))
         self.ln_final = make_norm(cfg)
-        self.unembed = Unembed(cfg.d_model, cfg.d_vocab, bias=False)
+        self.unembed = Unembed(cfg.d_model, cfg.d_vocab, bias=False, scale=cfg.scales.logits)
         # Not a submodule: it holds ln_final and unembed themselves, so state dicts and hook names are unchanged.
-        self.readout = Readout(self.ln_final, self.unembed, cfg.final_softcap, cfg.scales.logits)
+        self.readout = Readout(self.ln_final, self.unembed, cfg.final_softcap)
         self.tie_weights()
         self.setup_hooks()
         self.init_weights()
@@ -508,17 +508,15 @@ class HookedTransformer(HookedRootModule):
 
     @property
     def W_U(self) -> torch.Tensor:
-        """Unembedding [d_model, d_vocab] (a transposed view of the parameter), times the logits multiplier of a muP
-        model (Falcon-H1's `cfg.scales.logits`, a copy then), so that `x @ W_U + b_U` is the readout's logits."""
-        multiplier = self.readout.multiplier
-        return self.unembed.weight.T if multiplier == 1.0 else self.unembed.weight.T * multiplier
+        """Unembedding [d_model, d_vocab] (a transposed view of the parameter; times the logits' scale where the
+        readout has one, `cfg.scales.logits`, a copy then)."""
+        return self.unembed.W_U
 
     @property
     def b_U(self) -> torch.Tensor:
         """Unembedding bias [d_vocab]: zeros, since no supported family has one, unless `fold_ln` folded a
         LayerNorm's bias into it (lenskit.processing)."""
-        bias = self.unembed.bias
-        return self.unembed.weight.new_zeros(self.cfg.d_vocab) if bias is None else bias
+        return self.unembed.b_U
 
     @property
     def W_E_pos(self) -> torch.Tensor:
@@ -658,6 +656,6 @@ def _embed_as_is(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _embed_times(multiplier: float, x: torch.Tensor) -> torch.Tensor:
-    """x times a muP embedding multiplier (Falcon-H1's `embedding_multiplier`), a Python float as transformers has it."""
-    return x * multiplier
+def _embed_times(scale: float, x: torch.Tensor) -> torch.Tensor:
+    """x * scale (`cfg.scales.embedding`, Granite's embedding_multiplier), a Python float as transformers multiplies."""
+    return x * scale

@@ -187,7 +187,8 @@ def _fold_value_biases(model: "HookedTransformer", recenter: bool) -> None:
         b_O = _bias(attn.out)
         if not model.cfg.attention.out_bias:
             model.cfg = model.cfg.replace(out_bias=True)
-        folded = b_O.float() + torch.einsum("hd,hdm->m", b_V, attn.W_O.float())  # [d_model]
+        # into the stored bias: W_O is the write as it reaches the stream, times the residual scale where there is one
+        folded = b_O.float() + torch.einsum("hd,hdm->m", b_V, attn.W_O.float()) / getattr(attn.out, "scale", 1.0)
         _set(b_O, folded - folded.mean() if recenter else folded)
         qkv = attn.qkv
         if isinstance(qkv, nn.Linear):  # fused [q | k | v]: v's rows are the last
@@ -234,7 +235,8 @@ def _refactor(model: "HookedTransformer") -> None:
             for layer, w, b in zip((attn.qkv.q, attn.qkv.k, attn.qkv.v), weights, biases):
                 _set(layer.weight, w)
                 _set(_bias(layer), b)
-        _set(attn.out.weight, w_o.reshape(n * d_head, -1).T)  # [d_model, head * d_head]
+        # [d_model, head * d_head], stored without the residual scale the projection applies (W_O includes it)
+        _set(attn.out.weight, w_o.reshape(n * d_head, -1).T / getattr(attn.out, "scale", 1.0))
     _sync_biases(model)
 
 

@@ -101,6 +101,8 @@ def hf_reference(hf, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torc
             if hasattr(block, "mixer"):  # Nemotron-H: one sublayer per layer, the other half writes nothing
                 present, absent = ("mlp_out", "attn_out") if block.block_type in ("mlp", "moe") else ("attn_out", "mlp_out")
                 handles.append(block.mixer.register_forward_hook(save_out(name[present])))
+            elif hasattr(block, "residual_multiplier"):  # Granite 4: the block adds each sublayer's output times it
+                handles += granite_writes(block, name, acts)
             else:
                 attn_write, mlp_write = hf_writes(block)
                 if attn_write is None:  # Falcon-H1: attention and the mixer beside it, read as the MLP's input
@@ -128,6 +130,24 @@ def _beside_attention(acts: dict[str, torch.Tensor], n: int) -> None:
         mid = acts.pop(f"{i}.resid_mid", None)
         if mid is not None:
             acts[Stream(i, "attn_out").hook_name(n)] = mid - acts[Stream(i, "resid_pre").hook_name(n)]
+def granite_writes(block, name: dict[str, str], acts: dict[str, torch.Tensor]) -> list:
+    """Hooks that record a Granite 4 block's writes as it adds them: its mixer's (Mamba-2 or attention) output times
+    `residual_multiplier`, and the sum of its experts' and shared MLP's outputs times it."""
+    m = block.residual_multiplier
+    mixer = block.mamba if block.mamba is not None else block.self_attn
+
+    def mixed(mod, args, out):
+        acts[name["attn_out"]] = (out[0] if isinstance(out, tuple) else out).detach() * m
+
+    parts = [block.shared_mlp] + ([block.block_sparse_moe] if block.has_experts else [])
+    outs: list[torch.Tensor] = []
+
+    def part(mod, args, out):
+        outs.append(out.detach())
+        if len(outs) == len(parts):
+            acts[name["mlp_out"]] = sum(outs[::-1]) * m  # transformers adds the experts' output to the shared MLP's
+
+    return [mixer.register_forward_hook(mixed), *(p.register_forward_hook(part) for p in parts)]
 
 
 def rounding(model: lenskit.HookedTransformer, tokens: torch.Tensor) -> float:

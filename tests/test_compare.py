@@ -77,7 +77,7 @@ def test_matches_transformers_with_a_skipped_block(model, hf_model, tokens):
 
 @every_family
 def test_fixed_target_and_output_summary(model, tokens):
-    headed = next(l for l in range(model.cfg.n_layers) if model.cfg.has_heads(l))  # Qwen 3.5, Nemotron-H: block 1
+    headed = next(l for l in range(model.cfg.n_layers) if model.cfg.has_heads(l))  # Qwen 3.5, Nemotron-H, Granite 4: block 1
     frame = compare_runs(model, tokens[0], ablation_hooks(model, Head(headed, [0, 1])), target=42)
     assert (frame["target_token_id"] == 42).all() and frame["clean_target_prob"].notna().all()
     np.testing.assert_allclose(frame["delta_target_prob"], frame["ablated_target_prob"] - frame["clean_target_prob"])

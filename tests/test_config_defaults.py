@@ -330,6 +330,12 @@ ROPE = [
                                          "full_attention": {"rope_type": "default", "rope_theta": 1e6,
                                                             "partial_rotary_factor": 0.5}}},
      ("full_attention.partial_rotary_factor", "proportional")),
+    # Granite 4: rotary positions only under position_embedding_type "rope" (the tiny model's are "nope")
+    ("granitemoehybrid", {"position_embedding_type": "rope", "rope_theta": 5e5}, None),
+    ("granitemoehybrid", {"position_embedding_type": "rope", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+     None),
+    ("granitemoehybrid", {"position_embedding_type": "rope", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+                          "rope_theta": 1e4}, ("rope_parameters.rope_theta=1000000.0", "rope_theta=10000.0")),
     # what transformers 5 refuses for the family
     ("phi3", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, ("rope_type='linear'", "phi3")),
 ]

@@ -45,11 +45,13 @@ def every(family_model, tokens):
 
 
 def hf_readout(hf, h: torch.Tensor) -> torch.Tensor:
-    """transformers' own final norm and output embedding (and final soft-cap, where the config has one) on h."""
+    """transformers' own final norm and output embedding (and final soft-cap, or Granite's logits divisor, where the
+    config has one) on h."""
     base = getattr(hf, "transformer", None) or getattr(hf, "gpt_neox", None) or hf.model
     norm = (getattr(base, "ln_f", None) or getattr(base, "final_layer_norm", None) or getattr(base, "norm_f", None)
             or getattr(base, "final_layernorm", None) or base.norm)  # norm_f: Nemotron-H
-    logits = hf.get_output_embeddings()(norm(h)) * getattr(base, "lm_head_multiplier", 1.0)  # Falcon-H1's muP
+    # Falcon-H1's muP multiplier, Granite's divisor
+    logits = hf.get_output_embeddings()(norm(h)) * getattr(base, "lm_head_multiplier", 1.0) / getattr(hf.config, "logits_scaling", 1.0)
     cap = getattr(hf.config, "final_logit_softcapping", None)
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
@@ -231,12 +233,14 @@ def test_head_ablation_removes_exactly_that_query_heads_write(family_model, toke
     else:
         want = clean["attn_out", 1] - clean_result[:, :, head]
     torch.testing.assert_close(cache["attn_out", 1], want, atol=1e-5, rtol=1e-5)
-    # The head's write by hand: its z through its d_head-column block of the output projection.
+    # The head's write by hand: its z through its d_head-column block of the output projection (times the residual
+    # multiplier, Granite's).
     d = model.cfg.d_head
     z = clean["blocks.1.attn.hook_z"][:, :, head]  # [batch, pos, d_head]
-    by_hand = z @ model.blocks[1].attn.W_O[head]  # the view: out's columns, times any multiplier (Falcon-H1's)
-    torch.testing.assert_close(model.blocks[1].attn.W_O[head] / model.blocks[1].attn.out_multiplier,
-                               model.blocks[1].attn.out.weight[:, head * d:(head + 1) * d].T, atol=1e-6, rtol=0)
+    scale = model.cfg.scales.residual * model.cfg.scales.attention_out  # Granite's and Falcon-H1's write multipliers
+    by_hand = z @ model.blocks[1].attn.out.weight[:, head * d:(head + 1) * d].T * scale
+    torch.testing.assert_close(model.blocks[1].attn.W_O[head], model.blocks[1].attn.out.weight[:, head * d:(head + 1) * d].T * scale,
+                               atol=1e-6, rtol=0)
     torch.testing.assert_close(clean_result[:, :, head], by_hand, atol=1e-5, rtol=0)
     assert cache["blocks.1.attn.hook_k"].shape[2] == model.cfg.n_kv_heads  # kv heads are not ablated
 
@@ -379,7 +383,8 @@ def test_direct_logit_attribution_of_one_part_by_hand(family_model, every):
         return (v.pow(2).mean() + ln.eps).sqrt()
 
     with torch.no_grad():
-        by_hand = ((ln(e) - (0 if bias is None else bias)) * scale(e) / scale(x)) @ model.W_U[:, 5]  # any multiplier in
+        u = model.unembed.weight[5] * model.cfg.scales.logits  # the logits' scale, where there is one (Granite)
+        by_hand = ((ln(e) - (0 if bias is None else bias)) * scale(e) / scale(x)) @ u
     got = dla[(dla.batch == 0) & (dla.kind == "embed")].attribution.item()
     assert got == pytest.approx(by_hand.item(), abs=1e-5)
 

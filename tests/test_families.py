@@ -110,7 +110,7 @@ def test_hook_shapes_follow_gqa_and_the_family(pair, tokens):
     assert cache["blocks.0.attn.hook_v"].shape == (batch, pos, c.n_kv_heads, c.d_head)
     assert cache["blocks.0.attn.hook_z"].shape == (batch, pos, c.n_heads, c.d_head)
     assert cache["blocks.0.attn.hook_pattern"].shape == (batch, c.n_heads, pos, pos)
-    rotary = c.positional == "rotary"
+    rotary = c.rotates(0)  # not where every block is without positions (Granite 4's "nope")
     assert ("blocks.0.attn.hook_rot_q" in model.hook_dict) == rotary
     assert ("hook_pos_embed" in model.hook_dict) == (c.positional == "learned")
     assert ("blocks.0.attn.q_norm.hook_normalized" in model.hook_dict) == (model.cfg.family in ("qwen3", "gemma3_text", "olmo2", "qwen3_moe", "olmoe", "olmo3", "qwen3_5_text", "gemma4_text", "apertus", "qwen3_next", "llama4_text", "glm4_moe"))

@@ -83,7 +83,7 @@ def test_lens_on_a_hub_name_in_the_local_cache(tmp_path, monkeypatch, capsys):
 
 
 def test_ablate_a_head(folder, tmp_path, capsys):
-    """A head of the first block with heads; a linear-attention block (Qwen 3.5) or a Mamba-2 one (Nemotron-H) has none,
+    """A head of the first block with heads; a linear-attention block (Qwen 3.5) or a Mamba-2 one (Nemotron-H, Granite 4) has none,
     and says so."""
     csv = tmp_path / "ablate.csv"
     cfg = HookedTransformer.from_pretrained(folder / "model").cfg

@@ -26,7 +26,8 @@ def test_presets_and_test_tables_derive_from_the_registry():
     assert FAMILIES == list(FAMILY_CONFIGS) == list(FAMILY_BUILDERS) == list(REGISTRY) == [
         "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "phi3",
         "mixtral", "qwen3_moe", "olmoe", "gpt_oss", "olmo3", "smollm3", "qwen3_5_text", "gemma4_text", "apertus",
-        "deepseek_v3", "qwen3_next", "llama4_text", "falcon_h1", "glm4_moe", "nemotron_h"]
+        "deepseek_v3", "qwen3_next", "llama4_text", "falcon_h1", "glm4_moe", "nemotron_h",
+        "granitemoehybrid"]
     assert lenskit.PRESETS == {name: cfg for f in REGISTRY.values() for name, cfg in f.presets.items()}
     assert sum(len(f.presets) for f in REGISTRY.values()) == len(lenskit.PRESETS)  # no name in two families
     for model_type, family in REGISTRY.items():

@@ -41,9 +41,11 @@ def test_seeded_sampling_of_equal_rows_is_the_same_with_the_cache(family):
 # qwen3_next: the recurrent state of the fused-projection DeltaNet beside a shared expert
 # llama4_text: chunks shorter than the prompt, against transformers' cache that keeps only the last chunk's keys
 # falcon_h1: a KV cache and a Mamba-2 state in every block; glm4_moe: partial rotary and q/k norms over a cache;
-# nemotron_h: Mamba-2 convolution inputs and states (and attention without positions)
+# nemotron_h: Mamba-2 convolution inputs and states (and attention without positions); granitemoehybrid: Mamba-2
+# states beside attention's keys and values, the muP scalars
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3_5_text", "gpt_oss", "gemma4_text", "deepseek_v3",
-                                    "qwen3_next", "llama4_text", "falcon_h1", "glm4_moe", "nemotron_h"])
+                                    "qwen3_next", "llama4_text", "falcon_h1", "glm4_moe", "nemotron_h",
+                                    "granitemoehybrid"])
 def test_cached_generation_is_transformers_cached_generate(family):
     pair = build_family_model(family)  # fresh: its generation config is changed below
     pair.hf.generation_config.eos_token_id = None  # run all 10 steps, as stop_at_eos=False does

@@ -228,7 +228,7 @@ def test_hooks_compose_with_cache_and_context_and_are_removed(model, tokens):
     clean = model(tokens)
     dense = next((l for l in (1, 2) if model.cfg.has_mlp(l)), 1)  # Nemotron-H: block 2 is its MLP block
     neurons = not model.cfg.is_moe_layer(dense)  # a mixture of experts has no neurons
-    headed = next(l for l in range(model.cfg.n_layers) if model.cfg.has_heads(l))  # Qwen 3.5, Nemotron-H: block 1
+    headed = next(l for l in range(model.cfg.n_layers) if model.cfg.has_heads(l))  # Qwen 3.5, Nemotron-H, Granite 4: block 1
     neuron = 4
     if neurons:  # one that fires at position 1 in every row of the clean run (a ReLU MLP's often do not)
         _, clean_cache = model.run_with_cache(tokens, names_filter=f"blocks.{dense}.mlp.hook_post")

@@ -18,7 +18,8 @@ LAYERNORM = ("gpt2", "gpt_neox")
 # Every family: each option either applies or is refused by name below.
 FAMILIES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "olmo3", "phi3",
             "smollm3", "mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_5_text", "gemma4_text", "apertus",
-            "deepseek_v3", "qwen3_next", "llama4_text", "falcon_h1", "glm4_moe", "nemotron_h")
+            "deepseek_v3", "qwen3_next", "llama4_text", "falcon_h1", "glm4_moe", "nemotron_h",
+            "granitemoehybrid")
 # (family, option) -> words the refusal must contain.
 REFUSED = {
     ("llama", "center_writing_weights"): "needs LayerNorm",
@@ -41,6 +42,8 @@ REFUSED = {
     ("falcon_h1", "center_writing_weights"): "needs LayerNorm",
     ("falcon_h1", "fold_value_biases"): "Falcon-H1's multipliers",
     ("glm4_moe", "center_writing_weights"): "needs LayerNorm",
+    ("granitemoehybrid", "center_writing_weights"): "needs LayerNorm",
+    ("granitemoehybrid", "fold_ln"): "Mamba-2 blocks",
     ("nemotron_h", "fold_ln"): "Mamba-2 blocks",
     ("nemotron_h", "center_writing_weights"): "needs LayerNorm",
     ("nemotron_h", "fold_value_biases"): "Mamba-2 blocks: they have no values",

@@ -204,5 +204,5 @@ def test_each_piece_refuses_the_others_routing():
 
     with pytest.raises(ValueError, match="SharedExpertsMoE"):
         MoE(lenskit_config())
-    with pytest.raises(ValueError, match="routes as DeepSeek V3 does"):
+    with pytest.raises(ValueError, match="or has shared experts"):  # softmax routing with shared ones: Qwen3-Next, Granite 4
         SharedExpertsMoE(lenskit_config(routing="softmax_topk", n_group=1, topk_group=1, shared=0, scaling=1.0))

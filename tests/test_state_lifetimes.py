@@ -20,7 +20,8 @@ from lenskit.intervene.interventions import Head, Mlp, ablation_hooks
 from lenskit.intervene.patching import logit_diff
 from lenskit.kv_cache import KVCache
 
-ROTARY = [f for f in FAMILY_BUILDERS if f not in ("gpt2", "nemotron_h")]  # but GPT-2's learned positions, Nemotron-H's none
+# but GPT-2's learned positions, Nemotron-H's and Granite 4's none (its tiny model's attention is "nope")
+ROTARY = [f for f in FAMILY_BUILDERS if f not in ("gpt2", "nemotron_h", "granitemoehybrid")]
 
 
 def tokens(pos: int = 8, seed: int = 0) -> torch.Tensor:

@@ -147,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
               f"dense_blocks={list(cfg.moe.dense_layers)}" if cfg.moe.dense_layers else "",
               f"shared_experts={cfg.moe.n_shared_experts}" + (f" (d_shared={cfg.moe.d_shared})" if cfg.moe.d_shared else "")
               + (" sigmoid-gated" if cfg.moe.shared_gate else "") if cfg.moe.n_experts and cfg.moe.n_shared_experts else "",
+              (f"scales: embedding={cfg.scales.embedding:g} residual={cfg.scales.residual:g} logits={cfg.scales.logits:g}"
+               if (cfg.scales.embedding, cfg.scales.residual, cfg.scales.logits) != (1.0, 1.0, 1.0) else ""),
               f"linear_attention_blocks={cfg.layer_types.count('linear')}/{cfg.n_layers} (Gated DeltaNet: "
               f"{cfg.linear.n_k_heads} q/k heads of {cfg.linear.d_k}, {cfg.linear.n_v_heads} value heads of {cfg.linear.d_v}, "
               f"conv width {cfg.linear.conv_width})" if cfg.layer_types and "linear" in cfg.layer_types else "",

@@ -31,6 +31,7 @@ from . import (
     gpt2,
     gpt_neox,
     gpt_oss,
+    granitemoehybrid,
     llama,
     llama4_text,
     mistral,
@@ -55,7 +56,7 @@ __all__ = ["FAMILIES", "PRESETS", "Family", "config_fields", "family_of"]
 # The one list of family modules, in the README's order; each module's name is its model_type.
 _MODULES = (gpt2, gpt_neox, llama, mistral, qwen2, qwen3, gemma2, gemma3_text, olmo2, phi3, mixtral, qwen3_moe, olmoe,
             gpt_oss, olmo3, smollm3, qwen3_5_text, gemma4_text, apertus, deepseek_v3, qwen3_next, llama4_text,
-            falcon_h1, glm4_moe, nemotron_h)
+            falcon_h1, glm4_moe, nemotron_h, granitemoehybrid)
 
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in _MODULES}
 

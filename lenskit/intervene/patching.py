@@ -123,7 +123,8 @@ def n_heads_of(model: HookedTransformer, site: str, layer: int) -> int:
 
 
 def check_heads(model: HookedTransformer, site: str, layer: int, heads: Sequence[int] | None = None) -> None:
-    """ValueError if block `layer` has no heads (a linear-attention block); IndexError for a head out of range."""
+    """ValueError if block `layer` has no heads (a linear-attention or Mamba-2 block, or none at all); IndexError for
+    a head out of range."""
     if not model.cfg.has_heads(layer):
         kind = getattr(model.blocks[layer].attn, "LAYER_TYPE", "linear-attention")
         full = [l for l in range(model.cfg.n_layers) if model.cfg.has_heads(l)]

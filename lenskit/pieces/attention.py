@@ -24,7 +24,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
 from .forward_state import ForwardState, needed
-from .linear import Linear
+from .linear import write_projection, written
 from .norms import UnitRMSNorm, make_norm
 from .qkv import make_qkv
 from .rotary import Rotary
@@ -105,7 +105,6 @@ class Attention(HeadCircuits, nn.Module):
     """
 
     OWN_KV = True  # whether the block projects its own keys and values (not: kv_sharing.SharedKVAttention)
-    out_multiplier = 1.0  # the class's, for subclasses with an __init__ of their own (latent attention)
 
     @classmethod
     def params(cls, cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
@@ -164,13 +163,13 @@ class Attention(HeadCircuits, nn.Module):
         self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, n_kv, d_head
         self.group = cfg.n_heads // n_kv
         self.qkv = make_qkv(cfg, layer)
-        self.out = Linear(cfg.n_heads * d_head, cfg.d_model, bias=cfg.attention.out_bias)
+        # the write's constant multipliers (Granite's residual, Falcon-H1's attention_out) live in the output projection,
+        # so W_O, b_O and each head's result are the write as it reaches the stream
+        self.out = write_projection(cfg.n_heads * d_head, cfg.d_model, cfg.attention.out_bias,
+                                    cfg.scales.residual * cfg.scales.attention_out)
         self.mask = make_mask(cfg, layer)
         self.scale = (d_head if cfg.attention.query_pre_attn_scalar is None else cfg.attention.query_pre_attn_scalar) ** -0.5
         self.softcap = cfg.attention.softcap
-        self.out_multiplier = cfg.scales.attention_out  # Falcon-H1's: the write (each head's share too) times this
-        if self.out_multiplier != 1.0:
-            self._times_out = self._scale_write
         self.hook_q = HookPoint()  # [batch, pos, head, d_head]
         self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
         self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
@@ -255,7 +254,7 @@ class Attention(HeadCircuits, nn.Module):
             z = self._fused(q, k, v)
         z = self.hook_z(self._gate_z(z, *gate))
         flat = z.reshape(batch, pos, self.n_heads * self.d_head)
-        return self._times_out(self.out(flat)) if not self.hook_result.has_hooks() else self._with_result(z, flat)
+        return self.out(flat) if not self.hook_result.has_hooks() else self._with_result(z, flat)
 
     def _with_result(self, z: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         """The write [batch, pos, d_model] with hook_result [batch, pos, head, d_model], each head's share of it. If
@@ -266,7 +265,7 @@ class Attention(HeadCircuits, nn.Module):
         before = result.clone()  # to see an edit in place (inference tensors count no writes, so values are compared)
         hooked = self.hook_result(result)
         if hooked is result and torch.equal(result, before) and not self.hook_result.has_hooks("bwd"):
-            return self._times_out(self.out(flat))
+            return self.out(flat)
         return hooked.sum(2) if self.out.bias is None else hooked.sum(2) + self.b_O
 
     # TransformerLens's views of the weights (`x @ W + b`, stacked over layers by lenskit.pieces.weights). Under GQA
@@ -304,16 +303,14 @@ class Attention(HeadCircuits, nn.Module):
 
     @property
     def W_O(self) -> torch.Tensor:
-        """[head, d_head, d_model]: head h's slice of the output projection (a view of it; times Falcon-H1's
-        attention_out multiplier, a copy, where there is one)"""
-        w_o = self.out.weight.T.reshape(self.n_heads, self.d_head, -1)
-        return w_o if self.out_multiplier == 1.0 else w_o * self.out_multiplier
+        """[head, d_head, d_model]: head h's slice of the output projection (a view of it; times the write's scale
+        where it has one, `cfg.scales.residual` and `attention_out`, a copy then)"""
+        return written(self.out, self.out.weight.T).reshape(self.n_heads, self.d_head, -1)
 
     @property
     def b_O(self) -> torch.Tensor:
         """[d_model]"""
-        b_o = self.out.weight.new_zeros(self.out.out_features) if self.out.bias is None else self.out.bias
-        return b_o if self.out_multiplier == 1.0 else b_o * self.out_multiplier
+        return self.out.weight.new_zeros(self.out.out_features) if self.out.bias is None else written(self.out, self.out.bias)
 
     def _per_head(self, i: int, bias: bool = False) -> torch.Tensor:
         """q (0), k (1) or v (2): weight [head, d_model, d_head] or bias [head, d_head], kv heads repeated."""
@@ -338,12 +335,6 @@ class Attention(HeadCircuits, nn.Module):
 
     def _output_gate(self, z: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return z * self.hook_gate(torch.sigmoid(gate))
-
-    def _times_out(self, write: torch.Tensor) -> torch.Tensor:
-        return write  # no multiplier: the write as the output projection gives it
-
-    def _scale_write(self, write: torch.Tensor) -> torch.Tensor:
-        return write * self.out_multiplier
 
     def _keep_for_sharing(self, k: torch.Tensor, v: torch.Tensor, state: ForwardState | None) -> None:
         needed(state, f"block {self.layer}'s keys for the blocks that share them").keep_kv(self.layer, k, v)

@@ -42,7 +42,7 @@ def mlp_class(cfg: ModelConfig, layer: int = 0) -> type[MLP] | type[MoE] | type[
     if cfg.block.experts_beside_mlp:
         return DenseAndExperts
     if not cfg.is_moe_layer(layer):
-        scaled = cfg.scales.mlp_gate != 1.0 or cfg.scales.mlp_down != 1.0
+        scaled = cfg.scales.mlp_gate != 1.0  # Falcon-H1's gate multiplier; the write's is the output projection's
         return ScaledSwiGLU if scaled and cfg.mlp == "swiglu" else MLP_CLASSES[cfg.mlp]
     if cfg.moe.routing == "sigmoid_topk":
         return ScoredInputMoE

@@ -49,6 +49,37 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+class ScaledLinear(Linear):
+    """A projection whose output is times a fixed `scale` (Granite's residual multiplier on every sublayer's write):
+    scale * (x W^T + b), the product taken after the matmul, as transformers takes it. Its parameters and state dict
+    are nn.Linear's, the checkpoint's own; the weight views that read it (W_O, W_out) include the scale
+    (`written`), so they show the write as it reaches the stream."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, scale: float = 1.0) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias) * self.scale
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scale={self.scale}"
+
+
+def write_projection(in_features: int, out_features: int, bias: bool, scale: float = 1.0) -> Linear:
+    """A sublayer's output projection: a `Linear`, or a `ScaledLinear` where its write is scaled (scale != 1)."""
+    if scale == 1.0:
+        return Linear(in_features, out_features, bias=bias)
+    return ScaledLinear(in_features, out_features, bias=bias, scale=scale)
+
+
+def written(layer: nn.Module, t: torch.Tensor) -> torch.Tensor:
+    """A view `t` of `layer`'s weight or bias as the layer writes it: times its scale where it is a `ScaledLinear` (a
+    copy then), `t` itself otherwise."""
+    scale = getattr(layer, "scale", 1.0)
+    return t if scale == 1.0 else t * scale
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), in float32 for a half-precision weight on a CPU without that dtype's GEMM."""
     if weight.dtype in HALF and weight.device.type == "cpu" and half_matmul_in_float32(weight.dtype):

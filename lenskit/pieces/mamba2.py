@@ -30,7 +30,7 @@ from ..config import ModelConfig
 from ..observe.hooks import HookPoint
 from .deltanet import causal_conv
 from .forward_state import ForwardState
-from .linear import Linear
+from .linear import Linear, write_projection
 
 
 def _per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -210,7 +210,8 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(m.n_heads))  # [head]: the decay rate is exp(A_log)
         self.D = nn.Parameter(torch.ones(m.n_heads))  # [head]
         self.norm = GATED_NORMS[m.norm](d_inner, m.n_groups, cfg.norm_eps)
-        self.out_proj = Linear(d_inner, cfg.d_model, bias=m.out_bias)
+        # Granite 4's residual multiplier scales the write inside out_proj, as it does attention's (linear.ScaledLinear)
+        self.out_proj = write_projection(d_inner, cfg.d_model, m.out_bias, cfg.scales.residual)
         self.hook_in_proj = HookPoint()  # [batch, pos, 2 d_inner + 2 n_groups d_state + head]
         self.hook_conv = HookPoint()  # [batch, pos, d_inner + 2 n_groups d_state]
         self.hook_B = HookPoint()  # [batch, pos, group, d_state]

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
-from .linear import Linear
+from .linear import Linear, write_projection, written
 
 
 class MLP(nn.Module):
@@ -72,11 +72,11 @@ class MLP(nn.Module):
 
     @property
     def W_out(self) -> torch.Tensor:
-        return self.fc_out.weight.T
+        return written(self.fc_out, self.fc_out.weight.T)  # times the residual scale where the write has one
 
     @property
     def b_out(self) -> torch.Tensor:
-        return _or_zeros(self.fc_out.weight, self.fc_out.bias)
+        return written(self.fc_out, _or_zeros(self.fc_out.weight, self.fc_out.bias))
 
 
 def _or_zeros(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -146,7 +146,7 @@ class GeluMLP(MLP):
         d_mlp = cfg.d_mlp if d_mlp is None else d_mlp
         self.act = activation(cfg)
         self.fc_in = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
-        self.fc_out = Linear(d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        self.fc_out = write_projection(d_mlp, cfg.d_model, cfg.mlp_bias, cfg.scales.residual)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
 
@@ -174,7 +174,8 @@ class SwiGLU(MLP):
         self.act = F.silu if cfg.mlp.startswith("swiglu") else partial(F.gelu, approximate=cfg.gelu_approximate)
         self.gate = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
         self.fc_in = Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
-        self.fc_out = Linear(d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        # the write's multipliers (Granite's residual, Falcon-H1's mlp_down) are the output projection's scale
+        self.fc_out = write_projection(d_mlp, cfg.d_model, cfg.mlp_bias, cfg.scales.residual * cfg.scales.mlp_down)
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp], the gate's pre-activation
         self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
@@ -192,30 +193,22 @@ class SwiGLU(MLP):
 
 
 class ScaledSwiGLU(SwiGLU):
-    """SwiGLU under Falcon-H1's muP multipliers (`cfg.scales`): the gate's pre-activation times `mlp_gate` (hook_pre
-    shows the product), the write times `mlp_down`. The weight views carry the factors (copies), so `x @ W_gate`
-    is hook_pre and `post @ W_out + b_out` the write."""
+    """SwiGLU under Falcon-H1's gate multiplier (`cfg.scales.mlp_gate`): the gate's pre-activation times it (hook_pre
+    shows the product). The weight views carry the factor (copies), so `x @ W_gate` is hook_pre. Its write multiplier
+    (`mlp_down`) is SwiGLU's output projection's scale, as every write's is (lenskit.pieces.linear.ScaledLinear)."""
 
     def __init__(self, cfg: ModelConfig, d_mlp: int | None = None) -> None:
         super().__init__(cfg, d_mlp)
-        self.gate_multiplier, self.down_multiplier = cfg.scales.mlp_gate, cfg.scales.mlp_down
+        self.gate_multiplier = cfg.scales.mlp_gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.hook_pre(self.gate(x) * self.gate_multiplier)
         linear = self.hook_pre_linear(self.fc_in(x))
-        return self.fc_out(self.hook_post(self.act(pre) * linear)) * self.down_multiplier
+        return self.fc_out(self.hook_post(self.act(pre) * linear))
 
     def _gate_in(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = self.gate.bias
         return self.gate.weight * self.gate_multiplier, None if bias is None else bias * self.gate_multiplier
-
-    @property
-    def W_out(self) -> torch.Tensor:
-        return self.fc_out.weight.T * self.down_multiplier
-
-    @property
-    def b_out(self) -> torch.Tensor:
-        return _or_zeros(self.fc_out.weight, self.fc_out.bias) * self.down_multiplier
 
 
 class FusedSwiGLU(SwiGLU):

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..observe.hooks import HookPoint
-from .linear import Linear
+from .linear import Linear, write_projection, written
 from .mlp import activation
 
 
@@ -103,7 +103,7 @@ class SwiGLUExpert(nn.Module):
         super().__init__()
         self.gate = Linear(cfg.d_model, cfg.moe.d_expert, bias=self.BIAS)
         self.fc_in = Linear(cfg.d_model, cfg.moe.d_expert, bias=self.BIAS)
-        self.fc_out = Linear(cfg.moe.d_expert, cfg.d_model, bias=self.BIAS)
+        self.fc_out = write_projection(cfg.moe.d_expert, cfg.d_model, self.BIAS, cfg.scales.residual)
 
     def norm_readers(self) -> list[nn.Linear]:
         """Its projections that read the normalised stream: gate and input."""
@@ -147,7 +147,7 @@ class PlainExpert(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.fc_in = Linear(cfg.d_model, cfg.moe.d_expert, bias=False)
-        self.fc_out = Linear(cfg.moe.d_expert, cfg.d_model, bias=False)
+        self.fc_out = write_projection(cfg.moe.d_expert, cfg.d_model, False, cfg.scales.residual)
         self.act = activation(cfg)
 
     def norm_readers(self) -> list[nn.Linear]:
@@ -157,9 +157,10 @@ class PlainExpert(nn.Module):
         return self.fc_out(self.act(self.fc_in(x)))
 
 
-# cfg.mlp -> the expert piece
+# cfg.mlp -> the expert piece (swiglu_fused: Granite's, whose dense MLP fuses gate and up; its experts are split per
+# expert from the fused file tensors, lenskit.families.layouts.FusedExperts)
 EXPERTS: dict[str, type[SwiGLUExpert] | type[PlainExpert]] = {
-    "swiglu": SwiGLUExpert, "swiglu_clamped": ClampedSwiGLUExpert, "gelu": PlainExpert}
+    "swiglu": SwiGLUExpert, "swiglu_fused": SwiGLUExpert, "swiglu_clamped": ClampedSwiGLUExpert, "gelu": PlainExpert}
 
 
 class MoE(nn.Module):
@@ -262,11 +263,11 @@ class MoE(nn.Module):
 
     # ------------------------------------------------------------------ weight views
     def _stack(self, proj: str, part: str = "weight") -> torch.Tensor:
-        layers = [getattr(e, proj) for e in self.experts]
+        layers = [getattr(e, proj) for e in self.experts]  # fc_out's views times the residual scale, where it has one
         if part == "weight":
-            return torch.stack([layer.weight.T for layer in layers])
-        return torch.stack([layer.weight.new_zeros(layer.weight.shape[0]) if layer.bias is None else layer.bias
-                            for layer in layers])
+            return torch.stack([written(layer, layer.weight.T) for layer in layers])
+        return torch.stack([layer.weight.new_zeros(layer.weight.shape[0]) if layer.bias is None
+                            else written(layer, layer.bias) for layer in layers])
 
     @property
     def W_router(self) -> torch.Tensor:

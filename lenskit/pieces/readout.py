@@ -26,8 +26,9 @@ from .linear import linear, linear_into
 
 
 class Readout:
-    """`cap(multiplier * unembed(norm(h)))`, with the norm's scale computed on this `h`; `multiplier` is a muP model's
-    logits multiplier (Falcon-H1's `lm_head_multiplier`, `cfg.scales.logits`), 1.0 elsewhere.
+    """`cap(unembed(norm(h)))`, with the norm's scale computed on this `h`. The unembedding's output is the logits,
+    times the family's constant `scale` where it has one (`cfg.scales.logits`, Granite's 1 / logits_scaling; 1
+    elsewhere, `pieces.embeddings.Unembed`); the paths here that multiply by its weight themselves apply it too.
 
     It holds the model's own `ln_final` and `unembed` modules (not copies), so moving or editing the
     model moves and edits its readout. `softcap` is the final logit cap c (logits = c tanh(z / c)) or None.
@@ -44,8 +45,13 @@ class Readout:
                     f"c*tanh(z/c) (c={cfg.final_softcap}) is not shift-invariant; pass center_unembed=False", False)
         return None
 
-    def __init__(self, norm: nn.Module, unembed: nn.Linear, softcap: float | None, multiplier: float = 1.0) -> None:
-        self.norm, self.unembed, self.softcap, self.multiplier = norm, unembed, softcap, multiplier
+    def __init__(self, norm: nn.Module, unembed: nn.Linear, softcap: float | None) -> None:
+        self.norm, self.unembed, self.softcap = norm, unembed, softcap
+
+    @property
+    def scale(self) -> float:
+        """The logits' constant multiplier, the unembedding's (1 where it has none)."""
+        return getattr(self.unembed, "scale", 1.0)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d_model] -> logits [..., d_vocab] in the model's dtype."""
@@ -59,7 +65,12 @@ class Readout:
 
     def uncapped(self, h: torch.Tensor) -> torch.Tensor:
         """The logits before any final soft-cap (the same as calling the readout for a model without one)."""
-        return self.times_(self.unembed(self.norm(h.to(self.unembed.weight.device))))
+        return self.unembed(self.norm(h.to(self.unembed.weight.device)))
+
+    def scaled(self, z: torch.Tensor) -> torch.Tensor:
+        """z [..., d_vocab], computed with the unembedding's weight directly, times the logits' scale (z itself where
+        it is 1): what the unembedding's own forward gives."""
+        return z if self.scale == 1.0 else z * self.scale
 
     @property
     def weight(self) -> torch.Tensor:
@@ -84,16 +95,9 @@ class Readout:
         A half-precision model's logits are computed, capped included, in its dtype, as its forward does."""
         weight, bias = self.unembed.weight, self.unembed.bias
         if weight.dtype != out.dtype:
-            return out.copy_(self.cap_(self.times_(linear(x.to(weight.dtype), weight, bias))))
-        return self.cap_(self.times_(linear_into(x, weight, bias, out)))
-
-    def times_(self, z: torch.Tensor) -> torch.Tensor:
-        """z times the logits multiplier, in place where autograd allows; z itself where the multiplier is 1."""
-        if self.multiplier == 1.0:
-            return z
-        if torch.is_grad_enabled() and z.requires_grad:
-            return z * self.multiplier
-        return z.mul_(self.multiplier)
+            return out.copy_(self.cap_(self.scaled(linear(x.to(weight.dtype), weight, bias))))
+        z = linear_into(x, weight, bias, out)
+        return self.cap_(z if self.scale == 1.0 else z.mul_(self.scale))
 
     def cap_(self, z: torch.Tensor) -> torch.Tensor:
         """The final soft-cap applied to z in place where the model has one; z itself otherwise."""
@@ -104,9 +108,9 @@ class Readout:
         return z.div_(self.softcap).tanh_().mul_(self.softcap)
 
     def cap_backward_(self, grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """grad w.r.t. the capped logits -> grad w.r.t. the unembedding's output, in place. With logits =
-        c tanh(z / c), d logits / d z = 1 - (logits / c)^2, read off the capped logits themselves; z is the
-        unembedding's output times the logits multiplier, whose factor the gradient takes too."""
+        """grad w.r.t. the capped logits -> grad w.r.t. x W^T (the product with the unembedding's weight), in place:
+        through the cap, then the logits' scale. With logits = c tanh(z / c), d logits / d z = 1 - (logits / c)^2,
+        read off the capped logits themselves."""
         if self.softcap is not None:
-            grad.mul_(1 - (logits / self.softcap).square_())
-        return self.times_(grad)
+            grad = grad.mul_(1 - (logits / self.softcap).square_())
+        return grad if self.scale == 1.0 else grad.mul_(self.scale)

@@ -1,6 +1,7 @@
 """Mixtures of experts with shared experts that every token runs beside the routed ones: DeepSeek V3's (routed experts
-chosen by sigmoid scores within the best groups) and Qwen3-Next's (MoE's softmax routing, one shared expert whose
-output a sigmoid gate scales per token).
+chosen by sigmoid scores within the best groups), Qwen3-Next's (MoE's softmax routing, one shared expert whose output
+a sigmoid gate scales per token) and Granite 4's (the top k logits then a softmax, its shared MLP fused as its dense
+MLP is).
 
     logits   = x @ W_router.T                                              [batch, pos, expert] (float32)
     scores   = sigmoid(logits)
@@ -10,10 +11,11 @@ output a sigmoid gate scales per token).
     weights  = scores[experts] (/ their sum, for routing "_renorm") * routed_scaling_factor
     mlp_out  = Σ_j weights_j · expert_{experts_j}(x) + shared(x)          [batch, pos, d_model]
 
-`shared` is one dense MLP of the config's kind (SwiGLU for DeepSeek and Qwen3-Next, Nemotron-H's squared-ReLU one),
-`n_shared_experts * d_expert` wide (transformers' `shared_experts`, which stores the shared experts fused), or
-`moe.d_shared` wide where the config gives its own width (Qwen3-Next's shared_expert_intermediate_size, Nemotron-H's).
-Qwen3-Next routes by `lenskit.pieces.moe.ROUTES[moe.routing]` and gates the shared MLP: with `moe.shared_gate`, its
+`shared` is one dense MLP of the config's kind (SwiGLU for DeepSeek and Qwen3-Next, Nemotron-H's squared-ReLU one,
+Granite's fused SwiGLU), `n_shared_experts * d_expert` wide (transformers' `shared_experts`, which stores the shared
+experts fused), or `moe.d_shared` wide where the config gives its own width (Qwen3-Next's
+shared_expert_intermediate_size, Nemotron-H's, Granite's `shared_mlp`). Under a routing rule other than DeepSeek's the
+routed experts are `MoE`'s, with no correction bias. Qwen3-Next gates the shared MLP: with `moe.shared_gate`, its
 output is times sigmoid(x @ w_shared_gate) [batch, pos, 1] (`hook_shared_gate`), and `hook_shared_out` is the gated
 output, what is added. The routed experts, their grouped run, weight views and hooks are `lenskit.pieces.moe.MoE`'s:
 `hook_router_logits` [batch, pos, expert] (before the sigmoid; a hook may edit it, and an expert whose logit it sets

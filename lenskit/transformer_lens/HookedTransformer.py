@@ -307,7 +307,7 @@ class LiveReadout(Readout):
     the unembedding the model was built with."""
 
     def __init__(self, model: "HookedTransformer") -> None:
-        super().__init__(model.ln_final, model.unembed, model.cfg.final_softcap, model.cfg.scales.logits)
+        super().__init__(model.ln_final, model.unembed, model.cfg.final_softcap)
         self._model = model
 
     @property
@@ -323,7 +323,7 @@ class LiveReadout(Readout):
         return self.cap_(self.uncapped(h))
 
     def uncapped(self, h: torch.Tensor) -> torch.Tensor:
-        return self.times_(self._model.unembed(self.norm(h.to(self.unembed.weight.device))))
+        return self._model.unembed(self.norm(h.to(self.unembed.weight.device)))
 
 
 class HookedUnembed(Unembed):
