@@ -264,6 +264,9 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
                        + (f" ({_shared_note(cfg).removeprefix(', ')} too)" if cfg.moe.n_shared_experts else "")),
             "active_non_embedding": (non_embedding - unused, "active, less the embeddings"),
         })
+    else:  # a dense model: one token uses every parameter, shown so that every preset reads alike
+        values.update({"active": (values["total"][0], "what one token uses: all of it (no experts)"),
+                       "active_non_embedding": (non_embedding, "active, less the embeddings")})
     # object dtype keeps counts as exact ints beside the float shares
     frame = pd.DataFrame({"value": pd.Series({k: v for k, (v, _) in values.items()}, dtype=object),
                           "note": pd.Series({k: n for k, (_, n) in values.items()}, dtype=object)})

@@ -235,3 +235,12 @@ def test_gemma2_2b_preset_is_what_its_config_reads_as():
     read = ModelConfig.from_hf_config(transformers.Gemma2Config().to_dict())
     preset = ModelConfig.from_name("gemma-2-2b")
     assert dataclasses.replace(read, name=preset.name, initializer_range=preset.initializer_range) == preset
+
+
+def test_every_preset_states_total_and_active_parameters():
+    """`lenskit info`'s table has total and active for every preset (issue 36): equal for a dense model, and for a
+    mixture of experts the total less each MoE block's unchosen experts, which is strictly less."""
+    for name, cfg in lenskit.PRESETS.items():
+        s = accounting.param_summary(name)["value"]
+        assert 0 < s["active"] <= s["total"] and s["active_non_embedding"] == s["active"] - (s["total"] - s["non_embedding"]), name
+        assert (s["active"] < s["total"]) == (cfg.moe.n_experts is not None), name
