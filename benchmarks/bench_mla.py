@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import time
 
@@ -32,22 +33,28 @@ SHAPE = dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_ke
                                   mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0))
 
 
-def interleaved_times(cases: dict, repeats: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Each case's wall seconds and this thread's CPU seconds per call over `repeats` rounds, after one warm-up call
-    each, interleaved round by round, under inference_mode. With one torch thread, the CPU seconds leave out the time
-    spent waiting for a core, which on a shared machine is most of the noise in the wall seconds."""
+def interleaved_times(cases: dict, repeats: int) -> tuple[dict[str, list[float]], ...]:
+    """Each case's wall seconds, this thread's CPU seconds and the process's page faults per call over `repeats`
+    rounds, after one warm-up call each, interleaved round by round, under inference_mode. With one torch thread, the
+    CPU seconds leave out the time spent waiting for a core, which on a shared machine is most of the noise in the wall
+    seconds. Each timed call follows an untimed call of its own case: a call that drops much memory (a cache) lets
+    glibc's allocator hand it back to the system, and the call after it pays to fault its memory in again, so
+    without this the order of the cases, not the cases, would decide who pays."""
     wall: dict[str, list[float]] = {k: [] for k in cases}
     cpu: dict[str, list[float]] = {k: [] for k in cases}
+    faults: dict[str, list[float]] = {k: [] for k in cases}
     with torch.inference_mode():
         for fn in cases.values():
             fn()  # warm-up
         for r in range(repeats):
             for name in list(cases)[r % len(cases):] + list(cases)[:r % len(cases)]:  # the order rotates
-                w, c = time.perf_counter(), time.thread_time()
+                cases[name]()  # untimed: the timed call finds the memory as its own case left it
+                f, w, c = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter(), time.thread_time()
                 cases[name]()
                 cpu[name].append(time.thread_time() - c)
                 wall[name].append(time.perf_counter() - w)
-    return wall, cpu
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f)
+    return wall, cpu, faults
 
 
 def main() -> None:
@@ -82,7 +89,7 @@ def main() -> None:
         "transformers_forward_eager_experts": lambda: hf_eager(tokens).logits,
         "lenskit_cache_all_resid": lambda: ours.run_with_cache(tokens, names_filter=names),
     }
-    wall, cpu = interleaved_times(cases, args.repeats)
+    wall, cpu, faults = interleaved_times(cases, args.repeats)
     med = {k: statistics.median(v) for k, v in wall.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
 
@@ -111,7 +118,8 @@ def main() -> None:
     print("\nTargets: forward ≤ 1.0x transformers' (default experts), caching every residual write ≤ 1.05x the forward. "
           "Per-round CPU-time ratios, as a check on noise: forward / transformers "
           f"{', '.join(f'{f / t:.2f}' for f, t in zip(cpu[forward], cpu['transformers_forward']))}; cache / forward "
-          f"{', '.join(f'{c / f:.2f}' for c, f in zip(cpu[cache], cpu[forward]))}.")
+          f"{', '.join(f'{c / f:.2f}' for c, f in zip(cpu[cache], cpu[forward]))}. Median page faults per call: "
+          f"{', '.join(f'{k} {statistics.median(v):.0f}' for k, v in faults.items())}.")
 
 if __name__ == "__main__":
     main()

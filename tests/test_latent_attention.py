@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from families import family_model_of
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
@@ -145,6 +146,24 @@ def test_generation_with_the_latent_cache_is_generation_without_it(model):
         cached = model.generate(TOKENS[:, :6], max_new_tokens=5, stop_at_eos=False)
         uncached = model.generate(TOKENS[:, :6], max_new_tokens=5, stop_at_eos=False, use_past_kv_cache=False)
     assert cached.shape == (2, 11) and torch.equal(cached, uncached)
+
+
+def test_a_hook_returning_q_or_k_laid_out_otherwise_leaves_the_logits_bit_for_bit():
+    """q and k are stored head by head for the kernel; a hook that returns the same values position by position (a
+    contiguous copy) must not change the scores' last bits, as patching compares runs bit for bit. (The registry's
+    tiny DeepSeek V3 is one whose keys' last bits moved with their layout.)"""
+    model = family_model_of("deepseek_v3").model
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 7), generator=torch.Generator().manual_seed(3))
+
+    def pos_major(t, hook):
+        assert t.transpose(1, 2).is_contiguous()  # the forward's own layout: head by head
+        return t.contiguous()
+
+    with torch.no_grad():
+        want = model(tokens)
+        for site in ("q", "k"):
+            hooks = [(f"blocks.{i}.attn.hook_{site}", pos_major) for i in range(model.cfg.n_layers)]
+            assert torch.equal(model.run_with_hooks(tokens, fwd_hooks=hooks), want), site
 
 
 def test_hooks_fire_with_their_documented_shapes(model):

@@ -54,6 +54,17 @@ from .rotary import Rotary
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, which the latent norms keep (no config field)
 
 
+def _cat_head_major(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.cat([a, b], dim=-1) of two [batch, pos, head, d] tensors, stored head by head (a transposed view of a
+    contiguous [batch, head, pos, d]): the layout `_head_major` gives the kernel, at no cost here. The same values."""
+    return torch.cat([a.transpose(1, 2), b.transpose(1, 2)], dim=-1).transpose(1, 2)
+
+
+def _head_major(x: torch.Tensor) -> torch.Tensor:
+    """x [batch, pos, head, d] stored head by head; x itself where it already is."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def softmax_scale(cfg: ModelConfig) -> float:
     """The scores' scale: (qk_nope_head_dim + rope.dim) ** -0.5, times YaRN's mscale squared where the rotary is
     rescaled and `rope.mscale_all_dim` is set, in transformers' order of operations."""
@@ -118,7 +129,7 @@ class LatentAttention(Attention):
         self._internals = (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores, self.hook_pattern)
         # Attention's steps, chosen once as there: no soft-cap, no sink, no gate
         self._cap, self._softmax, self._gate_z = _unchanged, _softmax, _unchanged
-        self._fused = self._fused_plain
+        self._fused = self._fused_head_major
         self._query = self._low_rank_query if mla.q_lora_rank is not None else self._full_query
         self._lay_out = deinterleaved if mla.rope_interleave else _unchanged
 
@@ -171,7 +182,7 @@ class LatentAttention(Attention):
         start = 0 if past is None else past.n_pos
         q_rope = self.rotary(self._lay_out(q_rope), start)
         k_rope = self.hook_k_rope(self.rotary(self._lay_out(k_rope)[:, :, None], start)[:, :, 0])  # [batch, pos, d_rope]
-        q = self.hook_q(torch.cat([q_nope, q_rope], dim=-1))
+        q = self.hook_q(_cat_head_major(q_nope, q_rope))
         k, v = self.expand(latent, k_rope)
         k, v = self.hook_k(k), self.hook_v(v)
         if past is not None:
@@ -188,8 +199,14 @@ class LatentAttention(Attention):
         batch, pos = latent.shape[:2]
         kv = self.kv_b(latent).view(batch, pos, self.n_heads, self.d_nope + self.d_head)
         k_nope, v = kv.split([self.d_nope, self.d_head], dim=-1)
-        k = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, self.n_heads, -1)], dim=-1)
+        k = _cat_head_major(k_nope, k_rope[:, :, None].expand(-1, -1, self.n_heads, -1))
         return k, v
+
+    def _fused_head_major(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention's fused kernel with q and k stored head by head, whatever layout a hook on hook_q / hook_k
+        returned: the layout in which the CPU kernel multiplies them without copies (this forward makes them so), and
+        one layout for every run, so that the scores' last bits never depend on a hook's output layout."""
+        return self._fused_plain(_head_major(q), _head_major(k), v)
 
     def _full_query(self, x: torch.Tensor) -> torch.Tensor:
         return self.q_proj(x)
