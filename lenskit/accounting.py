@@ -234,16 +234,17 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
                    cfg.moe.dense_layers else "linear- and full-attention blocks (per_block*: block 0's)" if
                    "linear" in cfg.layer_types else "blocks of several shapes (per_block*: block 0's)"),
         "per_block": (per_block, "12 d^2 + 13 d for GPT-2 shapes" if cfg.is_gpt2 and cfg.d_mlp == 4 * cfg.d_model else ""),
-        "per_block_attn": (int(block.loc["attn", "params"]), "q, k, v and out projections" +
-                           (f" (k, v: {cfg.n_kv_heads} of {cfg.n_heads} heads)" if cfg.n_kv_heads != cfg.n_heads else "") +
-                           (", and the Mamba-2 mixer beside them" if cfg.block.mamba_beside_attention else "")),
-        "per_block_mlp": (int(block.loc["mlp", "params"]), ("dense MLP, and router and every expert beside it"
+        "per_block_attn": (int(block.loc["attn", "params"]), _mixer_note(cfg)),
+        "per_block_mlp": (int(block.loc["mlp", "params"]), "none: a mixer-only block" if cfg.block.one_sublayer and
+                          cfg.layer_type(0) != "mlp" else ("dense MLP, and router and every expert beside it"
                            if cfg.block.experts_beside_mlp else "router and every expert" + _shared_note(cfg))
                           if cfg.is_moe_layer(0) else
                            "fc_in and fc_out" if cfg.mlp == "gelu" else "gate, fc_in, fc_out (gated MLP)"),
-        "per_block_norms": (int(block.loc["norms", "params"]), {"pre": "ln1 and ln2", "post": "ln1_post and ln2_post",
-                                                               "sandwich": "ln1, ln2, ln1_post and ln2_post"}[cfg.norm_placement]
-                            + (", q/k norms" if cfg.attention.qk_norm else "")),
+        "per_block_norms": (int(block.loc["norms", "params"]), ("ln1 (one sublayer)" if cfg.block.one_sublayer else
+                            {"pre": "ln1 and ln2", "post": "ln1_post and ln2_post",
+                             "sandwich": "ln1, ln2, ln1_post and ln2_post"}[cfg.norm_placement])
+                            + (", q/k norms" if cfg.attention.qk_norm and cfg.has_heads(0) else "")
+                            + (", the mixer's output norm" if cfg.layer_type(0) in ("mamba", "linear") else "")),
         "weights": (total("weights"), "matrices, embeddings and norm gains"),
         "biases": (total("biases"), "linear biases and norm shifts" + (", attention sinks" if cfg.attention.sinks else "")),
         "mlp_share_of_block": (float(block.loc["mlp", "params"] / per_block), "GPT-2: 2/3"),
@@ -272,6 +273,20 @@ def param_summary(model_or_cfg: ConfigLike) -> pd.DataFrame:
                           "note": pd.Series({k: n for k, (_, n) in values.items()}, dtype=object)})
     frame.index.name = "quantity"
     return frame
+
+
+def _mixer_note(cfg: ModelConfig) -> str:
+    """What block 0's token mixer counts (`per_block_attn`'s note), by its kind."""
+    kind = cfg.layer_type(0)
+    if kind == "mamba":
+        return "the Mamba-2 mixer: in_proj, conv and out_proj; A_log, D and dt_bias (its gated norm: norms)"
+    if kind == "linear":
+        return "the Gated DeltaNet: its q, k, v, gate and decay projections, conv and out projection (its norm: norms)"
+    if kind == "mlp":
+        return "none: an MLP-only block"
+    return ("q, k, v and out projections" + (f" (k, v: {cfg.n_kv_heads} of {cfg.n_heads} heads)"
+                                             if cfg.n_kv_heads != cfg.n_heads else "")
+            + (", and the Mamba-2 mixer beside them" if cfg.block.mamba_beside_attention else ""))
 
 
 # -------------------------------------------------------------------- FLOPs

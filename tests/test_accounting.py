@@ -244,3 +244,17 @@ def test_every_preset_states_total_and_active_parameters():
         s = accounting.param_summary(name)["value"]
         assert 0 < s["active"] <= s["total"] and s["active_non_embedding"] == s["active"] - (s["total"] - s["non_embedding"]), name
         assert (s["active"] < s["total"]) == (cfg.moe.n_experts is not None), name
+
+
+@pytest.mark.parametrize("name, attn, mlp, norms", [
+    ("nemotron-h-8b", "the Mamba-2 mixer", "none: a mixer-only block", "ln1 (one sublayer), the mixer's output norm"),
+    ("qwen3.5-0.8b", "the Gated DeltaNet", "gate, fc_in, fc_out", "ln1 and ln2, the mixer's output norm"),
+    ("falcon-h1-0.5b", "q, k, v and out projections (k, v: 2 of 8 heads), and the Mamba-2 mixer beside them",
+     "gate, fc_in, fc_out", "ln1 and ln2"),
+    ("gpt2", "q, k, v and out projections", "fc_in and fc_out", "ln1 and ln2"),
+])
+def test_block_notes_name_block_zeros_pieces(name, attn, mlp, norms):
+    """The per-block rows' notes say what block 0 is made of: a Mamba-2 or DeltaNet block's mixer is not q, k, v."""
+    notes = accounting.param_summary(name)["note"]
+    assert notes["per_block_attn"].startswith(attn) and notes["per_block_mlp"].startswith(mlp)
+    assert notes["per_block_norms"] == norms
