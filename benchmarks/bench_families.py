@@ -36,6 +36,12 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def residual_writes(n_layers: int) -> list[str]:
+    """The hook names of every residual write of every block: what the caching rows cache."""
+    return [f"blocks.{i}.hook_{p}" for i in range(n_layers)
+            for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")]
+
+
 def interleaved_times(cases: dict, repeats: int) -> dict[str, list[float]]:
     """Each case's seconds per call over `repeats` rounds, after one warm-up call each, the cases interleaved round
     by round so that a slow minute slows all alike; under inference_mode. Shared with bench_moe.py."""
@@ -62,8 +68,7 @@ def main() -> None:
     ours = HookedTransformer.from_pretrained(folder)
     hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
     tokens = torch.randint(0, SHAPE["vocab_size"], (args.batch, args.pos), generator=torch.Generator().manual_seed(0))
-    names = [f"blocks.{i}.hook_{p}" for i in range(SHAPE["num_hidden_layers"])
-             for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")]
+    names = residual_writes(SHAPE["num_hidden_layers"])
     with torch.inference_mode():
         gap = (ours(tokens) - hf(tokens).logits).abs().max().item()
     cases = {

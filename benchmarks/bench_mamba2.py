@@ -17,7 +17,7 @@ import statistics
 
 import torch
 import transformers
-from bench_families import interleaved_times  # benchmarks/ is the script's folder, so on sys.path
+from bench_families import interleaved_times, residual_writes  # benchmarks/ is the script's folder, so on sys.path
 
 from lenskit import HookedTransformer
 
@@ -45,8 +45,7 @@ def main() -> None:
     hf = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**SHAPE)).eval()  # sdpa attention
     ours = HookedTransformer.from_hf(hf)
     tokens = torch.randint(0, SHAPE["vocab_size"], (args.batch, args.pos), generator=torch.Generator().manual_seed(0))
-    names = [f"blocks.{i}.hook_{p}" for i in range(len(PATTERN))
-             for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")]
+    names = residual_writes(len(PATTERN))
     with torch.inference_mode():
         gap = (ours(tokens) - hf(tokens).logits).abs().max().item()
     cases = {

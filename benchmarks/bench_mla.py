@@ -19,6 +19,7 @@ import time
 
 import torch
 import transformers
+from bench_families import residual_writes  # benchmarks/ is the script's folder, so on sys.path
 
 from lenskit import HookedTransformer
 
@@ -78,8 +79,7 @@ def main() -> None:
     hf_eager.load_state_dict(hf.state_dict())
     ours = HookedTransformer.from_hf(hf)
     tokens = torch.randint(0, SHAPE["vocab_size"], (args.batch, args.pos), generator=torch.Generator().manual_seed(0))
-    names = [f"blocks.{i}.hook_{p}" for i in range(SHAPE["num_hidden_layers"])
-             for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")]
+    names = residual_writes(SHAPE["num_hidden_layers"])
     with torch.inference_mode():
         gap = max((ours(tokens) - hf(tokens).logits).abs().max().item(),
                   (ours(tokens) - hf_eager(tokens).logits).abs().max().item())

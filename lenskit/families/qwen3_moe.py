@@ -11,7 +11,7 @@ from .family import TINY_MOE_SHAPE, Family
 from .fields import ConfigReader
 from .layouts import MOE
 from .presets import llama_preset, named_presets
-from .readers import llama_like, no_qwen_sliding, routed_experts
+from .readers import llama_like, no_qwen_sliding, qwen_dense_layers, routed_experts
 
 
 def read(r: ConfigReader) -> dict[str, Any]:
@@ -20,15 +20,9 @@ def read(r: ConfigReader) -> dict[str, Any]:
     fields = llama_like(r, bias, bias, False, eps=1e-6, bos=None, eos=None, kv_heads=4, null_head_dim=False,
                         null_kv_heads=False)
     n = fields["n_layers"]
-    step = r.int("decoder_sparse_step", 1)
-    only = r.d.get("mlp_only_layers")
-    only = [] if only is None else only
-    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in only):
-        raise ValueError(f"config field mlp_only_layers={only!r} must list block indices in [0, {n}) "
-                         f"(model_type={r.family!r})")
     experts = routed_experts(r, "num_experts", "num_local_experts", 128, 8, renorm=r.bool("norm_topk_prob", False))
     return {**fields, **experts, "qk_norm": True, "d_expert": r.int("moe_intermediate_size", 768),
-            "dense_layers": tuple(i for i in range(n) if i in only or (i + 1) % step)}
+            "dense_layers": qwen_dense_layers(r, n)}
 
 
 def write(cfg: ModelConfig) -> dict[str, Any]:

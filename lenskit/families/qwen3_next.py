@@ -16,7 +16,7 @@ from .fields import ConfigReader
 from .layouts import LLAMA, LLAMA_BLOCK, FusedExperts, Layout, Reshape
 from .presets import named_presets
 from .qwen3_5_text import DELTANET_BLOCK, linear_attention_config, linear_attention_fields
-from .readers import llama_like, routed_experts
+from .readers import llama_like, qwen_dense_layers, routed_experts
 
 
 def read(r: ConfigReader) -> dict[str, Any]:
@@ -41,13 +41,7 @@ def read(r: ConfigReader) -> dict[str, Any]:
     if n_experts == 0:  # transformers builds every block dense
         r.int("num_experts_per_tok", 10)
         return out
-    step = r.int("decoder_sparse_step", 1)
-    only = r.d.get("mlp_only_layers")
-    only = [] if only is None else only
-    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in only):
-        raise ValueError(f"config field mlp_only_layers={only!r} must list block indices in [0, {n}) "
-                         f"(model_type={r.family!r})")
-    dense = tuple(i for i in range(n) if i in only or (i + 1) % step)
+    dense = qwen_dense_layers(r, n)
     if len(dense) == n:  # no sparse block: the experts' fields describe nothing built
         return out
     # the shared expert's width is read here, so routed_experts' refusal of shared experts must not see it

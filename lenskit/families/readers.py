@@ -151,6 +151,19 @@ def soft_cap(r: ConfigReader, key: str, default: float | None) -> float | None:
 _SHARED_EXPERT_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
 
 
+def qwen_dense_layers(r: ConfigReader, n_layers: int) -> tuple[int, ...]:
+    """The dense blocks of a Qwen MoE (Qwen3-MoE, Qwen3-Next): those in `mlp_only_layers`, and all but every
+    `decoder_sparse_step`-th block."""
+    step = r.int("decoder_sparse_step", 1)
+    only = r.d.get("mlp_only_layers")
+    only = [] if only is None else only
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers
+                                         for i in only):
+        raise ValueError(f"config field mlp_only_layers={only!r} must list block indices in [0, {n_layers}) "
+                         f"(model_type={r.family!r})")
+    return tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
+
+
 def routed_experts(r: ConfigReader, key: str, alias: str, n: int, k: int, renorm: bool) -> dict[str, Any]:
     """The router's fields. The expert count is `key`, or `alias`, the other spelling the family's config class maps
     onto it; `n` and `k` are transformers' defaults; `renorm`: the top-k weights are renormalised to sum to 1."""
